@@ -1,0 +1,16 @@
+"""lmforge: a Llama model's whole life in one tool.
+
+Public API: `lmforge.load(source, device=..., dtype=...)` and `lmforge.save(loaded, directory)`.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["LoadedModel", "load", "save"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `lmforge --help` and light subcommands do not pay for importing torch.
+    if name in __all__:
+        from lmforge import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'lmforge' has no attribute {name!r}")

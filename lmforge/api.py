@@ -1,0 +1,222 @@
+"""Load any supported model source into a `LoadedModel`, and save one as an artifact.
+
+Sources: a preset name (random init), a Hugging Face Llama directory, an lmforge artifact (the
+same, plus lmforge.json), or Meta's original download (`params.json` + `consolidated.NN.pth`,
+at the top level or under `original/`). Pickle files are read with `weights_only=True` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lmforge import artifact
+from lmforge.errors import ModelFormatError
+from lmforge.models.llama import PRESETS, ModelArgs, Transformer, get_preset
+from lmforge.models.llama import hf as llama_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object | None  # lmforge.data.tokenizer.Tokenizer
+    config: ModelArgs
+    source: str
+    lineage: dict = field(default_factory=dict)
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ModelFormatError(f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}") from None
+
+
+def _meta_dir(path: Path) -> Path | None:
+    for candidate in (path, path / "original"):
+        if (candidate / "params.json").exists() and any(candidate.glob("consolidated.*.pth")):
+            return candidate
+    return None
+
+
+def detect_format(source: str | Path) -> str:
+    """'preset', 'hf' (HF directory or artifact) or 'meta'; a ModelFormatError otherwise."""
+    if isinstance(source, str) and source in PRESETS:
+        return "preset"
+    path = Path(source)
+    if not path.exists():
+        raise ModelFormatError(
+            f"{path}: no such file or directory (and not a preset: {', '.join(PRESETS)})"
+        )
+    if not path.is_dir():
+        raise ModelFormatError(f"{path}: is a file; a model source is a directory or a preset name")
+    if (path / artifact.CONFIG_NAME).exists():
+        return "hf"
+    if _meta_dir(path) is not None:
+        return "meta"
+    raise ModelFormatError(
+        f"{path}: not a model directory: expected config.json (Hugging Face / lmforge artifact) "
+        "or params.json + consolidated.NN.pth (Meta original)"
+    )
+
+
+def read_args(source: str | Path) -> ModelArgs:
+    """The model's hyperparameters without reading any weights."""
+    kind = detect_format(source)
+    if kind == "preset":
+        return get_preset(str(source))
+    path = Path(source)
+    if kind == "hf":
+        config_path = path / artifact.CONFIG_NAME
+        return llama_hf.args_from_hf_config(artifact.read_json(config_path), config_path)
+    params_path = _meta_dir(path) / "params.json"
+    return llama_hf.args_from_meta_params(artifact.read_json(params_path), params_path)
+
+
+def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+    shard_files = sorted(directory.glob("consolidated.*.pth"))
+    shards = []
+    for file in shard_files:
+        try:
+            shards.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        except Exception as err:  # pickle refusal, truncation, not a zip file
+            raise ModelFormatError(f"{file}: cannot load as a weights-only checkpoint ({err})") from None
+    return llama_hf.merge_meta_shards(shards, args, directory)
+
+
+def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our-named tensors of a HF/artifact or Meta directory, as stored (dtype unchanged)."""
+    path = Path(source)
+    if detect_format(source) == "meta":
+        return _read_meta_state(_meta_dir(path), args)
+    return llama_hf.hf_state_dict_to_ours(artifact.read_safetensors(path), path)
+
+
+def build_model(args: ModelArgs, *, device: str | torch.device = "cpu", dtype=torch.float32, seed=0):
+    """A freshly initialized model (meta-device build, then materialized and initialized)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.init_weights()
+    return model.to(dtype)
+
+
+def load_weights(model: Transformer, state: dict[str, torch.Tensor], *, source, device, dtype) -> None:
+    """Assign `state` into a (meta or materialized) model, checking names and shapes."""
+    args = model.args
+    if args.tie_embeddings:
+        state.pop("output.weight", None)  # the tied copy some exports carry
+    expected = {n for n in model.state_dict() if not (args.tie_embeddings and n == "output.weight")}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelFormatError(
+            f"{source}: weights do not match config.json: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}"
+        )
+    current = model.state_dict()
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(current[name].shape):
+            raise ModelFormatError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{tuple(current[name].shape)}"
+            )
+    state = {n: t.to(device=device, dtype=dtype or t.dtype) for n, t in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.init_buffers(device)
+
+
+def load(
+    source: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a preset (random init, float32 unless `dtype`), HF, artifact or Meta model.
+
+    `dtype=None` keeps the stored dtype of the weights.
+    """
+    dtype = parse_dtype(dtype)
+    kind = detect_format(source)
+    args = read_args(source)
+    if kind == "preset":
+        model = build_model(args, device=device, dtype=dtype or torch.float32)
+        return LoadedModel(model=model.eval(), tokenizer=None, config=args, source=str(source))
+    path = Path(source)
+    state = read_state_dict(path, args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    load_weights(model, state, source=path, device=device, dtype=dtype)
+    tokenizer = load_tokenizer_for(path, args) if with_tokenizer else None
+    lineage = {}
+    if (path / artifact.LINEAGE_NAME).exists():
+        lineage = artifact.read_json(path / artifact.LINEAGE_NAME)
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=args, source=str(path), lineage=lineage)
+
+
+def load_tokenizer_for(path: Path, args: ModelArgs):
+    """The tokenizer stored with a model, or None; refuses one whose ids exceed the vocab."""
+    candidates = [path / "tokenizer.json", path / "original" / "tokenizer.model", path / "tokenizer.model"]
+    if not any(c.exists() for c in candidates):
+        return None
+    from lmforge.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ModelFormatError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+            f"{args.vocab_size}; they do not belong together"
+        )
+    return tokenizer
+
+
+def save(
+    loaded: LoadedModel,
+    directory: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = artifact.DEFAULT_MAX_SHARD_BYTES,
+    stage: str = "convert",
+    parent: str | Path | None = None,
+    config: dict | None = None,
+    metrics: dict | None = None,
+) -> Path:
+    """Write `loaded` as an artifact directory (atomically); returns its path."""
+    dtype = parse_dtype(dtype)
+    args = loaded.config
+    state = {n: t.to(dtype or t.dtype) for n, t in loaded.model.state_dict().items()}
+    hf_state = llama_hf.ours_state_dict_to_hf(state, args)
+    stored_dtype = next(iter(hf_state.values())).dtype
+    directory = Path(directory)
+    with artifact.atomic_directory(directory) as staging:
+        artifact.write_safetensors(hf_state, staging, max_shard_bytes=artifact.parse_size(max_shard_size))
+        artifact.write_json(staging / artifact.CONFIG_NAME, llama_hf.args_to_hf_config(args, stored_dtype))
+        artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, _generation_config(loaded))
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save(staging)
+        record = artifact.lineage_record(
+            stage=stage, parent=parent if parent is not None else loaded.source, config=config, metrics=metrics
+        )
+        record["hash"] = artifact.directory_hash(staging)
+        artifact.write_json(staging / artifact.LINEAGE_NAME, record)
+    return directory
+
+
+def _generation_config(loaded: LoadedModel) -> dict:
+    args, tokenizer = loaded.config, loaded.tokenizer
+    bos, eos = args.bos_id, args.eos_id
+    if tokenizer is not None:
+        bos = tokenizer.bos_id if tokenizer.bos_id is not None else bos
+        stops = sorted(tokenizer.stop_ids) if getattr(tokenizer, "stop_ids", None) else []
+        eos = stops if len(stops) > 1 else (stops[0] if stops else eos)
+    return {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}

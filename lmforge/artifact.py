@@ -1,0 +1,209 @@
+"""Model artifacts: the directory every stage reads and writes.
+
+An artifact is a Hugging Face model directory (config.json, safetensors weights, tokenizer
+files, generation_config.json) plus `lmforge.json`, the lineage record: which stage made it,
+from which parent (path and hash), with what config and metrics, by which code version.
+This module reads and writes the files; `lmforge.api` turns them into models.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lmforge.errors import ModelFormatError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+LINEAGE_NAME = "lmforge.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory, from its index when there is one."""
+    index_path = directory / INDEX_NAME
+    if index_path.exists():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelFormatError(f"{index_path}: no 'weight_map' in the index")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelFormatError(
+                f"{index_path}: lists shard(s) that are absent: {', '.join(missing)}"
+            )
+        return files
+    single = directory / WEIGHTS_NAME
+    if single.exists():
+        return [single]
+    raise ModelFormatError(f"{directory}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors model directory, on the CPU."""
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(directory):
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as err:
+            raise ModelFormatError(f"{file}: cannot read safetensors ({err})") from None
+    return state
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '2GiB' or an int of bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+    clean = text.strip().upper()
+    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if clean.endswith(unit):
+            return int(float(clean[: -len(unit)]) * scale)
+    if clean.endswith("B"):
+        clean = clean[:-1]
+    try:
+        return int(clean)
+    except ValueError:
+        raise ModelFormatError(
+            f"size {text!r} is not understood; use bytes or a unit: KB, MB, GB, KiB, MiB, GiB"
+        ) from None
+
+
+def write_safetensors(
+    state: dict[str, torch.Tensor], directory: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[Path]:
+    """Write tensors as one file, or as shards of at most `max_shard_bytes` with an index
+    (a tensor larger than the limit gets a shard of its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        shard_bytes += size
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        path = directory / WEIGHTS_NAME
+        save_file(shards[0], path, metadata=metadata)
+        return [path]
+    paths, weight_map = [], {}
+    for number, shard in enumerate(shards, start=1):
+        path = directory / f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path, metadata=metadata)
+        paths.append(path)
+        weight_map.update(dict.fromkeys(shard, path.name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return paths
+
+
+def directory_hash(directory: Path) -> str:
+    """sha256 over config.json and the weights (and adapter) files, in name order."""
+    digest = hashlib.sha256()
+    names = [CONFIG_NAME, INDEX_NAME, "adapter_config.json"]
+    files = [directory / n for n in names if (directory / n).exists()]
+    files += sorted(directory.glob("*.safetensors"))
+    for file in files:
+        digest.update(file.name.encode())
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def artifact_hash(directory: Path) -> str:
+    """The artifact's content hash, taken from lmforge.json when recorded there."""
+    lineage_path = directory / LINEAGE_NAME
+    if lineage_path.exists():
+        recorded = read_json(lineage_path).get("hash")
+        if recorded:
+            return recorded
+    return directory_hash(directory)
+
+
+def code_version() -> str:
+    from lmforge import __version__
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{__version__}+{commit}" if commit else __version__
+
+
+def lineage_record(
+    *, stage: str, parent: str | Path | None, config: dict | None = None, metrics: dict | None = None
+) -> dict:
+    """The lmforge.json content, less the hash (added once the files are written)."""
+    parent_info = None
+    if parent is not None:
+        parent_path = Path(parent)
+        parent_info = {"source": str(parent)}
+        if parent_path.is_dir() and (parent_path / CONFIG_NAME).exists():
+            parent_info["hash"] = artifact_hash(parent_path)
+    return {
+        "format_version": 1,
+        "stage": stage,
+        "parent": parent_info,
+        "config": config or {},
+        "metrics": metrics or {},
+        "code_version": code_version(),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `final` by rename, so a
+    crash never leaves a half-written artifact at the final path."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

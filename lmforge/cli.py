@@ -1,0 +1,55 @@
+"""The one `lmforge` entry point.
+
+Each subcommand lives in its own module, which exposes `register(subparsers)` to add its parser
+and sets `func` (a thin `main(args)`) as the parser default. This file only collects them and
+turns a `UserError` into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from lmforge.errors import UserError
+
+# Modules that register subcommands, in the order `--help` lists them.
+COMMAND_MODULES = [
+    "lmforge.commands.model",
+    "lmforge.commands.tokenizer",
+    "lmforge.commands.download",
+    "lmforge.commands.config",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmforge",
+        description="Take a Llama-family model through its whole life: prepare, pretrain, "
+        "finetune, align, evaluate, quantize, generate, serve.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

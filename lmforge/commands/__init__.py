@@ -1,0 +1,1 @@
+"""CLI subcommands: each module parses its arguments and calls library functions."""

@@ -1,0 +1,267 @@
+"""Key maps and config translation between our Llama and the Hugging Face / Meta formats.
+
+HF `LlamaForCausalLM` names <-> ours (Meta's names), and `config.json` <-> `ModelArgs`. Meta's
+original checkpoints (`consolidated.NN.pth` + `params.json`) pair RoPE dimensions interleaved;
+our model (like HF) pairs the first and second half of each head, so wq/wk are permuted once on
+import. Model-parallel Meta shards are concatenated along the dimension each layer was split on.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from lmforge.errors import ModelFormatError
+from lmforge.models.llama.args import ModelArgs, RopeScaling
+
+# (HF name, our name); `{i}` stands for the layer index.
+_KEY_MAP = [
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.wq.weight"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.attention.wk.weight"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.attention.wv.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+]
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_HF_TO_OURS = [(_pattern(hf), ours) for hf, ours in _KEY_MAP]
+_OURS_TO_HF = [(_pattern(ours), hf) for hf, ours in _KEY_MAP]
+
+
+def _translate(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
+    for pattern, template in table:
+        match = pattern.match(name)
+        if match:
+            return template.format(i=match.group(1)) if match.groups() else template
+    return None
+
+
+def hf_to_ours(name: str) -> str | None:
+    """Our parameter name for a HF key; None for keys we do not keep (e.g. rotary buffers)."""
+    return _translate(name, _HF_TO_OURS)
+
+
+def ours_to_hf(name: str) -> str:
+    hf = _translate(name, _OURS_TO_HF)
+    assert hf is not None, f"no HF name for {name}"
+    return hf
+
+
+# ---- config.json --------------------------------------------------------------------------
+
+
+def _rope_from_hf(cfg: dict, path: Path) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 nests theta and scaling in `rope_parameters`; older files (and real
+    # Llama 3.1 downloads) keep top-level `rope_theta` and `rope_scaling`.
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (params if "rope_type" in params else None)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ModelFormatError(
+            f"{path}: rope_type {rope_type!r} is not supported; allowed: default, llama3"
+        )
+    return float(theta), RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_seq_len=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def args_from_hf_config(cfg: dict, path: Path) -> ModelArgs:
+    """ModelArgs from a HF config.json dict; `path` is named in errors."""
+    architectures = cfg.get("architectures") or []
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
+        found = cfg.get("model_type") or architectures or "none"
+        raise ModelFormatError(
+            f"{path}: model type {found!r} is not a Llama model; lmforge reads model_type "
+            "'llama' (LlamaForCausalLM)"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ModelFormatError(f"{path}: {flag}=true is not supported (Llama 3 has no biases)")
+    try:
+        dim, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim")
+        if head_dim is not None and int(head_dim) != dim // num_heads:
+            raise ModelFormatError(
+                f"{path}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
+                f"{dim // num_heads}; not supported"
+            )
+        theta, scaling = _rope_from_hf(cfg, path)
+        return ModelArgs(
+            dim=dim,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            ffn_dim=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_id=cfg.get("bos_token_id"),
+            eos_id=cfg.get("eos_token_id"),
+        )
+    except KeyError as err:
+        raise ModelFormatError(f"{path}: config.json lacks the key {err.args[0]!r}") from None
+
+
+def args_to_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """A config.json dict that transformers (4.x and 5.x) and vLLM load as LlamaForCausalLM."""
+    rope_scaling = None
+    if args.rope_scaling is not None:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling.factor,
+            "low_freq_factor": args.rope_scaling.low_freq_factor,
+            "high_freq_factor": args.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": args.rope_scaling.original_max_seq_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.ffn_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": args.bos_id,
+        "eos_token_id": args.eos_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def hf_state_dict_to_ours(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    ours = {}
+    for name, tensor in hf_state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some old exports carry; we recompute it
+        our_name = hf_to_ours(name)
+        if our_name is None:
+            raise ModelFormatError(f"{path}: unexpected tensor {name!r} for a Llama model")
+        ours[our_name] = tensor
+    return ours
+
+
+def ours_state_dict_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    return {
+        ours_to_hf(name): tensor
+        for name, tensor in state.items()
+        if not (args.tie_embeddings and name == "output.weight")
+    }
+
+
+# ---- Meta's original format ---------------------------------------------------------------
+
+
+def args_from_meta_params(params: dict, path: Path) -> ModelArgs:
+    """ModelArgs from Meta's params.json (ffn size derived from multiple_of and multiplier)."""
+    try:
+        dim = int(params["dim"])
+        hidden = int(2 * (4 * dim) / 3)
+        if params.get("ffn_dim_multiplier") is not None:
+            hidden = int(params["ffn_dim_multiplier"] * hidden)
+        multiple_of = int(params.get("multiple_of", 256))
+        ffn_dim = multiple_of * math.ceil(hidden / multiple_of)
+        num_heads = int(params["n_heads"])
+        return ModelArgs(
+            dim=dim,
+            num_layers=int(params["n_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(params.get("n_kv_heads") or num_heads),
+            ffn_dim=ffn_dim,
+            vocab_size=int(params["vocab_size"]),
+            norm_eps=float(params.get("norm_eps", 1e-5)),
+            rope_theta=float(params.get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling(factor=float(params.get("rope_scaling_factor", 8.0)))
+            if params.get("use_scaled_rope")
+            else None,
+            max_seq_len=int(params.get("max_seq_len", 131072 if params.get("use_scaled_rope") else 8192)),
+            tie_embeddings=False,
+        )
+    except KeyError as err:
+        raise ModelFormatError(f"{path}: params.json lacks the key {err.args[0]!r}") from None
+
+
+# Dimension along which Meta's model-parallel shards split each weight (None: replicated).
+def _meta_split_dim(name: str) -> int | None:
+    if name == "tok_embeddings.weight":
+        return 1  # ParallelEmbedding splits the embedding dimension
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")):
+        return 0  # column parallel
+    if name == "output.weight":
+        return 0
+    if name.endswith(("wo.weight", "w2.weight")):
+        return 1  # row parallel
+    return None
+
+
+def interleaved_to_half(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Permute q/k projection rows from Meta's interleaved RoPE pairs to the half layout.
+
+    weight [heads * head_dim, dim]: per head, rows (0,1),(2,3),... are pairs in Meta's layout;
+    in ours row j pairs with row j + head_dim/2.
+    """
+    out_dim, dim = weight.shape
+    head_dim = out_dim // num_heads
+    # [heads, head_dim/2, 2, dim] -> [heads, 2, head_dim/2, dim]
+    return (
+        weight.view(num_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(out_dim, dim)
+    )
+
+
+def merge_meta_shards(
+    shards: list[dict[str, torch.Tensor]], args: ModelArgs, path: Path
+) -> dict[str, torch.Tensor]:
+    """Concatenate model-parallel shards and permute wq/wk; returns our state dict."""
+    merged = {}
+    for name in shards[0]:
+        if name.endswith("rope.freqs"):
+            continue
+        parts = [shard[name] for shard in shards]
+        split_dim = _meta_split_dim(name)
+        if split_dim is None or len(parts) == 1:
+            tensor = parts[0]
+        else:
+            tensor = torch.cat(parts, dim=split_dim)
+        if name.endswith("attention.wq.weight"):
+            tensor = interleaved_to_half(tensor, args.num_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = interleaved_to_half(tensor, args.num_kv_heads)
+        if _translate(name, _OURS_TO_HF) is None:
+            raise ModelFormatError(f"{path}: unexpected tensor {name!r} in a Meta checkpoint")
+        merged[name] = tensor
+    return merged

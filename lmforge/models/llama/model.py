@@ -1,0 +1,222 @@
+"""The Llama 3 transformer: GQA attention with RoPE, RMSNorm, SwiGLU.
+
+Attribute names follow Meta's reference (tok_embeddings, layers.N.attention.wq, feed_forward.w1,
+attention_norm, ffn_norm, norm, output) so that parallelism plans and key maps read naturally.
+The model knows nothing of parallelism: heads are reshaped with -1 so a tensor-parallel shard
+sees its local heads, layers live in a ModuleDict keyed by index, and weights are filled by
+`init_weights()` after the model was built on the meta device and materialized.
+
+RoPE uses the "rotate half" layout of Hugging Face checkpoints (the first and second half of each
+head form the pairs), so HF weights load without permutation; Meta checkpoints are permuted
+once on import (hf.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.models.llama.args import ModelArgs
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama 3.1 scaling when configured."""
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the band
+    # between blends the two smoothly (Llama 3.1 "llama3" rope scaling).
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [batch or 1, seq, head_dim] for integer positions [batch or 1, seq]."""
+    angles = positions[..., None].float() * inv_freq.float()  # [b, s, head_dim/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [b, s, head_dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, s, heads, head_dim]; cos/sin [b, s, head_dim] broadcast over heads."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich, 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: num_kv_heads key/value heads shared by num_heads query heads."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.num_groups = args.num_heads // args.num_kv_heads  # query heads per kv head
+        kv_dim = args.num_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [b, s, heads, hd]
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [b, s, kv_heads, hd]
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # [b, kv_heads, cache_len, hd]
+        if self.num_groups > 1:  # share each kv head with its group of query heads
+            k = k.repeat_interleave(self.num_groups, dim=1)
+            v = v.repeat_interleave(self.num_groups, dim=1)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
+        return self.wo(out)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer, 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.w1, self.w3):
+            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, kv_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+
+class Transformer(nn.Module):
+    """tokens [batch, seq] (int64) -> logits [batch, seq, vocab]."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.num_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute non-persistent buffers (needed after `to_empty` from the meta device)."""
+        self.inv_freq = rope_inv_freq(self.args).to(device or self.inv_freq.device)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Fresh weights: truncated normal std 0.02, residual output projections scaled by
+        1/sqrt(2·layers) (GPT-2), norms at one."""
+        self.init_buffers()
+        out_std = std / math.sqrt(2 * self.args.num_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            block.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        if not self.args.tie_embeddings:
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        kv_caches=None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Args:
+        tokens: [b, s] token ids.
+        positions: [b or 1, s] RoPE positions (default 0..s-1).
+        attn_mask: optional bool mask broadcastable to [b, heads, s, kv_len], True = attend
+            (per-document masking, decoding against a cache); default is causal.
+        kv_caches: optional per-layer caches (generation), indexable by layer index.
+        return_hidden: return the final normed hidden states [b, s, dim] instead of logits
+            (for losses that fuse the output projection).
+        """
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        h = self.tok_embeddings(tokens)  # [b, s, dim]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        for index, block in self.layers.items():
+            cache = kv_caches[int(index)] if kv_caches is not None else None
+            h = block(h, cos, sin, attn_mask, cache)
+        h = self.norm(h)
+        return h if return_hidden else self.output(h)

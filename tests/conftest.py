@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random Hugging Face Llama models written to temporary directories."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Tiny HF LlamaConfig variants covering what the importer must handle.
+HF_VARIANTS = {
+    "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "gqa_rope_scaling": dict(
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        rope_theta=500000.0,
+    ),
+    "odd_vocab_tied_scaling": dict(
+        vocab_size=301,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+}
+
+
+def make_hf_llama(directory, *, seed: int = 0, dtype=torch.float32, **overrides):
+    """Save a random transformers LlamaForCausalLM to `directory`; returns the HF model."""
+    transformers = pytest.importorskip("transformers")
+    settings = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
+    settings.update(overrides)
+    config = transformers.LlamaConfig(**settings)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # HF zero-inits nothing odd, but make norms non-trivial too
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model = model.to(dtype).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(params=sorted(HF_VARIANTS))
+def hf_variant(request, tmp_path):
+    directory = tmp_path / request.param
+    model = make_hf_llama(directory, **HF_VARIANTS[request.param])
+    return directory, model
