@@ -195,9 +195,7 @@ def _to_hub_error(err: Exception, *, where: _Where, token_given: bool) -> HubErr
             )
         if status == 404 or isinstance(err, RepositoryNotFoundError):
             return HubError(f"repo {repo} not found on {endpoint}: check the name (namespace/name)")
-        return HubError(
-            f"the hub at {endpoint} answered HTTP {status} for {repo}; try again later"
-        )
+        return HubError(f"the hub at {endpoint} answered HTTP {status} for {repo}; try again later")
     # LocalEntryNotFoundError is huggingface_hub's "no answer from the hub, no local copy".
     offline = isinstance(err, OfflineModeIsEnabled)
     if offline or isinstance(err, LocalEntryNotFoundError) or _is_connection_error(err):

@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("repo_id", metavar="REPO_ID", help="hub repo id, e.g. meta-llama/Llama-3.2-1B")
+    parser.add_argument(
+        "repo_id", metavar="REPO_ID", help="hub repo id, e.g. meta-llama/Llama-3.2-1B"
+    )
     parser.add_argument(
         "--out", required=True, type=Path, metavar="DIR", help="directory to download into"
     )

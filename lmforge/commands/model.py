@@ -1,0 +1,97 @@
+"""`lmforge model info SOURCE` and `lmforge convert SOURCE OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
+
+
+def register(subparsers) -> None:
+    model = subparsers.add_parser("model", help="inspect a model", description="Inspect a model.")
+    model_sub = model.add_subparsers(dest="model_command", metavar="SUBCOMMAND", required=True)
+    info = model_sub.add_parser(
+        "info",
+        help="parameter counts, bytes per dtype and layer shapes",
+        description="Print a model's shape without reading its weights: parameter counts with and "
+        "without the input embedding, bytes per dtype, training FLOPs per token, layer shapes.",
+        epilog="SOURCE is a preset (tiny, llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b, "
+        "llama3.1-405b), a Hugging Face Llama directory, an lmforge artifact, or Meta's original "
+        "download (params.json + consolidated.NN.pth).",
+    )
+    info.add_argument("source", metavar="SOURCE")
+    info.add_argument("--seq-len", type=int, default=2048, help="for the FLOPs-per-token line")
+    info.set_defaults(func=info_main)
+
+    convert = subparsers.add_parser(
+        "convert",
+        help="turn any supported model into an lmforge artifact",
+        description="Read a HF directory, a Meta original download, an artifact or a preset and "
+        "write an artifact (HF layout + lmforge.json) that transformers and vLLM load as it is.",
+    )
+    convert.add_argument("source", metavar="SOURCE")
+    convert.add_argument("out", metavar="OUT", type=Path)
+    convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                         help="cast the weights (default: keep the stored dtype)")
+    convert.add_argument("--max-shard-size", default="5GB",
+                         help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
+    convert.set_defaults(func=convert_main)
+
+
+def _human(count: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(count) >= scale:
+            return f"{count / scale:.2f}{suffix}{unit}"
+    return f"{count:.0f}{unit}"
+
+
+def info_main(args: argparse.Namespace) -> int:
+    import torch
+
+    from lmforge.api import detect_format, read_args
+    from lmforge.models.llama import Transformer
+
+    model_args = read_args(args.source)
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    total = model_args.num_params()
+    without_embedding = model_args.num_params(include_embedding=False)
+    print(f"source:      {args.source} ({detect_format(args.source)})")
+    print(
+        f"shape:       dim {model_args.dim}, layers {model_args.num_layers}, heads "
+        f"{model_args.num_heads} (kv {model_args.num_kv_heads}, head_dim {model_args.head_dim}), "
+        f"ffn {model_args.ffn_dim}, vocab {model_args.vocab_size}"
+    )
+    scaling = model_args.rope_scaling
+    rope = f"theta {model_args.rope_theta:g}" + (
+        f", llama3 scaling x{scaling.factor:g} (from {scaling.original_max_seq_len})" if scaling else ""
+    )
+    print(f"rope:        {rope}; max_seq_len {model_args.max_seq_len}")
+    print(f"embeddings:  {'tied' if model_args.tie_embeddings else 'untied'}")
+    print(f"parameters:  {total:,} ({_human(total)}); without input embedding {without_embedding:,}")
+    sizes = ", ".join(f"{name} {_human(total * size, 'B')}" for name, size in BYTES_PER_DTYPE.items())
+    print(f"bytes:       {sizes}")
+    flops = model_args.flops_per_token(args.seq_len)
+    print(f"train FLOPs: {_human(flops)} per token at seq_len {args.seq_len}")
+    print("layer shapes (one block of", model_args.num_layers, "):")
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name.startswith("layers.") and not name.startswith("layers.0."):
+            continue
+        print(f"  {name:42s} {list(param.shape)}")
+    return 0
+
+
+def convert_main(args: argparse.Namespace) -> int:
+    import lmforge
+
+    start = time.perf_counter()
+    loaded = lmforge.load(args.source, dtype=args.dtype)
+    out = lmforge.save(loaded, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    files = sorted(p.name for p in out.iterdir())
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(
+        f"wrote {out} ({_human(size, 'B')}, {len(files)} files) in {time.perf_counter() - start:.1f}s"
+    )
+    return 0

@@ -1,0 +1,1 @@
+"""Data layer: tokenizers, pretraining shards, SFT and preference datasets."""
