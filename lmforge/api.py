@@ -35,7 +35,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise ModelFormatError(f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}") from None
+        raise ModelFormatError(
+            f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}"
+        ) from None
 
 
 def _meta_dir(path: Path) -> Path | None:
@@ -86,7 +88,9 @@ def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor
         try:
             shards.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
         except Exception as err:  # pickle refusal, truncation, not a zip file
-            raise ModelFormatError(f"{file}: cannot load as a weights-only checkpoint ({err})") from None
+            raise ModelFormatError(
+                f"{file}: cannot load as a weights-only checkpoint ({err})"
+            ) from None
     return llama_hf.merge_meta_shards(shards, args, directory)
 
 
@@ -98,7 +102,9 @@ def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tens
     return llama_hf.hf_state_dict_to_ours(artifact.read_safetensors(path), path)
 
 
-def build_model(args: ModelArgs, *, device: str | torch.device = "cpu", dtype=torch.float32, seed=0):
+def build_model(
+    args: ModelArgs, *, device: str | torch.device = "cpu", dtype=torch.float32, seed=0
+):
     """A freshly initialized model (meta-device build, then materialized and initialized)."""
     with torch.device("meta"):
         model = Transformer(args)
@@ -109,7 +115,9 @@ def build_model(args: ModelArgs, *, device: str | torch.device = "cpu", dtype=to
     return model.to(dtype)
 
 
-def load_weights(model: Transformer, state: dict[str, torch.Tensor], *, source, device, dtype) -> None:
+def load_weights(
+    model: Transformer, state: dict[str, torch.Tensor], *, source, device, dtype
+) -> None:
     """Assign `state` into a (meta or materialized) model, checking names and shapes."""
     args = model.args
     if args.tie_embeddings:
@@ -161,12 +169,18 @@ def load(
     lineage = {}
     if (path / artifact.LINEAGE_NAME).exists():
         lineage = artifact.read_json(path / artifact.LINEAGE_NAME)
-    return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=args, source=str(path), lineage=lineage)
+    return LoadedModel(
+        model=model.eval(), tokenizer=tokenizer, config=args, source=str(path), lineage=lineage
+    )
 
 
 def load_tokenizer_for(path: Path, args: ModelArgs):
     """The tokenizer stored with a model, or None; refuses one whose ids exceed the vocab."""
-    candidates = [path / "tokenizer.json", path / "original" / "tokenizer.model", path / "tokenizer.model"]
+    candidates = [
+        path / "tokenizer.json",
+        path / "original" / "tokenizer.model",
+        path / "tokenizer.model",
+    ]
     if not any(c.exists() for c in candidates):
         return None
     from lmforge.data.tokenizer import load_tokenizer
@@ -192,28 +206,55 @@ def save(
     metrics: dict | None = None,
 ) -> Path:
     """Write `loaded` as an artifact directory (atomically); returns its path."""
+    return save_state(
+        loaded.model.state_dict(),
+        loaded.config,
+        loaded.tokenizer,
+        directory,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        stage=stage,
+        parent=parent if parent is not None else loaded.source,
+        config=config,
+        metrics=metrics,
+    )
+
+
+def save_state(
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    tokenizer,
+    directory: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = artifact.DEFAULT_MAX_SHARD_BYTES,
+    stage: str,
+    parent: str | Path | None,
+    config: dict | None = None,
+    metrics: dict | None = None,
+) -> Path:
+    """Write a full (unsharded) state dict with our names as an artifact directory."""
     dtype = parse_dtype(dtype)
-    args = loaded.config
-    state = {n: t.to(dtype or t.dtype) for n, t in loaded.model.state_dict().items()}
+    state = {n: t.to(dtype or t.dtype) for n, t in state.items()}
     hf_state = llama_hf.ours_state_dict_to_hf(state, args)
     stored_dtype = next(iter(hf_state.values())).dtype
     directory = Path(directory)
     with artifact.atomic_directory(directory) as staging:
-        artifact.write_safetensors(hf_state, staging, max_shard_bytes=artifact.parse_size(max_shard_size))
-        artifact.write_json(staging / artifact.CONFIG_NAME, llama_hf.args_to_hf_config(args, stored_dtype))
-        artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, _generation_config(loaded))
-        if loaded.tokenizer is not None:
-            loaded.tokenizer.save(staging)
-        record = artifact.lineage_record(
-            stage=stage, parent=parent if parent is not None else loaded.source, config=config, metrics=metrics
-        )
+        max_bytes = artifact.parse_size(max_shard_size)
+        artifact.write_safetensors(hf_state, staging, max_shard_bytes=max_bytes)
+        hf_config = llama_hf.args_to_hf_config(args, stored_dtype)
+        artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
+        generation = _generation_config(args, tokenizer)
+        artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
+        if tokenizer is not None:
+            tokenizer.save(staging)
+        record = artifact.lineage_record(stage=stage, parent=parent, config=config, metrics=metrics)
         record["hash"] = artifact.directory_hash(staging)
         artifact.write_json(staging / artifact.LINEAGE_NAME, record)
     return directory
 
 
-def _generation_config(loaded: LoadedModel) -> dict:
-    args, tokenizer = loaded.config, loaded.tokenizer
+def _generation_config(args: ModelArgs, tokenizer) -> dict:
     bos, eos = args.bos_id, args.eos_id
     if tokenizer is not None:
         bos = tokenizer.bos_id if tokenizer.bos_id is not None else bos

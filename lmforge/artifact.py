@@ -97,7 +97,10 @@ def parse_size(text: str | int) -> int:
 
 
 def write_safetensors(
-    state: dict[str, torch.Tensor], directory: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    state: dict[str, torch.Tensor],
+    directory: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
     """Write tensors as one file, or as shards of at most `max_shard_bytes` with an index
     (a tensor larger than the limit gets a shard of its own)."""
@@ -122,7 +125,9 @@ def write_safetensors(
         paths.append(path)
         weight_map.update(dict.fromkeys(shard, path.name))
     total = sum(t.numel() * t.element_size() for t in state.values())
-    write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(
+        directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
+    )
     return paths
 
 
@@ -167,7 +172,11 @@ def code_version() -> str:
 
 
 def lineage_record(
-    *, stage: str, parent: str | Path | None, config: dict | None = None, metrics: dict | None = None
+    *,
+    stage: str,
+    parent: str | Path | None,
+    config: dict | None = None,
+    metrics: dict | None = None,
 ) -> dict:
     """The lmforge.json content, less the hash (added once the files are written)."""
     parent_info = None

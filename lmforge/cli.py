@@ -16,8 +16,10 @@ from lmforge.errors import UserError
 # Modules that register subcommands, in the order `--help` lists them.
 COMMAND_MODULES = [
     "lmforge.commands.model",
+    "lmforge.commands.train",
     "lmforge.commands.tokenizer",
     "lmforge.commands.download",
+    "lmforge.commands.prepare",
     "lmforge.commands.config",
 ]
 

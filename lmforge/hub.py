@@ -101,7 +101,7 @@ def download_snapshot(
         # Pin one commit: the file list, the access probe and every file come from it, and a
         # re-run with a commit revision lets huggingface_hub skip complete files without a call.
         info = api.model_info(repo_id, revision=revision, token=token)
-        commit = info.sha
+        commit = info.sha or revision or "main"  # a mirror may leave the sha out
         repo_files = [sibling.rfilename for sibling in info.siblings or []]
         files = list(
             filter_repo_objects(

@@ -29,8 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "download",
         help="download a model from the Hugging Face hub into a directory (resumable)",
-        description="Download the files of a Hugging Face hub model repo into DIR, which can then "
-        "be given to any lmforge stage as a model. Re-running resumes.",
+        description="Download the files of a Hugging Face hub model repo into DIR, which any\n"
+        "lmforge stage then takes as a model.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

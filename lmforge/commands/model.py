@@ -33,10 +33,17 @@ def register(subparsers) -> None:
     )
     convert.add_argument("source", metavar="SOURCE")
     convert.add_argument("out", metavar="OUT", type=Path)
-    convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                         help="cast the weights (default: keep the stored dtype)")
-    convert.add_argument("--max-shard-size", default="5GB",
-                         help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
+    convert.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="cast the weights (default: keep the stored dtype)",
+    )
+    convert.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)",
+    )
     convert.set_defaults(func=convert_main)
 
 
@@ -66,12 +73,18 @@ def info_main(args: argparse.Namespace) -> int:
     )
     scaling = model_args.rope_scaling
     rope = f"theta {model_args.rope_theta:g}" + (
-        f", llama3 scaling x{scaling.factor:g} (from {scaling.original_max_seq_len})" if scaling else ""
+        f", llama3 scaling x{scaling.factor:g} (from {scaling.original_max_seq_len})"
+        if scaling
+        else ""
     )
     print(f"rope:        {rope}; max_seq_len {model_args.max_seq_len}")
     print(f"embeddings:  {'tied' if model_args.tie_embeddings else 'untied'}")
-    print(f"parameters:  {total:,} ({_human(total)}); without input embedding {without_embedding:,}")
-    sizes = ", ".join(f"{name} {_human(total * size, 'B')}" for name, size in BYTES_PER_DTYPE.items())
+    print(
+        f"parameters:  {total:,} ({_human(total)}); without input embedding {without_embedding:,}"
+    )
+    sizes = ", ".join(
+        f"{name} {_human(total * size, 'B')}" for name, size in BYTES_PER_DTYPE.items()
+    )
     print(f"bytes:       {sizes}")
     flops = model_args.flops_per_token(args.seq_len)
     print(f"train FLOPs: {_human(flops)} per token at seq_len {args.seq_len}")

@@ -160,8 +160,4 @@ def get_preset(name: str) -> ModelArgs:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(
-            f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}"
-        ) from None
-
-
+        raise ConfigError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}") from None

@@ -176,7 +176,9 @@ def hf_state_dict_to_ours(hf_state: dict[str, torch.Tensor], path: Path) -> dict
     return ours
 
 
-def ours_state_dict_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+def ours_state_dict_to_hf(
+    state: dict[str, torch.Tensor], args: ModelArgs
+) -> dict[str, torch.Tensor]:
     return {
         ours_to_hf(name): tensor
         for name, tensor in state.items()
@@ -209,7 +211,9 @@ def args_from_meta_params(params: dict, path: Path) -> ModelArgs:
             rope_scaling=RopeScaling(factor=float(params.get("rope_scaling_factor", 8.0)))
             if params.get("use_scaled_rope")
             else None,
-            max_seq_len=int(params.get("max_seq_len", 131072 if params.get("use_scaled_rope") else 8192)),
+            max_seq_len=int(
+                params.get("max_seq_len", 131072 if params.get("use_scaled_rope") else 8192)
+            ),
             tie_embeddings=False,
         )
     except KeyError as err:
@@ -238,9 +242,7 @@ def interleaved_to_half(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     out_dim, dim = weight.shape
     head_dim = out_dim // num_heads
     # [heads, head_dim/2, 2, dim] -> [heads, 2, head_dim/2, dim]
-    return (
-        weight.view(num_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(out_dim, dim)
-    )
+    return weight.view(num_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(out_dim, dim)
 
 
 def merge_meta_shards(

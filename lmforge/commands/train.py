@@ -1,0 +1,130 @@
+"""`lmforge pretrain`, `lmforge export` and `lmforge launch` (torchrun wrapper)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from lmforge.errors import UserError
+
+CONFIG_HELP = (
+    "Settings come from the defaults, then --config FILE (TOML or YAML), then key=value "
+    "overrides (e.g. train.steps=100 run_dir=runs/a). `lmforge config show pretrain` prints "
+    "every key. Running the same command on the same run_dir resumes from its newest checkpoint."
+)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML or YAML job config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def register(subparsers) -> None:
+    pretrain = subparsers.add_parser(
+        "pretrain",
+        help="pretrain or continue pretraining on prepared token shards",
+        description="Next-token training on shards from `lmforge prepare`: from a preset "
+        "(model.source=tiny) or continued from any HF / Meta / lmforge model. Runs in one "
+        "process or under torchrun (see `lmforge launch`).",
+        epilog=CONFIG_HELP,
+    )
+    add_config_arguments(pretrain)
+    pretrain.set_defaults(func=pretrain_main)
+
+    export = subparsers.add_parser(
+        "export",
+        help="turn a training checkpoint into an artifact",
+        description="Write an artifact (HF layout + lmforge.json) from a run directory's newest "
+        "committed checkpoint, or from one checkpoint directory.",
+    )
+    export.add_argument("source", type=Path, metavar="RUN_DIR_OR_CHECKPOINT")
+    export.add_argument("out", type=Path, metavar="OUT")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    export.set_defaults(func=export_main)
+
+    launch = subparsers.add_parser(
+        "launch",
+        help="run a training command under torchrun on this machine",
+        description="Start N processes with torchrun (one per GPU, or gloo processes on CPU) "
+        "running an lmforge command, e.g. `lmforge launch --nproc 2 pretrain --config job.toml`.",
+    )
+    launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (multi-node)")
+    launch.add_argument(
+        "command", nargs=argparse.REMAINDER, help="lmforge subcommand and its arguments"
+    )
+    launch.set_defaults(func=launch_main)
+
+
+def pretrain_main(args: argparse.Namespace) -> int:
+    from lmforge.config import load_config
+    from lmforge.train.config import PretrainJob
+    from lmforge.train.pretrain import pretrain
+
+    job = load_config(PretrainJob, args.config, args.overrides)
+    return run_training(pretrain, job)
+
+
+def run_training(fn, job) -> int:
+    """Run a training stage; a preemption exits with its documented code after saving."""
+    from lmforge.train.preempt import PreemptedError
+
+    try:
+        out = fn(job)
+    except PreemptedError as err:
+        print(str(err), file=sys.stderr)
+        return err.exit_code
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"artifact: {out}")
+    return 0
+
+
+def export_main(args: argparse.Namespace) -> int:
+    from lmforge.train.export import export_checkpoint
+
+    out = export_checkpoint(args.source, args.out, dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UserError(
+            "lmforge launch: name the subcommand to run, e.g. `pretrain --config job.toml`"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.nproc}",
+        f"--nnodes={args.nnodes}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
+    ]
+    if args.nnodes > 1:
+        if not args.rdzv_endpoint:
+            raise UserError("lmforge launch: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--node-rank={args.node_rank}",
+        ]
+    else:
+        cmd += ["--standalone"]
+    return [*cmd, "-m", "lmforge", *command]
+
+
+def launch_main(args: argparse.Namespace) -> int:
+    cmd = torchrun_command(args)
+    print("+ " + shlex.join(cmd), file=sys.stderr)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,1 @@
+"""Training: the one training loop, parallelism, checkpoints, optimizers, losses and metrics."""

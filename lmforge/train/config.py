@@ -1,0 +1,132 @@
+"""Config sections of the training stages (pretrain now; sft and dpo extend `TrainJob`).
+
+Each component receives its own section: the optimizer gets `OptimSection`, `parallelize()`
+gets `ParallelSection`, the checkpointer `CheckpointSection`, and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from lmforge.config import ModelSection, Section
+
+
+class DataSection(Section):
+    """Token shards written by `lmforge prepare`."""
+
+    shards: str = ""
+    """Directory made by `lmforge prepare` (index.json, meta.json, tokens-*.bin)."""
+    seq_len: PositiveInt = 2048
+    document_masking: bool = False
+    """Block-causal attention: tokens attend only within their own document."""
+
+
+class OptimSection(Section):
+    """AdamW (Loshchilov & Hutter, 2019)."""
+
+    lr: PositiveFloat = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    weight_decay: float = Field(0.1, ge=0)
+    fused: bool | None = None
+    """Fused kernel; None = where the device supports it."""
+
+
+class SchedulerSection(Section):
+    """Linear warmup, then decay to `min_lr_ratio * lr` at the last step."""
+
+    warmup_steps: int = Field(100, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class TrainSection(Section):
+    steps: PositiveInt = 1000
+    micro_batch_size: PositiveInt = 8
+    """Sequences per forward pass on each data-parallel rank."""
+    global_batch_size: PositiveInt | None = None
+    """Sequences per optimizer step over all ranks = micro_batch_size × grad accumulation ×
+    data-parallel size. None: micro_batch_size × data-parallel size (no accumulation)."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    seed: int = 0
+    deterministic: bool = False
+    """Deterministic algorithms (bit-identical resume on CPU fp32); slower on GPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16 compute with fp32 master weights and reductions; auto = bf16 on GPU, fp32 on CPU."""
+    preempt_signal: Literal["SIGUSR1", "SIGUSR2", "SIGTERM"] = "SIGUSR2"
+    """Signal that asks for save-and-exit (besides SIGTERM); Slurm: --signal=B:USR2@120."""
+
+
+class ParallelSection(Section):
+    """World size = dp_replicate × dp_shard × tp. dp_shard=-1 takes what is left."""
+
+    dp_replicate: PositiveInt = 1
+    dp_shard: int = -1
+    tp: PositiveInt = 1
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    """torch.compile each transformer block."""
+    float8: bool = False
+    """Float8 linear layers through torchao (GPUs with float8 support only)."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer states."""
+    reshard_after_forward: bool = True
+
+    @model_validator(mode="after")
+    def _check_shard(self):
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ValueError("dp_shard must be -1 (the rest of the world) or >= 1")
+        return self
+
+
+class CheckpointSection(Section):
+    every: int = Field(500, ge=0)
+    """Save every N steps (0: only at the end and on preemption)."""
+    keep_last: int = Field(2, ge=2)
+    async_save: bool = False
+    export_every: int = Field(0, ge=0)
+    """Also write an artifact every N steps (0: only at the end)."""
+    export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+class MetricsSection(Section):
+    log_every: PositiveInt = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "lmforge"
+    wandb_mode: Literal["online", "offline"] = "offline"
+    peak_flops: PositiveFloat = 989e12
+    """Peak FLOP/s of one device for MFU (989e12: H100/H200 dense bf16)."""
+
+
+class ProfileSection(Section):
+    enabled: bool = False
+    start_step: PositiveInt = 5
+    num_steps: PositiveInt = 3
+    memory_snapshot: bool = False
+    """Also record a CUDA memory snapshot (pickle for pytorch.org/memory_viz)."""
+
+
+class TrainJob(Section):
+    """Sections shared by every training stage."""
+
+    run_dir: str = "runs/train"
+    model: ModelSection = Field(default_factory=ModelSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    profile: ProfileSection = Field(default_factory=ProfileSection)
+
+
+class PretrainJob(TrainJob):
+    """`lmforge pretrain`: from a preset (scratch) or any model (continued pretraining)."""
+
+    run_dir: str = "runs/pretrain"
+    data: DataSection = Field(default_factory=DataSection)

@@ -1,0 +1,105 @@
+"""Process layout: the process group, the device, and the device mesh from the config's degrees.
+
+Processes are started by torchrun (locally, under Slurm or Kubernetes); torch.distributed reads
+the rendezvous from torchrun's environment. One process without torchrun is the degenerate case:
+no process group, no mesh.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lmforge.errors import ConfigError
+from lmforge.train.config import ParallelSection
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class Layout:
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None  # axes MESH_AXES, or None for one process
+    dp_rank: int
+    dp_size: int
+    tp_size: int
+    dp_group: object = None  # process group over (dp_replicate, dp_shard); None: one process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The (dp_replicate, dp_shard) sub-mesh FSDP2 shards over (HSDP when both > 1)."""
+        return None if self.mesh is None else self.mesh["dp_replicate", "dp_shard"]
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            'train.device = "cuda" but no CUDA device is available; allowed here: cpu, auto'
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def mesh_shape(parallel: ParallelSection, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp), with dp_shard=-1 resolved; checked against world_size."""
+    replicate, shard, tp = parallel.dp_replicate, parallel.dp_shard, parallel.tp
+    if shard == -1:
+        if world_size % (replicate * tp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.dp_replicate ({replicate}) "
+                f"× parallel.tp ({tp}) = {replicate * tp}"
+            )
+        shard = world_size // (replicate * tp)
+    if replicate * shard * tp != world_size:
+        raise ConfigError(
+            f"parallel.dp_replicate ({replicate}) × parallel.dp_shard ({shard}) × parallel.tp "
+            f"({tp}) = {replicate * shard * tp} does not match the world size {world_size} "
+            "(number of processes)"
+        )
+    return replicate, shard, tp
+
+
+def setup(parallel: ParallelSection, device_choice: str) -> Layout:
+    """Initialize the process group (when under torchrun) and build the mesh."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_choice, local_rank)
+    shape = mesh_shape(parallel, world_size)
+    if world_size == 1:
+        return Layout(
+            rank=0, world_size=1, device=device, mesh=None, dp_rank=0, dp_size=1, tp_size=1
+        )
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
+    replicate_rank = mesh.get_local_rank("dp_replicate")
+    shard_rank = mesh.get_local_rank("dp_shard")
+    return Layout(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        device=device,
+        mesh=mesh,
+        dp_rank=replicate_rank * shape[1] + shard_rank,
+        dp_size=shape[0] * shape[1],
+        tp_size=shape[2],
+        dp_group=mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group(),
+    )
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

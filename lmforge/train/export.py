@@ -1,0 +1,64 @@
+"""`lmforge export`: turn a committed training checkpoint into an artifact.
+
+The run directory keeps `model/` (config.json + tokenizer of the model being trained) and
+`job.toml`; the checkpoint holds the weights (DCP, any number of ranks). One process loads
+them into a plain model on the CPU and writes the artifact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmforge import api, artifact
+from lmforge.errors import UserError
+from lmforge.models.llama import Transformer
+from lmforge.models.llama import hf as llama_hf
+from lmforge.train.checkpoint import (
+    CHECKPOINTS_DIRNAME,
+    Checkpointer,
+    ModelOptimizerState,
+    read_commit,
+)
+from lmforge.train.stage import MODEL_DIR
+
+
+def _locate(source: Path) -> tuple[Path, Path]:
+    """(run_dir, checkpoint_dir) from a run directory or one checkpoint directory."""
+    source = Path(source)
+    if read_commit(source) is not None:
+        run_dir = source.parent.parent
+        return run_dir, source
+    if not (source / CHECKPOINTS_DIRNAME).is_dir():
+        raise UserError(
+            f"{source}: neither a run directory (with checkpoints/) nor a committed checkpoint"
+        )
+    latest = Checkpointer(source).latest()
+    if latest is None:
+        raise UserError(f"{source}: has no committed checkpoint to export")
+    return source, latest
+
+
+def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
+    run_dir, checkpoint_dir = _locate(Path(source))
+    model_dir = run_dir / MODEL_DIR
+    config_path = model_dir / artifact.CONFIG_NAME
+    if not config_path.exists():
+        raise UserError(f"{run_dir}: lacks {MODEL_DIR}/config.json (not an lmforge run directory)")
+    args = llama_hf.args_from_hf_config(artifact.read_json(config_path), config_path)
+    tokenizer = api.load_tokenizer_for(model_dir, args)
+    model = Transformer(args)  # fp32 on the CPU; every weight is overwritten below
+    Checkpointer(run_dir).load(checkpoint_dir, {"model": ModelOptimizerState(model)})
+    step = read_commit(checkpoint_dir)["step"]
+    job_path = run_dir / "job.toml"
+    lineage_config = {"job": job_path.read_text()} if job_path.exists() else {}
+    return api.save_state(
+        model.state_dict(),
+        args,
+        tokenizer,
+        out,
+        dtype=dtype,
+        stage="export",
+        parent=str(checkpoint_dir),
+        config=lineage_config,
+        metrics={"step": step},
+    )

@@ -1,0 +1,246 @@
+"""The one training loop, shared by pretraining, SFT and DPO.
+
+A method plugs in only its batches and its `loss_step(model, batch) -> LossOutput`. Written once
+here: gradient accumulation normalized by the step's target tokens over all micro-batches and
+ranks, mixed precision, clipping, the NaN/Inf stop, the lr schedule, metrics, profiling,
+checkpoints with automatic resume, preemption and artifact export.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lmforge.errors import UserError
+from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
+from lmforge.train.distributed import Layout
+from lmforge.train.losses import LossOutput
+from lmforge.train.metrics import MetricsLogger, Throughput, peak_memory_gb
+from lmforge.train.preempt import PreemptedError, PreemptionWatch
+from lmforge.train.profiling import Profiler
+
+log = logging.getLogger(__name__)
+
+LossStep = Callable[[torch.nn.Module, dict], LossOutput]
+
+
+class TrainingDivergedError(UserError):
+    """NaN/Inf loss or gradient norm; the last good checkpoint is kept."""
+
+    exit_code = 3
+
+
+@dataclass
+class LoopSections:
+    train: TrainSection
+    checkpoint: CheckpointSection
+    metrics: MetricsSection
+    profile: ProfileSection
+
+
+def grad_accumulation_steps(cfg: TrainSection, dp_size: int) -> int:
+    """Micro-batches per optimizer step, from global = micro × accumulation × dp."""
+    per_pass = cfg.micro_batch_size * dp_size
+    if cfg.global_batch_size is None:
+        return 1
+    if cfg.global_batch_size % per_pass:
+        raise UserError(
+            f"train.global_batch_size ({cfg.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size ({cfg.micro_batch_size}) × data-parallel size ({dp_size}) "
+            f"= {per_pass}"
+        )
+    return cfg.global_batch_size // per_pass
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        loss_step: LossStep,
+        batches: Iterator[dict],
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        layout: Layout,
+        sections: LoopSections,
+        run_dir: Path,
+        checkpointer,
+        checkpoint_state: dict,
+        flops_per_token: float,
+        bf16: bool,
+        export: Callable[[int, bool], None] | None = None,
+        job_config: dict | None = None,
+    ) -> None:
+        self.model, self.loss_step, self.batches = model, loss_step, batches
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.layout, self.cfg, self.run_dir = layout, sections, run_dir
+        self.checkpointer, self.checkpoint_state = checkpointer, checkpoint_state
+        self.export = export
+        self.accum_steps = grad_accumulation_steps(sections.train, layout.dp_size)
+        self.is_fsdp = hasattr(model, "set_requires_gradient_sync")
+        # FSDP2's mixed-precision policy casts for us; a single device uses autocast.
+        self.autocast = bf16 and not self.is_fsdp
+        self.step = 0
+        self.tokens_seen = 0
+        self.flops_per_token = flops_per_token
+        self.job_config = job_config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.last_metrics: dict[str, float] = {}  # the latest logged values
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def _micro_batches(self) -> list[dict]:
+        device = self.layout.device
+        return [
+            {k: v.to(device, non_blocking=True) for k, v in next(self.batches).items()}
+            for _ in range(self.accum_steps)
+        ]
+
+    def _all_reduce(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        if self.layout.world_size > 1:
+            dist.all_reduce(tensor, group=group)
+        return tensor
+
+    def train_step(self, preempt_flag: bool) -> dict[str, float]:
+        micro_batches = self._micro_batches()
+        device = self.layout.device
+        # Target tokens of the whole step over all data-parallel ranks: every micro-batch loss
+        # is divided by this, so accumulation and data parallelism give the full-batch gradient.
+        num_tokens = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
+        global_tokens = self._all_reduce(num_tokens.float(), self.layout.dp_group)
+        scale = self.layout.dp_size / global_tokens.clamp(min=1)  # FSDP averages over dp ranks
+        loss_sum = torch.zeros((), device=device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        for index, batch in enumerate(micro_batches):
+            if self.is_fsdp:
+                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = self.loss_step(self.model, batch)
+            (out.loss_sum * scale).backward()
+            loss_sum += out.loss_sum.detach().float()
+            for key, value in out.metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0) + value.detach().float()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, self.cfg.train.max_grad_norm or math.inf, foreach=True
+        )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        # One all-reduce and one host sync per step carry the loss, the extra metrics and the
+        # preemption flag (TP ranks hold the same loss: numerator and denominator both count it).
+        keys = sorted(metric_sums)
+        stats = torch.stack(
+            [loss_sum, num_tokens.float(), torch.tensor(float(preempt_flag), device=device)]
+            + [metric_sums[k] for k in keys]
+        )
+        stats = self._all_reduce(stats).tolist()
+        loss = stats[0] / max(stats[1], 1)
+        grad_norm_value = grad_norm.item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm_value)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDivergedError(
+                f"step {self.step + 1}: loss is {loss}, grad norm {grad_norm_value}; stopped "
+                f"before the update. Last good checkpoint: {self.checkpointer.latest() or 'none'}"
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += int(stats[1]) // max(self.layout.tp_size, 1)
+        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm_value, "num_tokens": stats[1]}
+        values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
+        values["preempt"] = stats[2] > 0
+        return values
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {**self.checkpoint_state, "train": _TrainProgress(self)}
+
+    def restore(self) -> int:
+        step = self.checkpointer.restore_latest(self._state())
+        if step is not None:
+            log.info("resumed from step %d", step)
+        return self.step
+
+    def save(self) -> None:
+        self.checkpointer.save(self.step, self._state())
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        cfg = self.cfg
+        total = cfg.train.steps
+        start = self.restore()
+        logger = MetricsLogger(
+            self.run_dir,
+            cfg.metrics,
+            enabled=self.layout.is_main,
+            total_steps=total,
+            start_step=start,
+            job_config=self.job_config,
+        )
+        throughput = Throughput(
+            flops_per_token=self.flops_per_token,
+            peak_flops=cfg.metrics.peak_flops,
+            num_devices=self.layout.world_size,
+        )
+        watch = PreemptionWatch(cfg.train.preempt_signal)
+        profiler = Profiler(cfg.profile, self.run_dir, self.layout)
+        try:
+            with profiler:
+                while self.step < total:
+                    values = self.train_step(watch.requested)
+                    profiler.step(self.step)
+                    throughput.add(int(values["num_tokens"]) // self.layout.tp_size)
+                    if (
+                        self.step % cfg.metrics.log_every == 0
+                        or self.step == total
+                        or values["preempt"]
+                    ):
+                        self.last_metrics = self._log_values(values, throughput)
+                        logger.log(self.step, self.last_metrics)
+                    logger.advance(self.step)
+                    if values["preempt"]:
+                        self.save()
+                        raise PreemptedError(self.step, watch.signal_name)
+                    self._maybe_save_and_export(total)
+        finally:
+            watch.close()
+            logger.close()
+            self.checkpointer.close()
+        return self.last_metrics
+
+    def _log_values(self, values: dict, throughput: Throughput) -> dict[str, float]:
+        out = {k: v for k, v in values.items() if k not in ("preempt", "num_tokens")}
+        out.update(throughput.measure())
+        out["peak_mem_gb"] = peak_memory_gb(self.layout.device)
+        out["tokens_seen"] = self.tokens_seen
+        return out
+
+    def _maybe_save_and_export(self, total: int) -> None:
+        every, export_every = self.cfg.checkpoint.every, self.cfg.checkpoint.export_every
+        if self.step == total or (every and self.step % every == 0):
+            self.save()
+        if self.export is not None and (
+            self.step == total or (export_every and self.step % export_every == 0)
+        ):
+            self.export(self.step, self.step == total)
+
+
+class _TrainProgress:
+    """Stateful view of the trainer's counters, saved with every checkpoint."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return {"step": self.trainer.step, "tokens_seen": self.trainer.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.step = int(state["step"])
+        self.trainer.tokens_seen = int(state["tokens_seen"])

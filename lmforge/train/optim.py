@@ -1,0 +1,54 @@
+"""AdamW and the learning-rate schedule (linear warmup, then cosine / linear / constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lmforge.train.config import OptimSection, SchedulerSection
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms and 1-d parameters get no weight decay."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        fused=fused,
+        foreach=None if fused else True,
+    )
+
+
+def lr_factor(step: int, *, total_steps: int, cfg: SchedulerSection) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.decay == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.decay == "cosine":
+        shape = 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        shape = 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer, cfg: SchedulerSection, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps=total_steps, cfg=cfg)
+    )

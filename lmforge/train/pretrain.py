@@ -1,0 +1,34 @@
+"""`lmforge pretrain`: next-token training on prepared token shards, from a preset (scratch) or
+from any model (continued pretraining)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmforge.data.pretrain import PackedLoader, TokenShards
+from lmforge.errors import ConfigError
+from lmforge.train.config import PretrainJob
+from lmforge.train.losses import causal_lm_loss
+from lmforge.train.stage import run_stage
+
+
+def pretrain(job: PretrainJob) -> Path:
+    """Train to `train.steps` (resuming from the run dir's checkpoints) and return the artifact."""
+    if not job.data.shards:
+        raise ConfigError("data.shards is not set: pass the directory made by `lmforge prepare`")
+    shards = TokenShards(job.data.shards)
+
+    def make_loader(layout, spec) -> PackedLoader:
+        if spec.tokenizer is not None:
+            shards.check_tokenizer(spec.tokenizer.fingerprint())
+        return PackedLoader(
+            shards,
+            seq_len=job.data.seq_len,
+            micro_batch_size=job.train.micro_batch_size,
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp_size,
+            seed=job.train.seed,
+            document_masking=job.data.document_masking,
+        )
+
+    return run_stage(job, stage="pretrain", make_batches=make_loader, loss_step=causal_lm_loss)
