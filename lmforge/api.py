@@ -2,7 +2,8 @@
 
 Sources: a preset name (random init), a Hugging Face Llama directory, an lmforge artifact (the
 same, plus lmforge.json), or Meta's original download (`params.json` + `consolidated.NN.pth`,
-at the top level or under `original/`). Pickle files are read with `weights_only=True` only.
+at the top level or under `original/`), or a torchtitan DCP checkpoint (with `model_config`
+naming the model). Pickle files are read with `weights_only=True` only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from lmforge import artifact
 from lmforge.errors import ModelFormatError
 from lmforge.models.llama import PRESETS, ModelArgs, Transformer, get_preset
 from lmforge.models.llama import hf as llama_hf
+from lmforge.models.llama import torchtitan as llama_torchtitan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +50,8 @@ def _meta_dir(path: Path) -> Path | None:
 
 
 def detect_format(source: str | Path) -> str:
-    """'preset', 'hf' (HF directory or artifact) or 'meta'; a ModelFormatError otherwise."""
+    """'preset', 'hf' (HF directory or artifact), 'meta' or 'torchtitan'; a ModelFormatError
+    otherwise."""
     if isinstance(source, str) and source in PRESETS:
         return "preset"
     path = Path(source)
@@ -62,15 +65,30 @@ def detect_format(source: str | Path) -> str:
         return "hf"
     if _meta_dir(path) is not None:
         return "meta"
+    if llama_torchtitan.find_checkpoint(path) is not None:
+        llama_torchtitan.check_torchtitan_checkpoint(path)  # names what a foreign DCP dir lacks
+        return "torchtitan"
     raise ModelFormatError(
-        f"{path}: not a model directory: expected config.json (Hugging Face / lmforge artifact) "
-        "or params.json + consolidated.NN.pth (Meta original)"
+        f"{path}: not a model directory: expected config.json (Hugging Face / lmforge artifact), "
+        "params.json + consolidated.NN.pth (Meta original) or a torchtitan DCP checkpoint "
+        "(.metadata + *.distcp)"
     )
 
 
-def read_args(source: str | Path) -> ModelArgs:
-    """The model's hyperparameters without reading any weights."""
+def read_args(source: str | Path, *, model_config: str | None = None) -> ModelArgs:
+    """The model's hyperparameters without reading any weights.
+
+    `model_config` (a preset, a torchtitan flavor, or a directory or file with config.json /
+    params.json) names the model of a torchtitan checkpoint, which does not record it.
+    """
     kind = detect_format(source)
+    if kind == "torchtitan":
+        return llama_torchtitan.read_torchtitan_args(source, model_config)
+    if model_config is not None:
+        raise ModelFormatError(
+            f"{source}: model_config (--model-config) is only for torchtitan checkpoints; "
+            f"this {kind} source carries its own config"
+        )
     if kind == "preset":
         return get_preset(str(source))
     path = Path(source)
@@ -97,7 +115,10 @@ def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor
 def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our-named tensors of a HF/artifact or Meta directory, as stored (dtype unchanged)."""
     path = Path(source)
-    if detect_format(source) == "meta":
+    kind = detect_format(source)
+    if kind == "torchtitan":
+        return llama_torchtitan.read_torchtitan_checkpoint(path, args)[1]
+    if kind == "meta":
         return _read_meta_state(_meta_dir(path), args)
     return llama_hf.hf_state_dict_to_ours(artifact.read_safetensors(path), path)
 
@@ -149,14 +170,16 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     with_tokenizer: bool = True,
+    model_config: str | None = None,
 ) -> LoadedModel:
-    """Load a preset (random init, float32 unless `dtype`), HF, artifact or Meta model.
+    """Load a preset (random init, float32 unless `dtype`), HF, artifact, Meta or torchtitan model.
 
-    `dtype=None` keeps the stored dtype of the weights.
+    `dtype=None` keeps the stored dtype of the weights. `model_config` names the model of a
+    torchtitan checkpoint (see `read_args`); a directory given there also supplies the tokenizer.
     """
     dtype = parse_dtype(dtype)
     kind = detect_format(source)
-    args = read_args(source)
+    args = read_args(source, model_config=model_config)
     if kind == "preset":
         model = build_model(args, device=device, dtype=dtype or torch.float32)
         return LoadedModel(model=model.eval(), tokenizer=None, config=args, source=str(source))
@@ -165,7 +188,10 @@ def load(
     with torch.device("meta"):
         model = Transformer(args)
     load_weights(model, state, source=path, device=device, dtype=dtype)
-    tokenizer = load_tokenizer_for(path, args) if with_tokenizer else None
+    tokenizer_dir = path
+    if kind == "torchtitan" and model_config is not None and Path(model_config).is_dir():
+        tokenizer_dir = Path(model_config)  # a DCP checkpoint has none; the config's download may
+    tokenizer = load_tokenizer_for(tokenizer_dir, args) if with_tokenizer else None
     lineage = {}
     if (path / artifact.LINEAGE_NAME).exists():
         lineage = artifact.read_json(path / artifact.LINEAGE_NAME)

@@ -57,7 +57,10 @@ def test_bfloat16_round_trip_keeps_dtype(tmp_path):
     loaded = lmforge.load(tmp_path / "bf16")
     assert loaded.model.tok_embeddings.weight.dtype == torch.bfloat16
     lmforge.save(loaded, tmp_path / "out")
-    a, b = load_file(tmp_path / "bf16" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "bf16" / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
     assert all(torch.equal(a[k], b[k]) and b[k].dtype == torch.bfloat16 for k in a)
 
 
@@ -117,7 +120,9 @@ def _write_meta_checkpoint(loaded, directory, num_shards: int) -> None:
     for name, tensor in state.items():
         dim = next((d for suffix, d in split.items() if name.endswith(suffix)), None)
         for rank in range(num_shards):
-            shards[rank][name] = tensor.chunk(num_shards, dim=dim)[rank].clone() if dim is not None else tensor
+            shards[rank][name] = (
+                tensor.chunk(num_shards, dim=dim)[rank].clone() if dim is not None else tensor
+            )
     directory.mkdir(parents=True)
     for rank, shard in enumerate(shards):
         torch.save(shard, directory / f"consolidated.{rank:02d}.pth")
@@ -173,7 +178,9 @@ def test_bad_sources_name_the_path(tmp_path):
         lmforge.load(tmp_path / "empty")
     other = tmp_path / "gpt2"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (other / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ModelFormatError, match="not a Llama model"):
         lmforge.load(other)
 

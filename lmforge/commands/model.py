@@ -7,6 +7,11 @@ import time
 from pathlib import Path
 
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
+MODEL_CONFIG_HELP = (
+    "for a torchtitan checkpoint (which does not record the model): a preset, a torchtitan "
+    "flavor (debugmodel, 8B, 70B, 405B), or a directory or file with config.json / params.json; "
+    "a directory also supplies the tokenizer"
+)
 
 
 def register(subparsers) -> None:
@@ -18,18 +23,21 @@ def register(subparsers) -> None:
         description="Print a model's shape without reading its weights: parameter counts with and "
         "without the input embedding, bytes per dtype, training FLOPs per token, layer shapes.",
         epilog="SOURCE is a preset (tiny, llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b, "
-        "llama3.1-405b), a Hugging Face Llama directory, an lmforge artifact, or Meta's original "
-        "download (params.json + consolidated.NN.pth).",
+        "llama3.1-405b), a Hugging Face Llama directory, an lmforge artifact, Meta's original "
+        "download (params.json + consolidated.NN.pth), or a torchtitan DCP checkpoint (with "
+        "--model-config).",
     )
     info.add_argument("source", metavar="SOURCE")
     info.add_argument("--seq-len", type=int, default=2048, help="for the FLOPs-per-token line")
+    info.add_argument("--model-config", default=None, metavar="CONFIG", help=MODEL_CONFIG_HELP)
     info.set_defaults(func=info_main)
 
     convert = subparsers.add_parser(
         "convert",
         help="turn any supported model into an lmforge artifact",
-        description="Read a HF directory, a Meta original download, an artifact or a preset and "
-        "write an artifact (HF layout + lmforge.json) that transformers and vLLM load as it is.",
+        description="Read a HF directory, a Meta original download, an artifact, a preset or a "
+        "torchtitan DCP checkpoint (a step-N directory or its dump folder) and write an artifact "
+        "(HF layout + lmforge.json) that transformers and vLLM load as it is.",
     )
     convert.add_argument("source", metavar="SOURCE")
     convert.add_argument("out", metavar="OUT", type=Path)
@@ -44,6 +52,7 @@ def register(subparsers) -> None:
         default="5GB",
         help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)",
     )
+    convert.add_argument("--model-config", default=None, metavar="CONFIG", help=MODEL_CONFIG_HELP)
     convert.set_defaults(func=convert_main)
 
 
@@ -60,7 +69,7 @@ def info_main(args: argparse.Namespace) -> int:
     from lmforge.api import detect_format, read_args
     from lmforge.models.llama import Transformer
 
-    model_args = read_args(args.source)
+    model_args = read_args(args.source, model_config=args.model_config)
     with torch.device("meta"):
         model = Transformer(model_args)
     total = model_args.num_params()
@@ -100,7 +109,7 @@ def convert_main(args: argparse.Namespace) -> int:
     import lmforge
 
     start = time.perf_counter()
-    loaded = lmforge.load(args.source, dtype=args.dtype)
+    loaded = lmforge.load(args.source, dtype=args.dtype, model_config=args.model_config)
     out = lmforge.save(loaded, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
     files = sorted(p.name for p in out.iterdir())
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

@@ -30,6 +30,8 @@ import shutil
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -484,16 +486,36 @@ def _encoded_chunks(
         for chunk in chunks:
             yield encode_documents(tokenizer, chunk)
         return
-    # spawn: a fresh interpreter, safe whatever threads (torch, tokenizers) the parent runs.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-        pending: deque = deque()
+    # spawn: a fresh interpreter, safe whatever threads (torch, tokenizers) the parent runs;
+    # as with any spawned pool, a script calling this needs an `if __name__ == "__main__":`.
+    # The executor, unlike multiprocessing.Pool, fails when a worker dies instead of hanging.
+    executor = ProcessPoolExecutor(
+        num_workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer_path,),
+    )
+    pending: deque[Future] = deque()
+    try:
         for chunk in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+            pending.append(executor.submit(_encode_in_worker, chunk))
             if len(pending) >= 2 * num_workers:
-                yield pending.popleft().get()
+                yield _result(pending.popleft())
         while pending:
-            yield pending.popleft().get()
+            yield _result(pending.popleft())
+    finally:
+        for future in pending:
+            future.cancel()
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise RuntimeError(
+            "a tokenizer worker process died (out of memory?); try fewer --workers"
+        ) from None
 
 
 def _available_cores() -> int:

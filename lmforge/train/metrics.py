@@ -156,11 +156,8 @@ class MetricsLogger:
 
 
 def _plain(value):
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, float):
-        return round(value, 6)
-    return value
+    # Full precision: resume tests compare logged losses bit for bit.
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def _console_line(record: dict) -> str:

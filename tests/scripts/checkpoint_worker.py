@@ -50,11 +50,15 @@ class CounterLoader:
         self.position, self.resharded_from = state["position"], saved_world_size
 
 
-def build(model_args=MODEL_ARGS) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build_model() -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(model_args)
+    model = Transformer(MODEL_ARGS)
     model.init_weights()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model
+
+
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -90,10 +94,11 @@ def main() -> None:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s")
 
-    model, optimizer = build()
+    model = build_model()
     for block in model.layers.values():
         fully_shard(block)
     fully_shard(model)
+    optimizer = build_optimizer(model)  # after sharding: it must hold the DTensor parameters
     torch.manual_seed(1 + rank)  # per-rank data stream, carried over by RNGState
     loader, progress = CounterLoader(rank), {"step": 0, "checksum": 0.0}
     state = {
@@ -111,8 +116,10 @@ def main() -> None:
     )
     flag = torch.tensor(int(ok))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if rank == 0:
-        Path(args.marker).write_text(json.dumps({"restored": restored, "ok": bool(flag)}))
+    if rank == 0:  # written whole, then renamed: the test may kill us right after
+        partial = Path(args.marker + ".partial")
+        partial.write_text(json.dumps({"restored": restored, "ok": bool(flag)}))
+        partial.rename(args.marker)
     if not flag:
         raise SystemExit(3)
 

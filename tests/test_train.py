@@ -1,0 +1,254 @@
+"""The training loop end to end: equivalence across layouts, resume after SIGKILL, preemption,
+NaN stop, and the golden loss curve. Real torchrun processes (gloo) on the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
+from lmforge.train.distributed import Layout
+from lmforge.train.loop import LoopSections, Trainer, TrainingDivergedError
+from lmforge.train.losses import LossOutput
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE
+from tests.train_utils import (
+    kill_all,
+    losses,
+    make_shards,
+    pretrain_args,
+    run_inprocess,
+    run_torchrun,
+    torchrun,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_pretrain_losses.json"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("data"))
+
+
+def _assert_close(a: dict, b: dict, tol: float) -> None:
+    assert sorted(a) == sorted(b)
+    for step in a:
+        assert abs(a[step] - b[step]) <= tol, (step, a[step], b[step])
+
+
+def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data):
+    tokenizer, shards = data
+    base = tmp_path / "one"
+    assert (
+        run_inprocess(
+            "pretrain", pretrain_args(base, tokenizer, shards, "train.micro_batch_size=8")
+        )
+        == 0
+    )
+    reference = losses(base)
+    assert len(reference) == 5 and reference[5] < reference[1]
+
+    accum = tmp_path / "accum"
+    run_inprocess(
+        "pretrain",
+        pretrain_args(
+            accum, tokenizer, shards, "train.micro_batch_size=2", "train.global_batch_size=8"
+        ),
+    )
+    _assert_close(losses(accum), reference, 1e-5)
+
+    fsdp = tmp_path / "fsdp"
+    run_torchrun(2, "pretrain", pretrain_args(fsdp, tokenizer, shards, "train.micro_batch_size=4"))
+    _assert_close(losses(fsdp), reference, 1e-5)
+
+    tp = tmp_path / "tp"
+    run_torchrun(
+        2,
+        "pretrain",
+        pretrain_args(tp, tokenizer, shards, "train.micro_batch_size=8", "parallel.tp=2"),
+    )
+    _assert_close(losses(tp), reference, 1e-5)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        assert proc.poll() is None, "training ended before it could be interrupted"
+        if metrics.exists() and any(
+            json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l.strip()
+        ):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
+    tokenizer, shards = data
+    args = ["train.steps=20", "checkpoint.every=5"]
+    reference_dir = tmp_path / "reference"
+    run_torchrun(2, "pretrain", pretrain_args(reference_dir, tokenizer, shards, *args))
+    reference = losses(reference_dir)
+
+    run_dir = tmp_path / "killed"
+    proc = torchrun(
+        2,
+        "pretrain",
+        pretrain_args(run_dir, tokenizer, shards, *args, "train.max_grad_norm=1.0"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    _wait_for_step(run_dir, 7, proc)
+    kill_all(proc)
+    committed = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert committed[-1] == "step-00000005", committed
+    before = losses(run_dir)
+    (run_dir / "metrics.jsonl").unlink()
+    run_torchrun(2, "pretrain", pretrain_args(run_dir, tokenizer, shards, *args))
+    resumed = losses(run_dir)
+    assert min(resumed) == 6
+    assert all(resumed[s] == reference[s] for s in range(6, 21)), (resumed, reference)
+    assert all(before[s] == reference[s] for s in before)
+
+
+def test_preemption_signal_saves_and_resumes_without_lost_steps(tmp_path, data):
+    tokenizer, shards = data
+    args = ["train.steps=30", "checkpoint.every=100", "train.micro_batch_size=2"]
+    reference_dir = tmp_path / "reference"
+    run_torchrun(2, "pretrain", pretrain_args(reference_dir, tokenizer, shards, *args))
+    reference = losses(reference_dir)
+
+    run_dir = tmp_path / "preempted"
+    proc = torchrun(
+        2,
+        "pretrain",
+        pretrain_args(run_dir, tokenizer, shards, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    _wait_for_step(run_dir, 3 + int(time.time() * 1000) % 10, proc)
+    proc.send_signal(signal.SIGUSR2)  # to torchrun, which forwards it to every worker
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "preempted" in out, out[-3000:]
+    saved = sorted((run_dir / "checkpoints").glob("step-*"))
+    assert len(saved) == 1
+    stopped_at = int(saved[0].name.split("-")[1])
+    assert max(losses(run_dir)) == stopped_at  # the saved step is the last step it ran
+    run_torchrun(2, "pretrain", pretrain_args(run_dir, tokenizer, shards, *args))
+    resumed = losses(run_dir)
+    assert resumed == reference  # every step once, bit-identical to the uninterrupted run
+
+
+def test_preempted_exit_code_single_process(tmp_path, data):
+    tokenizer, shards = data
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            os.sys.executable,
+            "-m",
+            "lmforge",
+            "pretrain",
+            *pretrain_args(run_dir, tokenizer, shards, "train.steps=100000"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out[-2000:]
+    assert "Traceback" not in out
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def test_nan_loss_stops_naming_the_step(tmp_path):
+    model = _Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"n": 0}
+
+    def loss_step(model, batch):
+        calls["n"] += 1
+        value = model(batch["x"]) * (math.nan if calls["n"] == 3 else 1.0)
+        return LossOutput(loss_sum=value, num_tokens=torch.tensor(1))
+
+    def batches():
+        while True:
+            yield {"x": torch.ones(3), "labels": torch.zeros(1)}
+
+    class NoCheckpoints:
+        def latest(self):
+            return None
+
+        def restore_latest(self, state):
+            return None
+
+        def save(self, step, state):
+            raise AssertionError("no save expected")
+
+        def close(self):
+            pass
+
+    trainer = Trainer(
+        model=model,
+        loss_step=loss_step,
+        batches=batches(),
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        layout=Layout(
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+            mesh=None,
+            dp_rank=0,
+            dp_size=1,
+            tp_size=1,
+        ),
+        sections=LoopSections(
+            TrainSection(steps=10, max_grad_norm=0),
+            CheckpointSection(every=0),
+            MetricsSection(tensorboard=False),
+            ProfileSection(),
+        ),
+        run_dir=tmp_path,
+        checkpointer=NoCheckpoints(),
+        checkpoint_state={},
+        flops_per_token=1.0,
+        bf16=False,
+    )
+    before = model.weight.detach().clone()
+    with pytest.raises(TrainingDivergedError, match="step 3: loss is nan"):
+        trainer.run()
+    assert trainer.step == 2
+    assert torch.allclose(
+        model.weight.detach(), before - 0.2
+    )  # two good updates, the bad one skipped
+
+
+def test_golden_losses(tmp_path):
+    """Guards against silent numerical change; regenerate with tests/golden/make_golden.py."""
+    from tests.golden.make_golden import golden_run
+
+    golden = json.loads(GOLDEN.read_text())
+    measured = golden_run(tmp_path)
+    assert list(measured) == list(golden["losses"])
+    for got, want in zip(measured.values(), golden["losses"].values()):
+        assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (measured, golden)

@@ -1,0 +1,140 @@
+"""Helpers for training tests: a tiny corpus, tokenizer and shards; running lmforge commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from lmforge.cli import main as cli_main
+
+# A model small enough that a training step takes milliseconds on one CPU core.
+SMALL_MODEL = [
+    "model.source=tiny",
+    "model.overrides.dim=64",
+    "model.overrides.num_layers=2",
+    "model.overrides.num_heads=4",
+    "model.overrides.num_kv_heads=2",
+    "model.overrides.ffn_dim=128",
+]
+
+
+def write_corpus(path: Path, *, num_docs: int = 400, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    names = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal"]
+    things = ["apples", "boats", "clocks", "drums", "eggs", "flutes", "grapes", "hats"]
+    with path.open("w") as handle:
+        for _ in range(num_docs):
+            name, thing = rng.choice(names), rng.choice(things)
+            count = rng.randint(2, 9)
+            handle.write(f"{name} likes {thing}. {name} keeps {count} {thing} at home.\n\n")
+    return path
+
+
+def make_shards(root: Path) -> tuple[Path, Path]:
+    """(tokenizer_dir, shards_dir) for a small generated corpus."""
+    from lmforge.data.prepare import PrepareSection, prepare
+    from lmforge.data.tokenizer import train_bpe
+
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = write_corpus(root / "corpus.txt")
+    tokenizer_dir = root / "tokenizer"
+    train_bpe([corpus], vocab_size=300, out_dir=tokenizer_dir)
+    shards = root / "shards"
+    prepare(
+        PrepareSection(
+            input=[str(corpus)],
+            tokenizer=str(tokenizer_dir),
+            out=str(shards),
+            text_split="paragraph",
+            workers=1,
+        )
+    )
+    return tokenizer_dir, shards
+
+
+def pretrain_args(run_dir: Path, tokenizer: Path, shards: Path, *extra: str) -> list[str]:
+    return [
+        f"run_dir={run_dir}",
+        f"data.shards={shards}",
+        f"model.tokenizer={tokenizer}",
+        "data.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.steps=5",
+        "train.deterministic=true",
+        "scheduler.warmup_steps=2",
+        "optim.lr=1e-2",
+        "metrics.log_every=1",
+        "metrics.tensorboard=false",
+        "checkpoint.every=0",
+        *SMALL_MODEL,
+        *extra,
+    ]
+
+
+def run_inprocess(command: str, args: list[str]) -> int:
+    return cli_main([command, *args])
+
+
+def torchrun(nproc: int, command: str, args: list[str], **popen) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
+        "-m",
+        "lmforge",
+        command,
+        *args,
+    ]
+    return subprocess.Popen(cmd, env=env, **popen)
+
+
+def run_torchrun(nproc: int, command: str, args: list[str], timeout: float = 300) -> None:
+    proc = torchrun(
+        nproc, command, args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl (the last record wins for a repeated step)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below `pid` (torchrun starts its workers in sessions of their own, so a
+    process-group kill would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it, all at once."""
+    import signal
+
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
