@@ -113,7 +113,8 @@ def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor
 
 
 def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our-named tensors of a HF/artifact or Meta directory, as stored (dtype unchanged)."""
+    """Our-named tensors of a HF/artifact, Meta or torchtitan directory, as stored (dtype
+    unchanged)."""
     path = Path(source)
     kind = detect_format(source)
     if kind == "torchtitan":
@@ -130,6 +131,7 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
+    model.tie_weights()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.init_weights()
@@ -159,8 +161,7 @@ def load_weights(
             )
     state = {n: t.to(device=device, dtype=dtype or t.dtype) for n, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    model.tie_weights()
     model.init_buffers(device)
 
 

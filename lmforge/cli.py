@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "lmforge.commands.download",
     "lmforge.commands.prepare",
     "lmforge.commands.config",
+    "lmforge.commands.demo",
 ]
 
 

@@ -76,7 +76,7 @@ def expected_stream(tokenizer, docs: list[str]) -> tuple[np.ndarray, np.ndarray]
     """The token stream and document starts that prepare must write for `docs`."""
     ids = [tokenizer.encode(doc, bos=True, eos=True) for doc in docs]
     lengths = [len(i) for i in ids]
-    return np.array(sum(ids, []), dtype=np.int64), np.cumsum([0, *lengths[:-1]])
+    return np.concatenate([np.array(i, dtype=np.int64) for i in ids]), np.cumsum([0, *lengths[:-1]])
 
 
 def run(tmp_path: Path, tokenizer_dir: Path, inputs, name: str = "out", **settings):
@@ -210,7 +210,7 @@ def test_skip_bad_rows_counts_and_caps(tmp_path, tokenizer_dir, caplog):
 
 def test_empty_and_missing_inputs(tmp_path, tokenizer_dir):
     path = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": ""}])
-    with pytest.raises(DataError, match="no documents in .*2 rows, 2 empty"):
+    with pytest.raises(DataError, match=r"no documents in .*: 2 rows, 2 empty"):
         run(tmp_path, tokenizer_dir, [path])
     with pytest.raises(DataError, match="no such file"):
         run(tmp_path, tokenizer_dir, [tmp_path / "missing.jsonl"])
@@ -225,14 +225,14 @@ def test_empty_and_missing_inputs(tmp_path, tokenizer_dir):
         run(tmp_path, tokenizer_dir, [tmp_path / "notes.csv"], name="taken", format="text")
 
 
-def test_parquet(tmp_path, tokenizer_dir, tokenizer, monkeypatch):
+def test_parquet(tmp_path, tokenizer_dir, tokenizer):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"body": ["one doc", None, "two docs"], "n": [1, 2, 3]}), path)
-    result = run(tmp_path, tokenizer_dir, [path], text_field="body", skip_bad_rows=True,
-                 max_bad_fraction=0.5)  # fmt: skip
+    settings = dict(text_field="body", skip_bad_rows=True, max_bad_fraction=0.5)
+    result = run(tmp_path, tokenizer_dir, [path], **settings)
     shards = TokenShards(result.out_dir)
     stream, _ = expected_stream(tokenizer, ["one doc", "two docs"])
     assert np.array_equal(shards.read(0, shards.num_tokens), stream)
@@ -290,7 +290,7 @@ def test_cli_flags_config_and_errors(tmp_path, tokenizer_dir, tokenizer, capsys)
     out = tmp_path / "cli"
     argv = ["prepare", "--input", str(path), "--tokenizer", str(tokenizer_dir), "--out", str(out)]
     code = cli.main([*argv, "--text-field", "body", "shard_tokens=1000", "workers=1"])
-    assert code == 0 and "1 documents" in capsys.readouterr().out
+    assert code == 0 and "from 1 document in 1 shard" in capsys.readouterr().out
     assert np.array_equal(
         TokenShards(out).read(0, TokenShards(out).num_tokens),
         expected_stream(tokenizer, ["cli doc"])[0],

@@ -71,6 +71,15 @@ def take(loader: PackedLoader, num_batches: int) -> list[dict[str, torch.Tensor]
     return [next(loader) for _ in range(num_batches)]
 
 
+def window_start(stream: np.ndarray, inputs: torch.Tensor) -> int:
+    """The stream offset of the window whose first SEQ_LEN tokens are `inputs` [SEQ_LEN]."""
+    return next(
+        start
+        for start in range(0, stream.size - SEQ_LEN, SEQ_LEN)
+        if np.array_equal(stream[start : start + SEQ_LEN], inputs.numpy())
+    )
+
+
 def assert_batches_equal(got: list[dict], want: list[dict]) -> None:
     assert len(got) == len(want)
     for step, (a, b) in enumerate(zip(got, want)):
@@ -98,7 +107,7 @@ def test_token_shards_and_tokenizer_refusal(prepared, shards, tmp_path):
 
 
 def test_damaged_or_missing_shards(prepared, tmp_path):
-    with pytest.raises(DataError, match="no meta.json"):
+    with pytest.raises(DataError, match=r"no meta\.json"):
         TokenShards(tmp_path)
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -120,9 +129,7 @@ def test_one_epoch_visits_every_window_once(shards):
         assert batch["inputs"].dtype == batch["labels"].dtype == torch.int64
         assert batch["inputs"].shape == (1, SEQ_LEN)
         assert np.array_equal(inputs[1:], labels[:-1])
-        start = int(np.flatnonzero([np.array_equal(inputs, stream[s : s + SEQ_LEN])
-                                    for s in range(0, shards.num_tokens - SEQ_LEN, SEQ_LEN)])[0]
-                    ) * SEQ_LEN  # fmt: skip
+        start = window_start(stream, batch["inputs"][0])
         assert np.array_equal(labels, stream[start + 1 : start + SEQ_LEN + 1])
         starts.append(start)
     assert sorted(starts) == list(range(0, loader.num_windows * SEQ_LEN, SEQ_LEN))
@@ -229,8 +236,7 @@ def test_document_ids_and_positions(shards):
         for inputs, ids, positions in zip(
             batch["inputs"], batch["document_ids"], batch["positions"]
         ):
-            window = [s for s in range(0, shards.num_tokens, SEQ_LEN)
-                      if np.array_equal(stream[s : s + SEQ_LEN], inputs.numpy())][0]  # fmt: skip
+            window = window_start(stream, inputs)
             want_id, want_pos = 0, 0
             for i in range(SEQ_LEN):
                 if i > 0 and window + i in doc_start_set:

@@ -22,6 +22,8 @@ def _import(module: str, name: str) -> type[Section]:
 
 SCHEMAS: dict[str, Callable[[], type[Section]]] = {
     "model": lambda: _import("lmforge.config", "ModelSection"),
+    "prepare": lambda: _import("lmforge.data.prepare", "PrepareSection"),
+    "pretrain": lambda: _import("lmforge.train.config", "PretrainJob"),
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
 MODEL_CONFIG_HELP = (
     "for a torchtitan checkpoint (which does not record the model): a preset, a torchtitan "
-    "flavor (debugmodel, 8B, 70B, 405B), or a directory or file with config.json / params.json; "
+    "flavor (debugmodel, 1B, 3B, 8B, 70B, 405B), or a directory or file with config.json / params.json; "
     "a directory also supplies the tokenizer"
 )
 

@@ -112,10 +112,16 @@ def command_line_overrides(args: argparse.Namespace) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(PrepareSection, args.config, command_line_overrides(args))
     result = prepare(cfg)
-    skipped = f", skipped {result.num_bad_rows:,} malformed rows" if result.num_bad_rows else ""
+    skipped = (
+        f", skipped {_count(result.num_bad_rows, 'malformed row')}" if result.num_bad_rows else ""
+    )
     print(
-        f"{result.out_dir}: {result.num_tokens:,} tokens ({result.dtype}) from "
-        f"{result.num_documents:,} documents in {result.num_shards} "
-        f"shard{'s' * (result.num_shards != 1)}{skipped}"
+        f"{result.out_dir}: {_count(result.num_tokens, 'token')} ({result.dtype}) from "
+        f"{_count(result.num_documents, 'document')} in {_count(result.num_shards, 'shard')}"
+        f"{skipped}"
     )
     return 0
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}{'s' * (number != 1)}"

@@ -244,7 +244,7 @@ class PackedLoader:
         docs = np.searchsorted(doc_starts, offsets, side="right") - 1  # document of each token
         ids = (docs - docs[0]).astype(np.int32)
         # A document begun before the window counts its positions from the window start.
-        positions = offsets - doc_starts[docs]
+        positions = offsets - np.maximum(doc_starts[docs], start)
         return ids, positions
 
     def state_dict(self) -> dict[str, int]:

@@ -16,8 +16,8 @@ Crash safety comes from the layout, not from luck: a save writes into a fresh `.
 directory; after every rank is done and DCP's coordinator has written `.metadata`, rank 0
 writes `COMMITTED` and renames the directory into place (an atomic rename on POSIX). A
 SIGKILL at any moment therefore leaves either a complete `step-*` directory or a `.tmp-*` one
-that is ignored and later removed; an older checkpoint is only deleted once `keep_last >= 2`
-newer ones are committed. `latest()` trusts a directory only when its `COMMITTED` marker is
+that is ignored and later removed; an older checkpoint is only deleted once `keep_last`
+(at least 2) newer ones are committed. `latest()` trusts a directory only when its `COMMITTED` marker is
 there and every listed file has its recorded size.
 
 Typical use in a training loop::
@@ -204,6 +204,8 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     commit = read_commit(path)
     if commit is None:
         return "unreadable COMMITTED marker"
+    if commit.get("format") != FORMAT_VERSION:
+        return f"checkpoint format {commit.get('format')!r}, this lmforge reads {FORMAT_VERSION}"
     files, step, world_size = commit.get("files"), commit.get("step"), commit.get("world_size")
     if not isinstance(files, dict) or not isinstance(step, int) or not isinstance(world_size, int):
         return "COMMITTED marker lacks files/step/world_size"
@@ -361,8 +363,9 @@ class _PendingSave:
 class Checkpointer:
     """Saves and restores the checkpoints of one run directory; see the module docstring.
 
-    Every method except `latest()` is collective: all ranks of `process_group` (default: the
-    whole world, or none when torch.distributed is not initialized) must call it together.
+    Every method except `latest()` and `committed()` is collective: all ranks of
+    `process_group` (default: the whole world; none when torch.distributed is not initialized)
+    must call it together.
     """
 
     def __init__(
@@ -529,7 +532,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self._commit_on_rank0(pending)
-            except OSError as exc:
+            except (OSError, AssertionError) as exc:  # tell the other ranks instead of hanging
                 error = f"could not commit checkpoint {pending.final_dir}: {exc}"
         error = self._broadcast(error)
         if error:
@@ -605,11 +608,11 @@ class Checkpointer:
             with _quiet_single_process():
                 dcp.load(dcp_items, checkpoint_id=path, process_group=self._group)
 
-        warnings: list[str] = []
+        messages: list[str] = []
         not_carried: list[str] = []
 
         def warn(message: str) -> None:
-            warnings.append(message)
+            messages.append(message)
             if self.rank == 0:
                 logger.warning(message)
 
@@ -663,7 +666,7 @@ class Checkpointer:
             saved_world_size=saved_world_size,
             world_size=self.world_size,
             not_carried_over=tuple(not_carried),
-            warnings=tuple(warnings),
+            warnings=tuple(messages),
         )
         self.last_load = report
         if self.rank == 0:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lmforge.data.pretrain import build_block_causal_mask
+
 IGNORE_INDEX = -100
 
 
@@ -20,14 +22,6 @@ class LossOutput:
     loss_sum: torch.Tensor  # scalar, sum over target tokens
     num_tokens: torch.Tensor  # scalar int, target tokens in this micro-batch
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums, divided like the loss
-
-
-def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] document ids -> bool [b, 1, s, s]: attend causally within the same document."""
-    seq = document_ids.shape[1]
-    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return (same_doc & causal)[:, None]
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -45,7 +39,7 @@ def model_inputs(batch: dict) -> dict:
     if "positions" in batch:
         kwargs["positions"] = batch["positions"]
     if "document_ids" in batch:
-        kwargs["attn_mask"] = block_causal_mask(batch["document_ids"])
+        kwargs["attn_mask"] = build_block_causal_mask(batch["document_ids"])
     return kwargs
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -118,6 +119,8 @@ def build_and_load_model(
         transform(model)
     parallelize(model, layout, job.parallel, bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
+    if not isinstance(model.tok_embeddings.weight, DTensor):
+        model.tie_weights()
     model.init_buffers(layout.device)
     if sharded_init:
         with torch.no_grad():
@@ -131,10 +134,6 @@ def build_and_load_model(
     if spec.args.tie_embeddings:
         state.pop("output.weight", None)
     set_model_state_dict(model, state, options=options)
-    if spec.args.tie_embeddings and not isinstance(
-        model.output.weight, torch.distributed.tensor.DTensor
-    ):
-        model.output.weight = model.tok_embeddings.weight
     return model
 
 

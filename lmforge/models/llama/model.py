@@ -174,9 +174,13 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the input table with the output projection (again: `to_empty` unties them)."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute non-persistent buffers (needed after `to_empty` from the meta device)."""

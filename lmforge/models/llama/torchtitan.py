@@ -435,10 +435,8 @@ def read_torchtitan_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     directory, model, args = _resolve(Path(path), args)
-    names = [name for name in model if not (args.tie_embeddings and name == "output.weight")]
-    if args.tie_embeddings and "output.weight" in model:
-        names.append("output.weight")  # read it to check that it really is the tied copy
-    state = {model[name][0]: torch.empty(model[name][1], dtype=model[name][2]) for name in names}
+    # every model tensor, a tied output too: it is checked to really be the embedding's copy
+    state = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in model.values()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed")
@@ -449,8 +447,8 @@ def read_torchtitan_checkpoint(
             f"{directory}: cannot read the model tensors ({first_line})"
         ) from None
     ours = {}
-    for name in names:
-        tensor = state[model[name][0]]
+    for name, (key, *_) in model.items():
+        tensor = state[key]
         if name.endswith("attention.wq.weight"):
             tensor = llama_hf.interleaved_to_half(tensor, args.num_heads)
         elif name.endswith("attention.wk.weight"):
@@ -461,6 +459,7 @@ def read_torchtitan_checkpoint(
         if not torch.equal(output, ours["tok_embeddings.weight"]):
             raise ModelFormatError(
                 f"{directory}: the model config ties the output projection to the embedding, "
-                "but the checkpoint's output.weight differs from tok_embeddings.weight"
+                f"but the checkpoint's {model['output.weight'][0]} differs from "
+                "tok_embeddings.weight"
             )
     return args, ours
