@@ -185,6 +185,13 @@ def load(
         model = build_model(args, device=device, dtype=dtype or torch.float32)
         return LoadedModel(model=model.eval(), tokenizer=None, config=args, source=str(source))
     path = Path(source)
+    if kind == "hf":
+        from lmforge.quantize import quantize  # torchao itself is imported only when needed
+
+        if quantize.is_quantized(path):  # lineage or config.json says torchao-quantized
+            return quantize.load_quantized(
+                path, device=device, dtype=dtype, with_tokenizer=with_tokenizer
+            )
     state = read_state_dict(path, args)
     with torch.device("meta"):
         model = Transformer(args)

@@ -22,6 +22,10 @@ COMMAND_MODULES = [
     "lmforge.commands.prepare",
     "lmforge.commands.config",
     "lmforge.commands.demo",
+    "lmforge.commands.merge",
+    "lmforge.commands.quantize",
+    "lmforge.commands.eval",
+    "lmforge.commands.generate",
 ]
 
 

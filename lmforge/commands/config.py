@@ -24,6 +24,8 @@ SCHEMAS: dict[str, Callable[[], type[Section]]] = {
     "model": lambda: _import("lmforge.config", "ModelSection"),
     "prepare": lambda: _import("lmforge.data.prepare", "PrepareSection"),
     "pretrain": lambda: _import("lmforge.train.config", "PretrainJob"),
+    "sft": lambda: _import("lmforge.train.config", "SFTJob"),
+    "dpo": lambda: _import("lmforge.train.config", "DPOJob"),
 }
 
 

@@ -35,6 +35,29 @@ def register(subparsers) -> None:
     add_config_arguments(pretrain)
     pretrain.set_defaults(func=pretrain_main)
 
+    sft = subparsers.add_parser(
+        "sft",
+        help="instruction finetuning: full, LoRA or QLoRA",
+        description="Finetune any model on instruction data (Alpaca or chat messages), full or "
+        "with LoRA (lora.enabled=true) / QLoRA (also lora.quantize_base=nf4). Prompt tokens are "
+        "masked out of the loss unless data.train_on_input=true. Writes an artifact (and the PEFT "
+        "adapter under <artifact>/adapter/ for LoRA).",
+        epilog=CONFIG_HELP.replace("pretrain", "sft"),
+    )
+    add_config_arguments(sft)
+    sft.set_defaults(func=sft_main)
+
+    dpo = subparsers.add_parser(
+        "dpo",
+        help="preference alignment with DPO (or robust DPO / IPO)",
+        description="Align a model on (prompt, chosen, rejected) pairs with the DPO loss "
+        "(dpo.beta, dpo.label_smoothing, dpo.loss_type=sigmoid|ipo). With LoRA the reference "
+        "model is the policy with adapters switched off; with full finetuning a frozen copy.",
+        epilog=CONFIG_HELP.replace("pretrain", "dpo"),
+    )
+    add_config_arguments(dpo)
+    dpo.set_defaults(func=dpo_main)
+
     export = subparsers.add_parser(
         "export",
         help="turn a training checkpoint into an artifact",
@@ -69,6 +92,22 @@ def pretrain_main(args: argparse.Namespace) -> int:
 
     job = load_config(PretrainJob, args.config, args.overrides)
     return run_training(pretrain, job)
+
+
+def sft_main(args: argparse.Namespace) -> int:
+    from lmforge.config import load_config
+    from lmforge.train.config import SFTJob
+    from lmforge.train.sft import sft
+
+    return run_training(sft, load_config(SFTJob, args.config, args.overrides))
+
+
+def dpo_main(args: argparse.Namespace) -> int:
+    from lmforge.config import load_config
+    from lmforge.train.config import DPOJob
+    from lmforge.train.dpo import dpo
+
+    return run_training(dpo, load_config(DPOJob, args.config, args.overrides))
 
 
 def run_training(fn, job) -> int:

@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from lmforge.config import ModelSection, Section
+from lmforge.data.preference import PreferenceDataSection
+from lmforge.data.sft import SFTDataSection
+from lmforge.modules.lora import LoRASection
 
 
 class DataSection(Section):
@@ -130,3 +133,31 @@ class PretrainJob(TrainJob):
 
     run_dir: str = "runs/pretrain"
     data: DataSection = Field(default_factory=DataSection)
+
+
+class SFTJob(TrainJob):
+    """`lmforge sft`: instruction finetuning, full or with LoRA / QLoRA adapters."""
+
+    run_dir: str = "runs/sft"
+    data: SFTDataSection = Field(default_factory=SFTDataSection)
+    lora: LoRASection = Field(default_factory=LoRASection)
+
+
+class DPOSection(Section):
+    """Direct preference optimization (Rafailov et al., 2023)."""
+
+    beta: PositiveFloat = 0.1
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Robust DPO: the assumed fraction of flipped preference labels."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    reference: Literal["auto", "adapters_disabled", "frozen_copy"] = "auto"
+    """auto: with LoRA, the policy with its adapters switched off; else a frozen copy."""
+
+
+class DPOJob(TrainJob):
+    """`lmforge dpo`: preference alignment of an artifact, with LoRA or full finetuning."""
+
+    run_dir: str = "runs/dpo"
+    data: PreferenceDataSection = Field(default_factory=PreferenceDataSection)
+    lora: LoRASection = Field(default_factory=LoRASection)
+    dpo: DPOSection = Field(default_factory=DPOSection)

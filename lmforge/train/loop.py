@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.errors import UserError
 from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
 from lmforge.train.distributed import Layout
-from lmforge.train.losses import LossOutput
+from lmforge.train.losses import LossOutput, count_label_tokens
 from lmforge.train.metrics import MetricsLogger, Throughput, peak_memory_gb
 from lmforge.train.preempt import PreemptedError, PreemptionWatch
 from lmforge.train.profiling import Profiler
@@ -77,6 +77,7 @@ class Trainer:
         bf16: bool,
         export: Callable[[int, bool], None] | None = None,
         job_config: dict | None = None,
+        count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
     ) -> None:
         self.model, self.loss_step, self.batches = model, loss_step, batches
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -91,6 +92,7 @@ class Trainer:
         self.tokens_seen = 0
         self.flops_per_token = flops_per_token
         self.job_config = job_config
+        self.count_targets = count_targets
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.last_metrics: dict[str, float] = {}  # the latest logged values
 
@@ -112,7 +114,7 @@ class Trainer:
         device = self.layout.device
         # Target tokens of the whole step over all data-parallel ranks: every micro-batch loss
         # is divided by this, so accumulation and data parallelism give the full-batch gradient.
-        num_tokens = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
+        num_tokens = torch.stack([self.count_targets(mb) for mb in micro_batches]).sum()
         global_tokens = self._all_reduce(num_tokens.float(), self.layout.dp_group)
         scale = self.layout.dp_size / global_tokens.clamp(min=1)  # FSDP averages over dp ranks
         loss_sum = torch.zeros((), device=device)
@@ -152,8 +154,12 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens_seen += int(stats[1]) // max(self.layout.tp_size, 1)
-        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm_value, "num_tokens": stats[1]}
+        # Tokens fed to the model this step over all data-parallel ranks (equal per rank).
+        input_tokens = self.layout.dp_size * sum(
+            v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("inputs")
+        )
+        self.tokens_seen += input_tokens
+        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm_value, "input_tokens": input_tokens}
         values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
         return values
@@ -196,7 +202,7 @@ class Trainer:
                 while self.step < total:
                     values = self.train_step(watch.requested)
                     profiler.step(self.step)
-                    throughput.add(int(values["num_tokens"]) // self.layout.tp_size)
+                    throughput.add(values["input_tokens"])
                     if (
                         self.step % cfg.metrics.log_every == 0
                         or self.step == total
@@ -216,7 +222,7 @@ class Trainer:
         return self.last_metrics
 
     def _log_values(self, values: dict, throughput: Throughput) -> dict[str, float]:
-        out = {k: v for k, v in values.items() if k not in ("preempt", "num_tokens")}
+        out = {k: v for k, v in values.items() if k not in ("preempt", "input_tokens")}
         out.update(throughput.measure())
         out["peak_mem_gb"] = peak_memory_gb(self.layout.device)
         out["tokens_seen"] = self.tokens_seen

@@ -31,4 +31,9 @@ def pretrain(job: PretrainJob) -> Path:
             document_masking=job.data.document_masking,
         )
 
-    return run_stage(job, stage="pretrain", make_batches=make_loader, loss_step=causal_lm_loss)
+    return run_stage(
+        job,
+        stage="pretrain",
+        make_batches=make_loader,
+        make_loss_step=lambda model, spec, layout: causal_lm_loss,
+    )

@@ -11,6 +11,7 @@ Run directory layout:
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,10 +32,21 @@ from lmforge.config import ModelSection, dump_config
 from lmforge.errors import ConfigError
 from lmforge.models.llama import ModelArgs, Transformer
 from lmforge.models.llama import hf as llama_hf
+from lmforge.modules.lora import (
+    LoRASection,
+    apply_lora,
+    lora_state_dict,
+    merge_lora,
+    model_memory_bytes,
+    quantize_base_nf4,
+    reset_lora_parameters,
+    save_peft_adapter,
+)
 from lmforge.train import distributed
 from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
 from lmforge.train.loop import LoopSections, LossStep, Trainer
+from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler
 from lmforge.train.parallelize import parallelize
 
@@ -44,6 +56,7 @@ log = logging.getLogger(__name__)
 # of once on rank 0's CPU and broadcast (faster, but the values then depend on the layout).
 FULL_INIT_MAX_PARAMS = 20e9
 ARTIFACT_DIR = "artifact"
+ADAPTER_DIR = "adapter"  # inside an artifact: the PEFT adapter a LoRA stage trained
 MODEL_DIR = "model"
 
 
@@ -95,12 +108,46 @@ def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def _full_state_on_rank0(spec: ModelSpec, layout, seed: int) -> dict[str, torch.Tensor]:
-    if not layout.is_main:
-        return {}
+def _base_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The starting weights, full and on the CPU (fresh init for a preset)."""
     if spec.from_scratch:
         return api.build_model(spec.args, seed=seed).state_dict()
     return api.read_state_dict(spec.source, spec.args)
+
+
+def _cpu_lora_model(args: ModelArgs, lora: LoRASection, seed: int) -> Transformer:
+    """A CPU model with adapters initialized from `seed` (base weights left unset)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_buffers("cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        reset_lora_parameters(model)
+    return model
+
+
+def _initial_state_on_rank0(spec: ModelSpec, layout, job: TrainJob, lora) -> dict[str, torch.Tensor]:
+    """Rank 0's full starting state (others get it by broadcast): base weights, plus adapters
+    initialized on the CPU from the seed, so every layout starts from identical values."""
+    if not layout.is_main:
+        return {}
+    state = _base_state(spec, job.train.seed)
+    if lora is not None:
+        state.update(lora_state_dict(_cpu_lora_model(spec.args, lora, job.train.seed)))
+    return state
+
+
+def _check_lora_layout(lora: LoRASection, layout: distributed.Layout, job: TrainJob) -> None:
+    if layout.tp_size > 1:
+        raise ConfigError("lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)")
+    if lora.quantize_base == "nf4" and (layout.world_size > 1 or job.parallel.cpu_offload):
+        raise ConfigError(
+            "lora.quantize_base = \"nf4\" (QLoRA) runs in one process without CPU offload; "
+            f"this run has {layout.world_size} processes"
+        )
 
 
 def build_and_load_model(
@@ -109,31 +156,37 @@ def build_and_load_model(
     job: TrainJob,
     *,
     bf16: bool,
-    transform: Callable[[Transformer], None] | None = None,
+    lora: LoRASection | None = None,
 ) -> Transformer:
-    """Meta-device build → (transform, e.g. LoRA) → parallelize → materialize → fill weights."""
+    """Meta-device build → LoRA swap → parallelize → materialize → fill weights (→ NF4 base)."""
     with torch.device("meta"):
         model = Transformer(spec.args)
     sharded_init = spec.from_scratch and spec.args.num_params() > FULL_INIT_MAX_PARAMS
-    if transform is not None:
-        transform(model)
+    if lora is not None:
+        _check_lora_layout(lora, layout, job)
+        apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     parallelize(model, layout, job.parallel, bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
     if not isinstance(model.tok_embeddings.weight, DTensor):
         model.tie_weights()
     model.init_buffers(layout.device)
-    if sharded_init:
+    if sharded_init and lora is None:
         with torch.no_grad():
             torch.manual_seed(job.train.seed)
             model.init_weights()
         return model
-    state = _full_state_on_rank0(spec, layout, job.train.seed)
-    options = StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=layout.world_size > 1, strict=transform is None
-    )
+    state = _initial_state_on_rank0(spec, layout, job, lora)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=layout.world_size > 1)
     if spec.args.tie_embeddings:
         state.pop("output.weight", None)
     set_model_state_dict(model, state, options=options)
+    if lora is not None and lora.quantize_base == "nf4":
+        before = model_memory_bytes(model)
+        quantize_base_nf4(model)
+        log.warning(
+            "QLoRA: frozen base weights stored in NF4: model memory %.1f MB -> %.1f MB",
+            before / 1e6, model_memory_bytes(model) / 1e6,
+        )
     return model
 
 
@@ -148,25 +201,45 @@ def export_artifact(
     parent: str | None,
     config: dict,
     metrics: dict,
+    lora: LoRASection | None = None,
+    seed: int = 0,
 ) -> None:
-    """Gather the full weights (a collective: every rank calls this) and write an artifact."""
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    """Gather the weights (a collective: every rank calls this) and write an artifact.
+
+    With LoRA only the adapters are gathered; rank 0 merges them into the original base
+    weights (full precision, even after QLoRA) and also writes the PEFT adapter to
+    `<artifact>/adapter/`."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora is not None)
+    state = get_model_state_dict(model, options=options)
     if layout.is_main:
+        adapter_staging = None
+        if lora is not None:
+            adapter_staging = out_dir.parent / f".{out_dir.name}.adapter-{os.getpid()}"
+            state = _merge_adapters(spec, lora, state, adapter_staging, seed)
         api.save_state(
-            state,
-            spec.args,
-            spec.tokenizer,
-            out_dir,
-            dtype=dtype,
-            stage=stage,
-            parent=parent,
-            config=config,
-            metrics=metrics,
+            state, spec.args, spec.tokenizer, out_dir, dtype=dtype, stage=stage, parent=parent,
+            config=config, metrics=metrics,
         )
+        if adapter_staging is not None:
+            os.replace(adapter_staging, out_dir / ADAPTER_DIR)
     if layout.world_size > 1:
         dist.barrier()
+
+
+def _merge_adapters(
+    spec: ModelSpec, lora: LoRASection, adapters: dict, adapter_dir: Path, seed: int
+) -> dict[str, torch.Tensor]:
+    """Write the PEFT adapter to `adapter_dir`; return base + adapters merged (full state)."""
+    model = _cpu_lora_model(spec.args, lora, seed)
+    state = _base_state(spec, seed)
+    state.update({name: tensor for name, tensor in adapters.items() if ".lora_" in name})
+    if spec.args.tie_embeddings:
+        state.pop("output.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    save_peft_adapter(model, spec.args, adapter_dir, base_model=str(spec.source), lora_cfg=lora)
+    merge_lora(model)
+    return model.state_dict()
 
 
 def write_run_files(run_dir: Path, job: TrainJob, spec: ModelSpec) -> None:
@@ -182,39 +255,53 @@ def write_run_files(run_dir: Path, job: TrainJob, spec: ModelSpec) -> None:
         spec.tokenizer.save(model_dir)
 
 
+def lora_section(job: TrainJob) -> LoRASection | None:
+    lora = getattr(job, "lora", None)
+    return lora if lora is not None and lora.enabled else None
+
+
 def run_stage(
     job: TrainJob,
     *,
     stage: str,
     make_batches: Callable[[distributed.Layout, ModelSpec], Iterable[dict]],
-    loss_step: LossStep,
-    transform: Callable[[Transformer], None] | None = None,
+    make_loss_step: Callable[[torch.nn.Module, ModelSpec, distributed.Layout], LossStep],
+    count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
 ) -> Path:
     """Run a training stage to its last step (resuming when the run dir has checkpoints) and
-    return the path of the artifact it wrote."""
+    return the path of the artifact it wrote.
+
+    Args:
+        make_batches: (layout, spec) -> the stage's loader (resumable when it has state_dict).
+        make_loss_step: (model, spec, layout) -> loss_step(model, batch) -> LossOutput.
+        count_targets: batch -> the number of targets the loss is averaged over.
+    """
     layout = distributed.setup(job.parallel, job.train.device)
     try:
-        return _run(job, layout, stage, make_batches, loss_step, transform)
+        return _run(job, layout, stage, make_batches, make_loss_step, count_targets)
     finally:
         distributed.teardown()
 
 
-def _run(job, layout, stage, make_batches, loss_step, transform) -> Path:
+def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Path:
     seed_everything(job.train.seed, layout.rank, job.train.deterministic)
     run_dir = Path(job.run_dir)
     spec = resolve_model(job.model)
+    lora = lora_section(job)
     bf16 = job.train.mixed_precision == "bf16" or (
         job.train.mixed_precision == "auto" and layout.device.type == "cuda"
     )
     if layout.is_main:
         write_run_files(run_dir, job, spec)
-    model = build_and_load_model(spec, layout, job, bf16=bf16, transform=transform)
+    model = build_and_load_model(spec, layout, job, bf16=bf16, lora=lora)
     model.train()
     optimizer = build_optimizer(model, job.optim, layout.device)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.steps)
     loader = make_batches(layout, spec)
     checkpoint_state = {
-        "model": ModelOptimizerState(model, optimizer),
+        # With LoRA only the adapters (and their optimizer state) are checkpointed: the frozen
+        # base is read again from its source on resume.
+        "model": ModelOptimizerState(model, optimizer, trainable_only=lora is not None),
         "scheduler": scheduler,
         "rng": RNGState(),
     }
@@ -226,20 +313,15 @@ def _run(job, layout, stage, make_batches, loss_step, transform) -> Path:
     def export(step: int, final: bool) -> None:
         out = run_dir / (ARTIFACT_DIR if final else f"exports/step-{step:08d}")
         export_artifact(
-            model,
-            spec,
-            layout,
-            out,
-            dtype=job.checkpoint.export_dtype,
-            stage=stage,
-            parent=parent,
-            config=config,
-            metrics={"step": step, **trainer.last_metrics},
+            model, spec, layout, out, dtype=job.checkpoint.export_dtype, stage=stage,
+            parent=parent, config=config, metrics={"step": step, **trainer.last_metrics},
+            lora=lora, seed=job.train.seed,
         )
 
+    seq_len = getattr(job.data, "seq_len", None) or getattr(job.data, "max_seq_len", 2048)
     trainer = Trainer(
         model=model,
-        loss_step=loss_step,
+        loss_step=make_loss_step(model, spec, layout),
         batches=iter(loader),
         optimizer=optimizer,
         scheduler=scheduler,
@@ -250,12 +332,11 @@ def _run(job, layout, stage, make_batches, loss_step, transform) -> Path:
             run_dir, keep_last=job.checkpoint.keep_last, async_save=job.checkpoint.async_save
         ),
         checkpoint_state=checkpoint_state,
-        flops_per_token=spec.args.flops_per_token(
-            getattr(getattr(job, "data", None), "seq_len", 2048)
-        ),
+        flops_per_token=spec.args.flops_per_token(seq_len),
         bf16=bf16,
         export=export,
         job_config=config,
+        count_targets=count_targets,
     )
     trainer.run()
     return run_dir / ARTIFACT_DIR

@@ -1,0 +1,279 @@
+"""Batch-1 decode speed on one GPU: lmforge's `Generator` (static KV cache, decode step compiled
+with CUDA graphs) side by side with Hugging Face transformers' `generate` on the same weights,
+against the memory-bandwidth limit.
+
+For each preset (random weights, bf16): lmforge's decode tokens/s (prefill excluded) and overall
+tokens/s; transformers' `generate` on the same weights exported with `lmforge.save` and loaded
+with `LlamaForCausalLM.from_pretrained(..., dtype=torch.bfloat16)`, greedy, with its default
+dynamic cache ("hf") and its static cache ("hf-static", which transformers compiles itself);
+the bandwidth limit = measured device copy bandwidth / weight bytes read per token, and each
+row's % of it. DESIGN's target: lmforge bf16 >= 70% of the limit.
+
+    python benchmarks/decode.py                                  # 1B and 3B, all variants
+    python benchmarks/decode.py --presets llama3.2-1b --variants lmforge hf-static
+    python benchmarks/decode.py --schemes bf16 int8-wo           # once SCHEMES has int8-wo
+
+Each variant compiles first (about a minute for lmforge and for hf-static); with a 10-minute
+limit per command, run one preset per command. Writes decode.json to --out ($OUT if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+from lmforge.api import build_model, save_state
+from lmforge.generate import Generator, SamplingParams
+from lmforge.generate.generate import weight_bytes
+from lmforge.models.llama import get_preset
+
+# Weight schemes for lmforge rows. Hook for the quantize work: add "int8-wo" and "int4-wo" here,
+# each a function taking the bf16 model (on the GPU) and returning it with quantized linear
+# weights (through lmforge's quantize module). `weight_bytes` counts a tensor subclass's packed
+# data and scales, so each row's bandwidth limit follows its own bytes.
+SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {"bf16": lambda model: model}
+
+VARIANTS = ("lmforge", "lmforge-eager", "hf", "hf-static")
+DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting each byte read and written."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iterations):
+        target.copy_(source)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * num_bytes * iterations / seconds
+
+
+def make_model(preset: str, scheme: str) -> nn.Module:
+    model = build_model(get_preset(preset), device="cuda", dtype=torch.bfloat16, seed=0)
+    return SCHEMES[scheme](model.eval())
+
+
+def bench_lmforge(model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool):
+    generator = Generator(
+        model, max_batch=1, max_seq_len=len(prompt) + new_tokens, device="cuda", compile=compile
+    )
+    generator.warmup()
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
+    generator.generate([prompt], params)  # one untimed run: allocator, first prefill shape
+    runs = [generator.generate([prompt], params) for _ in range(repeats)]
+    tokens = runs[-1].results[0].token_ids
+    assert len(tokens) == new_tokens, len(tokens)
+    decode = statistics.median(r.stats.decode_tokens_per_s for r in runs)
+    overall = statistics.median(r.stats.tokens_per_s for r in runs)
+    return decode, overall, tokens
+
+
+def bench_hf(directory: Path, prompt: list[int], new_tokens: int, repeats: int, *, static: bool):
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    model.generation_config.eos_token_id = None  # always new_tokens tokens
+    input_ids = torch.tensor([prompt], device="cuda")
+    kwargs = dict(
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    if static:
+        kwargs["cache_implementation"] = "static"
+
+    def run():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, out[0, len(prompt) :].tolist()
+
+    for _ in range(2 if static else 1):  # static: transformers compiles on the first calls
+        run()
+    runs = [run() for _ in range(repeats)]
+    tokens = runs[-1][1]
+    assert len(tokens) == new_tokens, len(tokens)
+    overall = statistics.median(new_tokens / seconds for seconds, _ in runs)
+    return overall, tokens
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """Tokens before the first difference (bf16 kernels differ: near-ties may flip)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _cleanup() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--presets", nargs="+", default=["llama3.2-1b", "llama3.2-3b"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        choices=sorted(SCHEMES),
+        default=["bf16"],
+        help="weight schemes for the lmforge rows (hf rows are always bf16)",
+    )
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="where decode.json goes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+
+    bandwidth = copy_bandwidth()
+    print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for preset in args.presets:
+        model_args = get_preset(preset)
+        prompt = torch.randint(
+            0, model_args.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
+        bf16_bytes = None
+        reference = None  # lmforge bf16 tokens, to compare with transformers'
+        for scheme in args.schemes:
+            for variant in [v for v in args.variants if v.startswith("lmforge")]:
+                torch.cuda.reset_peak_memory_stats()
+                row = {"preset": preset, "variant": f"{variant} {scheme}"}
+                try:
+                    model = make_model(preset, scheme)
+                    num_bytes = weight_bytes(model)
+                    decode, overall, tokens = bench_lmforge(
+                        model,
+                        prompt,
+                        args.new_tokens,
+                        args.repeats,
+                        compile=variant == "lmforge",
+                    )
+                    if scheme == "bf16":
+                        bf16_bytes, reference = num_bytes, reference or tokens
+                    limit = bandwidth / num_bytes
+                    row.update(
+                        weight_gb=round(num_bytes / 1e9, 3),
+                        limit_tok_s=round(limit),
+                        decode_tok_s=round(decode, 1),
+                        overall_tok_s=round(overall, 1),
+                        pct_of_limit=round(100 * decode / limit, 1),
+                        bandwidth_gb_s=round(decode * num_bytes / 1e9),
+                        peak_mem_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                    )
+                except Exception as err:  # one failing variant must not lose the others
+                    row["error"] = f"{type(err).__name__}: {err}"[:300]
+                record(row)
+                model = None
+                _cleanup()
+
+        hf_variants = [v for v in args.variants if v.startswith("hf")]
+        if not hf_variants:
+            continue
+        with tempfile.TemporaryDirectory(prefix="decode-bench-") as tmp:
+            model = make_model(preset, "bf16")
+            bf16_bytes = bf16_bytes or weight_bytes(model)
+            state = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+            directory = Path(tmp) / "model"
+            save_state(state, model_args, None, directory, stage="benchmark", parent=None)
+            del model, state
+            _cleanup()
+            for variant in hf_variants:
+                torch.cuda.reset_peak_memory_stats()
+                row = {"preset": preset, "variant": f"{variant} bf16"}
+                try:
+                    overall, tokens = bench_hf(
+                        directory,
+                        prompt,
+                        args.new_tokens,
+                        args.repeats,
+                        static=variant == "hf-static",
+                    )
+                    limit = bandwidth / bf16_bytes
+                    row.update(
+                        weight_gb=round(bf16_bytes / 1e9, 3),
+                        limit_tok_s=round(limit),
+                        overall_tok_s=round(overall, 1),
+                        pct_of_limit=round(100 * overall / limit, 1),
+                        bandwidth_gb_s=round(overall * bf16_bytes / 1e9),
+                        peak_mem_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                    )
+                    if reference is not None:
+                        row["same_tokens_as_lmforge"] = _agreement(reference, tokens)
+                except Exception as err:
+                    row["error"] = f"{type(err).__name__}: {err}"[:300]
+                record(row)
+                _cleanup()
+
+    summary = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(os.path.join(args.out, "decode.json"), "w") as handle:
+        json.dump(summary, handle, indent=1)
+
+    print(
+        f"\nbatch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s; decode = prefill excluded, overall = included"
+    )
+    header = (
+        f"{'preset':13s} {'variant':20s} {'weights':>8s} {'limit':>7s} {'decode':>8s} "
+        f"{'overall':>8s} {'% limit':>8s} {'GB/s':>6s} {'peak GB':>8s}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if "error" in row:
+            print(f"{row['preset']:13s} {row['variant']:20s} FAILED {row['error'][:60]}")
+            continue
+        decode = f"{row['decode_tok_s']:8.0f}" if "decode_tok_s" in row else f"{'-':>8s}"
+        print(
+            f"{row['preset']:13s} {row['variant']:20s} {row['weight_gb']:6.2f}GB "
+            f"{row['limit_tok_s']:7d} {decode} {row['overall_tok_s']:8.0f} "
+            f"{row['pct_of_limit']:7.1f}% {row['bandwidth_gb_s']:6d} {row['peak_mem_gb']:8.2f}"
+        )
+    print(
+        "(tokens/s; % limit uses decode for lmforge, overall for hf; target: lmforge bf16 >= 70%)"
+    )
+
+
+if __name__ == "__main__":
+    main()

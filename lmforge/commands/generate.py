@@ -1,0 +1,206 @@
+"""`lmforge generate ARTIFACT`: continue prompts or answer chat messages, and report the speed.
+
+Prints each prompt's new text (streamed as it comes when there is one prompt), then the report:
+time, tokens/s (decode alone and overall), achieved weight bandwidth and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from lmforge.errors import ConfigError, DataError, ModelFormatError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text from an artifact and report tokens/s, bandwidth and memory",
+        description="Generate from a model: prefill, then token-by-token decode with a static "
+        "KV cache (torch.compile with CUDA graphs on GPU). Prompts are text (continued as they "
+        "are, after BOS) or chat messages (rendered with the chat template; the answer stops at "
+        "the end of turn). Prints the texts and a speed report.",
+        epilog="--prompts-file: plain text holds one prompt per non-empty line; a .jsonl file "
+        'holds one JSON object per line, {"prompt": "..."} or {"messages": [{"role": ..., '
+        '"content": ...}, ...]}.',
+    )
+    parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact or HF Llama directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--prompt", nargs="+", metavar="TEXT", help="text prompts to continue (one each)"
+    )
+    source.add_argument(
+        "--chat",
+        nargs="+",
+        metavar="MESSAGE",
+        help="user messages, each a one-turn conversation answered through the chat template",
+    )
+    source.add_argument("--prompts-file", type=Path, metavar="FILE", help="prompts, see below")
+    parser.add_argument("--system", metavar="TEXT", help="a system message for --chat")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument(
+        "--stop", nargs="+", default=[], metavar="STR", help="stop strings (cut from the text)"
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="compute dtype (default: as stored)",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the decode step (default: on CUDA only)",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=8, metavar="N", help="prompts decoded together (8)"
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV cache length (default: longest prompt + max-new-tokens)",
+    )
+    parser.set_defaults(func=main)
+
+
+def read_prompts_file(path: Path) -> list:
+    """Text prompts (one per non-empty line) or, from .jsonl, {"prompt"} / {"messages"} rows."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text") from None
+    prompts: list = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not valid JSON: {err.msg}") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+            prompts.append(row["messages"])
+        else:
+            raise DataError(
+                f'{path}:{number}: expected {{"prompt": "text"}} or {{"messages": [...]}}'
+            )
+    if not prompts:
+        raise DataError(f"{path}: no prompts in the file")
+    return prompts
+
+
+def _pick_device(choice: str):
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here; allowed: cpu, auto")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def _label(prompt) -> str:
+    text = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+    text = " ".join(str(text).split())
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+def main(args: argparse.Namespace) -> int:
+    import lmforge
+    from lmforge.generate import Generator, SamplingParams
+    from lmforge.generate.generate import encode_prompt
+
+    if args.prompts_file is not None:
+        prompts = read_prompts_file(args.prompts_file)
+    elif args.chat is not None:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [[*system, {"role": "user", "content": message}] for message in args.chat]
+    else:
+        prompts = list(args.prompt)
+    if args.system and args.chat is None:
+        raise ConfigError("--system goes with --chat only")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch {args.max_batch} must be >= 1")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop=tuple(args.stop),
+    )
+
+    device = _pick_device(args.device)
+    start = time.perf_counter()
+    loaded = lmforge.load(args.artifact, device=device, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise ModelFormatError(
+            f"{args.artifact}: has no tokenizer (tokenizer.json or tokenizer.model); "
+            "generate needs one to read prompts and write text"
+        )
+    model_args = loaded.config
+    prompt_ids = [
+        encode_prompt(p, loaded.tokenizer, vocab_size=model_args.vocab_size) for p in prompts
+    ]
+    longest = max(len(ids) for ids in prompt_ids)
+    max_seq_len = args.max_seq_len or min(model_args.max_seq_len, longest + args.max_new_tokens)
+    if longest >= max_seq_len:
+        raise ConfigError(
+            f"the longest prompt has {longest} tokens; --max-seq-len {max_seq_len} leaves no room "
+            f"for new tokens (the model allows up to {model_args.max_seq_len})"
+        )
+    generator = Generator(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=min(args.max_batch, len(prompts)),
+        max_seq_len=max_seq_len,
+        device=device,
+        compile=args.compile,
+    )
+    print(
+        f"loaded {args.artifact} on {device} ({generator.dtype}) in "
+        f"{time.perf_counter() - start:.1f}s",
+        file=sys.stderr,
+    )
+    if generator.compiled:
+        print("compiling the decode step...", file=sys.stderr, flush=True)
+        print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
+
+    stream = generator.stream(prompt_ids, params, seed=args.seed)
+    if len(prompts) == 1:  # print as it comes
+        print(f"=== {_label(prompts[0])}")
+        for events in stream:
+            for event in events:
+                print(event.text, end="", flush=True)
+        print()
+        results = stream.results
+    else:
+        results = stream.output().results
+        for prompt, result in zip(prompts, results):
+            print(f"=== {_label(prompt)}")
+            print(result.text)
+    for result in results:
+        stop = f" at {result.stop!r}" if result.stop is not None else ""
+        print(
+            f"[{result.index + 1}] {len(result.prompt_ids)} prompt tokens, "
+            f"{len(result.token_ids)} new, finish: {result.finish_reason}{stop}"
+        )
+    print()
+    print(stream.stats.format())
+    return 0

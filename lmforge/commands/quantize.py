@@ -1,0 +1,102 @@
+"""`lmforge quantize ARTIFACT OUT --scheme int8-wo|int4-wo [--group-size N]` (torchao)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SCHEMES = ("int8-wo", "int4-wo")  # lmforge.quantize.SCHEMES, without importing torch for --help
+
+
+def register(subparsers) -> None:
+    quantize = subparsers.add_parser(
+        "quantize",
+        help="weight-only int8 / int4 quantization (torchao)",
+        description="Quantize the linears of every transformer block with torchao and write a "
+        "quantized artifact that lmforge load / eval / generate / serve read as they read any "
+        "other. Embeddings stay in their dtype; so does the output projection unless "
+        "--quantize-output. The scheme, group size and modules are recorded in lmforge.json. "
+        "int8-wo artifacts (and int4-wo made on CUDA) are also in transformers' torchao format; "
+        "int4-wo made on the CPU packs two values per byte and loads in lmforge only.",
+        epilog="Kernels: cpu runs int8-wo and int4-wo; cuda runs int8-wo, and int4-wo on compute "
+        "capability 8.0+ (tinygemm, group size 32/64/128/256).",
+    )
+    quantize.add_argument("source", metavar="ARTIFACT", help="artifact, HF directory or preset")
+    quantize.add_argument("out", metavar="OUT", type=Path)
+    quantize.add_argument("--scheme", required=True, choices=SCHEMES)
+    quantize.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="values sharing one scale; must divide the linears' input sizes "
+        "(default: 256 for int4-wo, one scale per output row for int8-wo)",
+    )
+    quantize.add_argument(
+        "--quantize-output",
+        action="store_true",
+        help="quantize the output projection too (untied from the embeddings if tied)",
+    )
+    quantize.add_argument(
+        "--device",
+        default=None,
+        help="where to quantize (and which kernels the artifact targets); default cuda if "
+        "available, else cpu",
+    )
+    quantize.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="cast the model before quantizing (default: the stored dtype)",
+    )
+    quantize.set_defaults(func=quantize_main)
+
+
+def _size(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return "-"
+    for scale, suffix in ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {suffix}"
+    return f"{num_bytes} B"
+
+
+def _ratio(new: int | None, old: int | None) -> str:
+    return f"{new / old:.3f}x" if new and old else "-"
+
+
+def quantize_main(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from lmforge.quantize import quantize_artifact
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    result = quantize_artifact(
+        args.source,
+        args.out,
+        scheme=args.scheme,
+        group_size=args.group_size,
+        quantize_output=args.quantize_output,
+        device=device,
+        dtype=args.dtype,
+    )
+    spec, old, new = result.spec, result.original, result.quantized
+    group = f"group size {spec.group_size}" if spec.group_size else "per output row"
+    print(
+        f"quantized {len(result.modules)} linears of {args.source} with {spec.scheme} ({group}) "
+        f"on {device} in {time.perf_counter() - start:.1f}s -> {result.path}"
+    )
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"{'':16s} {'original':>12s} {'quantized':>12s} {'ratio':>8s}")
+    rows = [
+        ("on disk", old.disk_bytes, new.disk_bytes),
+        ("in memory", old.memory_bytes, new.memory_bytes),
+        ("linear weights", old.linear_bytes, new.linear_bytes),
+        ("  (as bf16)", new.linear_bf16_bytes, new.linear_bytes),
+    ]
+    for label, before, after in rows:
+        print(f"{label:16s} {_size(before):>12s} {_size(after):>12s} {_ratio(after, before):>8s}")
+    return 0

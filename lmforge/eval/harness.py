@@ -1,0 +1,740 @@
+"""EleutherAI lm-eval, run in process on lmforge models.
+
+`LmforgeLM` is an `lm_eval.api.model.LM` over a model loaded with `lmforge.load` (full or
+quantized artifact, HF directory, preset): batched `loglikelihood` (requests sorted by length,
+longest first, right-padded; only the continuation positions go through the output projection),
+`loglikelihood_rolling` (disjoint windows of the maximum length, each with the fullest context),
+`generate_until` (prefill, then one token at a time against a growing KV cache; greedy or
+sampled), and `apply_chat_template` so that `--chat` evaluates in the model's chat format.
+Tokenization follows lm-eval's `hf` backend, so that scores equal it on the same artifact:
+context and continuation are encoded together and split at the context's length, trailing
+spaces of the context move to the continuation, BOS is prepended unless the text already starts
+with it, and special-token text (a rendered chat template) becomes special ids.
+
+`run_eval` evaluates tasks (lm-eval names or local YAMLs from include paths) on one or more
+artifacts, writes a results JSON per artifact and returns the results; `format_results_table`
+and `format_comparison_table` make the console tables (value ± standard error, and deltas).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM
+
+from lmforge.api import LoadedModel, load
+from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
+from lmforge.errors import ConfigError, DataError, ModelFormatError
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as torch.device."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(
+            f"device {device!r} is not valid; allowed: auto, cpu, cuda, cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device} asked for, but CUDA is not available here; use cpu")
+    return device
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring token sequences
+
+
+@torch.inference_mode()
+def score_sequences(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[Sequence[int], int]],
+    *,
+    batch_size: int,
+    device: torch.device | str,
+) -> list[tuple[float, bool]]:
+    """Log-probability of the last `n` tokens of each sequence given the tokens before them.
+
+    Args:
+        sequences: (tokens, n) pairs with 0 <= n < len(tokens).
+    Returns:
+        per sequence, (sum of the n tokens' log-probabilities, whether each of them is the
+        argmax), in the input order.
+    """
+    results: list[tuple[float, bool] | None] = [None] * len(sequences)
+    order = sorted(
+        (i for i, (tokens, n) in enumerate(sequences) if n > 0),
+        key=lambda i: -len(sequences[i][0]),
+    )
+    for i, (_, n) in enumerate(sequences):
+        if n == 0:
+            results[i] = (0.0, True)
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        width = len(sequences[batch[0]][0]) - 1  # the longest input of the batch
+        inputs = torch.zeros(len(batch), width, dtype=torch.long)  # right-padded; causal
+        for row, i in enumerate(batch):
+            tokens = sequences[i][0]
+            inputs[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
+        hidden = model(inputs.to(device), return_hidden=True)  # [b, width, dim]
+        # Input position p predicts token p + 1, so the last n tokens of a sequence with
+        # input length L are predicted at positions L - n .. L - 1.
+        picked, targets = [], []
+        for row, i in enumerate(batch):
+            tokens, n = sequences[i]
+            length = len(tokens) - 1
+            picked.append(hidden[row, length - n : length])
+            targets.extend(tokens[-n:])
+        logits = model.output(torch.cat(picked))  # [sum n, vocab]
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(targets, device=logprobs.device)
+        chosen = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
+        greedy = (logprobs.argmax(-1) == target).tolist()
+        offset = 0
+        for i in batch:
+            n = sequences[i][1]
+            results[i] = (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n]))
+            offset += n
+    return results  # type: ignore[return-value]
+
+
+class _GrowingKVCache:
+    """Keys and values of one layer, concatenated along the sequence as decoding proceeds."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [b, kv_heads, s, head_dim]
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = torch.cat([self.keys, k], dim=2)
+            self.values = torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+
+def _sample(
+    logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float | None, generator
+) -> torch.Tensor:
+    """One token per row from logits [b, vocab] (temperature, then top-k, then top-p)."""
+    logits = logits.float() / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, sorted_index = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token crossing top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_index, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The LM adapter
+
+
+class LmforgeLM(LM):
+    """lm-eval's model interface over an lmforge model.
+
+    Args:
+        source: a model source for `lmforge.load` (artifact, HF directory, ...) or a
+            `LoadedModel` (then `device` and `dtype` are those it already has).
+        batch_size: sequences per forward pass.
+        device: "cpu", "cuda", "cuda:N" or "auto".
+        dtype: "float32", "bfloat16", "float16" or None (as stored).
+        max_length: longest input in tokens (default: the model's max_seq_len).
+        add_bos_token: prepend BOS to contexts (as lmforge's pretraining data does); the
+            same switch as the `hf` backend's `add_bos_token`.
+        max_gen_toks: default generation length when a task does not set one.
+        seed: seed of the generator used for sampled generation.
+    """
+
+    def __init__(
+        self,
+        source: str | Path | LoadedModel,
+        *,
+        batch_size: int = 8,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        max_length: int | None = None,
+        add_bos_token: bool = True,
+        max_gen_toks: int = 256,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if isinstance(source, LoadedModel):
+            loaded = source
+            self._device = next(loaded.model.parameters()).device
+        else:
+            self._device = resolve_device(device)
+            loaded = load(source, device=self._device, dtype=dtype)
+        if loaded.tokenizer is None:
+            raise ModelFormatError(
+                f"{loaded.source}: has no tokenizer (tokenizer.json or tokenizer.model); "
+                "lm-eval tasks are text, so evaluation needs one"
+            )
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.loaded = loaded
+        self.model = loaded.model.eval()
+        self.tokenizer = loaded.tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length or loaded.config.max_seq_len
+        self.add_bos_token = add_bos_token
+        self.max_gen_toks = max_gen_toks
+        self._generator = torch.Generator().manual_seed(seed)
+        specials = sorted(self.tokenizer.special_tokens, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    # --- tokens ----------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context (and each rolling window's first position) is conditioned on."""
+        bos = self.tokenizer.bos_id
+        return bos if bos is not None else self.tokenizer.eos_id
+
+    def tok_encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Ids of `text` as a transformers tokenizer gives them: special-token text becomes the
+        special id; BOS first (when `add_bos`, default `add_bos_token`) unless already there."""
+        ids: list[int] = []
+        position = 0
+        if self._special_pattern is not None:
+            for match in self._special_pattern.finditer(text):
+                ids += self.tokenizer.encode(text[position : match.start()])
+                ids.append(self.tokenizer.special_tokens[match.group()])
+                position = match.end()
+        ids += self.tokenizer.encode(text[position:])
+        add_bos = self.add_bos_token if add_bos is None else add_bos
+        bos, bos_text = self.tokenizer.bos_id, self.tokenizer.bos_token
+        if add_bos and bos is not None and not (bos_text and text.startswith(bos_text)):
+            ids.insert(0, bos)
+        return ids
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        # Spaces at the end of the context belong to the continuation's first word.
+        num_spaces = len(context) - len(context.rstrip())
+        if num_spaces:
+            context, continuation = context[:-num_spaces], context[-num_spaces:] + continuation
+        # Encode together, then split: what a word's tokens are depends on its left neighbour.
+        whole = self.tok_encode(context + continuation)
+        context_ids = self.tok_encode(context)
+        return context_ids, whole[len(context_ids) :]
+
+    # --- lm-eval's three request types -----------------------------------------------------
+
+    def loglikelihood(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        sequences = []
+        for context, continuation in (request.args for request in requests):
+            if context == "":
+                continuation_ids = self.tok_encode(continuation, add_bos=False)
+                if continuation_ids and continuation_ids[0] == self.prefix_token_id:
+                    context_ids, continuation_ids = continuation_ids[:1], continuation_ids[1:]
+                else:
+                    context_ids = [self.prefix_token_id]
+            else:
+                context_ids, continuation_ids = self._encode_pair(context, continuation)
+            # Longer than the model takes: drop context from the left.
+            tokens = (context_ids + continuation_ids)[-(self.max_length + 1) :]
+            sequences.append((tokens, min(len(continuation_ids), len(tokens) - 1)))
+        results = score_sequences(
+            self.model, sequences, batch_size=self.batch_size, device=self.device
+        )
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return results
+
+    def loglikelihood_rolling(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[float]:
+        """Sum of log-probabilities of every token of each text, given the prefix token.
+
+        The text is cut into disjoint chunks of `max_length` scored tokens; each chunk is
+        scored with the `max_length` tokens before its end as input, so the last chunk gets a
+        full context. The prefix token (BOS) conditions the first token and is not scored.
+        """
+        windows, owners = [], []
+        for index, (text,) in enumerate(request.args for request in requests):
+            full = [self.prefix_token_id, *self.tok_encode(text, add_bos=False)]
+            begin = 1  # the first target position in `full`
+            while begin < len(full):
+                end = min(begin + self.max_length, len(full))
+                start = max(0, end - 1 - self.max_length)
+                windows.append((full[start:end], end - begin))
+                owners.append(index)
+                begin = end
+        scores = score_sequences(
+            self.model, windows, batch_size=self.batch_size, device=self.device
+        )
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, scores):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        outputs: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            key = json.dumps(request.args[1], sort_keys=True, default=str)
+            groups.setdefault(key, []).append(index)
+        for indices in groups.values():
+            kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
+            until = kwargs.pop("until") or []
+            max_new = kwargs.pop("max_gen_toks")
+            ignored = sorted(set(kwargs) - SAMPLING_KEYS)
+            if ignored:
+                logger.warning("generation settings not supported, ignored: %s", ", ".join(ignored))
+            max_context = self.max_length - max_new
+            if max_context < 1:
+                raise ConfigError(
+                    f"max_gen_toks {max_new} leaves no room for a prompt in max_length "
+                    f"{self.max_length}"
+                )
+            prompts = {i: self.tok_encode(requests[i].args[0])[-max_context:] for i in indices}
+            ordered = sorted(indices, key=lambda i: -len(prompts[i]))
+            for start in range(0, len(ordered), self.batch_size):
+                batch = ordered[start : start + self.batch_size]
+                texts = self._generate(
+                    [prompts[i] for i in batch],
+                    max_new_tokens=max_new,
+                    stop_strings=until,
+                    do_sample=bool(kwargs.get("do_sample")),
+                    temperature=float(kwargs.get("temperature") or 0.0),
+                    top_k=kwargs.get("top_k"),
+                    top_p=kwargs.get("top_p"),
+                )
+                for i, text in zip(batch, texts):
+                    outputs[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return outputs  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop_strings: Sequence[str],
+        do_sample: bool,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+    ) -> list[str]:
+        """Continue a batch of prompts; the text of each, cut before its first stop string."""
+        device, batch = self.device, len(prompts)
+        width = max(len(p) for p in prompts)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        valid = torch.zeros(batch, width, dtype=torch.bool)  # left padding is invalid
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
+            valid[row, width - len(prompt) :] = True
+        tokens, valid = tokens.to(device), valid.to(device)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [b, s]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        # A padding query attends to itself only, so no row of the mask is empty (NaN).
+        mask = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+        caches = [_GrowingKVCache() for _ in range(self.loaded.config.num_layers)]
+        logits = self.model(tokens, positions=positions, attn_mask=mask[:, None], kv_caches=caches)
+        logits = logits[:, -1]  # [b, vocab]
+        next_position = valid.sum(-1)  # [b]
+        key_valid = valid
+        stop_ids = self.tokenizer.stop_ids
+        generated: list[list[int]] = [[] for _ in range(batch)]
+        done = [False] * batch
+        for _ in range(max_new_tokens):
+            if do_sample and temperature > 0:
+                chosen = _sample(
+                    logits,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=self._generator,
+                )
+            else:
+                chosen = logits.argmax(-1)
+            for row, token in enumerate(chosen.tolist()):
+                if done[row]:
+                    continue
+                if token in stop_ids:
+                    done[row] = True
+                    continue
+                generated[row].append(token)
+                if stop_strings and any(
+                    s in self.tokenizer.decode(generated[row]) for s in stop_strings
+                ):
+                    done[row] = True
+            if all(done):
+                break
+            key_valid = torch.cat(
+                [key_valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], 1
+            )
+            logits = self.model(
+                chosen[:, None],
+                positions=next_position[:, None],
+                attn_mask=key_valid[:, None, None, :],
+                kv_caches=caches,
+            )[:, -1]
+            next_position = next_position + 1
+        texts = []
+        for ids in generated:
+            text = self.tokenizer.decode(ids, skip_special=True)
+            for stop in stop_strings:
+                if stop:
+                    text = text.split(stop)[0]
+            texts.append(text)
+        return texts
+
+    # --- chat format -----------------------------------------------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"lmforge-{self.tokenizer.fingerprint()[:16]}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tokenizer.chat_template if chat_template else None
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation rendered with the model's chat template. Without a generation
+        prompt the last (assistant) message is left open, to be continued."""
+        if self.tokenizer.chat_template is None:
+            raise ModelFormatError(
+                f"{self.loaded.source}: the tokenizer has no chat template; evaluate without --chat"
+            )
+        if add_generation_prompt or not chat_history:
+            return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=False)
+        final = str(chat_history[-1].get("content", "")).strip()
+        cut = rendered.rfind(final)
+        return rendered[: cut + len(final)] if cut >= 0 else rendered
+
+    def get_model_info(self) -> dict:
+        lineage = self.loaded.lineage or {}
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(next(self.model.parameters()).dtype),
+            "model_source": self.loaded.source,
+            "model_stage": lineage.get("stage"),
+            "model_hash": lineage.get("hash"),
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(include_path: tuple[str, ...], include_defaults: bool):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_path) or None, include_defaults=include_defaults)
+
+
+def _load_task_manager(tasks: Sequence[str], include_path: tuple[str, ...]):
+    """A TaskManager that knows `tasks`: only the include paths when they hold them all (fast),
+    else with lm-eval's own tasks too (indexing those takes seconds)."""
+    if include_path:
+        local = _task_manager(include_path, False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return _task_manager(include_path, True)
+
+
+def check_tasks(task_manager, tasks: Sequence[str], include_path: Sequence[str]) -> None:
+    """Load each task once so that a missing task or dataset is a one-line error naming it."""
+    for task in tasks:
+        try:
+            task_manager.load([task])
+        except KeyError:
+            where = f" nor a task in {', '.join(include_path)}" if include_path else ""
+            raise ConfigError(
+                f"unknown task {task!r}: not an lm-eval task, group or tag{where} "
+                "(`lm-eval ls tasks` lists lm-eval's; a local task is a YAML file in a directory "
+                "given with --include-path)"
+            ) from None
+        except OSError as err:  # offline and not cached, missing data file, no such dataset
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DataError(
+                f"task {task!r}: its dataset cannot be loaded ({reason}); offline, a hub dataset "
+                "must already be in the datasets cache (HF_DATASETS_CACHE) - or provide the data "
+                "locally: a task YAML with `dataset_path: json` and `dataset_kwargs: {data_files: "
+                "{test: FILE.jsonl}}` in a directory given with --include-path"
+            ) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The runner
+
+
+@dataclass
+class EvalResult:
+    """One artifact's evaluation: lm-eval's results (JSON-safe) and where they were written."""
+
+    source: str
+    results: dict
+    path: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _json_safe(value):
+    from lm_eval.utils import handle_non_serializable
+
+    return json.loads(json.dumps(value, default=handle_non_serializable))
+
+
+def _timestamp() -> str:
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def results_path(source: str | Path, out: str | Path | None, *, kind: str = "results") -> Path:
+    """`<out>/<kind>-<name>-<time>.json` when `out` is given, else `<artifact>/eval/<kind>-<time>.json`
+    (a preset, which has no directory, needs `out`)."""
+    stamp = _timestamp()
+    if out is not None:
+        directory, stem = Path(out), f"{kind}-{Path(str(source)).name or 'model'}-{stamp}"
+    elif Path(str(source)).is_dir():
+        directory, stem = Path(source) / "eval", f"{kind}-{stamp}"
+    else:
+        raise ConfigError(
+            f"{source}: not a directory, so results have no place beside it; give --out"
+        )
+    path, suffix = directory / f"{stem}.json", 1
+    while path.exists():  # two runs within one second
+        path, suffix = directory / f"{stem}.{suffix}.json", suffix + 1
+    return path
+
+
+def write_results(path: Path, payload: dict) -> Path:
+    """Write JSON atomically (temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(staging, path)
+    return path
+
+
+def model_record(source: str | Path) -> dict:
+    """Source, hash and stage of a model, for results files."""
+    record: dict = {"source": str(source)}
+    path = Path(str(source))
+    if path.is_dir() and (path / "config.json").exists():
+        record["hash"] = artifact_hash(path)
+        if (path / LINEAGE_NAME).exists():
+            record["stage"] = read_json(path / LINEAGE_NAME).get("stage")
+    return record
+
+
+def run_eval(
+    sources: Sequence[str | Path],
+    tasks: Sequence[str],
+    *,
+    include_path: str | Path | Sequence[str | Path] | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    dtype: str | None = None,
+    num_fewshot: int | None = None,
+    apply_chat_template: bool = False,
+    max_length: int | None = None,
+    log_samples: bool = False,
+    seed: int = 1234,
+    out: str | Path | None = None,
+    write: bool = True,
+) -> list[EvalResult]:
+    """Evaluate lm-eval tasks on each model source, one after the other.
+
+    Args:
+        sources: artifacts (or any `lmforge.load` source).
+        tasks: lm-eval task, group or tag names, or names of tasks in `include_path`.
+        include_path: director(y/ies) of local task YAMLs.
+        limit: examples per task (a fraction when < 1), for quick runs.
+        num_fewshot: few-shot examples (default: each task's own).
+        apply_chat_template: render prompts with the model's chat template (instruct models).
+        log_samples: keep per-example requests and responses in the results (key "samples").
+        out: directory for the results files (default: `<artifact>/eval/`).
+        write: write the results files at all.
+
+    Returns:
+        one `EvalResult` per source, in order; `.results` has lm-eval's "results", "versions",
+        "n-samples", "higher_is_better", "configs" (and "samples"), plus "lmforge" (model
+        record and settings).
+    """
+    import lm_eval
+
+    if not tasks:
+        raise ConfigError("no tasks given; name lm-eval tasks or local ones (--tasks)")
+    if isinstance(include_path, (str, Path)):
+        include_path = [include_path]
+    paths = tuple(str(Path(p).expanduser().resolve()) for p in include_path or ())
+    for path in paths:
+        if not Path(path).is_dir():
+            raise ConfigError(f"include path {path}: no such directory (of task YAML files)")
+    tasks = list(dict.fromkeys(tasks))
+    task_manager = _load_task_manager(tasks, paths)
+    check_tasks(task_manager, tasks, paths)
+
+    settings = {
+        "tasks": tasks,
+        "include_path": list(paths),
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "batch_size": batch_size,
+        "device": str(resolve_device(device)),
+        "dtype": dtype,
+        "apply_chat_template": apply_chat_template,
+        "max_length": max_length,
+        "seed": seed,
+    }
+    evaluated = []
+    for source in sources:
+        lm = LmforgeLM(
+            source,
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype,
+            max_length=max_length,
+            seed=seed,
+        )
+        raw = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=task_manager,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            batch_size=batch_size,
+            device=settings["device"],
+            log_samples=log_samples,
+            apply_chat_template=apply_chat_template,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+        keys = [
+            "results",
+            "groups",
+            "group_subtasks",
+            "versions",
+            "n-shot",
+            "n-samples",
+            "higher_is_better",
+            "configs",
+        ]
+        if log_samples:
+            keys.append("samples")
+        results = _json_safe({key: raw[key] for key in keys if key in raw})
+        results["lmforge"] = {"model": model_record(lm.loaded.source), "settings": settings}
+        path = results_path(source, out) if write else None
+        if path is not None:
+            write_results(path, results)
+        evaluated.append(EvalResult(source=str(source), results=results, path=path))
+        del lm, raw
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return evaluated
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+def metric_rows(results: dict) -> dict[tuple[str, str], tuple[float, float | None]]:
+    """(task, metric) -> (value, stderr) from lm-eval's "results"; the "none" filter is left
+    out of the metric name, other filters are kept ("exact_match,flexible-extract")."""
+    rows = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            metric, filter_name = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filter_name}")
+            name = metric if filter_name == "none" else f"{metric},{filter_name}"
+            stderr = stderr if isinstance(stderr, (int, float)) else None
+            rows[(task, name)] = (float(value), None if stderr is None else float(stderr))
+    return rows
+
+
+def _plus_minus(value: float, stderr: float | None, *, sign: bool = False) -> str:
+    text = f"{value:+.4f}" if sign else f"{value:.4f}"
+    return f"{text} ± {stderr:.4f}" if stderr is not None and math.isfinite(stderr) else text
+
+
+def _render(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_results_table(results: dict) -> str:
+    """task | metric | value ± stderr | n for one artifact."""
+    samples = results.get("n-samples", {})
+    rows = []
+    for (task, metric), (value, stderr) in metric_rows(results).items():
+        count = samples.get(task, {}).get("effective")
+        rows.append([task, metric, _plus_minus(value, stderr), "" if count is None else str(count)])
+    return _render(["task", "metric", "value ± stderr", "n"], rows)
+
+
+def _names(sources: Sequence[str]) -> list[str]:
+    short = [Path(s).name or s for s in sources]
+    return short if len(set(short)) == len(short) else [str(s) for s in sources]
+
+
+def format_comparison_table(evaluated: Sequence[EvalResult]) -> str:
+    """task | metric | one column per artifact (value ± stderr) | delta of each later artifact
+    against the first (± the two standard errors combined as if independent)."""
+    names = _names([e.source for e in evaluated])
+    tables = [metric_rows(e.results) for e in evaluated]
+    keys = list(dict.fromkeys(key for table in tables for key in table))
+    header = ["task", "metric", *names]
+    header += [f"Δ {name} - {names[0]}" for name in names[1:]]
+    rows = []
+    for key in keys:
+        cells = [key[0], key[1]]
+        cells += [_plus_minus(*table[key]) if key in table else "-" for table in tables]
+        first = tables[0].get(key)
+        for table in tables[1:]:
+            other = table.get(key)
+            if first is None or other is None:
+                cells.append("-")
+                continue
+            errors = [e for e in (first[1], other[1]) if e is not None]
+            stderr = math.sqrt(sum(e * e for e in errors)) if len(errors) == 2 else None
+            cells.append(_plus_minus(other[0] - first[0], stderr, sign=True))
+        rows.append(cells)
+    return _render(header, rows)

@@ -1,0 +1,106 @@
+"""Sampling the next token: greedy, temperature, top-k and nucleus (top-p), per row of a batch.
+
+`SamplingParams` is one request's settings (also its length limit and stop conditions);
+`Sampler` turns the settings of a batch's rows into tensors once and then draws one token per
+row from [b, vocab] logits per step, all rows at once. The order is that of Hugging Face's
+`generate`: temperature, then top-k, then top-p on what top-k kept. Draws come from a
+`torch.Generator`, so a seed reproduces them (on the same device, batch and prompts).
+Nucleus sampling: Holtzman et al. 2019, https://arxiv.org/abs/1904.09751.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one prompt is continued.
+
+    Args:
+        max_new_tokens: at most this many new tokens (fewer if the context fills up).
+        temperature: 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+        top_k: sample among the k most likely tokens only (None or 0: all).
+        top_p: sample from the smallest set of most likely tokens whose probability is >= top_p
+            (1.0: all).
+        stop: strings that end the generation; the text is cut before the first one found.
+        stop_token_ids: token ids that end the generation (not part of the text); None: the
+            tokenizer's stop ids (EOS, end of turn), or the model's EOS without a tokenizer;
+            () for none.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # a lone string is one stop string, not its characters
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 1 (or 0 / None for no limit)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the choice is always the most likely token."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Draws the next token for each row of a batch, with each row's own settings."""
+
+    def __init__(self, params: Sequence[SamplingParams], *, device: torch.device) -> None:
+        self.all_greedy = all(p.greedy for p in params)
+        self.uses_top_k = any(p.top_k for p in params if not p.greedy)
+        self.uses_top_p = any(p.top_p < 1 for p in params if not p.greedy)
+        # Greedy rows are sampled at temperature 1 and then replaced by the argmax.
+        self.greedy = torch.tensor([p.greedy for p in params], device=device)
+        self.temperature = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=device
+        )
+        self.top_k = torch.tensor([p.top_k or 0 for p in params], device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], device=device)
+
+    def __call__(
+        self, logits: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """logits [b, vocab] (float) -> token ids [b] (int64)."""
+        greedy_choice = logits.argmax(dim=-1)
+        if self.all_greedy:
+            return greedy_choice
+        logits = logits.float() / self.temperature[:, None]
+        if self.uses_top_k or self.uses_top_p:
+            # Sorted descending (stable: among equal logits the lower id comes first, as argmax).
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+            ranks = torch.arange(logits.shape[-1], device=logits.device)
+            limit = torch.where(self.top_k > 0, self.top_k, logits.shape[-1])
+            remove = ranks[None, :] >= limit[:, None]  # [b, vocab]: beyond top-k
+            if self.uses_top_p:
+                probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+                mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
+                remove |= mass_before >= self.top_p[:, None]  # the first token always stays
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+            choice = torch.multinomial(sorted_logits.softmax(dim=-1), 1, generator=generator)
+            sampled = order.gather(-1, choice).squeeze(-1)
+        else:
+            probs = logits.softmax(dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return torch.where(self.greedy, greedy_choice, sampled)

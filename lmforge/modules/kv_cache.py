@@ -1,0 +1,126 @@
+"""A static key/value cache for decoding: one preallocated buffer pair per layer.
+
+Each layer's `StaticKVCache` holds k and v of shape [max_batch, kv_heads, max_seq_len, head_dim],
+allocated once, so the decode step has static shapes and addresses (what torch.compile's CUDA
+graphs need, as in gpt-fast). A cache slot is a sequence position: row r's token at position p
+lives in slot p. `KVCaches` groups the layers and is what the model's `kv_caches` argument takes.
+
+Protocol (see `Attention.forward` in lmforge/models/llama/model.py): before a forward, the caller
+sets the positions being written with `KVCaches.set_positions(positions [b, s])`; each layer's
+attention then calls `update(k, v)` with k/v [b, kv_heads, s, head_dim] (after RoPE, before the
+GQA repeat), which writes them into slots `positions` of rows 0..b-1 and returns the whole cache
+of those rows, [b, kv_heads, max_seq_len, head_dim]. The attention mask must then cover all
+slots: `attention_mask(positions, max_seq_len)` lets the query at position p see slots <= p.
+Slots beyond a row's position may hold stale values from an earlier, longer sequence or from
+padding; the mask hides them until they are overwritten.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """One layer's keys and values, [max_batch, kv_heads, max_seq_len, head_dim] each."""
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (max_batch, num_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions: torch.Tensor | None = None  # [b, s] slots the next update writes
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [b, kv_heads, s, head_dim] at `positions`; return rows 0..b-1 of the cache,
+        [b, kv_heads, max_seq_len, head_dim] each."""
+        batch = k.shape[0]
+        rows = torch.arange(batch, device=k.device)[:, None]  # [b, 1], broadcast over s
+        # Indexing rows [b, 1] and slots [b, s] around the head slice puts the indexed dims first:
+        # the target is [b, s, kv_heads, head_dim], hence the transposed values.
+        self.k[rows, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[rows, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[:batch], self.v[:batch]
+
+
+class KVCaches:
+    """The static caches of all layers; pass as the model's `kv_caches` (indexed by layer)."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        max_batch: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.layers = [
+            StaticKVCache(
+                max_batch=max_batch,
+                num_kv_heads=num_kv_heads,
+                max_seq_len=max_seq_len,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=device,
+            )
+            for _ in range(num_layers)
+        ]
+
+    @classmethod
+    def for_model(
+        cls,
+        args,
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCaches:
+        """Caches shaped for a model's `ModelArgs` (num_layers, num_kv_heads, head_dim)."""
+        return cls(
+            num_layers=args.num_layers,
+            max_batch=max_batch,
+            num_kv_heads=args.num_kv_heads,
+            max_seq_len=max_seq_len,
+            head_dim=args.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def __getitem__(self, layer: int) -> StaticKVCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Slots [b, s] that the next forward writes (its tokens' positions)."""
+        for layer in self.layers:
+            layer.positions = positions
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer (for marking static addresses before compiling)."""
+        return [t for layer in self.layers for t in (layer.k, layer.v)]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def attention_mask(positions: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Bool mask [b, 1, s, max_seq_len] for queries at `positions` [b, s] against the cache:
+    True where slot <= the query's position (causal, and blind to stale slots beyond)."""
+    slots = torch.arange(max_seq_len, device=positions.device)
+    return (slots[None, None, :] <= positions[:, :, None])[:, None]

@@ -1,0 +1,58 @@
+"""`lmforge dpo`: preference alignment (DPO / robust DPO / IPO) on the one training loop.
+
+The reference model is the frozen starting point: with LoRA, the policy itself with its adapters
+switched off (no second copy of the weights); with full finetuning, a frozen copy built and
+sharded like the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from lmforge.data.preference import PreferenceLoader, load_preference_data
+from lmforge.errors import ConfigError
+from lmforge.train.config import DPOJob
+from lmforge.train.losses import DPOLossStep, count_pairs
+from lmforge.train.sft import require_tokenizer
+from lmforge.train.stage import build_and_load_model, lora_section, run_stage
+
+log = logging.getLogger(__name__)
+
+
+def dpo(job: DPOJob) -> Path:
+    """Align to `train.steps` (resuming from the run dir's checkpoints); returns the artifact."""
+    if not job.data.path and not job.data.dataset:
+        raise ConfigError("data.path (or data.dataset) is not set: name the preference data")
+    lora = lora_section(job)
+    reference_kind = job.dpo.reference
+    if reference_kind == "auto":
+        reference_kind = "adapters_disabled" if lora is not None else "frozen_copy"
+    if reference_kind == "adapters_disabled" and lora is None:
+        raise ConfigError('dpo.reference = "adapters_disabled" needs lora.enabled = true')
+
+    def make_loader(layout, spec) -> PreferenceLoader:
+        tokenizer = require_tokenizer(spec, "dpo")
+        dataset = load_preference_data(job.data, tokenizer)
+        if layout.is_main:
+            log.warning("dpo data: %s", dataset.summary())
+        return PreferenceLoader.from_section(
+            dataset.samples, job.data, tokenizer, micro_batch_size=job.train.micro_batch_size,
+            dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=job.train.seed,
+        )
+
+    def make_loss_step(model, spec, layout) -> DPOLossStep:
+        reference = None
+        if reference_kind == "frozen_copy":
+            bf16 = layout.device.type == "cuda" and job.train.mixed_precision != "fp32"
+            reference = build_and_load_model(spec, layout, job, bf16=bf16).eval()
+            reference.requires_grad_(False)
+        return DPOLossStep(
+            beta=job.dpo.beta, label_smoothing=job.dpo.label_smoothing,
+            loss_type=job.dpo.loss_type, reference=reference,
+        )
+
+    return run_stage(
+        job, stage="dpo", make_batches=make_loader, make_loss_step=make_loss_step,
+        count_targets=count_pairs,
+    )

@@ -1,0 +1,259 @@
+"""lmforge eval: our lm-eval adapter against lm-eval's own `hf` backend on the same artifact,
+results files and tables, task errors, perplexity."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from lmforge import cli  # noqa: E402
+from lmforge.api import build_model, load, save_state  # noqa: E402
+from lmforge.artifact import artifact_hash  # noqa: E402
+from lmforge.data.demo import write_demo_data  # noqa: E402
+from lmforge.data.tokenizer import train_bpe  # noqa: E402
+from lmforge.errors import ConfigError, DataError  # noqa: E402
+from lmforge.eval import (  # noqa: E402
+    LmforgeLM,
+    format_comparison_table,
+    perplexity,
+    run_eval,
+    write_demo_task,
+)
+from lmforge.eval.harness import metric_rows  # noqa: E402
+from lmforge.eval.perplexity import sliding_windows  # noqa: E402
+from lmforge.models.llama import get_preset  # noqa: E402
+
+# Sums of ~20 float32 log-probabilities of ~-5.7 each agree to a few float32 ulps, not to 1e-5
+# absolute; relative 1e-6 is ~8 ulps.
+LL_TOLERANCE = dict(rel=1e-6, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    data = write_demo_data(root / "data")
+    tokenizer = train_bpe([data["corpus"]], vocab_size=300, out_dir=root / "tokenizer")
+    args = get_preset("tiny").replace(
+        dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=128,
+        vocab_size=tokenizer.vocab_size,
+    )
+    artifacts = []
+    for seed, name in ((0, "base"), (1, "sft")):
+        model = build_model(args, seed=seed)
+        with torch.no_grad():  # larger weights than init: less uniform, more telling scores
+            for param in model.parameters():
+                param.mul_(4.0)
+        save_state(model.state_dict(), args, tokenizer, root / name, stage="test", parent=None)
+        artifacts.append(root / name)
+    include = write_demo_task(data["mc_heldout"], root / "tasks")
+    return {"root": root, "data": data, "artifacts": artifacts, "include": include}
+
+
+def _hf_model_args(directory, *, add_bos_token=True) -> str:
+    return f"pretrained={directory},dtype=float32,add_bos_token={add_bos_token}"
+
+
+@pytest.mark.parametrize("task,chat", [("demo_mc", False), ("demo_mc_chat", True)])
+def test_multiple_choice_equals_hf_backend(world, task, chat):
+    artifact = world["artifacts"][0]
+    ours = run_eval(
+        [artifact],
+        [task],
+        include_path=world["include"],
+        limit=10,
+        batch_size=7,
+        apply_chat_template=chat,
+        log_samples=True,
+        write=False,
+    )[0].results
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=_hf_model_args(artifact),
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(world["include"]), include_defaults=False),
+        limit=10,
+        batch_size=3,
+        device="cpu",
+        apply_chat_template=chat,
+        log_samples=True,
+    )
+    for metric in ("acc,none", "acc_norm,none", "acc_stderr,none"):
+        assert ours["results"][task][metric] == pytest.approx(
+            theirs["results"][task][metric], abs=1e-12
+        )
+    our_samples, their_samples = ours["samples"][task], theirs["samples"][task]
+    assert len(our_samples) == len(their_samples) == 10
+    scores = []
+    for mine, reference in zip(our_samples, their_samples):
+        assert [tuple(a) for a in mine["arguments"]] == [tuple(a) for a in reference["arguments"]]
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(
+            (r[0] for r in mine["resps"]), (r[0] for r in reference["resps"])
+        ):
+            assert ll == pytest.approx(ref_ll, **LL_TOLERANCE)
+            assert greedy == ref_greedy
+            scores.append(ll)
+    assert len(set(scores)) > len(scores) // 2  # the choices really are scored differently
+    if chat:  # the prompt is the chat-rendered question, the choice follows with no space
+        context, continuation = our_samples[0]["arguments"][0]
+        assert context.startswith("<|begin_of_text|><|start_header_id|>user")
+        assert context.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert not continuation.startswith(" ")
+
+
+def test_rolling_and_generation_equal_hf_backend(world):
+    artifact = world["artifacts"][0]
+    text = world["data"]["corpus"].read_text()[:1500]
+    rolling = [
+        Instance("loglikelihood_rolling", {}, (t,), i)
+        for i, t in enumerate([text, text[:200], "Kelmora"])
+    ]
+    ours = LmforgeLM(artifact, max_length=48, batch_size=4)
+    hf = HFLM(
+        pretrained=str(artifact),
+        dtype="float32",
+        device="cpu",
+        max_length=48,
+        batch_size=4,
+        add_bos_token=False,  # hf then scores from the prefix token without scoring BOS
+    )
+    assert ours.loglikelihood_rolling(rolling) == pytest.approx(
+        hf.loglikelihood_rolling(rolling), **LL_TOLERANCE
+    )
+
+    settings = {"until": ["lives"], "max_gen_toks": 10, "do_sample": False}
+    prompts = ["Question: Where does Tamimo live?\nAnswer:", "Kelmora is", "A"]
+    generate = [
+        Instance("generate_until", {}, (p, dict(settings)), i) for i, p in enumerate(prompts)
+    ]
+    hf = HFLM(
+        pretrained=str(artifact), dtype="float32", device="cpu", batch_size=2, add_bos_token=True
+    )
+    ours = LmforgeLM(artifact, batch_size=2)
+    assert ours.generate_until(generate) == hf.generate_until(generate)
+
+
+def test_cli_results_json_comparison_and_perplexity(world, capsys):
+    base, sft = world["artifacts"]
+    held_out = world["root"] / "heldout.txt"
+    held_out.write_text(world["data"]["corpus"].read_text()[:600])
+    code = cli.main(
+        [
+            "eval",
+            str(base),
+            str(sft),
+            "--tasks",
+            "demo_mc",
+            "--demo-data",
+            str(world["data"]["mc_heldout"]),
+            "--limit",
+            "6",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "8",
+            "--perplexity",
+            str(held_out),
+            "--seq-len",
+            "32",
+            "--offline",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    files = [sorted((a / "eval").glob("results-*.json")) for a in (base, sft)]
+    assert all(len(f) == 1 for f in files)
+    results = [json.loads(f[0].read_text()) for f in files]
+    for artifact, result in zip((base, sft), results):
+        assert result["lmforge"]["model"]["hash"] == artifact_hash(artifact)
+        assert result["n-samples"]["demo_mc"]["effective"] == 6
+        assert 0.0 <= result["results"]["demo_mc"]["acc,none"] <= 1.0
+    assert "== comparison" in out and "Δ sft - base" in out
+
+    from lmforge.eval import EvalResult
+
+    table = format_comparison_table(
+        [EvalResult(str(base), results[0]), EvalResult(str(sft), results[1])]
+    )
+    row = next(
+        line for line in table.splitlines() if line.startswith("demo_mc") and " acc " in line
+    )
+    (v0, e0), (v1, e1) = (metric_rows(r)[("demo_mc", "acc")] for r in results)
+    assert f"{v0:.4f} ± {e0:.4f}" in row and f"{v1:.4f} ± {e1:.4f}" in row
+    assert f"{v1 - v0:+.4f} ± {math.hypot(e0, e1):.4f}" in row
+    assert row in out
+
+    report = json.loads(next((base / "eval").glob("perplexity-*.json")).read_text())
+    assert report["seq_len"] == 32 and report["stride"] == 16
+    assert f"perplexity {report['perplexity']:.4f}" in out
+
+
+def test_task_errors_name_the_task(world, tmp_path):
+    artifact = world["artifacts"][0]
+    with pytest.raises(ConfigError, match="unknown task 'no_such_task_xyz'"):
+        run_eval([artifact], ["no_such_task_xyz"], include_path=world["include"], write=False)
+    # Offline (conftest sets HF_DATASETS_OFFLINE) a hub task whose dataset is not cached.
+    with pytest.raises(DataError, match=r"task 'hellaswag'.*dataset_path: json"):
+        # (the same include path: lm-eval's task index, seconds to build, is made once)
+        run_eval([artifact], ["hellaswag"], include_path=world["include"], write=False)
+    # A local task whose data file is gone.
+    include = write_demo_task(world["data"]["mc_heldout"], tmp_path / "tasks")
+    (include / "demo_mc.yaml").write_text(
+        (include / "demo_mc.yaml")
+        .read_text()
+        .replace(str(world["data"]["mc_heldout"]), str(tmp_path / "gone.jsonl"))
+    )
+    with pytest.raises(DataError, match="task 'demo_mc'"):
+        run_eval([artifact], ["demo_mc"], include_path=include, write=False)
+
+
+def test_sliding_windows_score_every_token_once():
+    for num_tokens, seq_len, stride in [(100, 16, 16), (100, 16, 5), (10, 32, 8), (17, 16, 1)]:
+        scored = []
+        for start, end, count in sliding_windows(num_tokens, seq_len, stride):
+            assert end - 1 - start <= seq_len and 0 < count <= end - 1 - start
+            scored += range(end - count, end)
+        assert scored == list(range(1, num_tokens))
+
+
+def test_perplexity_equals_direct_nll(world, tmp_path):
+    artifact = world["artifacts"][1]
+    loaded = load(artifact)
+    text_file = tmp_path / "heldout.txt"
+    text_file.write_text(world["data"]["corpus"].read_text()[:400])
+    tokens = [loaded.tokenizer.bos_id, *loaded.tokenizer.encode(text_file.read_text())]
+    ids = torch.tensor([tokens])
+
+    with torch.no_grad():  # one window holds the whole text
+        nll = F.cross_entropy(loaded.model(ids[:, :-1])[0].float(), ids[0, 1:])
+    report = perplexity(loaded, [text_file], seq_len=len(tokens), stride=len(tokens))
+    assert report["num_tokens"] == len(tokens) - 1
+    assert report["perplexity"] == pytest.approx(math.exp(nll.item()), rel=1e-5)
+
+    seq_len, total = 16, 0.0  # disjoint windows: each chunk sees only its own window
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, seq_len):
+            window = ids[:, start : start + seq_len + 1]
+            logits = loaded.model(window[:, :-1])[0].float()
+            total += F.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+    report = perplexity(loaded, [text_file], seq_len=seq_len, stride=seq_len, batch_size=3)
+    assert report["perplexity"] == pytest.approx(math.exp(total / (len(tokens) - 1)), rel=1e-5)
+
+    with pytest.raises(ConfigError, match="stride"):
+        perplexity(loaded, [text_file], seq_len=8, stride=9)
+    with pytest.raises(DataError, match="no such file"):
+        perplexity(loaded, [tmp_path / "missing.txt"], seq_len=8)

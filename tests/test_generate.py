@@ -1,0 +1,354 @@
+"""Generation: parity with transformers' greedy `generate`, the static cache against full
+forwards, sampling, stops, streaming, chat prompts and the `lmforge generate` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lmforge
+from lmforge.api import build_model
+from lmforge.cli import main as cli_main
+from lmforge.data.demo import write_demo_data
+from lmforge.data.tokenizer import train_bpe
+from lmforge.errors import ConfigError
+from lmforge.generate import Generator, Sampler, SamplingParams
+from lmforge.generate.generate import weight_bytes
+from lmforge.models.llama import get_preset
+from tests.conftest import make_hf_llama
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Decode is many tiny matmuls: with 2 threads on 2 busy cores each waits for the other.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _random_prompts(lengths, vocab_size=256, seed=0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf") / "llama"
+    hf_model = make_hf_llama(directory)
+    hf_model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return hf_model, lmforge.load(directory)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A random tiny model with a BPE tokenizer trained on the demo corpus, and its artifact."""
+    root = tmp_path_factory.mktemp("tiny")
+    write_demo_data(root / "data")
+    tokenizer = train_bpe([root / "data" / "corpus.txt"], vocab_size=384, out_dir=root / "tok")
+    args = get_preset("tiny").replace(
+        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=384
+    )
+    loaded = lmforge.api.LoadedModel(
+        model=build_model(args, seed=3).eval(), tokenizer=tokenizer, config=args, source="tiny"
+    )
+    artifact = lmforge.save(loaded, root / "artifact")
+    return loaded, artifact
+
+
+def test_greedy_matches_transformers_generate(hf_pair):
+    hf_model, loaded = hf_pair
+    prompts = _random_prompts([5, 11, 8, 1])
+    generator = Generator(loaded.model, max_batch=3, max_seq_len=64)  # 4 prompts: 2 batches
+    results = generator.generate(prompts, GREEDY).results
+    assert [r.index for r in results] == [0, 1, 2, 3]
+    for prompt, result in zip(prompts, results):
+        expected = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert result.token_ids == expected
+        assert result.prompt_ids == prompt and result.finish_reason == "length"
+    # transformers' own batch (left-padded, attention mask) agrees too.
+    width = max(map(len, prompts))
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    batched = hf_model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=24,
+        do_sample=False,
+        pad_token_id=0,
+    )[:, width:]
+    assert batched.tolist() == [r.token_ids for r in results]
+
+
+def test_cache_logits_equal_full_forward(hf_pair):
+    _, loaded = hf_pair
+    model = loaded.model
+    prompts = _random_prompts([3, 9, 6], seed=1)
+    continuations = _random_prompts([12, 12, 12], seed=2)
+    generator = Generator(model, max_batch=4, max_seq_len=32)  # one idle row
+    with torch.no_grad():
+        full = [model(torch.tensor([p + c]))[0] for p, c in zip(prompts, continuations)]
+        logits = generator.prefill(prompts)
+        for row, prompt in enumerate(prompts):
+            assert (logits[row] - full[row][len(prompt) - 1]).abs().max() <= 1e-5
+        positions = torch.tensor([len(p) for p in prompts] + [0])
+        for step in range(12):
+            tokens = torch.tensor([c[step] for c in continuations] + [0])
+            logits = generator.decode(tokens, positions + step)
+            for row, prompt in enumerate(prompts):
+                expected = full[row][len(prompt) + step]
+                assert (logits[row] - expected).abs().max() <= 1e-5, (row, step)
+        # A second, shorter batch reuses the cache: stale slots stay hidden.
+        logits = generator.prefill([continuations[0][:4]])
+        expected = model(torch.tensor([continuations[0][:4]]))[0, -1]
+        assert (logits[0] - expected).abs().max() <= 1e-5
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(hf_pair):
+    _, loaded = hf_pair
+    generator = Generator(loaded.model, max_batch=2, max_seq_len=48)
+    prompts = _random_prompts([4, 7], seed=3)
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, stop_token_ids=())
+    first = [r.token_ids for r in generator.generate(prompts, sampled, seed=1).results]
+    again = [r.token_ids for r in generator.generate(prompts, sampled, seed=1).results]
+    other = [r.token_ids for r in generator.generate(prompts, sampled, seed=2).results]
+    assert first == again
+    assert first != other
+    greedy = [r.token_ids for r in generator.generate(prompts, GREEDY).results]
+    top1 = SamplingParams(max_new_tokens=24, temperature=1.5, top_k=1, stop_token_ids=())
+    assert [r.token_ids for r in generator.generate(prompts, top1, seed=5).results] == greedy
+    tiny_p = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=1e-6, stop_token_ids=())
+    assert [r.token_ids for r in generator.generate(prompts, tiny_p, seed=5).results] == greedy
+    # The CUDA loop (next step started before this one's tokens are read) gives the same.
+    generator._overlap = True
+    assert [r.token_ids for r in generator.generate(prompts, sampled, seed=1).results] == first
+    stop_id = greedy[0][3]
+    stopped = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=(stop_id,))
+    cut = greedy[0].index(stop_id) + 1
+    assert generator.generate(prompts, stopped).results[0].token_ids == greedy[0][:cut]
+    generator._overlap = False
+    # Per-row settings: a greedy row beside a sampled one stays greedy.
+    mixed = generator.generate(prompts, [GREEDY, sampled], seed=7).results
+    assert mixed[0].token_ids == greedy[0]
+
+
+def test_sampler_keeps_to_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
+    generator = torch.Generator().manual_seed(0)
+    top_k = Sampler([SamplingParams(temperature=1.0, top_k=2)] * 2, device=torch.device("cpu"))
+    top_p = Sampler([SamplingParams(temperature=1.0, top_p=0.9)] * 2, device=torch.device("cpu"))
+    k_draws = torch.cat([top_k(logits, generator) for _ in range(300)])
+    p_draws = torch.cat([top_p(logits, generator) for _ in range(300)])
+    assert set(k_draws.tolist()) == {0, 1}
+    assert set(p_draws.tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.9 <= 0.95
+    assert 0.5 < (k_draws == 0).float().mean() < 0.75  # 0.5 / 0.8 = 0.625
+
+
+def test_stop_tokens_and_strings_end_each_row_on_its_own(tiny_with_tokenizer):
+    loaded, _ = tiny_with_tokenizer
+    tokenizer = loaded.tokenizer
+    generator = Generator(loaded.model, tokenizer, max_batch=2, max_seq_len=64)
+    prompts = ["Kelmora is a town", "The baker"]
+    base = SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=())
+    free = generator.generate(prompts, base).results
+    for result in free:
+        assert result.text == tokenizer.decode(result.token_ids)
+        assert result.finish_reason == "length" and len(result.token_ids) == 30
+
+    # A stop token: each row ends at its own first occurrence of it (if any).
+    stop_id = free[0].token_ids[6]
+    stopped = generator.generate(
+        prompts, SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=(stop_id,))
+    ).results
+    for before, after in zip(free, stopped):
+        if stop_id in before.token_ids:
+            cut = before.token_ids.index(stop_id) + 1
+            assert after.token_ids == before.token_ids[:cut]
+            assert (after.finish_reason, after.stop) == ("stop", stop_id)
+            assert after.text == tokenizer.decode(before.token_ids[: cut - 1])
+        else:
+            assert after.token_ids == before.token_ids and after.finish_reason == "length"
+
+    # A stop string: the text is cut before it; the other row runs on.
+    text = free[0].text
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    assert stop.strip()
+    stopped = generator.generate(
+        prompts, SamplingParams(max_new_tokens=30, temperature=0, stop=(stop,), stop_token_ids=())
+    ).results
+    for before, after in zip(free, stopped):
+        if stop in before.text:
+            assert after.text == before.text[: before.text.index(stop)]
+            assert (after.finish_reason, after.stop) == ("stop", stop)
+            assert after.token_ids == before.token_ids[: len(after.token_ids)]
+            assert len(after.token_ids) < 30
+        else:
+            assert after.text == before.text and after.finish_reason == "length"
+
+    # Default stop ids are the tokenizer's (EOS, end of turn).
+    assert generator._make_row(0, "x", SamplingParams()).stop_ids == frozenset(tokenizer.stop_ids)
+
+
+def test_stream_yields_text_per_step_and_holds_back_stop_prefixes(tiny_with_tokenizer):
+    loaded, _ = tiny_with_tokenizer
+    generator = Generator(loaded.model, loaded.tokenizer, max_batch=2, max_seq_len=64)
+    prompts = ["Dunvale", "A goat"]
+    free = generator.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0)).results
+    stop = free[1].text[5:9]
+    params = SamplingParams(max_new_tokens=20, temperature=0, stop=(stop,))
+    stream = generator.stream(prompts, params)
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    num_steps = 0
+    for events in stream:
+        num_steps += 1
+        assert torch.is_grad_enabled()  # the engine's no_grad does not leak into the caller
+        assert len({e.index for e in events}) == len(events)  # at most one token per row
+        for event in events:
+            pieces[event.index].append(event.text)
+            assert stop not in "".join(pieces[event.index])
+    results = stream.results
+    for index, result in enumerate(results):
+        assert "".join(pieces[index]) == result.text
+        assert len(pieces[index]) == len(result.token_ids)
+    assert results[1].finish_reason == "stop"
+    assert results[1].text == free[1].text[: free[1].text.index(stop)]
+    assert num_steps == max(len(r.token_ids) for r in results)
+    assert stream.stats.num_new_tokens == sum(len(r.token_ids) for r in results)
+
+
+def test_chat_prompts_use_the_template(tiny_with_tokenizer):
+    loaded, _ = tiny_with_tokenizer
+    tokenizer = loaded.tokenizer
+    generator = Generator(loaded.model, tokenizer, max_batch=1, max_seq_len=64)
+    messages = [{"role": "user", "content": "Where does Kalo live?"}]
+    result = generator.generate([messages], SamplingParams(max_new_tokens=5), seed=0).results[0]
+    assert result.prompt_ids == tokenizer.encode_chat(messages, add_generation_prompt=True)
+    assert generator.encode_prompt("hi") == tokenizer.encode("hi", bos=True)
+
+
+def test_report_and_errors(hf_pair):
+    _, loaded = hf_pair
+    generator = Generator(loaded.model, max_batch=2, max_seq_len=16)
+    output = generator.generate(_random_prompts([3, 5]), GREEDY)
+    # 16 slots: the 5-token prompt gets 11 new tokens, the 3-token one 13.
+    assert [len(r.token_ids) for r in output.results] == [13, 11]
+    stats = output.stats
+    assert stats.num_new_tokens == 24 and stats.num_decode_tokens == 22
+    assert stats.num_decode_steps == 12 and stats.decode_s > 0 and stats.peak_memory_bytes > 0
+    assert stats.weight_bytes == weight_bytes(loaded.model)
+    report = stats.format()
+    for word in ("tokens/s", "GB/s", "peak memory", "prefill"):
+        assert word in report
+    # Untied: the input table is only looked up, the output table is read whole; tied: once.
+    model = loaded.model
+    table = model.tok_embeddings.weight.numel() * 4
+    assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) - table
+    args = model.args.replace(tie_embeddings=True)
+    tied = build_model(args)
+    assert weight_bytes(tied) == sum(p.numel() * 4 for p in tied.parameters())
+    assert weight_bytes(tied.to(torch.bfloat16)) == args.num_params() * 2
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        generator.generate([list(range(16))], GREEDY)
+    with pytest.raises(ConfigError, match="tokenizer"):
+        generator.generate(["text"], GREEDY)
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
+    _, loaded = hf_pair
+    compile_calls = []
+    real_compile = torch.compile
+
+    def eager_compile(fn, **kwargs):  # trace with dynamo only: fast, still refuses graph breaks
+        compile_calls.append(kwargs)
+        return real_compile(fn, backend="eager", fullgraph=kwargs["fullgraph"])
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    torch._dynamo.reset()
+    prompts = _random_prompts([4, 9], seed=4)
+    eager = Generator(loaded.model, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
+    compiled_generator = Generator(loaded.model, max_batch=2, max_seq_len=40, compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled_generator.warmup()
+        compiled = compiled_generator.generate(prompts, GREEDY)
+        again = compiled_generator.generate(prompts[:1], GREEDY)  # fewer rows: same shapes
+    assert compile_calls == [{"mode": None, "fullgraph": True}]
+    assert [r.token_ids for r in compiled.results] == [r.token_ids for r in eager.results]
+    assert again.results[0].token_ids == eager.results[0].token_ids
+    torch._dynamo.reset()
+
+
+def test_cli_prints_text_and_report(tiny_with_tokenizer, tmp_path, capsys):
+    _, artifact = tiny_with_tokenizer
+    code = cli_main(
+        [
+            "generate",
+            str(artifact),
+            "--prompt",
+            "Kelmora is",
+            "--max-new-tokens",
+            "6",
+            "--seed",
+            "0",
+            "--device",
+            "cpu",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "=== Kelmora is" in out and "6 new, finish: length" in out
+    for word in ("tokens/s", "GB/s", "peak memory"):
+        assert word in out
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "The baker"}, {"messages": [{"role": "user", "content": "Hello"}]}]
+    prompts_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = cli_main(
+        [
+            "generate",
+            str(artifact),
+            "--prompts-file",
+            str(prompts_file),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+            "--stop",
+            "zzz",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "=== The baker" in out and "=== Hello" in out and "[2]" in out
+
+    code = cli_main(
+        [
+            "generate",
+            str(artifact),
+            "--chat",
+            "Hi",
+            "--max-new-tokens",
+            "3",
+            "--top-k",
+            "5",
+            "--top-p",
+            "0.9",
+            "--no-compile",
+        ]
+    )
+    assert code == 0 and "=== Hi" in capsys.readouterr().out
+
+    prompts_file.write_text('{"text": 1}\n')
+    assert cli_main(["generate", str(artifact), "--prompts-file", str(prompts_file)]) == 2
+    assert f"{prompts_file}:1" in capsys.readouterr().err
+    code = cli_main(["generate", str(artifact), "--prompt", "x", "--max-seq-len", "1"])
+    assert code == 2 and "max-seq-len" in capsys.readouterr().err
