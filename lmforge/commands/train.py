@@ -133,6 +133,8 @@ def export_main(args: argparse.Namespace) -> int:
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
+    from lmforge.launch.base import torchrun_command as build
+
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -140,25 +142,15 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         raise UserError(
             "lmforge launch: name the subcommand to run, e.g. `pretrain --config job.toml`"
         )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={args.nproc}",
-        f"--nnodes={args.nnodes}",
-        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
-    ]
-    if args.nnodes > 1:
-        if not args.rdzv_endpoint:
-            raise UserError("lmforge launch: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
-        cmd += [
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={args.rdzv_endpoint}",
-            f"--node-rank={args.node_rank}",
-        ]
-    else:
-        cmd += ["--standalone"]
-    return [*cmd, "-m", "lmforge", *command]
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise UserError("lmforge launch: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+    return build(
+        command,
+        nproc_per_node=args.nproc,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        node_rank=args.node_rank if args.nnodes > 1 else None,
+    )
 
 
 def launch_main(args: argparse.Namespace) -> int:

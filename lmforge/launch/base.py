@@ -1,0 +1,337 @@
+"""The launcher interface: how a pipeline stage becomes a running job.
+
+The pipeline runner (`lmforge.pipeline`) turns each stage into a `StageJob`: an lmforge command
+line (`argv`, e.g. `["sft", "--config", "runs/p/sft/stage.toml"]`), the stage's run directory,
+its resources (`LauncherSection`) and the stages it depends on. A `Launcher` runs those jobs:
+`LocalLauncher` (lmforge.launch.local) in subprocesses on this machine, `SlurmLauncher`
+(lmforge.launch.slurm) as sbatch jobs chained with `--dependency=afterok`, `K8sLauncher`
+(lmforge.launch.k8s) as PyTorchJob manifests. `make_launcher(name)` picks one by name.
+
+Secrets (`SECRET_NAMES`: HF_TOKEN, WANDB_API_KEY, LMFORGE_API_KEY) reach jobs only through the
+environment: `load_secrets` reads them from the environment or a `KEY=VALUE` file, the runner
+passes the values to `submit(..., secrets=...)`, and a launcher must never write a value into a
+rendered script, manifest or log (`redact` scrubs text that might contain one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import Field, PositiveInt
+
+from lmforge.config import Section
+from lmforge.errors import ConfigError
+
+SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY", "LMFORGE_API_KEY")
+"""Environment variables that carry secrets: passed to jobs, never written anywhere."""
+
+REDACTED = "***"
+
+
+class LauncherSection(Section):
+    """Where and with what resources one stage runs (a `[stages.NAME.launcher]` table)."""
+
+    nodes: PositiveInt = 1
+    nproc_per_node: PositiveInt = 1
+    """Processes per node; more than 1 (or nodes > 1) runs a training stage under torchrun."""
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: PositiveInt | None = None
+    """CPUs for each node's task (Slurm `--cpus-per-task`, Kubernetes CPU request)."""
+    time: str | None = None
+    """Wall-clock limit, Slurm format (`HH:MM:SS`, `D-HH:MM:SS`)."""
+    partition: str | None = None
+    account: str | None = None
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """Extra `#SBATCH` lines, without the `#SBATCH` prefix (e.g. `--exclusive`)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment exported to the job (e.g. NCCL / EFA knobs). Never put secrets here."""
+    container_image: str | None = None
+    """Pyxis `--container-image` on Slurm; the pod image on Kubernetes."""
+    container_mounts: list[str] = Field(default_factory=list)
+    """Pyxis `--container-mounts` entries (`SRC:DST`)."""
+    requeue: bool = True
+    """Slurm: requeue on preemption / node failure (training resumes from its checkpoint)."""
+    signal_lead_s: PositiveInt = 120
+    """Slurm: seconds before the time limit at which the preemption signal is sent."""
+    rdzv_port: PositiveInt = 29500
+    """torchrun c10d rendezvous port on the first node (multi-node)."""
+
+
+@dataclasses.dataclass
+class StageJob:
+    """One stage, ready for a launcher.
+
+    Attributes:
+        name: the stage name (unique in the pipeline).
+        kind: prepare | tokenizer | pretrain | sft | dpo | eval | quantize | generate | export.
+        argv: the lmforge subcommand and its arguments, i.e. what follows `lmforge` (or
+            `python -m lmforge`, or `torchrun ... -m lmforge`), e.g. `["sft", "--config", "..."]`.
+        run_dir: the stage's directory `runs/<pipeline>/<stage>/` (logs and scripts go here).
+        resources: nodes, processes, GPUs, time, partition, environment, container.
+        depends_on: names of the stages that must succeed first.
+        distributed: True for training stages (run under torchrun when
+            `resources.nodes * resources.nproc_per_node > 1`).
+        workdir: the directory the command runs in; relative paths in `argv` and in the
+            rendered config resolve against it.
+        secrets: names (not values) of the secret variables this job receives.
+    """
+
+    name: str
+    kind: str
+    argv: list[str]
+    run_dir: Path
+    resources: LauncherSection = dataclasses.field(default_factory=LauncherSection)
+    depends_on: list[str] = dataclasses.field(default_factory=list)
+    distributed: bool = False
+    workdir: Path = dataclasses.field(default_factory=Path.cwd)
+    secrets: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.resources.nproc_per_node
+
+    @property
+    def uses_torchrun(self) -> bool:
+        return self.distributed and self.world_size > 1
+
+    @property
+    def log_file(self) -> Path:
+        """Where the local launcher writes the stage's output (others may add their own)."""
+        return self.run_dir / "stage.log"
+
+    def command(self, python: str | None = None) -> list[str]:
+        """The command without torchrun: `lmforge ARGV`, or `PYTHON -m lmforge ARGV`."""
+        if python is None:
+            return ["lmforge", *self.argv]
+        return [python, "-m", "lmforge", *self.argv]
+
+
+class JobState(enum.StrEnum):
+    PENDING = "pending"
+    """Submitted, not started (queued, or waiting on a dependency)."""
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    NOT_STARTED = "not_started"
+    """Never started because a stage it depends on failed or was cancelled."""
+    UNKNOWN = "unknown"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.NOT_STARTED
+        )
+
+
+@dataclasses.dataclass
+class JobHandle:
+    """A launcher's handle on one submitted job; stored in the stage manifest (`to_dict`).
+
+    Attributes:
+        name: the stage name.
+        launcher: the launcher's name (`local`, `slurm`, `k8s`); `make_launcher(launcher)`
+            gives back a launcher that can `status()` this handle.
+        job_id: the scheduler's id (Slurm job id, Kubernetes job name, local pid), or None.
+        state: the last known state.
+        reason: why it failed or did not start (one line), or the scheduler's state text.
+        exit_code: the command's exit status once finished, when known.
+        log: the job's log file, when known.
+    """
+
+    name: str
+    launcher: str
+    job_id: str | None = None
+    state: JobState = JobState.PENDING
+    reason: str = ""
+    exit_code: int | None = None
+    log: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["state"] = str(self.state)
+        data["log"] = None if self.log is None else str(self.log)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobHandle:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["state"] = JobState(values.get("state", JobState.UNKNOWN))
+        if values.get("log") is not None:
+            values["log"] = Path(values["log"])
+        return cls(**values)
+
+
+JobCallback = Callable[[JobHandle], None]
+"""Called by a launcher whenever a job's state changes (start, finish, not started)."""
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Runs StageJobs. Implementations: local, slurm, k8s (see `make_launcher`)."""
+
+    name: str
+
+    def render(self, job: StageJob) -> dict[str, str]:
+        """The files this launcher would write for `job` (file name → text), for `--dry-run`
+        and for inspection: the sbatch script, the PyTorchJob manifest, or (local) the command
+        line. Must contain no secret values. Does not write or submit anything."""
+        ...
+
+    def submit(
+        self,
+        jobs: list[StageJob],
+        *,
+        secrets: Mapping[str, str] | None = None,
+        on_event: JobCallback | None = None,
+    ) -> dict[str, JobHandle]:
+        """Start `jobs` (in order; each waits for its `depends_on`); returns a handle per job
+        name. `secrets` are passed through the environment only. A launcher may block until the
+        jobs are done (local) or return at once (slurm, k8s); `on_event` is called on each
+        state change seen while it runs."""
+        ...
+
+    def wait(
+        self,
+        handles: dict[str, JobHandle],
+        *,
+        on_event: JobCallback | None = None,
+        poll_s: float = 10.0,
+    ) -> dict[str, JobHandle]:
+        """Block until every handle is finished; returns the updated handles."""
+        ...
+
+    def status(self, handle: JobHandle) -> JobHandle:
+        """The handle refreshed from the scheduler (state, reason, exit code)."""
+        ...
+
+
+LAUNCHERS = {
+    "local": "lmforge.launch.local:LocalLauncher",
+    "slurm": "lmforge.launch.slurm:SlurmLauncher",
+    "k8s": "lmforge.launch.k8s:K8sLauncher",
+}
+
+
+def make_launcher(name: str, **options: Any) -> Launcher:
+    """The launcher called `name` (local, slurm, k8s), built with keyword `options`."""
+    if name not in LAUNCHERS:
+        raise ConfigError(f"unknown launcher {name!r}; expected one of {', '.join(LAUNCHERS)}")
+    module_name, class_name = LAUNCHERS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name == module_name:
+            raise ConfigError(f"launcher {name!r} is not available in this build") from None
+        raise
+    return getattr(module, class_name)(**options)
+
+
+def torchrun_command(
+    argv: list[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    node_rank: str | int | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """`python -m torch.distributed.run ... -m lmforge ARGV`, every flag given once.
+
+    One node: `--standalone`. Several: c10d rendezvous at `rdzv_endpoint` (HOST:PORT of the
+    first node); `node_rank` may be a shell expression such as `$SLURM_NODEID` (c10d assigns
+    ranks itself when it is None). torchrun forwards SIGUSR1/SIGUSR2 to its workers so a
+    preemption signal reaches the trainer.
+    """
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
+    ]
+    if nnodes > 1:
+        if not rdzv_endpoint:
+            raise ConfigError("a multi-node torchrun needs a rendezvous endpoint HOST:PORT")
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        if rdzv_id is not None:
+            cmd.append(f"--rdzv-id={rdzv_id}")
+        if node_rank is not None:
+            cmd.append(f"--node-rank={node_rank}")
+    else:
+        cmd.append("--standalone")
+    return [*cmd, "-m", "lmforge", *argv]
+
+
+# ----------------------------------------------------------------------------- secrets
+
+
+def load_secrets(
+    file: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The secrets in `SECRET_NAMES` that are set: from `file` (lines `NAME=VALUE`, `#`
+    comments, optional `export ` prefix and quotes), then the environment, which wins.
+
+    Raises:
+        ConfigError: the file is missing or has a line that is not `NAME=VALUE`.
+    """
+    secrets: dict[str, str] = {}
+    if file is not None:
+        path = Path(file)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as err:
+            raise ConfigError(f"secrets file {path}: cannot read ({err.strerror})") from None
+        for number, line in enumerate(lines, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            text = text.removeprefix("export ").strip()
+            key, sep, value = text.partition("=")
+            key = key.strip()
+            if not sep or not key.isidentifier():
+                # Never echo the line: it may hold a secret.
+                raise ConfigError(f"{path}:{number}: expected NAME=VALUE")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            if key in SECRET_NAMES and value:
+                secrets[key] = value
+    environ = os.environ if environ is None else environ
+    for name in SECRET_NAMES:
+        if environ.get(name):
+            secrets[name] = environ[name]
+    return secrets
+
+
+def redact(text: str, secrets: Mapping[str, str] | Any) -> str:
+    """`text` with every secret value replaced by `***` (values shorter than 4 characters are
+    left alone: they would match ordinary text and are not secrets worth the name)."""
+    values = secrets.values() if isinstance(secrets, Mapping) else secrets
+    for value in sorted(set(values), key=len, reverse=True):
+        if value and len(value) >= 4:
+            text = text.replace(value, REDACTED)
+    return text
+
+
+def job_environment(
+    job: StageJob, secrets: Mapping[str, str] | None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment a job's process gets: `base` (default: this process's environment)
+    + the stage's `resources.env` + the secrets it is given."""
+    env = dict(os.environ if base is None else base)
+    env.update(job.resources.env)
+    for name, value in (secrets or {}).items():
+        if not job.secrets or name in job.secrets:
+            env[name] = value
+    return env
