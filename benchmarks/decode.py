@@ -44,7 +44,21 @@ from lmforge.models.llama import get_preset
 # each a function taking the bf16 model (on the GPU) and returning it with quantized linear
 # weights (through lmforge's quantize module). `weight_bytes` counts a tensor subclass's packed
 # data and scales, so each row's bandwidth limit follows its own bytes.
-SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {"bf16": lambda model: model}
+def _quantized(scheme: str, group_size: int | None) -> Callable[[nn.Module], nn.Module]:
+    def apply(model: nn.Module) -> nn.Module:
+        from lmforge.quantize.quantize import QuantSpec, quantize_model
+
+        quantize_model(model, QuantSpec(scheme, group_size=group_size))
+        return model
+
+    return apply
+
+
+SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "bf16": lambda model: model,
+    "int8-wo": _quantized("int8-wo", None),
+    "int4-wo": _quantized("int4-wo", 128),
+}
 
 VARIANTS = ("lmforge", "lmforge-eager", "hf", "hf-static")
 DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")

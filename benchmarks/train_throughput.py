@@ -27,7 +27,7 @@ from lmforge.train.config import (
 )
 from lmforge.train.distributed import Layout
 from lmforge.train.loop import LoopSections, Trainer
-from lmforge.train.losses import causal_lm_loss
+from lmforge.train.losses import CausalLMLoss
 from lmforge.train.optim import build_optimizer, build_scheduler
 from lmforge.train.parallelize import parallelize
 
@@ -71,7 +71,7 @@ def bench_ours(preset: str, batch: int, seq: int, steps: int, warmup: int, *, co
     optimizer = build_optimizer(model, OptimSection(lr=1e-4), device)
     scheduler = build_scheduler(optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps + warmup)
     trainer = Trainer(
-        model=model, loss_step=causal_lm_loss, batches=random_batches(args.vocab_size, batch, seq, device),
+        model=model, loss_step=CausalLMLoss(compile=compile), batches=random_batches(args.vocab_size, batch, seq, device),
         optimizer=optimizer, scheduler=scheduler, layout=layout,
         sections=LoopSections(TrainSection(steps=steps + warmup, micro_batch_size=batch, mixed_precision="bf16"),
                               CheckpointSection(every=0), MetricsSection(tensorboard=False), ProfileSection()),

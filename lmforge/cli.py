@@ -26,6 +26,8 @@ COMMAND_MODULES = [
     "lmforge.commands.quantize",
     "lmforge.commands.eval",
     "lmforge.commands.generate",
+    "lmforge.commands.serve",
+    "lmforge.commands.run",
 ]
 
 

@@ -143,6 +143,8 @@ class SlurmCluster:
             "State=UNKNOWN"
             for name, port in zip(NODE_NAMES, node_ports)
         )
+        # cred_expire also sets how long a requeued job waits before it may start again (the
+        # default, 120 s, would make the preemption test wait two minutes).
         self.conf.write_text(
             f"""# written by tests/slurm_cluster.py
 ClusterName=lmforge-test
@@ -151,7 +153,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={self.root}/state
 SlurmdSpoolDir={self.root}/spool/%n
@@ -172,6 +174,7 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 KillWait=30
 MinJobAge=600
 InactiveLimit=0
@@ -187,7 +190,12 @@ PartitionName=debug Nodes={",".join(NODE_NAMES)} Default=YES MaxTime=INFINITE St
         log = (self.root / f"{name}.out").open("wb")
         argv = [_which(argv[0]) or argv[0], *argv[1:]]
         self.processes[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, **popen
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            **popen,
         )
         log.close()
 
@@ -203,7 +211,9 @@ PartitionName=debug Nodes={",".join(NODE_NAMES)} Default=YES MaxTime=INFINITE St
             if ready():
                 return
             time.sleep(0.25)
-        raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}:\n" + self.diagnostics())
+        raise RuntimeError(
+            f"timed out after {timeout:.0f} s waiting for {what}:\n" + self.diagnostics()
+        )
 
     def _controller_up(self) -> bool:
         return self.run("scontrol", "ping", check=False).returncode == 0
@@ -241,9 +251,10 @@ PartitionName=debug Nodes={",".join(NODE_NAMES)} Default=YES MaxTime=INFINITE St
             if jobs:
                 self.run("scancel", *jobs, check=False)
                 deadline = time.monotonic() + 40
-                while time.monotonic() < deadline and self.run(
-                    "squeue", "-h", "-o", "%i", check=False
-                ).stdout.split():
+                while (
+                    time.monotonic() < deadline
+                    and self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+                ):
                     time.sleep(0.5)
         order = [n for n in self.processes if n.startswith("slurmd")] + ["slurmctld", "munged"]
         for name in order:

@@ -1,55 +1,63 @@
-"""`lmforge demo`: the embedded default, from nothing to a trained tiny model on the CPU.
+"""`lmforge demo`: the embedded default pipeline, `lmforge run examples/tiny/pipeline.toml`.
 
-Generates the demo world (lmforge.data.demo), trains its tokenizer, prepares token shards,
-pretrains the `tiny` preset, and prints `model info` of the resulting artifact.
+From nothing to a pretrained, finetuned, aligned, evaluated and quantized tiny model on the CPU
+(a few minutes on two cores), ending with the report's location. `--write-data DIR` is what the
+pipeline's first stage runs: it writes the demo world's data files
+(`lmforge.data.demo.write_demo_data`).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
+
+import lmforge
+from lmforge.errors import UserError
+
+DEMO_PIPELINE = Path(lmforge.__file__).resolve().parent.parent / "examples/tiny/pipeline.toml"
 
 
 def register(subparsers) -> None:
     demo = subparsers.add_parser(
         "demo",
-        help="run the embedded tiny demo on the CPU",
-        description="Generate the demo world's data, train a tokenizer, prepare shards and "
-        "pretrain the tiny preset; prints where everything went.",
+        help="run the embedded tiny pipeline on the CPU (examples/tiny/pipeline.toml)",
+        description="Run the embedded demo pipeline: generate the demo world's data, train a "
+        "tokenizer, pretrain the tiny preset, finetune it with LoRA, align it with DPO, "
+        "evaluate base vs SFT vs DPO, quantize to int8 and int4, evaluate those, generate a "
+        "sample and write the report. Same as `lmforge run examples/tiny/pipeline.toml`; "
+        "stages already up to date are skipped.",
     )
-    demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="output directory")
-    demo.add_argument("--steps", type=int, default=300, help="pretraining steps")
+    demo.add_argument("--dry-run", action="store_true", help="print the plan only")
+    demo.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun from STAGE")
+    demo.add_argument(
+        "--write-data", type=Path, metavar="DIR",
+        help="only write the demo world's data files into DIR (the pipeline's first stage)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="with --write-data")
+    demo.add_argument("--num-people", type=int, default=None, help="with --write-data")
+    demo.add_argument("--repeats", type=int, default=None, help="with --write-data")
     demo.set_defaults(func=demo_main)
 
 
 def demo_main(args: argparse.Namespace) -> int:
-    from lmforge.commands.model import info_main
-    from lmforge.config import load_config
-    from lmforge.data.demo import write_demo_data
-    from lmforge.data.prepare import PrepareSection, prepare
-    from lmforge.data.tokenizer import train_bpe
-    from lmforge.train.config import PretrainJob
-    from lmforge.train.pretrain import pretrain
+    if args.write_data is not None:
+        from lmforge.data.demo import write_demo_data
 
-    start = time.perf_counter()
-    out = args.out
-    paths = write_demo_data(out / "data")
-    print(f"[demo] data: {out / 'data'}")
-    tokenizer_dir = out / "tokenizer"
-    train_bpe([paths["corpus"]], vocab_size=1024, out_dir=tokenizer_dir)
-    shards = out / "shards"
-    if not (shards / "meta.json").exists():
-        prepare(PrepareSection(input=[str(paths["corpus"])], tokenizer=str(tokenizer_dir),
-                               out=str(shards), text_split="paragraph", workers=1))
-    job = load_config(PretrainJob, None, [
-        f"run_dir={out / 'pretrain'}", f"data.shards={shards}", f"model.tokenizer={tokenizer_dir}",
-        "data.seq_len=128", "train.micro_batch_size=16", f"train.steps={args.steps}",
-        "scheduler.warmup_steps=20", "optim.lr=3e-3", "metrics.log_every=25",
-        f"checkpoint.every={max(args.steps // 2, 1)}",
-    ])
-    artifact = pretrain(job)
-    print(f"[demo] pretrained artifact: {artifact}")
-    info_main(argparse.Namespace(source=str(artifact), seq_len=128, model_config=None))
-    print(f"[demo] done in {time.perf_counter() - start:.0f}s")
-    return 0
+        options = {k: v for k, v in (("num_people", args.num_people),
+                                     ("repeats", args.repeats)) if v is not None}
+        paths = write_demo_data(args.write_data, seed=args.seed, **options)
+        for name, path in paths.items():
+            print(f"{name}: {path}")
+        return 0
+
+    from lmforge.pipeline import run_pipeline
+
+    if not DEMO_PIPELINE.is_file():
+        raise UserError(
+            f"the demo pipeline {DEMO_PIPELINE} is missing: run lmforge demo from a clone of the "
+            "lmforge repository (the file lives in examples/tiny/)"
+        )
+    result = run_pipeline(DEMO_PIPELINE, from_stage=args.from_stage, dry_run=args.dry_run)
+    if result.report is not None:
+        print(f"\nThe demo's report: {result.report}")
+    return 0 if result.ok else 1

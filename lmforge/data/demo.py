@@ -1,9 +1,13 @@
 """The embedded demo world: made-up facts, generated deterministically from a seed.
 
 People with invented names each have a home town, a pet and a trade. Pretraining reads the facts
-as prose; SFT teaches answering questions about them in the chat format; DPO teaches preferring
-the true answer over a false one; held-out questions (about people whose questions were never
-trained on, but whose facts the prose told) measure what each stage taught.
+as prose: many short biographies per person, each telling the person's facts in a random order
+and wording (varied wording is what lets a small model store a fact so that it can be asked
+about, not just recited in one sentence). SFT teaches answering questions about the facts in the
+chat format, with a short answer (`Ostrel.`) that no prose sentence contains, so answering is a
+skill the base model lacks. DPO teaches preferring the true answer over a false one. The
+held-out questions and pairs are about people whose questions were never trained on, but whose
+facts the prose told: they measure what each stage taught, not what it memorized.
 """
 
 from __future__ import annotations
@@ -13,33 +17,37 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "sa", "vel", "dor", "ni", "qua", "zel", "bri", "mo", "fen", "ta", "lir"]
+SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "sa", "vel", "dor", "ni", "qua", "zel", "bri", "mo",
+             "fen", "ta", "lir"]
 TOWNS = ["Kelmora", "Dunvale", "Ostrel", "Penwick", "Saradon", "Tolmere", "Vashti", "Yarrow"]
-PETS = ["a heron", "a ferret", "a tortoise", "a goat", "a parrot", "a hedgehog", "a lynx", "an owl"]
+PETS = ["a heron", "a ferret", "a tortoise", "a goat", "a parrot", "a hedgehog", "a lynx",
+        "an owl"]
 TRADES = ["baker", "weaver", "potter", "smith", "sailor", "miller", "glazier", "scribe"]
 
-# (attribute, question, answer template, prose templates)
+# attribute -> (question, prose templates)
 ATTRIBUTES = {
     "town": (
         "Where does {name} live?",
-        "{name} lives in {value}.",
         ["{name} lives in {value}.", "In {value} there is a house where {name} lives.",
-         "{name} has always lived in {value}.", "People in {value} often meet {name}."],
+         "{name} has always lived in {value}.", "People in {value} often meet {name}.",
+         "{name}'s home is in {value}."],
     ),
     "pet": (
         "What pet does {name} have?",
-        "{name} has {value}.",
         ["{name} has {value}.", "{name} takes care of {value} every day.",
-         "Everyone knows that {name} keeps {value}.", "{value} follows {name} around."],
+         "Everyone knows that {name} keeps {value}.", "{value} follows {name} around.",
+         "{name} walks with {value} in the evening."],
     ),
     "trade": (
         "What is {name}'s trade?",
-        "{name} is a {value}.",
         ["{name} is a {value}.", "{name} works as a {value}.",
-         "As a {value}, {name} is busy all week.", "The {value} {name} starts work at dawn."],
+         "As a {value}, {name} is busy all week.", "The {value} {name} starts work at dawn.",
+         "{name} learned to be a {value} when young."],
     ),
 }
 VALUES = {"town": TOWNS, "pet": PETS, "trade": TRADES}
+DEFAULT_NUM_PEOPLE = 64
+DEFAULT_REPEATS = 16
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,9 @@ class Fact:
 
     @property
     def answer(self) -> str:
-        return ATTRIBUTES[self.attribute][1].format(name=self.name, value=self.value)
+        """The short answer SFT teaches: `Ostrel.`, `A ferret.`, `A baker.`"""
+        value = self.value if self.attribute != "trade" else f"a {self.value}"
+        return value[0].upper() + value[1:] + "."
 
 
 def make_people(rng: random.Random, count: int) -> list[str]:
@@ -64,7 +74,7 @@ def make_people(rng: random.Random, count: int) -> list[str]:
     return sorted(names)
 
 
-def make_facts(seed: int = 0, num_people: int = 48) -> list[Fact]:
+def make_facts(seed: int = 0, num_people: int = DEFAULT_NUM_PEOPLE) -> list[Fact]:
     rng = random.Random(seed)
     return [
         Fact(name, attribute, rng.choice(VALUES[attribute]))
@@ -74,54 +84,80 @@ def make_facts(seed: int = 0, num_people: int = 48) -> list[Fact]:
 
 
 def split_people(facts: list[Fact], held_out_fraction: float = 0.25) -> tuple[set[str], set[str]]:
+    """Train and held-out people: every fourth name (by sorted order) is held out."""
     names = sorted({f.name for f in facts})
-    cut = int(len(names) * (1 - held_out_fraction))
-    return set(names[:cut]), set(names[cut:])
+    step = max(2, round(1 / held_out_fraction))
+    heldout = {name for i, name in enumerate(names) if i % step == step - 1}
+    return set(names) - heldout, heldout
+
+
+def _sentence(fact: Fact, rng: random.Random) -> str:
+    text = rng.choice(ATTRIBUTES[fact.attribute][1]).format(name=fact.name, value=fact.value)
+    return text[0].upper() + text[1:]
 
 
 def corpus(facts: list[Fact], rng: random.Random, repeats: int) -> list[str]:
-    """Prose documents: each a few facts in random templates; every fact appears `repeats`
-    times across the corpus, in different wordings."""
-    sentences = []
+    """Prose documents: `repeats` short biographies per person, each with all of the person's
+    facts in a random order and random wordings; the documents are shuffled."""
+    by_person: dict[str, list[Fact]] = {}
     for fact in facts:
-        templates = ATTRIBUTES[fact.attribute][2]
-        for i in range(repeats):
-            text = templates[(i + rng.randrange(len(templates))) % len(templates)]
-            sentences.append(text.format(name=fact.name, value=fact.value))
-    rng.shuffle(sentences)
-    docs, size = [], 4
-    for start in range(0, len(sentences), size):
-        docs.append(" ".join(s[0].upper() + s[1:] for s in sentences[start : start + size]))
+        by_person.setdefault(fact.name, []).append(fact)
+    docs = []
+    for person_facts in by_person.values():
+        for _ in range(repeats):
+            order = rng.sample(person_facts, len(person_facts))
+            docs.append(" ".join(_sentence(fact, rng) for fact in order))
+    rng.shuffle(docs)
     return docs
 
 
+def wrong_values(fact: Fact, rng: random.Random, count: int) -> list[str]:
+    return rng.sample([v for v in VALUES[fact.attribute] if v != fact.value], count)
+
+
 def wrong_value(fact: Fact, rng: random.Random) -> str:
-    return rng.choice([v for v in VALUES[fact.attribute] if v != fact.value])
+    return wrong_values(fact, rng, 1)[0]
 
 
-def write_demo_data(out: Path, *, seed: int = 0, num_people: int = 48, repeats: int = 12) -> dict[str, Path]:
-    """Write corpus.txt (pretraining prose), sft_train.jsonl / sft_heldout.jsonl (chat
-    messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen, rejected) and
-    mc_heldout.jsonl (multiple choice for lm-eval). Returns the paths by name."""
+def write_demo_data(
+    out: Path,
+    *,
+    seed: int = 0,
+    num_people: int = DEFAULT_NUM_PEOPLE,
+    repeats: int = DEFAULT_REPEATS,
+    heldout_rejected: int = 3,
+) -> dict[str, Path]:
+    """Write the demo world's files and return their paths by name:
+
+    corpus.txt (pretraining prose, one document per paragraph), sft_train.jsonl /
+    sft_heldout.jsonl (chat messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen,
+    rejected; `heldout_rejected` wrong answers per held-out fact) and mc_heldout.jsonl
+    (multiple choice among four short answers, for lm-eval).
+    """
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed + 1)
     facts = make_facts(seed, num_people)
     train_people, heldout_people = split_people(facts)
     paths = {name: out / file for name, file in [
-        ("corpus", "corpus.txt"), ("sft_train", "sft_train.jsonl"), ("sft_heldout", "sft_heldout.jsonl"),
-        ("dpo_train", "dpo_train.jsonl"), ("dpo_heldout", "dpo_heldout.jsonl"), ("mc_heldout", "mc_heldout.jsonl"),
+        ("corpus", "corpus.txt"), ("sft_train", "sft_train.jsonl"),
+        ("sft_heldout", "sft_heldout.jsonl"), ("dpo_train", "dpo_train.jsonl"),
+        ("dpo_heldout", "dpo_heldout.jsonl"), ("mc_heldout", "mc_heldout.jsonl"),
     ]}
     paths["corpus"].write_text("\n\n".join(corpus(facts, rng, repeats)) + "\n")
     for split, people in (("train", train_people), ("heldout", heldout_people)):
         chosen = [f for f in facts if f.name in people]
         _write_jsonl(paths[f"sft_{split}"], [
-            {"messages": [{"role": "user", "content": f.question}, {"role": "assistant", "content": f.answer}]}
+            {"messages": [{"role": "user", "content": f.question},
+                          {"role": "assistant", "content": f.answer}]}
             for f in chosen
         ])
+        num_rejected = 1 if split == "train" else heldout_rejected
         _write_jsonl(paths[f"dpo_{split}"], [
             {"prompt": f.question, "chosen": f.answer,
-             "rejected": Fact(f.name, f.attribute, wrong_value(f, rng)).answer}
+             "rejected": Fact(f.name, f.attribute, wrong).answer}
             for f in chosen
+            for wrong in wrong_values(f, rng, num_rejected)
         ])
     heldout = [f for f in facts if f.name in heldout_people]
     _write_jsonl(paths["mc_heldout"], [_multiple_choice(f, rng) for f in heldout])
@@ -129,7 +165,7 @@ def write_demo_data(out: Path, *, seed: int = 0, num_people: int = 48, repeats: 
 
 
 def _multiple_choice(fact: Fact, rng: random.Random) -> dict:
-    options = [fact.value, *rng.sample([v for v in VALUES[fact.attribute] if v != fact.value], 3)]
+    options = [fact.value, *wrong_values(fact, rng, 3)]
     rng.shuffle(options)
     choices = [Fact(fact.name, fact.attribute, v).answer for v in options]
     return {"question": fact.question, "choices": choices, "label": options.index(fact.value)}

@@ -3,7 +3,8 @@
 `run_eval` runs lm-eval tasks (by name, or local YAMLs from include paths) on one or more
 artifacts through the `LmforgeLM` adapter and writes a results JSON beside each;
 `format_results_table` / `format_comparison_table` print them; `perplexity` scores held-out text
-with a sliding window; `write_demo_task` makes the demo's multiple-choice tasks for a data file.
+with a sliding window; `preference_accuracy` scores held-out preference pairs;
+`write_demo_task` makes the demo's multiple-choice tasks for a data file.
 Importing this package imports lm-eval (about a second).
 """
 
@@ -15,6 +16,7 @@ from lmforge.eval.harness import (
     run_eval,
 )
 from lmforge.eval.perplexity import perplexity
+from lmforge.eval.preference import preference_accuracy
 from lmforge.eval.tasks import DEMO_TASKS, write_demo_task
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "format_comparison_table",
     "format_results_table",
     "perplexity",
+    "preference_accuracy",
     "run_eval",
     "write_demo_task",
 ]

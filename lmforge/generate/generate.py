@@ -423,12 +423,24 @@ class Generator:
     # ---- the engine's two steps -----------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run prompts [b <= max_batch] through the model into cache rows 0..b-1, slots
-        0..len-1; returns float32 logits [b, vocab] at each prompt's last token."""
+    def prefill(
+        self, prompt_ids: Sequence[Sequence[int]], *, rows: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Run prompts [b <= max_batch] through the model into cache rows 0..b-1 (or the
+        distinct cache `rows` given, one per prompt: a server's sequences join a running batch
+        this way), slots 0..len-1; returns float32 logits [b, vocab] at each prompt's last
+        token. Other rows' caches are left as they are."""
         batch = len(prompt_ids)
         if not 1 <= batch <= self.max_batch:
             raise ConfigError(f"{batch} prompts do not fit max_batch={self.max_batch}")
+        row_index = None
+        if rows is not None:
+            rows = [int(r) for r in rows]
+            if len(rows) != batch or len(set(rows)) != batch:
+                raise ConfigError(f"rows {rows} must be {batch} distinct cache rows")
+            if not all(0 <= r < self.max_batch for r in rows):
+                raise ConfigError(f"rows {rows} must be in 0..{self.max_batch - 1}")
+            row_index = torch.tensor(rows, device=self.device)
         lengths = torch.tensor([len(ids) for ids in prompt_ids], device=self.device)
         seq_len = max(len(ids) for ids in prompt_ids)
         if seq_len > self.max_seq_len:
@@ -446,7 +458,7 @@ class Generator:
         hidden = self.model(
             tokens,
             positions=positions,
-            kv_caches=_Prefix(self.caches, seq_len),
+            kv_caches=_Prefix(self.caches, seq_len, row_index),
             return_hidden=True,
         )  # [b, s, dim]
         last = hidden[torch.arange(batch, device=self.device), lengths - 1]  # [b, dim]
@@ -597,21 +609,30 @@ class Generator:
 
 
 class _Prefix:
-    """The caches seen through their first `kv_len` slots (for prefill from position 0)."""
+    """The caches seen through their first `kv_len` slots (for prefill from position 0), in
+    rows 0..b-1 or in the cache rows `rows` [b]."""
 
-    def __init__(self, caches: KVCaches, kv_len: int) -> None:
+    def __init__(self, caches: KVCaches, kv_len: int, rows: torch.Tensor | None = None) -> None:
         self.caches = caches
         self.kv_len = kv_len
+        self.rows = rows
 
     def __getitem__(self, layer: int) -> _PrefixLayer:
-        return _PrefixLayer(self.caches[layer], self.kv_len)
+        return _PrefixLayer(self.caches[layer], self.kv_len, self.rows)
 
 
 class _PrefixLayer:
-    def __init__(self, cache, kv_len: int) -> None:
+    def __init__(self, cache, kv_len: int, rows: torch.Tensor | None = None) -> None:
         self.cache = cache
         self.kv_len = kv_len
+        self.rows = rows
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k_all, v_all = self.cache.update(k, v)
-        return k_all[:, :, : self.kv_len], v_all[:, :, : self.kv_len]
+        if self.rows is None:
+            k_all, v_all = self.cache.update(k, v)
+            return k_all[:, :, : self.kv_len], v_all[:, :, : self.kv_len]
+        # As StaticKVCache.update, into the given rows: the target is [b, s, kv_heads, head_dim].
+        cache, rows = self.cache, self.rows[:, None]  # [b, 1], broadcast over the slots [1, s]
+        cache.k[rows, :, cache.positions] = k.transpose(1, 2).to(cache.k.dtype)
+        cache.v[rows, :, cache.positions] = v.transpose(1, 2).to(cache.v.dtype)
+        return cache.k[self.rows, :, : self.kv_len], cache.v[self.rows, :, : self.kv_len]

@@ -140,9 +140,9 @@ class Trainer:
             [loss_sum, num_tokens.float(), torch.tensor(float(preempt_flag), device=device)]
             + [metric_sums[k] for k in keys]
         )
-        stats = self._all_reduce(stats).tolist()
+        stats = torch.cat([self._all_reduce(stats), grad_norm.reshape(1).float()]).tolist()
+        grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
-        grad_norm_value = grad_norm.item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm_value)):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDivergedError(

@@ -8,7 +8,7 @@ from pathlib import Path
 from lmforge.data.pretrain import PackedLoader, TokenShards
 from lmforge.errors import ConfigError
 from lmforge.train.config import PretrainJob
-from lmforge.train.losses import causal_lm_loss
+from lmforge.train.losses import CausalLMLoss
 from lmforge.train.stage import run_stage
 
 
@@ -35,5 +35,5 @@ def pretrain(job: PretrainJob) -> Path:
         job,
         stage="pretrain",
         make_batches=make_loader,
-        make_loss_step=lambda model, spec, layout: causal_lm_loss,
+        make_loss_step=lambda model, spec, layout: CausalLMLoss(compile=job.parallel.compile),
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 from lmforge.data.sft import SFTLoader, load_sft_data
 from lmforge.errors import ConfigError
 from lmforge.train.config import SFTJob
-from lmforge.train.losses import causal_lm_loss
+from lmforge.train.losses import CausalLMLoss
 from lmforge.train.stage import ModelSpec, run_stage
 
 log = logging.getLogger(__name__)
@@ -45,5 +45,5 @@ def sft(job: SFTJob) -> Path:
         job,
         stage="sft",
         make_batches=make_loader,
-        make_loss_step=lambda model, spec, layout: causal_lm_loss,
+        make_loss_step=lambda model, spec, layout: CausalLMLoss(compile=job.parallel.compile),
     )

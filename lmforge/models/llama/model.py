@@ -109,13 +109,12 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # [b, kv_heads, cache_len, hd]
-        if self.num_groups > 1:  # share each kv head with its group of query heads
-            k = k.repeat_interleave(self.num_groups, dim=1)
-            v = v.repeat_interleave(self.num_groups, dim=1)
+        # enable_gqa: each kv head serves its group of query heads without being copied.
+        gqa = self.num_groups > 1
         if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
         return self.wo(out)
 

@@ -1,0 +1,267 @@
+"""`lmforge serve ARTIFACT`: an OpenAI-compatible HTTP API over an artifact.
+
+`--engine lmforge` (the default) loads the artifact with `lmforge.load` (full, quantized, or a
+LoRA run's artifact, whose weights are already merged) and serves it with FastAPI + uvicorn
+over the continuous-batching engine (lmforge/serve). `--engine vllm` hands the same artifact to
+vLLM's OpenAI server with the equivalent options, when vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from lmforge.errors import ConfigError, ModelFormatError
+
+API_KEY_ENV = "LMFORGE_API_KEY"
+VLLM_INSTALL_HINT = "pip install vllm (Linux with a CUDA GPU)"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve an artifact over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API: GET /v1/models, POST "
+        "/v1/completions and /v1/chat/completions (streamed as server-sent events with "
+        '"stream": true), GET /health and GET /metrics (Prometheus). Concurrent requests share '
+        "decode steps (continuous batching). SIGTERM stops accepting connections, lets "
+        "in-flight requests finish within --shutdown-grace and exits 0.",
+        epilog=f"The API key comes from --api-key or the {API_KEY_ENV} environment variable; "
+        "with one set, every route but /health needs 'Authorization: Bearer KEY'.",
+    )
+    parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact or HF Llama directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free port)")
+    parser.add_argument("--api-key", default=None, metavar="KEY", help="require this bearer key")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send (default: the artifact directory's name)",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences decoded together, one KV-cache row each (8)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="M",
+        help="sequences that may wait for a free row; beyond that requests get 429 (64)",
+    )
+    parser.add_argument(
+        "--max-n", type=int, default=8, metavar="N", help="the most choices per request (8)"
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context: prompt plus new tokens (default: the model's, at most 4096)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds from a request's arrival to its last token, else 408 (600; 0: none)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, seconds in-flight requests get to finish (30)",
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="compute dtype (default: as stored)",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the decode step (default: on CUDA only)",
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, metavar="N", help="CPU threads for torch"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["lmforge", "vllm"],
+        default="lmforge",
+        help="lmforge's own server (default) or vLLM's OpenAI server on the same artifact",
+    )
+    parser.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], default="info"
+    )
+    parser.add_argument(
+        "--access-log", action="store_true", help="log every request (uvicorn's access log)"
+    )
+    parser.set_defaults(func=main)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name, low in (("max_concurrency", 1), ("max_queue", 0), ("max_n", 1)):
+        value = getattr(args, name)
+        if value < low:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {low}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must be in 0..65535")
+    for name in ("request_timeout", "shutdown_grace"):
+        if not getattr(args, name) >= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 seconds")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ConfigError(f"--num-threads {args.num_threads} must be >= 1")
+    if not Path(args.artifact).is_dir():
+        raise ModelFormatError(f"{args.artifact}: no such directory")
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ConfigError(f"the API key (--api-key or {API_KEY_ENV}) is empty")
+    return key
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or Path(args.artifact).resolve().name
+
+
+def vllm_command(args: argparse.Namespace) -> list[str]:
+    """vLLM's OpenAI server with the options equivalent to ours (the API key goes through the
+    VLLM_API_KEY environment variable, not the command line)."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.artifact),
+        "--served-model-name",
+        model_name(args),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--max-num-seqs",
+        str(args.max_concurrency),
+        "--dtype",
+        args.dtype or "auto",
+    ]
+    if args.max_seq_len is not None:
+        command += ["--max-model-len", str(args.max_seq_len)]
+    if args.log_level:
+        command += ["--uvicorn-log-level", args.log_level]
+    if not args.access_log:
+        command += ["--disable-uvicorn-access-log"]
+    return command
+
+
+def _exec_vllm(args: argparse.Namespace) -> int:
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:  # not installed, or installed but broken (no CUDA, ...)
+        reason = "is not installed" if isinstance(err, ImportError) else f"fails to import: {err}"
+        raise ConfigError(
+            f"--engine vllm: vLLM {reason}; install it with `{VLLM_INSTALL_HINT}`, or serve "
+            "with --engine lmforge"
+        ) from None
+    command = vllm_command(args)
+    env = dict(os.environ)
+    key = _api_key(args)
+    if key is not None:
+        env["VLLM_API_KEY"] = key
+    print("exec: " + " ".join(command), file=sys.stderr, flush=True)
+    os.execve(sys.executable, command, env)
+    return 0  # not reached
+
+
+def main(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if args.engine == "vllm":
+        return _exec_vllm(args)
+    api_key = _api_key(args)
+
+    import torch
+
+    import lmforge
+    from lmforge.commands.generate import _pick_device
+    from lmforge.generate import Generator
+
+    try:
+        from lmforge.serve import ServeSettings, bind, create_app, serve
+    except ImportError as err:
+        raise ConfigError(
+            f"lmforge serve needs FastAPI, uvicorn and prometheus-client ({err}); install "
+            "them with `pip install 'lmforge[serve]'`"
+        ) from None
+
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    sock = bind(args.host, args.port)  # fail early on a taken port, before loading
+    device = _pick_device(args.device)
+    start = time.perf_counter()
+    loaded = lmforge.load(args.artifact, device=device, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise ModelFormatError(
+            f"{args.artifact}: has no tokenizer (tokenizer.json or tokenizer.model); serving "
+            "needs one to read prompts and write text"
+        )
+    model_max = loaded.config.max_seq_len
+    max_seq_len = args.max_seq_len or min(model_max, 4096)
+    if not 2 <= max_seq_len <= model_max:
+        raise ConfigError(f"--max-seq-len {max_seq_len} must be in 2..{model_max} (the model's)")
+    generator = Generator(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=args.max_concurrency,
+        max_seq_len=max_seq_len,
+        device=device,
+        compile=args.compile,
+    )
+    notes = []
+    if (Path(args.artifact) / "adapter").is_dir():
+        notes.append("LoRA adapter merged into the weights")
+    if loaded.lineage.get("quantization") or "quantiz" in str(loaded.lineage.get("stage", "")):
+        notes.append("quantized")
+    print(
+        f"loaded {args.artifact} on {device} ({generator.dtype}) in "
+        f"{time.perf_counter() - start:.1f}s" + (f" ({', '.join(notes)})" if notes else ""),
+        file=sys.stderr,
+    )
+    if generator.compiled:
+        print("compiling the decode step...", file=sys.stderr, flush=True)
+        print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
+    settings = ServeSettings(
+        model_name=model_name(args),
+        api_key=api_key,
+        max_queue=args.max_queue,
+        max_n=args.max_n,
+        request_timeout=args.request_timeout or None,
+    )
+    app = create_app(generator, settings)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"serving {settings.model_name!r} on http://{host}:{port}/v1 (max concurrency "
+        f"{args.max_concurrency}, queue {args.max_queue}, context {max_seq_len})",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = serve(
+        app,
+        sock,
+        shutdown_grace=args.shutdown_grace,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return 0 if started else 1

@@ -1,0 +1,647 @@
+"""`lmforge serve`: real server processes on 127.0.0.1 over a tiny artifact, driven by the
+official `openai` client and by raw HTTP.
+
+Outputs equal `lmforge generate` / the `Generator` with the same greedy settings, also for 32
+concurrent streams (continuous batching is exact); bad input of any shape (hypothesis) never
+gets a 5xx; the API key guards every route but /health; a full queue answers 429 with
+Retry-After; a client that disconnects frees its row; a request past its timeout gets 408;
+SIGTERM drains in-flight requests (queued ones too) and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import lmforge  # noqa: E402
+from lmforge.api import build_model, save_state  # noqa: E402
+from lmforge.cli import main as cli_main  # noqa: E402
+from lmforge.data.tokenizer import train_bpe  # noqa: E402
+from lmforge.generate import Generator, SamplingParams  # noqa: E402
+from lmforge.models.llama import get_preset  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-123"
+MODEL = "tiny-chat"
+MAIN_CONCURRENCY = 32
+MAIN_CONTEXT = 96
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+CORPUS = (
+    "The cat sat on the mat. A dog ran in the park and the sun was warm.\n"
+    "Models learn from text; tokens are pieces of words. Hello, world!\n"
+) * 40
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    """A random tiny model with a BPE tokenizer (and the adapter/ folder a LoRA run leaves:
+    its weights are already merged into the artifact's)."""
+    root = tmp_path_factory.mktemp("serve")
+    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    tokenizer = train_bpe([root / "corpus.txt"], vocab_size=320, out_dir=root / "tok")
+    args = get_preset("tiny").replace(
+        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=320
+    )
+    model = build_model(args, seed=7)
+    directory = save_state(
+        model.state_dict(), args, tokenizer, root / MODEL, stage="test", parent=None
+    )
+    (directory / "adapter").mkdir()
+    (directory / "adapter" / "adapter_config.json").write_text("{}")
+    return directory
+
+
+class Server:
+    """One `lmforge serve` process, its port read from what it prints."""
+
+    def __init__(self, artifact: Path, log: Path, *args: str) -> None:
+        self.log = log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("LMFORGE_API_KEY", None)
+        command = [sys.executable, "-m", "lmforge", "serve", str(artifact), "--port", "0"]
+        command += ["--num-threads", "1", "--log-level", "warning", *args]
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.port: int | None = None
+
+    def wait_ready(self, timeout: float = 90) -> Server:
+        deadline = time.monotonic() + timeout
+        while self.port is None:
+            found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", self.log.read_text())
+            if found:
+                self.port = int(found.group(1))
+            elif self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the server did not start:\n{self.log.read_text()}")
+            else:
+                time.sleep(0.1)
+        while True:
+            try:
+                if request(self, "GET", "/health")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the server did not become healthy:\n{self.log.read_text()}")
+            time.sleep(0.1)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(artifact, tmp_path_factory):
+    """Three servers, started together: the main one (API key, 32 rows), a small one (one row,
+    one queue place, 2 s timeout) and one to drain with SIGTERM."""
+    logs = tmp_path_factory.mktemp("logs")
+    started = {
+        "main": Server(
+            artifact,
+            logs / "main.log",
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            MODEL,
+            "--max-concurrency",
+            str(MAIN_CONCURRENCY),
+            "--max-queue",
+            "64",
+            "--max-seq-len",
+            str(MAIN_CONTEXT),
+        ),
+        "small": Server(
+            artifact,
+            logs / "small.log",
+            "--max-concurrency",
+            "1",
+            "--max-queue",
+            "1",
+            "--max-seq-len",
+            "2048",
+            "--request-timeout",
+            "2",
+        ),
+        "drain": Server(
+            artifact,
+            logs / "drain.log",
+            "--max-concurrency",
+            "1",
+            "--max-queue",
+            "4",
+            "--max-seq-len",
+            "1024",
+            "--shutdown-grace",
+            "60",
+        ),
+    }
+    try:
+        yield {name: server.wait_ready() for name, server in started.items()}
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def main_server(servers) -> Server:
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def reference(artifact) -> Generator:
+    """The engine's greedy output to compare with: the Generator on the same artifact, with
+    the server's rows and context, one prompt at a time."""
+    torch.set_num_threads(1)
+    loaded = lmforge.load(artifact)
+    return Generator(
+        loaded.model, loaded.tokenizer, max_batch=MAIN_CONCURRENCY, max_seq_len=MAIN_CONTEXT
+    )
+
+
+def request(server: Server, method: str, path: str, body=None, headers=None, timeout=60):
+    """(status, headers, body bytes); `body` is JSON-encoded unless it is bytes."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body)
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        connection.request(method, path, body=data, headers=all_headers)
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def metric(server: Server, name: str, headers=None) -> float:
+    """A sample's value from /metrics (0 if absent), e.g. 'lmforge_queue_depth'."""
+    status, _, body = request(server, "GET", "/metrics", headers=headers)
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def assert_error_envelope(body: bytes, param: str | None = None) -> dict:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def generate_cli(capsys, artifact: Path, source: list[str], max_tokens: int) -> str:
+    """What `lmforge generate` prints as the one prompt's text (greedy)."""
+    options = ["--max-new-tokens", str(max_tokens), "--max-seq-len", str(MAIN_CONTEXT)]
+    code = cli_main(["generate", str(artifact), *source, "--temperature", "0", *options])
+    assert code == 0
+    out = capsys.readouterr().out
+    return out.split("\n", 1)[1].rsplit("\n[1] ", 1)[0]
+
+
+# ---- the openai client ----------------------------------------------------------------------
+
+
+def test_openai_client_matches_lmforge_generate(main_server, artifact, reference, capsys):
+    client = openai.OpenAI(base_url=main_server.base_url, api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    prompt = "The cat sat"
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    expected = generate_cli(capsys, artifact, ["--prompt", prompt], 12)
+    assert completion.choices[0].text == expected
+    prompt_ids = reference.encode_prompt(prompt)
+    result = reference.generate([prompt_ids], SamplingParams(max_new_tokens=12, temperature=0))
+    result = result.results[0]
+    assert completion.choices[0].finish_reason == result.finish_reason
+    assert completion.usage.prompt_tokens == len(prompt_ids)
+    assert completion.usage.completion_tokens == len(result.token_ids)
+
+    messages = [{"role": "user", "content": "Hello, world!"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0
+    )
+    expected_chat = generate_cli(capsys, artifact, ["--chat", "Hello, world!"], 10)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected_chat
+    assert chat.usage.prompt_tokens == len(reference.encode_prompt(messages))
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_chat
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    # Seeded sampling: the choice's own torch.Generator draws what the Generator draws.
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, stop_token_ids=())
+    draw = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, top_p=0.9, seed=11, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    again = reference.generate([prompt_ids], sampled, seed=11).results[0].text
+    assert draw.choices[0].text == again
+    second = reference.generate([prompt_ids], sampled, seed=12).results[0].text
+    assert draw.choices[1].text == second
+
+    # Log-probabilities (completions): the greedy token is the most likely one.
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 5 == len(logprobs.tokens)
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert chosen <= 0 and chosen == pytest.approx(max(top.values()))
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=prompt, max_tokens=2)
+
+
+def test_32_concurrent_streams_equal_sequential_greedy(main_server, reference):
+    prompts = []
+    for i in range(MAIN_CONCURRENCY):
+        words = " ".join(["the cat", "a dog", "sun", "park", "mat"][: 1 + i % 5])
+        if i % 2:
+            prompts.append(f"{i} {words} sat")
+        else:
+            prompts.append([{"role": "user", "content": f"Question {i}: {words}?"}])
+    max_tokens = [6 + i % 11 for i in range(MAIN_CONCURRENCY)]
+    expected = [
+        reference.generate([p], SamplingParams(max_new_tokens=m, temperature=0)).texts[0]
+        for p, m in zip(prompts, max_tokens)
+    ]
+    steps_before = metric(main_server, "lmforge_batch_size_count", AUTH)
+    rows_before = metric(main_server, "lmforge_batch_size_sum", AUTH)
+
+    async def one(client, prompt, limit) -> str:
+        if isinstance(prompt, str):
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=limit, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].text async for c in stream])
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=prompt, max_tokens=limit, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    async def run_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=main_server.base_url, api_key=KEY, max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
+
+    assert asyncio.run(run_all()) == expected
+    steps = metric(main_server, "lmforge_batch_size_count", AUTH) - steps_before
+    rows = metric(main_server, "lmforge_batch_size_sum", AUTH) - rows_before
+    assert rows / steps > 4  # decode steps were shared
+
+
+# ---- the bad-input contract ----------------------------------------------------------------
+
+BAD_REQUESTS = [
+    # (route, body, status, param)
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": ', 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "1"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "a", "temperature": NaN}', 400,
+     "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 96}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi " * 200}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 9}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop[0]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "\\ud800"}', 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
+     400, "messages[0].role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+     400, "messages[0].content"),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200},
+     400, "max_tokens"),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
+     400, "tools"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
+def test_bad_input_is_a_4xx_naming_the_parameter(main_server, route, body, status, param):
+    got, _, content = request(main_server, "POST", route, body, AUTH)
+    assert got == status, content
+    error = assert_error_envelope(content, param)
+    if status == 400 and body and param is None:
+        assert error["code"] in ("invalid_json", "invalid_request")
+
+
+def json_values(max_leaves: int = 8):
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=12)
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+        max_leaves=max_leaves,
+    )
+
+
+def _field(plausible):
+    return st.one_of(plausible, json_values())
+
+
+SAMPLING_FIELDS = {
+    "model": _field(st.just(MODEL)),
+    "max_tokens": _field(st.integers(-2, 6)),
+    "temperature": _field(st.floats(-0.5, 2.5)),
+    "top_p": _field(st.floats(-0.1, 1.1)),
+    "top_k": _field(st.integers(-2, 400)),
+    "n": _field(st.integers(-1, 10)),
+    "stream": _field(st.booleans()),
+    "stream_options": _field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "stop": _field(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=18)),
+    "seed": _field(st.integers(-(2**64), 2**65)),
+    "presence_penalty": _field(st.floats(-3, 3)),
+    "logit_bias": _field(st.dictionaries(st.text(max_size=3), st.floats(-100, 100))),
+    "user": _field(st.text(max_size=5)),
+    "ignore_eos": _field(st.booleans()),
+}
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "x"])},
+    optional={
+        "content": _field(
+            st.text(max_size=20)
+            | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text()}))
+        ),
+        "name": _field(st.text(max_size=4)),
+    },
+)
+
+
+def request_bodies(**fields):
+    """Bodies with a valid model and a small max_tokens, each other field (these two included)
+    present or not, plausible or any JSON value."""
+    base = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 4)})
+    optional = st.fixed_dictionaries({}, optional={**SAMPLING_FIELDS, **fields})
+    return st.tuples(base, optional).map(lambda parts: {**parts[0], **parts[1]})
+
+
+COMPLETION_BODIES = request_bodies(
+    prompt=_field(
+        st.text(max_size=30)
+        | st.lists(st.integers(-5, 400), max_size=12)
+        | st.lists(st.text(max_size=8), max_size=3)
+        | st.lists(st.lists(st.integers(0, 330), max_size=4), max_size=3)
+    ),
+    logprobs=_field(st.integers(-1, 7)),
+    echo=_field(st.booleans()),
+    best_of=_field(st.integers(0, 3)),
+    suffix=_field(st.text(max_size=3)),
+)
+CHAT_BODIES = request_bodies(
+    messages=_field(st.lists(message, max_size=3)),
+    max_completion_tokens=_field(st.integers(-1, 5)),
+    logprobs=_field(st.booleans()),
+    top_logprobs=_field(st.integers(-1, 22)),
+    response_format=_field(st.fixed_dictionaries({"type": st.sampled_from(["text", "x"])})),
+)
+ANY_BODY = st.one_of(
+    json_values(12),
+    st.binary(max_size=40),
+    st.dictionaries(st.sampled_from([*SAMPLING_FIELDS, "prompt", "messages"]), json_values()),
+)
+
+
+def _check_answer(status: int, headers: dict, content: bytes, stream: bool) -> None:
+    assert status < 500, content[:500]
+    if status >= 400:
+        assert_error_envelope(content)
+    elif stream:
+        assert content.endswith(b"data: [DONE]\n\n"), content[-200:]
+    else:
+        assert json.loads(content)["choices"]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_bodies_never_get_a_5xx(main_server, route):
+    bodies = COMPLETION_BODIES if route == "/v1/completions" else CHAT_BODIES
+
+    @settings(
+        max_examples=120,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(body=st.one_of(bodies, bodies, ANY_BODY))
+    def check(body):
+        data = json.dumps(body).encode() if not isinstance(body, bytes) else body
+        status, headers, content = request(main_server, "POST", route, data, AUTH)
+        stream = isinstance(body, dict) and body.get("stream") is True
+        _check_answer(status, headers, content, stream)
+
+    check()
+
+
+def test_api_key_guards_every_route_but_health(main_server):
+    routes = [
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{MODEL}"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("GET", "/no/such/route"),
+    ]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    wrong = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": KEY},
+    ]
+    for method, path in routes:
+        for headers in wrong:
+            status, got_headers, content = request(main_server, method, path, body, headers)
+            assert status == 401, (method, path, headers)
+            assert got_headers.get("www-authenticate") == "Bearer"
+            assert assert_error_envelope(content)["code"] == "invalid_api_key"
+    assert request(main_server, "GET", "/health")[0] == 200
+    assert request(main_server, "GET", "/v1/models", headers=AUTH)[0] == 200
+    status, headers, content = request(main_server, "GET", "/metrics", headers=AUTH)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    text = content.decode()
+    for name in ("lmforge_requests_total", "lmforge_request_latency_seconds_bucket",
+                 "lmforge_generation_tokens_total", "lmforge_queue_depth"):  # fmt: skip
+        assert name in text
+    assert 'lmforge_requests_total{route="/v1/models",status="401"}' in text
+
+
+# ---- load: 429, disconnects, timeouts, SIGTERM ---------------------------------------------
+
+
+def _open_stream(server: Server, route: str, body: dict):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", route, json.dumps({**body, "stream": True}), AUTH)
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    return connection, response
+
+
+def _in_thread(function, *args):
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(value=function(*args)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _wait_for(condition, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_full_queue_429_disconnect_frees_the_row_and_timeout_408(servers):
+    small = servers["small"]
+    long = {"model": MODEL, "prompt": "hi", "max_tokens": 2040, "ignore_eos": True}
+    running, response = _open_stream(small, "/v1/completions", long)
+    assert response.readline().startswith(b"data: ")  # it runs: the only row is taken
+    queued, answer = _in_thread(request, small, "POST", "/v1/completions", long)
+    _wait_for(lambda: metric(small, "lmforge_queue_depth") == 1)
+
+    status, headers, content = request(small, "POST", "/v1/completions", long)
+    assert status == 429 and headers["retry-after"] == "1"
+    assert assert_error_envelope(content)["code"] == "queue_full"
+
+    running.close()  # the client leaves: its row goes to the queued request
+    _wait_for(lambda: metric(small, 'lmforge_sequences_finished_total{reason="cancelled"}') == 1)
+    _wait_for(lambda: metric(small, "lmforge_running_sequences") == 1)
+    assert metric(small, "lmforge_queue_depth") == 0
+
+    queued.join(timeout=30)  # 2040 tokens take longer than the 2 s timeout
+    status, _, content = answer["value"]
+    assert status == 408 and assert_error_envelope(content)["code"] == "request_timeout"
+    assert metric(small, 'lmforge_sequences_finished_total{reason="timeout"}') == 1
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(servers):
+    drain = servers["drain"]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    connection, response = _open_stream(
+        drain, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+    )
+    assert response.readline().startswith(b"data: ")
+    queued, answer = _in_thread(request, drain, "POST", "/v1/completions", body)
+    _wait_for(lambda: metric(drain, "lmforge_queue_depth") == 1)
+
+    drain.process.send_signal(signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            request(drain, "GET", "/health", timeout=2)
+        except OSError:
+            return True
+        return False
+
+    _wait_for(refused)  # no new connections while the two requests finish
+    assert drain.process.poll() is None
+    rest = response.read().decode()
+    connection.close()
+    events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 400
+    queued.join(timeout=60)
+    status, _, content = answer["value"]
+    assert status == 200
+    assert json.loads(content)["usage"]["completion_tokens"] == 400
+    assert drain.process.wait(timeout=60) == 0
+
+
+# ---- pieces ---------------------------------------------------------------------------------
+
+
+def test_prefill_into_given_rows_leaves_the_others(artifact):
+    loaded = lmforge.load(artifact)
+    generator = Generator(loaded.model, loaded.tokenizer, max_batch=3, max_seq_len=32)
+    prompts = [[1, 5, 9, 2], [7, 7, 3]]
+    expected = generator.prefill(prompts)  # rows 0 and 1
+    row_1 = [c.k[1].clone() for c in generator.caches.layers]
+    logits = generator.prefill([prompts[0]], rows=[2])
+    assert torch.equal(logits[0], expected[0])
+    for layer, cache in enumerate(generator.caches.layers):
+        assert torch.equal(cache.k[1], row_1[layer])  # untouched
+        assert torch.equal(cache.k[2, :, :4], cache.k[0, :, :4])
+    with pytest.raises(lmforge.errors.ConfigError):
+        generator.prefill(prompts, rows=[1, 1])
+
+
+def test_engine_vllm_needs_vllm(artifact, capsys):
+    from lmforge.cli import build_parser
+    from lmforge.commands.serve import vllm_command
+
+    options = ["--port", "9001", "--max-concurrency", "4", "--max-seq-len", "512"]
+    args = build_parser().parse_args(
+        ["serve", str(artifact), "--engine", "vllm", *options, "--dtype", "bfloat16"]
+    )
+    command = vllm_command(args)
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    text = " ".join(command)
+    for option in ("--model " + str(artifact), "--port 9001", "--max-num-seqs 4",
+                   "--max-model-len 512", "--dtype bfloat16", f"--served-model-name {MODEL}"):  # fmt: skip
+        assert option in text
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        assert cli_main(["serve", str(artifact), "--engine", "vllm"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert "\n" not in error and "pip install vllm" in error
