@@ -530,7 +530,8 @@ def test_api_key_guards_every_route_but_health(main_server):
 
 def _open_stream(server: Server, route: str, body: dict):
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    connection.request("POST", route, json.dumps({**body, "stream": True}), AUTH)
+    headers = {"Content-Type": "application/json", **AUTH}
+    connection.request("POST", route, json.dumps({**body, "stream": True}), headers)
     response = connection.getresponse()
     assert response.status == 200, response.read()
     return connection, response

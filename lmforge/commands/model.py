@@ -97,7 +97,7 @@ def info_main(args: argparse.Namespace) -> int:
     print(f"bytes:       {sizes}")
     flops = model_args.flops_per_token(args.seq_len)
     print(f"train FLOPs: {_human(flops)} per token at seq_len {args.seq_len}")
-    print("layer shapes (one block of", model_args.num_layers, "):")
+    print(f"layer shapes (block 0 of {model_args.num_layers} shown):")
     for name, param in model.named_parameters(remove_duplicate=False):
         if name.startswith("layers.") and not name.startswith("layers.0."):
             continue

@@ -93,13 +93,21 @@ class SlurmLauncher:
             Default: `python` inside a container image (Pyxis), else this interpreter (a
             virtual environment on a shared file system).
         slurm_bin: directory of the Slurm client commands (default: found on PATH).
+        poll_s: how often `wait` asks Slurm, unless it is given its own `poll_s`.
     """
 
     name = "slurm"
 
-    def __init__(self, *, python: str | None = None, slurm_bin: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        python: str | None = None,
+        slurm_bin: str | Path | None = None,
+        poll_s: float = 10.0,
+    ) -> None:
         self.python = python
         self.slurm_bin = Path(slurm_bin) if slurm_bin else None
+        self.poll_s = poll_s
         self._jobcomp: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------------- rendering
@@ -289,10 +297,11 @@ class SlurmLauncher:
         handles: dict[str, JobHandle],
         *,
         on_event: JobCallback | None = None,
-        poll_s: float = 10.0,
+        poll_s: float | None = None,
         timeout_s: float | None = None,
     ) -> dict[str, JobHandle]:
         """Poll until every job is finished (or `timeout_s` passes: then return as they are)."""
+        poll_s = self.poll_s if poll_s is None else poll_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         names = {h.job_id: name for name, h in handles.items() if h.job_id}
         while True:

@@ -839,7 +839,7 @@ def create_app(generator: Generator, settings: ServeSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
-        content_type = request.headers.get("content-type", "application/json").lower()
+        content_type = request.headers.get("content-type", "").lower()
         json_body = "json" in content_type.split(";")[0]
         return _error_response(_validation_error(list(err.errors()), json_body=json_body))
 
