@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "lmforge.commands.generate",
     "lmforge.commands.serve",
     "lmforge.commands.run",
+    "lmforge.commands.plan",
 ]
 
 

@@ -1175,10 +1175,10 @@ def stage_metrics(kind: str, stage_dir: Path, output: Path) -> dict:
         else:
             metrics["files"] = sorted(p.name for p in output.glob("*")) if output.exists() else []
     elif kind == "tokenizer":
-        config = output / "tokenizer.json"
-        if config.exists():
-            vocab = json.loads(config.read_text()).get("model", {}).get("vocab", {})
-            metrics["vocab_size"] = len(vocab)
+        if output.exists():
+            from lmforge.data.tokenizer import load_tokenizer
+
+            metrics["vocab_size"] = load_tokenizer(output).vocab_size
     elif kind == "generate":
         sample = (output / SAMPLE_NAME)
         if sample.exists():

@@ -306,3 +306,4 @@ if __name__ == "__main__":
         print(f"export SLURM_CONF={up.conf}\n(Ctrl-C stops it)", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
+    shutil.rmtree(up.root, ignore_errors=True)

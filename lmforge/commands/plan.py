@@ -1,0 +1,225 @@
+"""`lmforge plan`: will a training job fit on these GPUs, and what is the smallest setup that does."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from lmforge.errors import ConfigError
+
+JOBS = ("pretrain", "sft", "dpo")
+EPILOG = """\
+examples:
+  lmforge plan --model llama3.1-70b --method full --gpus 2x8 --gpu-memory h100 --ac full --cpu-offload
+  lmforge plan --model llama3.1-70b --method lora --lora-targets q,k,v --gpus 8 --gpu-memory 80GB
+  lmforge plan --model llama3.1-8b --method full --gpu-memory 80GB --micro-batch-size 4 --search
+  lmforge plan --config sft.toml --gpus 4 --gpu-memory h100 --dry-run
+
+GPU memory: 80GB / 80GiB (both 2^30 bytes: GPU memory is quoted in binary units), 85e9 (bytes),
+or a GPU name (h100, h200, a100-40gb, a100-80gb, l40s, b200). Exit status: 0 fits, 1 does not
+fit, 2 bad arguments.
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="per-GPU memory of a training job: fits or not, and what to change",
+        description="Per-GPU memory of one training step as lmforge's trainer runs it "
+        "(parameters, gradients, optimizer states, FSDP buffers, activations, logits, "
+        "overhead), a FITS / DOES NOT FIT verdict, suggestions ranked by cost, the fewest GPUs "
+        "that fit (--search), and a check of the sharding against the real parallelize() on a "
+        "fake process group (--dry-run).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = parser.add_argument_group("model and method")
+    what.add_argument("--model", help="preset name or model directory (HF / artifact / Meta)")
+    what.add_argument("--method", choices=["pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full"])
+    what.add_argument("--lora-rank", type=int)
+    what.add_argument("--lora-targets", help="comma-separated: q,k,v,o,gate,up,down,output")
+    what.add_argument("--dpo-reference", choices=["auto", "adapters_disabled", "frozen_copy"])
+    what.add_argument("--config", type=Path, help="a pretrain / sft / dpo job config (TOML/YAML)")
+    what.add_argument("--job", choices=JOBS, help="which job --config is (default: guessed)")
+    hardware = parser.add_argument_group("hardware and layout")
+    hardware.add_argument("--gpus", default=None, help="total GPUs, or NODESxGPUS (2x8); default 1")
+    hardware.add_argument("--nodes", type=int, help="spread --gpus over this many nodes")
+    hardware.add_argument("--gpus-per-node", type=int, default=None, help="default 8")
+    hardware.add_argument("--gpu-memory", default="80GB", help="per GPU (default 80GB)")
+    hardware.add_argument("--host-memory", default=None, help="per node (default 256GiB per GPU)")
+    hardware.add_argument("--dp-shard", type=int)
+    hardware.add_argument("--dp-replicate", type=int)
+    hardware.add_argument("--tp", type=int)
+    hardware.add_argument("--ac", choices=["none", "selective", "full"], help="activation checkpointing")
+    hardware.add_argument("--cpu-offload", action="store_true", default=None)
+    hardware.add_argument("--compile", action="store_true", default=None)
+    step = parser.add_argument_group("step and precision")
+    step.add_argument("--micro-batch-size", type=int)
+    step.add_argument("--seq-len", type=int)
+    step.add_argument("--grad-accumulation", type=int)
+    step.add_argument("--optimizer", choices=["adamw", "sgd"])
+    step.add_argument("--param-dtype", choices=["fp32", "bf16"])
+    step.add_argument("--grad-dtype", choices=["fp32", "bf16"])
+    step.add_argument("--optimizer-dtype", choices=["fp32", "bf16"])
+    step.add_argument("--compute-dtype", choices=["bf16", "fp32"])
+    actions = parser.add_argument_group("actions")
+    actions.add_argument("--search", action="store_true", help="find the fewest GPUs that fit")
+    actions.add_argument(
+        "--dry-run", action="store_true",
+        help="apply the real parallelize() on the meta device over a fake process group and "
+        "compare the sharded sizes with the arithmetic",
+    )
+    parser.set_defaults(func=plan_main)
+
+
+def parse_gpus(text: str | None, nodes: int | None, per_node: int | None) -> tuple[int, int]:
+    """(total GPUs, GPUs per node) from --gpus N | NxM, --nodes, --gpus-per-node."""
+    per_node_default = per_node or 8
+    if text is None:
+        total = 1
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*(?:[x×*]\s*(\d+))?\s*", str(text))
+        if not match or int(match.group(1)) < 1 or (match.group(2) and int(match.group(2)) < 1):
+            raise ConfigError(f"--gpus {text!r}: expected a count (16) or NODESxGPUS (2x8)")
+        if match.group(2):
+            if nodes is not None and nodes != int(match.group(1)):
+                raise ConfigError(f"--gpus {text} and --nodes {nodes} disagree")
+            count, per = int(match.group(1)), int(match.group(2))
+            return count * per, per
+        total = int(match.group(1))
+    if nodes is not None:
+        if nodes < 1 or total % nodes:
+            raise ConfigError(f"--nodes {nodes} must divide --gpus {total}")
+        return total, total // nodes
+    return total, per_node_default
+
+
+def guess_job(path: Path) -> str:
+    """pretrain / sft / dpo from a job config's sections."""
+    import tomllib
+
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot parse ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of sections at the top level")
+    sections = set(data)
+    data_keys = set(data.get("data") or {})
+    if "dpo" in sections:
+        return "dpo"
+    if "lora" in sections or data_keys & {"path", "dataset", "max_seq_len", "format", "packing"}:
+        return "sft"
+    if data_keys & {"shards", "seq_len", "document_masking"}:
+        return "pretrain"
+    raise ConfigError(f"{path}: cannot tell which job this is; pass --job {'|'.join(JOBS)}")
+
+
+def build_setup(args: argparse.Namespace):
+    from lmforge import api
+    from lmforge.plan.memory import Setup
+
+    total, per_node = parse_gpus(args.gpus, args.nodes, args.gpus_per_node)
+    if args.config is not None:
+        from lmforge.config import load_config
+        from lmforge.plan.memory import setup_from_job
+        from lmforge.train.config import DPOJob, PretrainJob, SFTJob
+
+        kind = args.job or guess_job(args.config)
+        schema = {"pretrain": PretrainJob, "sft": SFTJob, "dpo": DPOJob}[kind]
+        job = load_config(schema, args.config)
+        if args.model:
+            job.model.source = args.model
+        setup = setup_from_job(job, gpus=total, gpus_per_node=per_node)
+    else:
+        if not args.model:
+            raise ConfigError("name the model: --model PRESET|DIR (or --config JOB.toml)")
+        source = args.model
+        setup = Setup(
+            args=api.read_args(source), model_name=source, method="full", gpus=total,
+            gpus_per_node=per_node, from_scratch=api.detect_format(source) == "preset",
+        )
+    changes = {
+        "method": args.method,
+        "lora_rank": args.lora_rank,
+        "dpo_reference": args.dpo_reference,
+        "dp_shard": args.dp_shard,
+        "dp_replicate": args.dp_replicate,
+        "tp": args.tp,
+        "activation_checkpointing": args.ac,
+        "cpu_offload": args.cpu_offload,
+        "compile": args.compile,
+        "micro_batch_size": args.micro_batch_size,
+        "seq_len": args.seq_len,
+        "grad_accumulation": args.grad_accumulation,
+        "optimizer": args.optimizer,
+        "param_dtype": args.param_dtype,
+        "grad_dtype": args.grad_dtype,
+        "optimizer_dtype": args.optimizer_dtype,
+        "compute_dtype": args.compute_dtype,
+    }
+    if args.lora_targets:
+        changes["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    setup = setup.replace(**{k: v for k, v in changes.items() if v is not None})
+    fixed = {
+        name for name, value in (
+            ("tp", args.tp), ("ac", args.ac), ("cpu_offload", args.cpu_offload),
+            ("dp_replicate", args.dp_replicate),
+        ) if value is not None
+    }
+    return setup, fixed
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    from lmforge.plan import dry_run, format_suggestions, plan_memory, search, suggest
+    from lmforge.plan.memory import GiB, parse_memory
+
+    setup, fixed = build_setup(args)
+    gpu_memory = parse_memory(args.gpu_memory)
+    host_memory = parse_memory(args.host_memory) if args.host_memory else None
+    plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
+    print(plan.table())
+    print()
+    if args.search:
+        result = search(setup, gpu_memory, host_memory=host_memory, fixed=fixed)
+        if result.plan is None:
+            print(
+                f"search: nothing fits on up to {result.gpus} GPUs of {gpu_memory / GiB:.0f} GiB "
+                f"({result.tried} setups tried); activations and logits do not shrink with "
+                "more FSDP GPUs: lower --micro-batch-size / --seq-len, or use --ac full"
+            )
+        else:
+            found = result.plan.setup
+            replicate, shard, tp = found.mesh
+            print(
+                f"search: fewest GPUs of {gpu_memory / GiB:.0f} GiB that fit: {result.gpus} "
+                f"(dp_replicate {replicate} × dp_shard {shard} × tp {tp}, activation "
+                f"checkpointing {found.activation_checkpointing}"
+                + (", CPU offload" if found.cpu_offload else "")
+                + f"; {result.tried} setups tried)"
+            )
+            print()
+            print(result.plan.table())
+        print()
+    if plan.fits is False or (plan.fits and not args.search):
+        items = suggest(plan)
+        if plan.fits:
+            items = [item for item in items if item.cost < 1]  # only what is cheaper
+            if items:
+                print(format_suggestions(items).replace("suggestions", "cheaper setups that fit", 1))
+                print()
+        else:
+            print(format_suggestions(items))
+            print()
+    if args.dry_run:
+        report = dry_run(setup)
+        print(report.table())
+        if not report.matches:
+            print("dry run and arithmetic DISAGREE: please report this (lmforge plan --dry-run)")
+    return 0 if plan.fits else 1

@@ -1,0 +1,1254 @@
+"""Memory arithmetic of one training step, per GPU, as lmforge's trainer actually runs it.
+
+Everything here follows the code, not a textbook: `lmforge.train.stage` materializes parameters
+in fp32 (frozen LoRA bases too), `lmforge.train.parallelize` applies FSDP2 (bf16 all-gathers,
+fp32 reduce-scatters, the last block kept unsharded after forward) only when the data-parallel
+size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
+cache keeps a bf16 copy of every trainable matmul weight until the backward pass. The loss
+materializes fp32 logits [b, s, vocab] (`lmforge.train.losses`). Activations are counted tensor
+by tensor from what autograd saves in `lmforge.models.llama.model` (checked against the saved
+tensors of a real model in tests/test_plan.py).
+
+A step's memory peaks in one of a few phases; `plan_memory` evaluates each and reports the
+largest. The seed's hand calculation ("18 bytes per parameter: 6 for mixed-precision
+parameters, 4 for gradients, 8 for AdamW; 70B × 18 = 1.26e12 bytes = 1.15 TiB") is
+`bytes_per_param` and `model_state_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+
+from lmforge.errors import ConfigError
+from lmforge.models.llama import ModelArgs
+from lmforge.modules.lora import DEFAULT_TARGETS, TARGET_MODULES
+
+GiB = 2**30
+TiB = 2**40
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+METHODS = ("pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full")
+AC_MODES = ("none", "selective", "full")
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # sgd: with momentum (one buffer per parameter)
+# What torch allocates outside the caching allocator, per process (measured on H100/H200:
+# CUDA context with lazy module loading plus cuBLAS/cuDNN handles), and NCCL's buffers when a
+# process group with other GPUs exists.
+CUDA_CONTEXT_BYTES = 640 * 2**20
+NCCL_BYTES = 768 * 2**20
+# Caching-allocator memory reserved beyond the allocated peak (fragmentation), as a fraction.
+ALLOCATOR_SLACK = 0.06
+NF4_BLOCK = 64
+FULL_INIT_MAX_PARAMS = 20e9  # = lmforge.train.stage's (not imported: it pulls in DCP)
+NF4_SCALER_BLOCK = 256
+# Rough step-time multipliers used to rank suggestions (one extra forward for full
+# checkpointing; half the matmuls again for selective; PCIe traffic for CPU offload).
+SLOWDOWN = {"ac:selective": 1.12, "ac:full": 1.33, "offload": 2.0, "tp": 1.05}
+# Host memory assumed per GPU when none is given: a DGX H100 / H200 node has 2 TiB for 8 GPUs.
+HOST_MEMORY_PER_GPU = 256 * GiB
+# Known GPUs: memory the device reports (nvidia-smi total), in bytes.
+GPU_MEMORY = {
+    "h100": 81559 * 2**20,
+    "h200": 143771 * 2**20,
+    "a100-40gb": 40960 * 2**20,
+    "a100-80gb": 81920 * 2**20,
+    "l40s": 46068 * 2**20,
+    "b200": 183359 * 2**20,
+}
+
+
+# ----------------------------------------------------------------------------- the setup
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """Everything the memory of a training step depends on.
+
+    Defaults are what lmforge's trainer does: fp32 parameters, gradients and AdamW states, bf16
+    compute, FSDP2 over every GPU (dp_shard=-1) when there is more than one.
+    """
+
+    args: ModelArgs
+    model_name: str = ""
+    method: str = "full"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = tuple(DEFAULT_TARGETS)
+    gpus: int = 1
+    gpus_per_node: int = 8
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    activation_checkpointing: str = "none"
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    compile: bool = False
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    grad_accumulation: int = 1
+    optimizer: str = "adamw"
+    param_dtype: str = "fp32"
+    compute_dtype: str = "bf16"
+    grad_dtype: str | None = None  # None: the parameters' dtype (what torch does)
+    optimizer_dtype: str | None = None  # None: the parameters' dtype
+    dpo_reference: str = "auto"  # auto | adapters_disabled | frozen_copy
+    document_masking: bool = False
+    from_scratch: bool = True  # a preset (fresh init) rather than a checkpoint directory
+    force_fsdp: bool = False  # FSDP2 even on one rank (benchmarks/memory.py: the multi-GPU path)
+
+    def replace(self, **changes) -> Setup:
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived ---------------------------------------------------------------------
+    @property
+    def uses_lora(self) -> bool:
+        return self.method in ("lora", "qlora", "dpo-lora")
+
+    @property
+    def is_dpo(self) -> bool:
+        return self.method.startswith("dpo")
+
+    @property
+    def reference(self) -> str | None:
+        """DPO's reference model: 'adapters_disabled', 'frozen_copy' or None (not DPO)."""
+        if not self.is_dpo:
+            return None
+        if self.dpo_reference == "auto":
+            return "adapters_disabled" if self.uses_lora else "frozen_copy"
+        return self.dpo_reference
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, math.ceil(self.gpus / self.gpus_per_node))
+
+    @functools.cached_property
+    def mesh(self) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, tp) as `lmforge.train.distributed.mesh_shape` resolves it."""
+        from lmforge.train.config import ParallelSection
+        from lmforge.train.distributed import mesh_shape
+
+        section = ParallelSection(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+        return mesh_shape(section, self.gpus)
+
+    @property
+    def dp_size(self) -> int:
+        replicate, shard, _ = self.mesh
+        return replicate * shard
+
+    @property
+    def fsdp(self) -> bool:
+        """parallelize() applies FSDP2 when data-parallel size > 1 or CPU offload is on."""
+        return self.dp_size > 1 or self.cpu_offload or self.force_fsdp
+
+    @property
+    def autocast(self) -> bool:
+        """Without FSDP the loop computes under torch.autocast (fp32 weights, bf16 matmuls)."""
+        return (not self.fsdp) and self.compute_dtype != self.param_dtype
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.grad_dtype or self.param_dtype]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer] * DTYPE_BYTES[self.optimizer_dtype or self.param_dtype]
+
+    @property
+    def residual_bytes(self) -> int:
+        """dtype of the residual stream: fp32 under autocast (the embedding output is fp32),
+        else the compute dtype (FSDP casts the weights, so the embedding output too)."""
+        return self.param_bytes if self.autocast else self.compute_bytes
+
+    @property
+    def gather_bytes(self) -> int:
+        """dtype FSDP2 all-gathers parameters in (its MixedPrecisionPolicy param_dtype)."""
+        return self.compute_bytes if self.compute_dtype != self.param_dtype else self.param_bytes
+
+    @property
+    def reduce_bytes(self) -> int:
+        """dtype FSDP2 reduce-scatters gradients in (fp32 under mixed precision)."""
+        return 4 if self.compute_dtype != self.param_dtype else self.param_bytes
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per forward pass: DPO stacks chosen and rejected into one batch."""
+        return self.micro_batch_size * (2 if self.is_dpo else 1)
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+    @property
+    def adapted(self) -> frozenset[str]:
+        """Module attributes (wq, w1, output, ...) carrying LoRA adapters."""
+        if not self.uses_lora:
+            return frozenset()
+        return frozenset(TARGET_MODULES[t] for t in self.lora_targets)
+
+
+def check_setup(setup: Setup) -> None:
+    """Refuse what the trainer refuses, with the same wording (ConfigError)."""
+    if setup.method not in METHODS:
+        raise ConfigError(f"method {setup.method!r} is not known; allowed: {', '.join(METHODS)}")
+    if setup.activation_checkpointing not in AC_MODES:
+        raise ConfigError(
+            f"activation checkpointing {setup.activation_checkpointing!r}; allowed: "
+            + ", ".join(AC_MODES)
+        )
+    if setup.optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"optimizer {setup.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}"
+        )
+    for key in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype"):
+        value = getattr(setup, key)
+        if value is not None and value not in DTYPE_BYTES:
+            raise ConfigError(f"{key} {value!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    if setup.gpus < 1:
+        raise ConfigError(f"gpus = {setup.gpus} must be >= 1")
+    if setup.micro_batch_size < 1 or setup.seq_len < 1:
+        raise ConfigError("micro-batch size and sequence length must be >= 1")
+    bad = [t for t in setup.lora_targets if t not in TARGET_MODULES]
+    if setup.uses_lora and (bad or not setup.lora_targets):
+        raise ConfigError(
+            f"LoRA targets {list(setup.lora_targets)}: allowed: {', '.join(TARGET_MODULES)}"
+        )
+    if setup.uses_lora and "output" in setup.lora_targets and setup.args.tie_embeddings:
+        raise ConfigError(
+            "LoRA target 'output' is not supported with tied embeddings; drop 'output'"
+        )
+    _, _, tp = setup.mesh  # raises the trainer's ConfigError when the degrees do not match
+    if tp > 1:
+        if setup.args.num_kv_heads % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} must divide the model's num_kv_heads "
+                f"({setup.args.num_kv_heads})"
+            )
+        if setup.args.tie_embeddings:
+            raise ConfigError(
+                "parallel.tp > 1 is not supported for models with tied embeddings yet"
+            )
+        if setup.uses_lora:
+            raise ConfigError(
+                "lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)"
+            )
+    if setup.method == "qlora" and (setup.gpus > 1 or setup.cpu_offload):
+        raise ConfigError(
+            'lora.quantize_base = "nf4" (QLoRA) runs in one process without CPU offload; '
+            f"this plan has {setup.gpus} processes"
+            + (" and CPU offload" if setup.cpu_offload else "")
+        )
+    if setup.reference == "adapters_disabled" and not setup.uses_lora:
+        raise ConfigError('dpo.reference = "adapters_disabled" needs lora.enabled = true')
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as the model names it (without the checkpoint wrapper's prefix)."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: str  # FSDP unit: "root" or "layers.N"
+    tp_dim: int | None  # dimension tensor parallelism splits; None: replicated over tp
+    trainable: bool
+    nf4: bool = False  # stored as NF4 (QLoRA's frozen bases of adapted linears)
+    matmul: bool = False  # used as a matmul weight (cast to the compute dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpec]:
+    """Every parameter of the (LoRA-swapped) model, with how parallelize() splits it
+    (`num_layers`: only the first blocks; they are all alike)."""
+    a = setup.args
+    d, hd, kvd = a.dim, a.head_dim, a.num_kv_heads * a.head_dim
+    adapted = setup.adapted
+    full = not setup.uses_lora
+    r = setup.lora_rank
+    specs = [
+        ParamSpec(
+            "tok_embeddings.weight", (a.vocab_size, d), "root", 0, full, matmul=a.tie_embeddings
+        )
+    ]
+
+    def linear(prefix: str, attr: str, shape: tuple[int, int], tp_dim: int, group: str):
+        is_adapted = attr in adapted
+        specs.append(
+            ParamSpec(
+                f"{prefix}{attr}.weight", shape, group, tp_dim, full,
+                nf4=is_adapted and setup.method == "qlora", matmul=True,
+            )
+        )
+        if is_adapted:
+            specs.append(ParamSpec(f"{prefix}{attr}.lora_a.weight", (r, shape[1]), group, None, True, matmul=True))
+            specs.append(ParamSpec(f"{prefix}{attr}.lora_b.weight", (shape[0], r), group, None, True, matmul=True))
+
+    for i in range(a.num_layers if num_layers is None else num_layers):
+        group = f"layers.{i}"
+        specs.append(ParamSpec(f"{group}.attention_norm.weight", (d,), group, None, full))
+        for attr, shape, tp_dim in (
+            ("wq", (a.num_heads * hd, d), 0),
+            ("wk", (kvd, d), 0),
+            ("wv", (kvd, d), 0),
+            ("wo", (d, a.num_heads * hd), 1),
+        ):
+            linear(f"{group}.attention.", attr, shape, tp_dim, group)
+        specs.append(ParamSpec(f"{group}.ffn_norm.weight", (d,), group, None, full))
+        for attr, shape, tp_dim in (
+            ("w1", (a.ffn_dim, d), 0),
+            ("w2", (d, a.ffn_dim), 1),
+            ("w3", (a.ffn_dim, d), 0),
+        ):
+            linear(f"{group}.feed_forward.", attr, shape, tp_dim, group)
+    specs.append(ParamSpec("norm.weight", (d,), "root", None, full))
+    if not a.tie_embeddings:  # tied: the output projection *is* tok_embeddings.weight
+        linear("", "output", (a.vocab_size, d), 0, "root")
+    return specs
+
+
+def local_shape(spec: ParamSpec, setup: Setup) -> tuple[int, ...]:
+    """Shape of rank 0's shard: tensor parallelism splits `tp_dim` (torch.chunk, so rank 0
+    gets the ceiling), then FSDP2 splits dim 0 of that over dp_shard (padded to the same size
+    on every rank, which rank 0's chunk equals)."""
+    _, dp_shard, tp = setup.mesh
+    shape = list(spec.shape)
+    if tp > 1 and spec.tp_dim is not None:
+        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
+    if setup.fsdp and dp_shard > 1:
+        shape[0] = math.ceil(shape[0] / dp_shard)
+    return tuple(shape)
+
+
+def tp_local_numel(spec: ParamSpec, setup: Setup) -> int:
+    """Elements one rank holds when FSDP has gathered the parameter (TP shard only)."""
+    _, _, tp = setup.mesh
+    shape = list(spec.shape)
+    if tp > 1 and spec.tp_dim is not None:
+        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
+    return math.prod(shape)
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of torchao's NF4Tensor: 4-bit codes, an int8 scale per 64 values, an fp32 factor
+    per group of scales (double quantization), the fp32 mean and the 16-entry code table."""
+    blocks = numel // NF4_BLOCK
+    scaler_block = math.gcd(NF4_SCALER_BLOCK, blocks) or 1
+    return numel // 2 + blocks + 4 * (blocks // scaler_block) + 4 + 16 * 4
+
+
+def parameter_bytes(spec: ParamSpec, setup: Setup, numel: int | None = None) -> int:
+    numel = math.prod(local_shape(spec, setup)) if numel is None else numel
+    return nf4_bytes(numel) if spec.nf4 else numel * setup.param_bytes
+
+
+# ----------------------------------------------------------------------------- bytes/param
+
+
+def bytes_per_param(setup: Setup) -> dict[str, int]:
+    """The seed's convention for a trainable parameter, unsharded: parameters (storage plus
+    the compute-dtype copy when they differ), gradients, optimizer states.
+    Mixed-precision AdamW: {parameters: 6, gradients: 4, optimizer states: 8} = 18."""
+    params = setup.param_bytes
+    if setup.compute_dtype != setup.param_dtype:
+        params += setup.compute_bytes
+    return {
+        "parameters": params,
+        "gradients": setup.grad_bytes,
+        "optimizer states": setup.optimizer_bytes,
+    }
+
+
+def model_state_bytes(setup: Setup, num_params: float | None = None) -> int:
+    """Parameters + gradients + optimizer states of the whole model, unsharded, before
+    activations. For full training that is bytes_per_param × parameters; with LoRA, frozen
+    weights count only their storage. `num_params` replaces the model's exact count (the seed
+    used 70e9 for Llama 3 70B)."""
+    per = sum(bytes_per_param(setup).values())
+    if not setup.uses_lora:
+        count = setup.args.num_params() if num_params is None else num_params
+        return int(round(count * per))
+    specs = param_specs(setup)
+    total = 0
+    for spec in specs:
+        if spec.trainable:
+            total += spec.numel * per
+        else:
+            total += nf4_bytes(spec.numel) if spec.nf4 else spec.numel * setup.param_bytes
+    return total
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _inputs_saved(setup: Setup, *, width: int, x_bytes: int, consumers, already_saved: bool) -> int:
+    """Bytes per token that the linears reading one activation x [tokens, width] save for
+    backward. consumers: (base_saves_input, has_adapter) per linear. A trainable base saves
+    its input; a frozen one does not. LoRA's A saves its input. Under autocast every linear
+    casts x to bf16 itself (a new copy each), unless x already is bf16."""
+    c = setup.compute_bytes
+    if setup.autocast:
+        shared, copies = False, 0
+        for base_saves, has_adapter in consumers:
+            if base_saves:
+                if x_bytes == c:
+                    shared = True
+                else:
+                    copies += 1
+            if has_adapter:
+                copies += 1  # x.to(adapter dtype fp32) then autocast's own bf16 copy
+        return copies * c * width + (x_bytes * width if shared and not already_saved else 0)
+    if any(base or adapter for base, adapter in consumers) and not already_saved:
+        return x_bytes * width
+    return 0
+
+
+def layer_activations(setup: Setup) -> dict[str, float]:
+    """Bytes per token that one transformer block saves for backward without activation
+    checkpointing, by part. Under tensor parallelism (sequence parallel) the norms work on
+    1/tp of the sequence and the heads / MLP columns are split, while the all-gathered inputs
+    of the column-parallel projections are whole."""
+    a = setup.args
+    d, f, h = a.dim, a.ffn_dim, a.num_heads
+    kvd = a.num_kv_heads * a.head_dim
+    c, rb = setup.compute_bytes, setup.residual_bytes
+    _, _, tp = setup.mesh
+    full = not setup.uses_lora
+    adapted = setup.adapted
+    r = setup.lora_rank
+
+    def consumers(*attrs):
+        return [(full, attr in adapted) for attr in attrs]
+
+    # RMSNorm: the fp32 input (pow / mul save it), 1/rms (fp32), and the normalized x for the
+    # weight's gradient (only when the norm weight trains).
+    norm = 4 * d + 4 + (rb * d if full else 0)
+    parts = {
+        "norms": 2 * norm / tp,
+        "attention inputs": _inputs_saved(
+            setup, width=d, x_bytes=rb, consumers=consumers("wq", "wk", "wv"), already_saved=False
+        ),
+        # SDPA (flash / memory-efficient) saves q, k, v (kv heads: GQA is native), the output
+        # and the fp32 log-sum-exp; its output is laid out [b, s, h, hd], so wo's input is a
+        # view of it.
+        "attention": (c * (2 * d + 2 * kvd) + 4 * h) / tp,
+        "attention output input": _inputs_saved(
+            setup, width=d, x_bytes=c, consumers=consumers("wo"), already_saved=True
+        ) / tp,
+        "MLP inputs": _inputs_saved(
+            setup, width=d, x_bytes=rb, consumers=consumers("w1", "w3"), already_saved=False
+        ),
+        # silu saves its input (gate), the product saves silu(gate) and up.
+        "MLP": 3 * c * f / tp,
+        "MLP down input": _inputs_saved(
+            setup, width=f, x_bytes=c, consumers=consumers("w2"), already_saved=False
+        ) / tp,
+    }
+    lora_outputs = sum(c * r for attr in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") if attr in adapted)
+    if lora_outputs:
+        parts["LoRA A outputs"] = lora_outputs
+    return parts
+
+
+def compiled_layer_activations(setup: Setup) -> float:
+    """Estimate for a torch.compile'd block (Inductor's partitioner recomputes pointwise ops):
+    block input, the residual after attention, the projection inputs, q/k/v/out/lse, and the
+    MLP's gate, up and product."""
+    a = setup.args
+    d, f, h = a.dim, a.ffn_dim, a.num_heads
+    kvd = a.num_kv_heads * a.head_dim
+    c, rb = setup.compute_bytes, setup.residual_bytes
+    _, _, tp = setup.mesh
+    return (2 * rb * d + 8) / tp + 2 * c * d + (c * (2 * d + 2 * kvd) + 4 * h + 3 * c * f) / tp
+
+
+def _mm_outputs(setup: Setup) -> list[float]:
+    """Bytes per token of each aten.mm output of a block's forward, in execution order
+    (selective checkpointing counts them). LoRA adds A and B after each adapted base matmul."""
+    a = setup.args
+    c = setup.compute_bytes
+    _, _, tp = setup.mesh
+    kvd = a.num_kv_heads * a.head_dim
+    r = setup.lora_rank
+    out = []
+    for attr, width, column in (
+        ("wq", a.num_heads * a.head_dim, True),
+        ("wk", kvd, True),
+        ("wv", kvd, True),
+        ("wo", a.dim, False),
+        ("w1", a.ffn_dim, True),
+        ("w3", a.ffn_dim, True),
+        ("w2", a.dim, False),
+    ):
+        out.append(c * width / tp if column else c * width)  # row-parallel: partial sums, whole
+        if attr in setup.adapted:
+            out += [c * r, c * width]
+    return out
+
+
+def saved_per_layer(setup: Setup) -> float:
+    """Bytes per token one block holds from its forward until its backward."""
+    a = setup.args
+    _, _, tp = setup.mesh
+    block_input = setup.residual_bytes * a.dim / tp
+    mode = setup.activation_checkpointing
+    if mode == "full":
+        return block_input  # checkpoint_wrapper keeps only the block's inputs
+    if mode == "selective":
+        kept = sum(size for i, size in enumerate(_mm_outputs(setup), start=1) if i % 2 == 0)
+        sdpa = (setup.compute_bytes * a.dim + 4 * a.num_heads) / tp
+        return block_input + kept + sdpa
+    if setup.compile:
+        return compiled_layer_activations(setup)
+    return sum(layer_activations(setup).values())
+
+
+def head_activations(setup: Setup) -> float:
+    """Bytes per token saved outside the blocks: the final norm, the output projection's
+    input, the embedding's indices and the batch itself."""
+    a = setup.args
+    d = a.dim
+    _, _, tp = setup.mesh
+    full = not setup.uses_lora
+    norm = (4 * d + 4 + (setup.residual_bytes * d if full else 0)) / tp
+    out_input = _inputs_saved(
+        setup, width=d, x_bytes=setup.residual_bytes,
+        consumers=[(full, "output" in setup.adapted)], already_saved=False,
+    )
+    return norm + out_input + (8 if full else 0) + 16
+
+
+def loss_bytes(setup: Setup) -> tuple[int, int]:
+    """(forward, backward) peak bytes of logits and loss for one micro-batch.
+
+    Eager cross entropy: bf16 logits, their fp32 copy and log_softmax's fp32 output in the
+    forward; in the backward nll's dense fp32 gradient, the saved log-probabilities and
+    log_softmax's fp32 gradient: 12 bytes per vocabulary entry. DPO's reference forward runs
+    while the policy's log-probabilities wait for backward (4 + 10). A compiled loss keeps the
+    bf16 logits and writes a bf16 gradient. Logits are whole on every tensor-parallel rank."""
+    v = setup.args.vocab_size
+    c = setup.compute_bytes
+    upcast = 4 if c != 4 else 0
+    per_token_fwd = (c + upcast + 4) * v
+    per_token_bwd = 12 * v
+    if setup.is_dpo:
+        per_token_fwd = 4 * v + (c + upcast + 4) * v
+    elif setup.compile:
+        per_token_fwd, per_token_bwd = c * v, 2 * c * v
+    return per_token_fwd * setup.tokens, per_token_bwd * setup.tokens
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """Per-GPU memory of one training step: each phase's live components, the peak, the
+    verdict."""
+
+    setup: Setup
+    phases: dict[str, dict[str, int]]
+    peak_phase: str
+    overhead: int
+    gpu_memory: int | None
+    host: dict[str, int]  # per GPU process, on the host
+    labels: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    load_host_bytes: int = 0  # rank 0's host memory while loading the starting weights
+    host_memory: int | None = None  # per node
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def peak_allocated(self) -> int:
+        """What torch.cuda.max_memory_allocated() should report."""
+        return sum(self.phases[self.peak_phase].values())
+
+    @property
+    def total(self) -> int:
+        """Device memory needed: the allocated peak plus context, NCCL and allocator slack."""
+        return self.peak_allocated + self.overhead
+
+    @property
+    def gpu_fits(self) -> bool | None:
+        return None if self.gpu_memory is None else self.total <= self.gpu_memory
+
+    @property
+    def host_total(self) -> int:
+        """Host memory one GPU process needs (CPU offload)."""
+        return sum(self.host.values())
+
+    @property
+    def host_per_node(self) -> int:
+        """Host memory the first node needs: its processes' offloaded state, plus the full
+        starting weights rank 0 holds while loading them."""
+        return self.host_total * min(self.setup.gpus, self.setup.gpus_per_node) + self.load_host_bytes
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_memory is None else self.host_per_node <= self.host_memory
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu_memory is None:
+            return None
+        return bool(self.gpu_fits and self.host_fits is not False)
+
+    def largest(self, component: str) -> int:
+        return max(phase.get(component, 0) for phase in self.phases.values())
+
+    def table(self) -> str:
+        return format_plan(self)
+
+
+@dataclass
+class Suggestion:
+    change: str  # what to change, as flags
+    plan: Plan
+    cost: float  # relative GPU-hours (step-time multiplier × GPU-count ratio)
+    note: str = ""
+
+
+COMPONENT_ORDER = (
+    "parameters",
+    "gradients",
+    "optimizer states",
+    "reference model",
+    "weight copies",
+    "gradient buffers",
+    "activations",
+    "logits and loss",
+    "backward workspace",
+)
+
+
+def _group_numels(specs: list[ParamSpec], setup: Setup) -> dict[str, dict[str, int]]:
+    """Per FSDP unit: TP-local element counts (all, trainable, matmul trainable/frozen)."""
+    groups: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        g = groups.setdefault(
+            "root" if spec.group == "root" else "block",
+            {"all": 0, "trainable": 0, "matmul_trainable": 0, "matmul_frozen": 0, "nf4": 0},
+        )
+        n = tp_local_numel(spec, setup)
+        g["all"] += n
+        if spec.trainable:
+            g["trainable"] += n
+        if spec.matmul and spec.trainable:
+            g["matmul_trainable"] += n
+        if spec.matmul and not spec.trainable and not spec.nf4:
+            g["matmul_frozen"] += n
+        if spec.nf4:
+            g["nf4"] += n
+    return groups
+
+
+def plan_memory(
+    setup: Setup, gpu_memory: int | str | None = None, *, host_memory: int | str | None = None
+) -> Plan:
+    """Per-GPU memory of one training step of `setup` (see the module docstring).
+
+    gpu_memory: bytes per GPU (or '80GB', 'h100', ...); None: no verdict.
+    host_memory: bytes per node; None: HOST_MEMORY_PER_GPU for each GPU of a node.
+    """
+    check_setup(setup)
+    gpu_memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if host_memory is None:
+        host_memory = HOST_MEMORY_PER_GPU * min(setup.gpus, setup.gpus_per_node)
+    host_memory = parse_memory(host_memory)
+    a = setup.args
+    L = a.num_layers
+    specs = param_specs(setup, num_layers=1)  # the blocks are alike: one stands for all
+    groups = _group_numels(specs, setup)
+    root, block = groups["root"], groups["block"]
+    notes: list[str] = []
+    labels: dict[str, str] = {}
+
+    # ---- persistent state (sharded when FSDP is on) ------------------------------------
+    def per_model(values):  # root parameters once, block parameters num_layers times
+        return sum(v * (1 if spec.group == "root" else L) for spec, v in values)
+
+    params = per_model((s, parameter_bytes(s, setup)) for s in specs)
+    trainable_local = per_model(
+        (s, math.prod(local_shape(s, setup))) for s in specs if s.trainable
+    )
+    grads = trainable_local * setup.grad_bytes
+    optim = trainable_local * setup.optimizer_bytes
+    reference = 0
+    if setup.reference == "frozen_copy":
+        base = setup.replace(method="full")  # the same model without adapters
+        reference = per_model((s, parameter_bytes(s, base)) for s in param_specs(base, num_layers=1))
+    host = {}
+    if setup.cpu_offload:
+        host = {"parameters": params, "gradients": grads, "optimizer states": optim}
+        if reference:
+            host["reference model"] = reference
+        params = grads = optim = reference = 0
+    persistent = {"parameters": params, "optimizer states": optim, "reference model": reference}
+
+    # ---- activations -------------------------------------------------------------------
+    tokens = setup.tokens
+    per_layer = saved_per_layer(setup)
+    acts = int(tokens * (L * per_layer + head_activations(setup)))
+    if setup.document_masking:
+        acts += setup.sequences * setup.seq_len**2  # the bool block-causal mask, shared by layers
+    no_ac = setup.replace(activation_checkpointing="none")
+    one_layer = int(tokens * sum(layer_activations(no_ac).values()))
+    d, f, kvd = a.dim, a.ffn_dim, a.num_kv_heads * a.head_dim
+    c, rb = setup.compute_bytes, setup.residual_bytes
+    _, _, tp = setup.mesh
+    workspace_per_token = (
+        max(3 * c * f, 4 * d + c * (2 * d + 2 * kvd)) + 2 * rb * d
+    ) / tp  # activation gradients of one block (MLP, or flash's fp32 dq accumulator)
+    workspace = int(tokens * workspace_per_token)
+    recompute = one_layer if setup.activation_checkpointing != "none" else 0
+    loss_fwd, loss_bwd = loss_bytes(setup)
+    nf4_transient = 0
+    if setup.method == "qlora":
+        largest = max((tp_local_numel(s, setup) for s in specs if s.nf4), default=0)
+        nf4_transient = 6 * largest  # dequantized fp32 weight + its bf16 cast, one at a time
+
+    # ---- weight copies and gradient buffers -----------------------------------------------
+    phases: dict[str, dict[str, int]] = {}
+    grad_acc = grads if setup.grad_accumulation > 1 else 0
+    output_matmul = root["matmul_trainable"]  # the output projection (or the tied table)
+    output_frozen = root["matmul_frozen"]
+    if setup.fsdp:
+        gb, redb = setup.gather_bytes, setup.reduce_bytes
+        labels["weight copies"] = f"{_dtype_name(gb)} weights gathered by FSDP (unsharded)"
+        labels["gradient buffers"] = "unsharded gradients + reduce-scatter buffers"
+        blk, rt = block["all"] * gb, root["all"] * gb
+        if setup.reshard_after_forward:
+            gathered_fwd = blk  # the last block stays gathered for backward
+            gathered_bwd = rt + 2 * blk  # root (re-gathered) + current + prefetched block
+        else:
+            gathered_fwd = gathered_bwd = rt + L * blk
+        if setup.reference == "frozen_copy":
+            gathered_fwd += blk  # the reference's last block stays gathered (no backward)
+            gathered_bwd += blk
+        unsharded_acc = 0
+        if setup.grad_accumulation > 1:
+            # set_requires_gradient_sync(False) between micro-batches: FSDP2 keeps every
+            # block's unsharded gradient, upcast to the reduce dtype, until the last one.
+            unsharded_acc = (L * block["trainable"] + root["trainable"]) * redb
+            notes.append(
+                "gradient accumulation under FSDP: the loop turns gradient sync off between "
+                "micro-batches, so FSDP2 keeps unsharded "
+                f"{_dtype_name(redb)} gradients of the whole model ({fmt_gib(unsharded_acc)} "
+                "per GPU) until the last micro-batch"
+            )
+        grad_buffers_bwd = (
+            block["trainable"] * (gb + redb)  # this block's gradients + its reduce-scatter input
+            + root["trainable"] * gb  # the output projection's gradient, held to the end
+            + unsharded_acc
+        )
+        grad_buffers_root = root["trainable"] * (gb + redb) + unsharded_acc
+        phases["forward end (loss)"] = {
+            **persistent, "gradients": grad_acc, "weight copies": gathered_fwd,
+            "gradient buffers": unsharded_acc, "activations": acts, "logits and loss": loss_fwd,
+        }
+        phases["loss backward"] = {
+            **persistent, "gradients": grad_acc, "weight copies": gathered_fwd,
+            "gradient buffers": unsharded_acc, "activations": acts, "logits and loss": loss_bwd,
+        }
+        phases["blocks backward"] = {
+            **persistent, "gradients": grads, "weight copies": gathered_bwd,
+            "gradient buffers": grad_buffers_bwd, "activations": acts,
+            "backward workspace": recompute + workspace,
+        }
+        phases["last reduce-scatter"] = {
+            **persistent, "gradients": grads, "gradient buffers": grad_buffers_root,
+        }
+    else:
+        cb = setup.compute_bytes
+        labels["weight copies"] = (
+            f"{_dtype_name(cb)} weight copies (autocast)" if setup.autocast else "weight copies"
+        )
+        labels["gradient buffers"] = "gradient buffers"
+        if setup.autocast:
+            # autocast caches a bf16 copy of every trainable matmul weight for the whole
+            # forward; without checkpointing each is also saved for backward. Frozen weights
+            # are cast at each use and saved only when the block is not checkpointed.
+            trainable_copies = (L * block["matmul_trainable"] + output_matmul) * cb
+            frozen_copies = (L * block["matmul_frozen"] + output_frozen) * cb
+            if setup.activation_checkpointing == "none":
+                copies_fwd = copies_bwd = trainable_copies + frozen_copies
+            else:
+                copies_fwd = trainable_copies + output_frozen * cb
+                copies_bwd = (output_matmul + output_frozen) * cb  # the output layer's only
+            layer_copies = (block["matmul_trainable"] + block["matmul_frozen"]) * cb
+        else:
+            copies_fwd = copies_bwd = layer_copies = 0
+        layer_grads = block["trainable"] * (cb if setup.autocast else 0)
+        phases["forward end (loss)"] = {
+            **persistent, "gradients": grad_acc, "weight copies": copies_fwd,
+            "activations": acts, "logits and loss": loss_fwd,
+            "backward workspace": nf4_transient,
+        }
+        phases["loss backward"] = {
+            **persistent, "gradients": grad_acc, "weight copies": copies_bwd,
+            "activations": acts, "logits and loss": loss_bwd,
+        }
+        root_grads = root["trainable"] * setup.grad_bytes
+        phases["blocks backward"] = {
+            **persistent, "gradients": max(grad_acc, root_grads),
+            "weight copies": max(copies_bwd, layer_copies) if recompute else copies_bwd,
+            "activations": acts,
+            "backward workspace": recompute + workspace + layer_grads + nf4_transient,
+        }
+        phases["backward end"] = {
+            **persistent, "gradients": grads, "weight copies": layer_copies,
+            "activations": int(tokens * per_layer), "backward workspace": recompute + workspace
+            + layer_grads,
+        }
+    phases["optimizer step"] = {**persistent, "gradients": grads}
+    phases = {k: {c: int(v) for c, v in p.items() if v} for k, p in phases.items()}
+    peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
+    peak = sum(phases[peak_phase].values())
+    overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 else 0)
+    overhead += int(ALLOCATOR_SLACK * peak)
+
+    # ---- notes -------------------------------------------------------------------------
+    if setup.optimizer != "adamw":
+        notes.append("lmforge's trainer builds AdamW; other optimizers are a what-if here")
+    if setup.param_dtype != "fp32" or setup.grad_dtype or setup.optimizer_dtype:
+        notes.append(
+            "lmforge's trainer keeps parameters, gradients and optimizer states in fp32; other "
+            "precisions are a what-if here"
+        )
+    if setup.uses_lora:
+        notes.append(
+            "the frozen base is materialized in fp32 by lmforge.train.stage "
+            + ("(NF4 for the adapted linears only; the other linears, embeddings and norms "
+               "stay fp32)" if setup.method == "qlora" else "(not bf16)")
+        )
+    if setup.compile:
+        notes.append("torch.compile'd blocks: activations are an estimate (Inductor chooses "
+                     "what to save)")
+    if setup.document_masking:
+        notes.append("document masking passes a mask to SDPA: flash attention cannot run; the "
+                     "memory-efficient kernel is assumed (GQA with a mask may fall back to the "
+                     "math kernel, which saves [b, heads, s, s] attention weights)")
+    # Rank 0 holds the full starting weights on the host before broadcasting them
+    # (lmforge.train.stage): a fresh fp32 model for a preset (large ones without LoRA are
+    # initialized shard by shard instead), else the checkpoint as stored (bf16 assumed).
+    if setup.from_scratch:
+        sharded_init = a.num_params() > FULL_INIT_MAX_PARAMS and not setup.uses_lora
+        load_host = 0 if sharded_init else a.num_params() * 4
+    else:
+        load_host = a.num_params() * 2
+    return Plan(
+        setup=setup, phases=phases, peak_phase=peak_phase, overhead=overhead,
+        gpu_memory=gpu_memory, host=host, labels=labels, notes=notes, load_host_bytes=load_host,
+        host_memory=host_memory,
+    )
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _slowdown(setup: Setup) -> float:
+    factor = 1.0
+    if setup.activation_checkpointing != "none":
+        factor *= SLOWDOWN[f"ac:{setup.activation_checkpointing}"]
+    if setup.cpu_offload:
+        factor *= SLOWDOWN["offload"]
+    if setup.mesh[2] > 1:
+        factor *= SLOWDOWN["tp"] ** math.log2(setup.mesh[2])
+    return factor
+
+
+def _layouts(base: Setup, gpus: int, fixed: set[str]) -> list[Setup]:
+    """Candidate setups on `gpus` GPUs: tp ∈ {1, 2, 4, 8} (within a node), plain FSDP or HSDP
+    over nodes, each activation checkpointing mode, with and without CPU offload."""
+    a = base.args
+    per_node = min(gpus, base.gpus_per_node)
+    nodes = math.ceil(gpus / base.gpus_per_node)
+    tps = [base.tp] if "tp" in fixed else [t for t in (1, 2, 4, 8) if t <= per_node]
+    acs = [base.activation_checkpointing] if "ac" in fixed else list(AC_MODES)
+    offloads = [base.cpu_offload] if "cpu_offload" in fixed else [False, True]
+    replicates = [base.dp_replicate] if "dp_replicate" in fixed else sorted({1, nodes})
+    out = []
+    for tp in tps:
+        if gpus % tp or (tp > 1 and (a.num_kv_heads % tp or a.tie_embeddings or base.uses_lora)):
+            continue
+        for replicate in replicates:
+            if gpus % (replicate * tp):
+                continue
+            for ac in acs:
+                for offload in offloads:
+                    candidate = base.replace(
+                        gpus=gpus, tp=tp, dp_replicate=replicate, dp_shard=-1,
+                        activation_checkpointing=ac, cpu_offload=offload,
+                    )
+                    try:
+                        check_setup(candidate)
+                    except ConfigError:
+                        continue
+                    out.append(candidate)
+    return out
+
+
+def gpu_counts(gpus_per_node: int, limit: int = 4096) -> list[int]:
+    """1, 2, 4, ... up to a node, then whole nodes."""
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < gpus_per_node]
+    counts.append(gpus_per_node)
+    nodes = 2
+    while nodes * gpus_per_node <= limit:
+        counts.append(nodes * gpus_per_node)
+        nodes += 1 if nodes < 8 else nodes // 4
+    return counts
+
+
+@dataclass
+class SearchResult:
+    gpus: int
+    plan: Plan | None  # the cheapest fitting setup at that count; None: nothing fits
+    tried: int
+
+
+def search(
+    base: Setup,
+    gpu_memory: int,
+    *,
+    host_memory: int | None = None,
+    fixed: set[str] = frozenset(),
+    limit: int = 4096,
+) -> SearchResult:
+    """The fewest GPUs of `gpu_memory` on which `base` (method, model, batch fixed) fits, and
+    the cheapest degrees / checkpointing / offload there (by `_slowdown`). Keys in `fixed`
+    (tp, ac, cpu_offload, dp_replicate) keep base's value. host_memory: per node (None: the
+    default per GPU)."""
+    tried = 0
+    counts = [1] if base.method == "qlora" else gpu_counts(base.gpus_per_node, limit)
+    for gpus in counts:
+        best = None
+        for candidate in _layouts(base, gpus, set(fixed)):
+            tried += 1
+            plan = plan_memory(candidate, gpu_memory, host_memory=host_memory)
+            if plan.fits and (best is None or _slowdown(candidate) < _slowdown(best.setup)):
+                best = plan
+        if best is not None:
+            return SearchResult(gpus=gpus, plan=best, tried=tried)
+    return SearchResult(gpus=counts[-1], plan=None, tried=tried)
+
+
+def suggest(plan: Plan, *, max_items: int = 6) -> list[Suggestion]:
+    """Single changes that make `plan` fit (or fit better), cheapest first: cost = the step
+    time multiplier × the GPU-count ratio (GPU-hours), LoRA/QLoRA flagged as changing the
+    method."""
+    s = plan.setup
+    if plan.gpu_memory is None:
+        return []
+    out: list[Suggestion] = []
+    # A host size the user gave is per node; the default grows with the GPUs of a node.
+    host = None if plan.host_memory == HOST_MEMORY_PER_GPU * min(s.gpus, s.gpus_per_node) else plan.host_memory
+
+    def consider(change: str, candidate: Setup, note: str = "") -> None:
+        try:
+            p = plan_memory(candidate, plan.gpu_memory, host_memory=host)
+        except ConfigError:
+            return
+        if p.fits:
+            cost = _slowdown(candidate) / _slowdown(s) * candidate.gpus / s.gpus
+            out.append(Suggestion(change=change, plan=p, cost=cost, note=note))
+
+    order = list(AC_MODES)
+    for mode in order[order.index(s.activation_checkpointing) + 1:]:
+        consider(f"--ac {mode}", s.replace(activation_checkpointing=mode))
+    mbs = s.micro_batch_size
+    while mbs > 1:
+        mbs //= 2
+        accumulation = s.grad_accumulation * math.ceil(s.micro_batch_size / mbs)
+        candidate = s.replace(micro_batch_size=mbs, grad_accumulation=accumulation)
+        before = len(out)
+        consider(
+            f"--micro-batch-size {mbs}", candidate,
+            note=f"same global batch with {accumulation} gradient accumulation steps",
+        )
+        if len(out) > before:
+            out[-1].cost *= 1.05  # smaller matmuls run a little less efficiently
+            break
+    if not s.cpu_offload and s.method != "qlora":
+        consider("--cpu-offload", s.replace(cpu_offload=True))
+    if s.method != "qlora":
+        result = search(
+            s, plan.gpu_memory, host_memory=host, fixed={"ac", "cpu_offload", "tp", "dp_replicate"}
+        )
+        if result.plan is not None and result.gpus != s.gpus:
+            consider(f"--gpus {result.gpus}", result.plan.setup)
+        result = search(s, plan.gpu_memory, host_memory=host)
+        if result.plan is not None and (result.gpus, result.plan.setup) != (s.gpus, s):
+            p = result.plan.setup
+            change = f"--gpus {p.gpus} --tp {p.mesh[2]} --ac {p.activation_checkpointing}"
+            change += " --cpu-offload" if p.cpu_offload else ""
+            if all(x.change != change for x in out):
+                consider(change, p, note="fewest GPUs (--search)")
+    if s.method in ("full", "dpo-full"):
+        method = "lora" if s.method == "full" else "dpo-lora"
+        consider(f"--method {method}", s.replace(method=method, tp=1, dp_shard=-1),
+                 note="changes the method: LoRA adapters instead of full finetuning")
+    if s.method in ("lora", "full") and s.gpus == 1 and not s.cpu_offload:
+        consider("--method qlora", s.replace(method="qlora"),
+                 note="changes the method: NF4 frozen base (one GPU)")
+    unique: dict[str, Suggestion] = {}
+    for item in sorted(out, key=lambda x: (x.cost, x.plan.total)):
+        unique.setdefault(item.change, item)
+    return list(unique.values())[:max_items]
+
+
+# ----------------------------------------------------------------------------- units, output
+
+
+def parse_memory(text: str | int) -> int:
+    """'80GB' / '80GiB' / '80' (GiB: GPU memory is quoted in binary units), '85e9' (bytes),
+    '512MiB', or a GPU name (h100, h200, a100-40gb, a100-80gb, l40s, b200)."""
+    if isinstance(text, int):
+        return text
+    value = str(text).strip().lower().replace(" ", "")
+    if value in GPU_MEMORY:
+        return GPU_MEMORY[value]
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)(tib|tb|gib|gb|mib|mb|g|m|t)?", value)
+    if not match:
+        raise ConfigError(
+            f"GPU memory {text!r}: expected a size like 80GB, 80GiB, 141GB, 85e9 or a GPU name "
+            f"({', '.join(GPU_MEMORY)})"
+        )
+    number, unit = float(match.group(1)), match.group(2)
+    if unit is None:
+        scale = GiB if number < 1e6 else 1
+    else:
+        scale = {"t": TiB, "tb": TiB, "tib": TiB, "g": GiB, "gb": GiB, "gib": GiB,
+                 "m": 2**20, "mb": 2**20, "mib": 2**20}[unit]
+    return int(number * scale)
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _dtype_name(nbytes: int) -> str:
+    return {4: "fp32", 2: "bf16"}.get(nbytes, f"{nbytes}-byte")
+
+
+def describe(setup: Setup) -> list[str]:
+    """Header lines: model, method, layout, precision."""
+    a = setup.args
+    replicate, shard, tp = setup.mesh
+    nodes = setup.num_nodes
+    where = f"{setup.gpus} GPU" + ("s" if setup.gpus > 1 else "")
+    if nodes > 1:
+        where += f" ({nodes} nodes × {math.ceil(setup.gpus / nodes)})"
+    method = {
+        "pretrain": "pretraining", "full": "full finetuning", "lora": "LoRA",
+        "qlora": "QLoRA (NF4 base)", "dpo-lora": "DPO with LoRA", "dpo-full": "DPO, full",
+    }[setup.method]
+    if setup.uses_lora:
+        method += f" rank {setup.lora_rank} on {','.join(setup.lora_targets)}"
+    if setup.is_dpo:
+        method += f" (reference: {setup.reference.replace('_', ' ')})"
+    if setup.fsdp:
+        kind = "HSDP" if replicate > 1 and shard > 1 else "FSDP2"
+        layout = f"{kind}: dp_replicate {replicate} × dp_shard {shard} × tp {tp}"
+    elif tp > 1:
+        layout = f"tensor parallel {tp} (no FSDP)"
+    else:
+        layout = "one GPU, no FSDP (autocast)" if setup.gpus == 1 else "no FSDP"
+    extras = [f"activation checkpointing {setup.activation_checkpointing}"]
+    if setup.cpu_offload:
+        extras.append("CPU offload")
+    if setup.compile:
+        extras.append("compiled")
+    batch = f"micro-batch {setup.micro_batch_size} × {setup.seq_len} tokens"
+    if setup.is_dpo:
+        batch += " (pairs: 2× sequences)"
+    if setup.grad_accumulation > 1:
+        batch += f", {setup.grad_accumulation} accumulation steps"
+    states = OPTIMIZER_STATES[setup.optimizer]
+    precision = (
+        f"parameters {setup.param_dtype}, gradients {setup.grad_dtype or setup.param_dtype}, "
+        f"{setup.optimizer} states {setup.optimizer_dtype or setup.param_dtype} ×{states}, "
+        f"compute {setup.compute_dtype}"
+    )
+    name = setup.model_name or "model"
+    return [
+        f"model      {name}: {a.num_params() / 1e9:.2f}B parameters ({a.num_layers} layers, "
+        f"dim {a.dim}, vocab {a.vocab_size}{', tied' if a.tie_embeddings else ''})",
+        f"method     {method}",
+        f"GPUs       {where}; {layout}",
+        f"step       {batch}; {', '.join(extras)}",
+        f"precision  {precision}",
+    ]
+
+
+def state_line(setup: Setup) -> str:
+    """The seed's arithmetic for this model: bytes/parameter and the unsharded total."""
+    per = bytes_per_param(setup)
+    total = model_state_bytes(setup)
+    parts = ", ".join(f"{k} {v}" for k, v in per.items())
+    if setup.uses_lora:
+        return (
+            f"model states (unsharded, before activations): trainable {sum(per.values())} "
+            f"bytes/parameter ({parts}), frozen base as stored: {total:.3g} bytes = "
+            f"{total / TiB:.3f} TiB"
+        )
+    return (
+        f"model states (unsharded, before activations): {sum(per.values())} bytes/parameter "
+        f"({parts}) × {setup.args.num_params() / 1e9:.2f}B = {total:.3g} bytes = "
+        f"{total / TiB:.2f} TiB"
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    s = plan.setup
+    lines = describe(s)
+    lines.append(state_line(s))
+    lines.append("")
+    peak = plan.phases[plan.peak_phase]
+    labels = {
+        "parameters": f"parameters ({_storage_label(s)})",
+        "gradients": f"gradients ({s.grad_dtype or s.param_dtype})",
+        "optimizer states": f"optimizer states ({s.optimizer})",
+        "reference model": "DPO reference model (frozen copy)",
+        "weight copies": plan.labels.get("weight copies", "weight copies"),
+        "gradient buffers": plan.labels.get("gradient buffers", "gradient buffers"),
+        "activations": f"activations (checkpointing: {s.activation_checkpointing})",
+        "logits and loss": f"logits and loss (fp32 [{s.sequences}, {s.seq_len}, "
+                           f"{s.args.vocab_size}])",
+        "backward workspace": "backward workspace (recompute, activation grads)",
+    }
+    width = max(len(v) for v in labels.values()) + 2
+    lines.append(f"per GPU, at the peak ({plan.peak_phase})".ljust(width) + "   at peak   largest")
+    for name in COMPONENT_ORDER:
+        at_peak, largest = peak.get(name, 0), plan.largest(name)
+        on_host = s.cpu_offload and name in plan.host
+        if not largest and not on_host:
+            continue
+        extra = f"   on host: {plan.host[name] / GiB:.2f} GiB" if on_host else ""
+        lines.append(
+            f"  {labels[name]:<{width - 2}} {at_peak / GiB:8.2f} {largest / GiB:9.2f}{extra}"
+        )
+    lines.append(
+        f"  {'CUDA context, NCCL, allocator slack':<{width - 2}} {plan.overhead / GiB:8.2f}"
+    )
+    lines.append("  " + "-" * (width + 18))
+    total = f"  {'total':<{width - 2}} {plan.total / GiB:8.2f} GiB"
+    if plan.gpu_memory:
+        share = plan.total / plan.gpu_memory
+        verdict = "FITS" if plan.fits else "DOES NOT FIT"
+        total += f" of {plan.gpu_memory / GiB:.1f} GiB  ->  {verdict} ({share:.0%})"
+    lines.append(total)
+    per_node = min(s.gpus, s.gpus_per_node)
+    if plan.host:
+        lines.append(
+            f"host memory (CPU offload, pinned): {plan.host_total / GiB:.1f} GiB per GPU "
+            f"process, {plan.host_total * per_node / GiB:.1f} GiB per node of {per_node}"
+        )
+    if plan.load_host_bytes:
+        lines.append(
+            f"host memory while loading: rank 0 holds the full starting weights, "
+            f"{plan.load_host_bytes / GiB:.1f} GiB"
+        )
+    if plan.host_memory is not None and (plan.host or plan.host_fits is False):
+        verdict = "fits" if plan.host_fits else "DOES NOT FIT"
+        lines.append(
+            f"host memory, first node: {plan.host_per_node / GiB:.1f} GiB of "
+            f"{plan.host_memory / GiB:.0f} GiB -> {verdict}"
+        )
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _storage_label(setup: Setup) -> str:
+    label = setup.param_dtype
+    if setup.method == "qlora":
+        label = f"NF4 adapted bases, rest {setup.param_dtype}"
+    replicate, shard, _ = setup.mesh
+    if setup.fsdp and shard > 1:
+        label += f", sharded 1/{shard}"
+    return label
+
+
+def format_suggestions(suggestions: list[Suggestion]) -> str:
+    if not suggestions:
+        return "suggestions: none of the single changes tried fits (see --search)"
+    lines = ["suggestions, cheapest first (cost: relative GPU-hours):"]
+    for i, item in enumerate(suggestions, start=1):
+        p = item.plan
+        lines.append(
+            f"  {i}. {item.change:<44} {p.total / GiB:7.1f} GiB  cost ×{item.cost:.2f}"
+            + (f"  ({item.note})" if item.note else "")
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- from a job
+
+
+def setup_from_job(job, *, gpus: int, gpus_per_node: int = 8) -> Setup:
+    """The Setup a training job config (PretrainJob, SFTJob, DPOJob) runs with on `gpus`."""
+    from lmforge import api
+    from lmforge.train.config import DPOJob, PretrainJob
+
+    source = job.model.source
+    from_scratch = api.detect_format(source) == "preset"
+    args = api.read_args(source)
+    if job.model.overrides:
+        args = args.replace(**job.model.overrides)
+    lora = getattr(job, "lora", None)
+    lora_on = lora is not None and lora.enabled
+    if isinstance(job, DPOJob):
+        method = "dpo-lora" if lora_on else "dpo-full"
+    elif isinstance(job, PretrainJob):
+        method = "pretrain"
+    else:
+        method = ("qlora" if lora.quantize_base == "nf4" else "lora") if lora_on else "full"
+    data = getattr(job, "data", None)
+    seq_len = getattr(data, "seq_len", None) or getattr(data, "max_seq_len", 2048)
+    masking = bool(getattr(data, "document_masking", False) or getattr(data, "packing", False))
+    base = Setup(
+        args=args, model_name=str(source), method=method, gpus=gpus, gpus_per_node=gpus_per_node,
+        dp_replicate=job.parallel.dp_replicate, dp_shard=job.parallel.dp_shard, tp=job.parallel.tp,
+        activation_checkpointing=job.parallel.activation_checkpointing,
+        cpu_offload=job.parallel.cpu_offload, reshard_after_forward=job.parallel.reshard_after_forward,
+        compile=job.parallel.compile, micro_batch_size=job.train.micro_batch_size, seq_len=seq_len,
+        compute_dtype="fp32" if job.train.mixed_precision == "fp32" else "bf16",
+        document_masking=masking, from_scratch=from_scratch,
+    )
+    if lora_on:
+        base = base.replace(lora_rank=lora.rank, lora_targets=tuple(lora.targets))
+    if isinstance(job, DPOJob):
+        base = base.replace(dpo_reference=job.dpo.reference)
+    if job.train.global_batch_size:
+        per_pass = job.train.micro_batch_size * base.dp_size
+        base = base.replace(grad_accumulation=max(1, job.train.global_batch_size // per_pass))
+    return base
+
+
+def plan_job(
+    job,
+    *,
+    gpus: int,
+    gpu_memory: int | str,
+    gpus_per_node: int = 8,
+    host_memory: int | str | None = None,
+) -> Plan:
+    """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
+    'h100', ...), with suggestions when it does not fit. For `lmforge run --dry-run`."""
+    setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node)
+    plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
+    if not plan.fits:
+        plan.suggestions = suggest(plan)
+    return plan

@@ -1,0 +1,407 @@
+"""The Slurm launcher on a real two-node Slurm cluster (tests/slurm_cluster.py), and its scripts.
+
+On the cluster: a 2-node pretraining stage (sbatch → srun → torchrun c10d on 127.0.0.1 → FSDP2
+over gloo) gives the local 2-process run's losses; a chain of stages runs in order through
+`--dependency=afterok`; a failing stage leaves its dependents unstarted and `lmforge status` says
+why; a preempted training job (USR2 to the batch shell) saves, is requeued, resumes and ends with
+the uninterrupted run's losses. Without the cluster: the 70B example's rendered scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.errors import ConfigError
+from lmforge.launch.base import JobHandle, JobState, LauncherSection, StageJob
+from lmforge.launch.slurm import SCRIPT_NAME, SlurmLauncher
+from tests.train_utils import losses, make_shards, pretrain_args, run_torchrun, write_corpus
+
+pytest_plugins = ["tests.slurm_cluster"]  # the session fixture `slurm_cluster`
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_70B = REPO / "examples" / "llama3_70b" / "pipeline.toml"
+TRAINING = ("cpt", "sft", "dpo")
+# Long enough (~0.05 s a step) that the preemption signal lands mid-run.
+TRAIN_ARGS = ["train.steps=150", "checkpoint.every=1000", "train.micro_batch_size=2"]
+CPU_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("slurm-data"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """Losses of the same pretraining as 2 local processes (torchrun --standalone)."""
+    tokenizer, shards = data
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run_torchrun(2, "pretrain", pretrain_args(run_dir, tokenizer, shards, *TRAIN_ARGS))
+    return losses(run_dir)
+
+
+def launcher() -> SlurmLauncher:
+    return SlurmLauncher(poll_s=0.5)
+
+
+def pretrain_job(root: Path, data, name: str = "pretrain") -> StageJob:
+    tokenizer, shards = data
+    run_dir = root / "p" / name
+    return StageJob(
+        name=name,
+        kind="pretrain",
+        argv=["pretrain", *pretrain_args(run_dir, tokenizer, shards, *TRAIN_ARGS)],
+        run_dir=run_dir,
+        resources=LauncherSection(nodes=2, nproc_per_node=1, env=CPU_ENV),
+        distributed=True,
+        workdir=root,
+    )
+
+
+def lmforge_job(root: Path, name: str, argv: list[str], depends_on=()) -> StageJob:
+    return StageJob(
+        name=name,
+        kind="export",
+        argv=argv,
+        run_dir=root / "chain" / name,
+        resources=LauncherSection(env=CPU_ENV),
+        depends_on=list(depends_on),
+        workdir=root,
+    )
+
+
+def logs(job: StageJob) -> str:
+    return "".join(p.read_text() for p in sorted(job.run_dir.glob("slurm-*.*")))
+
+
+# ----------------------------------------------------------------------------- on the cluster
+
+
+def test_two_node_pretraining_matches_the_local_two_process_run(
+    slurm_cluster, data, reference, tmp_path
+):
+    job = pretrain_job(tmp_path, data)
+    slurm = launcher()
+    handles = slurm.wait(slurm.submit([job]), timeout_s=240)
+    handle = handles[job.name]
+    assert handle.state == JobState.SUCCEEDED, (handle, logs(job), slurm_cluster.diagnostics())
+    info = slurm.job_info(handle.job_id)
+    assert info["NodeList"] == "n[1-2]" and info["NumNodes"] == "2"
+    assert "rendezvous on n1 (127.0.0.1)" in logs(job)  # NodeAddr from scontrol, not DNS
+    assert losses(job.run_dir) == reference
+
+
+def test_chain_runs_in_order_through_dependencies(slurm_cluster, tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=50)
+    tok = tmp_path / "tok"
+    train = ["tokenizer", "train", "--input", str(corpus), "--vocab-size", "280", "--out", str(tok)]
+    jobs = [
+        lmforge_job(tmp_path, "train", train),
+        # reads what `train` wrote: fails unless it ran after it
+        lmforge_job(tmp_path, "encode", ["tokenizer", "encode", str(tok), "Ada likes"], ["train"]),
+        lmforge_job(tmp_path, "show", ["config", "show", "pretrain"], ["encode"]),
+    ]
+    slurm = launcher()
+    handles = slurm.submit(jobs)
+    deps = slurm.job_info(handles["show"].job_id)["Dependency"]
+    assert deps.startswith(f"afterok:{handles['encode'].job_id}"), deps
+    handles = slurm.wait(handles, timeout_s=180)
+    assert all(h.state == JobState.SUCCEEDED for h in handles.values()), handles
+    times = {name: slurm.job_info(h.job_id) for name, h in handles.items()}  # to the second
+    assert times["train"]["EndTime"] <= times["encode"]["StartTime"]
+    assert times["encode"]["EndTime"] <= times["show"]["StartTime"]
+    encoded = (jobs[1].run_dir / f"slurm-{handles['encode'].job_id}.out").read_text()
+    assert re.search(r"\d", encoded), encoded  # token ids of the tokenizer `train` wrote
+
+
+PIPELINE_WITH_A_FAILURE = """
+[pipeline]
+name = "chain"
+
+[launcher]
+env = {{ OMP_NUM_THREADS = "1" }}
+
+[stages.tok]
+kind = "tokenizer"
+input = ["{corpus}"]
+vocab_size = 280
+
+[stages.bad]
+kind = "prepare"
+input = ["{corpus}.missing"]
+tokenizer = "${{tok}}"
+
+[stages.train]
+kind = "pretrain"
+data.shards = "${{bad}}"
+data.seq_len = 32
+model.source = "tiny"
+model.tokenizer = "${{tok}}"
+train.steps = 2
+"""
+
+
+def test_a_failed_stage_leaves_its_dependents_unstarted_and_status_says_why(
+    slurm_cluster, tmp_path, monkeypatch
+):
+    from lmforge.pipeline import format_status, load_pipeline, pipeline_status, run_pipeline
+
+    token = "hf_SLURMTESTtoken1234567890"
+    monkeypatch.setenv("HF_TOKEN", token)  # reaches the jobs through sbatch --export=ALL only
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=50)
+    file = tmp_path / "pipeline.toml"
+    file.write_text(PIPELINE_WITH_A_FAILURE.format(corpus=corpus))
+    pipeline = load_pipeline(file, workdir=tmp_path)
+    lines: list[str] = []
+    result = run_pipeline(pipeline, launcher=launcher(), echo=lines.append)
+    assert not result.ok
+    states = {name: h.state for name, h in result.handles.items()}
+    assert states == {
+        "tok": JobState.SUCCEEDED,
+        "bad": JobState.FAILED,
+        "train": JobState.NOT_STARTED,
+    }, lines
+    bad, train = result.handles["bad"], result.handles["train"]
+    assert bad.exit_code == 2 and ".missing" in bad.reason, bad
+    assert f"stage 'bad' (Slurm job {bad.job_id}) failed (exit code 2)" in train.reason
+    # Slurm cancelled the dependent (--kill-on-invalid-dep); it never ran.
+    assert (
+        slurm_cluster.run("scontrol", "show", "job", train.job_id).stdout.count(
+            "JobState=CANCELLED Reason=DependencyNeverSatisfied"
+        )
+        == 1
+    )
+
+    # `lmforge status`, asking a fresh launcher: the same answer.
+    fresh = SlurmLauncher().status(JobHandle("train", "slurm", job_id=train.job_id))
+    assert fresh.state == JobState.NOT_STARTED and "failed" in fresh.reason
+    assert f"Slurm job {bad.job_id}" in fresh.reason and "chain-bad" in fresh.reason
+    run_dir = tmp_path / "runs" / "chain"
+    table = format_status(pipeline_status(run_dir))
+    row = next(line for line in table.splitlines() if line.startswith("train"))
+    assert "not_started" in row and "stage 'bad'" in row, table
+
+    # The secret went to the jobs through the environment, never into a file.
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path
+
+
+def test_preempted_job_saves_requeues_and_resumes_with_the_same_losses(
+    slurm_cluster, data, reference, tmp_path
+):
+    job = pretrain_job(tmp_path, data)
+    slurm = launcher()
+    handle = slurm.submit([job])[job.name]
+    metrics = job.run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline, logs(job)
+        assert not slurm.status(handle).state.finished, (handle, logs(job))
+        time.sleep(0.05)
+    # What Slurm does `lead` seconds before the time limit with --signal=B:USR2@lead.
+    slurm_cluster.run("scancel", "--signal=USR2", "--batch", handle.job_id)
+    handle = slurm.wait({job.name: handle}, timeout_s=240)[job.name]
+    text = logs(job)
+    assert handle.state == JobState.SUCCEEDED, (handle, text, slurm_cluster.diagnostics())
+
+    info = slurm.job_info(handle.job_id)
+    assert info["Restarts"] == "1", info  # requeued once: the same job id ran again
+    assert "SIGUSR2 received" in text and "requeueing job" in text
+    assert "restart 1" in text
+    saved = re.search(r"preempted by SIGUSR2: saved step (\d+)", text)
+    assert saved, text
+    stopped_at = int(saved.group(1))
+    assert 5 <= stopped_at < 150
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    # every step exactly once: the requeued run resumed after the preemption checkpoint
+    assert steps == list(range(1, 151)), steps
+    assert losses(job.run_dir) == reference
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+@pytest.fixture(scope="module")
+def rendered_70b(tmp_path_factory):
+    """`lmforge run examples/llama3_70b/pipeline.toml --dry-run --launcher slurm`."""
+    from lmforge.pipeline import load_pipeline, run_pipeline
+
+    workdir = tmp_path_factory.mktemp("llama3_70b")
+    pipeline = load_pipeline(EXAMPLE_70B, workdir=workdir)
+    lines: list[str] = []
+    result = run_pipeline(pipeline, launcher="slurm", dry_run=True, echo=lines.append)
+    assert result.ok
+    stage_dirs = {s.name: workdir / s.stage_dir for s in pipeline.stages}
+    scripts = {name: (d / SCRIPT_NAME).read_text() for name, d in stage_dirs.items()}
+    return pipeline, scripts, "\n".join(lines)
+
+
+def sbatch_flags(script: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ").strip() for line in script.splitlines()
+            if line.startswith("#SBATCH ")]  # fmt: skip
+
+
+def srun_line(script: str) -> list[str]:
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    return shlex.split(line.removesuffix(" &"))
+
+
+def flag_names(args: list[str]) -> list[str]:
+    return [a.split("=", 1)[0].split()[0] for a in args if a.startswith("--")]
+
+
+def torchrun_args(script: str) -> list[str]:
+    srun = srun_line(script)
+    assert srun[-3:-1] == ["bash", "-c"], srun
+    inner = shlex.split(srun[-1])
+    assert inner[:4] == ["exec", "python", "-m", "torch.distributed.run"], inner
+    return inner[4:]
+
+
+def test_70b_example_renders_every_stage(rendered_70b):
+    pipeline, scripts, printed = rendered_70b
+    assert list(scripts) == [
+        "wikitext", "cpt", "sft", "dpo", "eval", "int4", "eval_int4", "sample"
+    ]  # fmt: skip
+    for name, script in scripts.items():
+        assert f"--- {pipeline.workdir}" in printed and f"# stage {name}" in printed
+        check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+        assert check.returncode == 0, (name, check.stderr)
+        for what, args in (("#SBATCH", sbatch_flags(script)), ("srun", srun_line(script))):
+            names = flag_names(args)
+            assert len(names) == len(set(names)), (name, what, names)
+
+
+def test_70b_training_scripts(rendered_70b):
+    pipeline, scripts, _ = rendered_70b
+    for name in TRAINING:
+        script = scripts[name]
+        flags = sbatch_flags(script)
+        for expected in (
+            f"--job-name=llama3_70b-{name}",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--gpus-per-node=8",
+            "--cpus-per-task=96",
+            "--partition=gpu",
+            "--account=llm",
+            "--signal=B:USR2@120",
+            "--requeue",
+            "--open-mode=append",
+            "--export=ALL",
+            "--exclusive",
+            f"--output={pipeline.workdir}/runs/llama3_70b/{name}/slurm-%j.out",
+            f"--error={pipeline.workdir}/runs/llama3_70b/{name}/slurm-%j.err",
+        ):
+            assert expected in flags, (name, expected, flags)
+        assert ("--time=48:00:00" if name == "cpt" else "--time=12:00:00") in flags
+        # the first node's address from scontrol, then one torchrun per node with c10d on it
+        assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
+        assert 'scontrol show node "$head_node" | grep -o \'NodeAddr=' in script
+        srun = srun_line(script)
+        assert "--nodes=2" in srun and "--ntasks-per-node=1" in srun
+        assert "--container-image=/fsx/containers/lmforge.sqsh" in srun
+        assert "--container-mounts=/fsx:/fsx" in srun
+        args = torchrun_args(script)
+        names = flag_names(args)
+        assert len(names) == len(set(names)), names  # the seed passed --nnodes twice
+        for expected in (
+            "--nnodes=2",
+            "--nproc-per-node=8",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=$LMFORGE_HEAD_ADDR:29500",
+            "--rdzv-id=$SLURM_JOB_ID",
+            "--node-rank=$SLURM_NODEID",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
+        ):
+            assert expected in args, (expected, args)
+        kind = "pretrain" if name == "cpt" else name
+        config = f"runs/llama3_70b/{name}/stage.toml"
+        assert args[-5:] == ["-m", "lmforge", kind, "--config", config], args
+        # preemption: forward USR2 to the step, then requeue
+        assert "trap forward_preemption USR2" in script
+        assert 'kill -USR2 "$step_pid"' in script
+        assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+        assert "export NCCL_SOCKET_IFNAME='^docker,lo,veth'" in script
+        assert "export FI_PROVIDER=efa" in script
+
+
+def test_70b_other_stages_run_one_plain_task(rendered_70b):
+    _, scripts, _ = rendered_70b
+    for name in ("wikitext", "eval", "int4", "eval_int4", "sample"):
+        script = scripts[name]
+        flags = sbatch_flags(script)
+        assert "--no-requeue" in flags and not any(f.startswith("--signal") for f in flags)
+        srun = srun_line(script)
+        assert "--nodes=1" in srun and "--ntasks=1" in srun
+        assert srun[srun.index("python") :][:3] == ["python", "-m", "lmforge"]
+        assert "torch.distributed.run" not in script and "trap" not in script
+    assert "--gpus-per-node=1" in sbatch_flags(scripts["sample"])
+    assert "--gpus-per-node" not in " ".join(sbatch_flags(scripts["wikitext"]))
+
+
+def test_70b_dependency_chain(rendered_70b):
+    pipeline, scripts, _ = rendered_70b
+    expected = {
+        "wikitext": [],
+        "cpt": ["wikitext"],
+        "sft": ["cpt"],
+        "dpo": ["sft"],
+        "eval": ["cpt", "sft", "dpo"],
+        "int4": ["dpo"],
+        "eval_int4": ["dpo", "int4"],
+        "sample": ["int4"],
+    }
+    for name, script in scripts.items():
+        found = re.search(r"^# depends on: (.*) \(submitted with", script, re.M)
+        assert (found.group(1).split(", ") if found else []) == expected[name], name
+    # the submission script chains them exactly so
+    from lmforge.pipeline import stage_job
+
+    jobs = [stage_job(pipeline, s, s.depends_on, {}) for s in pipeline.stages]
+    submit = SlurmLauncher().submission(jobs)
+    assert "job_cpt=$(sbatch --parsable --kill-on-invalid-dep=yes --dependency=afterok:" \
+           "${job_wikitext} " in submit  # fmt: skip
+    assert "--dependency=afterok:${job_cpt}:${job_sft}:${job_dpo} " in submit
+    assert "job_wikitext=$(sbatch --parsable --kill-on-invalid-dep=yes /" in submit
+
+
+def test_rendered_scripts_hold_no_secret(tmp_path, monkeypatch):
+    from lmforge.pipeline import load_pipeline, run_pipeline
+
+    token = "hf_RENDERtoken0987654321abc"
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_RENDERkey_55555")
+    pipeline = load_pipeline(EXAMPLE_70B, workdir=tmp_path)
+    lines: list[str] = []
+    run_pipeline(pipeline, launcher="slurm", dry_run=True, echo=lines.append)
+    assert token not in "\n".join(lines)
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert token not in text and "wandb_RENDERkey_55555" not in text, path
+
+
+def test_a_flag_given_twice_is_refused(tmp_path):
+    job = StageJob(
+        name="pretrain",
+        kind="pretrain",
+        argv=["pretrain"],
+        run_dir=tmp_path / "p" / "pretrain",
+        resources=LauncherSection(nodes=2, extra_sbatch=["--nodes=4"]),
+        distributed=True,
+        workdir=tmp_path,
+    )
+    with pytest.raises(ConfigError, match="--nodes is given twice"):
+        SlurmLauncher().render(job)
+    job.resources = LauncherSection(env={"HF_TOKEN": "x"})
+    with pytest.raises(ConfigError, match="HF_TOKEN would write a secret"):
+        SlurmLauncher().render(job)
