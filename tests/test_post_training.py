@@ -18,7 +18,7 @@ from lmforge.data.demo import write_demo_data
 from lmforge.data.tokenizer import train_bpe
 from lmforge.models.llama import get_preset
 from lmforge.train.losses import dpo_loss
-from tests.train_utils import kill_all, losses, run_inprocess, run_torchrun
+from tests.train_utils import kill_all, losses, run_inprocess, run_torchrun, wait_for_step
 
 GOLDEN_DPO = Path(__file__).parent / "golden" / "dpo_losses.json"
 
@@ -103,25 +103,6 @@ def test_two_processes_match_one(tmp_path, base, stage, make_args):
         assert reference[5] < reference[1]
 
 
-def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    metrics = run_dir / "metrics.jsonl"
-    while time.time() < deadline:
-        assert proc.poll() is None, "training ended before it could be interrupted"
-        if metrics.exists():
-            steps = [
-                json.loads(line)["step"]
-                for line in metrics.read_text().splitlines()
-                if line.strip()
-            ]
-            if steps and max(steps) >= step:
-                return
-        time.sleep(0.02)
-    raise TimeoutError(step)
-
-
 @pytest.mark.parametrize("stage, make_args", [("sft", sft_args), ("dpo", dpo_args)])
 def test_kill_and_resume_matches_uninterrupted(tmp_path, base, stage, make_args):
     extra = ["train.steps=12", "checkpoint.every=4"]
@@ -134,7 +115,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, base, stage, make_args)
         stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    _wait_for_step(run_dir, 6, proc)
+    wait_for_step(run_dir, 6, proc)
     kill_all(proc)
     (run_dir / "metrics.jsonl").unlink()
     assert run_inprocess(stage, make_args(run_dir, base, *extra)) == 0

@@ -27,6 +27,7 @@ from tests.train_utils import (
     run_inprocess,
     run_torchrun,
     torchrun,
+    wait_for_step,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_pretrain_losses.json"
@@ -77,19 +78,6 @@ def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data):
     _assert_close(losses(tp), reference, 1e-5)
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    metrics = run_dir / "metrics.jsonl"
-    while time.time() < deadline:
-        assert proc.poll() is None, "training ended before it could be interrupted"
-        if metrics.exists() and any(
-            json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l.strip()
-        ):
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"step {step} not reached")
-
-
 def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
     tokenizer, shards = data
     args = ["train.steps=20", "checkpoint.every=5"]
@@ -106,7 +94,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    _wait_for_step(run_dir, 7, proc)
+    wait_for_step(run_dir, 7, proc)
     kill_all(proc)
     committed = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert committed[-1] == "step-00000005", committed
@@ -136,7 +124,7 @@ def test_preemption_signal_saves_and_resumes_without_lost_steps(tmp_path, data):
         text=True,
         start_new_session=True,
     )
-    _wait_for_step(run_dir, 3 + int(time.time() * 1000) % 10, proc)
+    wait_for_step(run_dir, 3 + int(time.time() * 1000) % 10, proc)
     proc.send_signal(signal.SIGUSR2)  # to torchrun, which forwards it to every worker
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "preempted" in out, out[-3000:]
@@ -164,7 +152,7 @@ def test_preempted_exit_code_single_process(tmp_path, data):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    _wait_for_step(run_dir, 2, proc)
+    wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == PREEMPTED_EXIT_CODE, out[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -133,8 +134,22 @@ def kill_all(proc: subprocess.Popen) -> None:
     import signal
 
     for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     proc.wait()
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Block until the run's metrics.jsonl has logged `step` (the process must still run)."""
+    import time
+
+    deadline = time.time() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        assert proc.poll() is None, "training ended before it could be interrupted"
+        if metrics.exists():
+            lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+            if lines and max(json.loads(line)["step"] for line in lines) >= step:
+                return
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached in {timeout}s")

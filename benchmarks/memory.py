@@ -1,0 +1,298 @@
+"""Peak GPU memory of real training steps vs `lmforge plan`'s prediction.
+
+Each configuration builds the model the way the trainer does (meta device → LoRA swap →
+`parallelize()` → materialize → init), runs a few `Trainer.train_step`s on random tokens
+(fp32 master weights, bf16 compute, fused AdamW), and compares
+`torch.cuda.max_memory_allocated()` with `plan_memory(...).peak_allocated`, and the device
+memory in use (reserved + CUDA context, from cudaMemGetInfo) with the plan's total. Target:
+within ±15% on every row.
+
+    python benchmarks/memory.py                       # all configurations, one GPU
+    python benchmarks/memory.py --only 1b-full-none 3b-lora-none
+    python benchmarks/memory.py --cpu-smoke           # the same code path on CPU, tiny model
+
+"fsdp1" rows wrap the model in FSDP2 on a one-rank process group: the multi-GPU code path
+(bf16 all-gathers, fp32 reduce-scatters, no autocast) on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lmforge.models.llama import Transformer, get_preset
+from lmforge.modules.lora import DEFAULT_TARGETS, apply_lora, quantize_base_nf4, reset_lora_parameters
+from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
+from lmforge.train.config import (
+    CheckpointSection,
+    MetricsSection,
+    OptimSection,
+    ParallelSection,
+    ProfileSection,
+    SchedulerSection,
+    TrainSection,
+)
+from lmforge.train.distributed import MESH_AXES, Layout
+from lmforge.train.loop import LoopSections, Trainer
+from lmforge.train.losses import DPOLossStep, count_label_tokens, count_pairs
+from lmforge.train.optim import build_optimizer, build_scheduler
+from lmforge.train.parallelize import apply_fsdp, parallelize
+
+PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    model: str
+    method: str = "full"  # full | lora | qlora | dpo-lora
+    ac: str = "none"
+    batch: int = 8
+    seq: int = 2048
+    fsdp1: bool = False  # FSDP2 on a one-rank group
+    offload: bool = False
+    compile: bool = False
+
+
+CONFIGS = [
+    Config("1b-full-none", "1b", ac="none", batch=8),
+    Config("1b-full-selective", "1b", ac="selective", batch=8),
+    Config("1b-full-full", "1b", ac="full", batch=16),
+    Config("1b-lora-none", "1b", method="lora", ac="none", batch=8),
+    Config("1b-lora-full", "1b", method="lora", ac="full", batch=16),
+    Config("3b-full-none", "3b", ac="none", batch=4),
+    Config("3b-full-full", "3b", ac="full", batch=8),
+    Config("3b-lora-none", "3b", method="lora", ac="none", batch=4),
+    Config("3b-lora-selective", "3b", method="lora", ac="selective", batch=8),
+    Config("1b-dpo-lora-none", "1b", method="dpo-lora", ac="none", batch=4),
+    Config("3b-qlora-full", "3b", method="qlora", ac="full", batch=8),
+    Config("1b-full-none-fsdp1", "1b", ac="none", batch=8, fsdp1=True),
+    Config("3b-full-full-fsdp1", "3b", ac="full", batch=8, fsdp1=True),
+    Config("3b-full-full-offload", "3b", ac="full", batch=8, offload=True),
+    Config("1b-full-none-compile", "1b", ac="none", batch=8, compile=True),
+]
+SMOKE_CONFIGS = [
+    Config("tiny-full-none", "tiny", batch=2, seq=64),
+    Config("tiny-full-selective", "tiny", ac="selective", batch=2, seq=64),
+    Config("tiny-lora-full", "tiny", method="lora", ac="full", batch=2, seq=64),
+    Config("tiny-dpo-lora-none", "tiny", method="dpo-lora", batch=2, seq=64),
+    Config("tiny-qlora-full", "tiny", method="qlora", ac="full", batch=2, seq=64),
+    Config("tiny-full-none-fsdp1", "tiny", batch=2, seq=64, fsdp1=True),
+    Config("tiny-full-full-offload", "tiny", ac="full", batch=2, seq=64, offload=True),
+]
+LORA_RANK = 16
+
+
+class _NoCheckpoints:
+    def latest(self):
+        return None
+
+    def restore_latest(self, state):
+        return None
+
+    def save(self, step, state):
+        pass
+
+    def close(self):
+        pass
+
+
+def random_batches(cfg: Config, vocab: int, device):
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def tokens():
+        return torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), device=device, generator=generator)
+
+    while True:
+        if cfg.method.startswith("dpo"):
+            chosen, rejected = tokens(), tokens()
+            yield {
+                "chosen_inputs": chosen[:, :-1], "chosen_labels": chosen[:, 1:],
+                "rejected_inputs": rejected[:, :-1], "rejected_labels": rejected[:, 1:],
+            }
+        else:
+            t = tokens()
+            yield {"inputs": t[:, :-1], "labels": t[:, 1:]}
+
+
+def one_rank_layout(device: torch.device) -> Layout:
+    """A one-process group and (1, 1, 1) mesh, for FSDP2 on one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1, 1, 1), mesh_dim_names=MESH_AXES)
+    return Layout(rank=0, world_size=1, device=device, mesh=mesh, dp_rank=0, dp_size=1, tp_size=1)
+
+
+def build_trainer(cfg: Config, device: torch.device, steps: int):
+    args = get_preset(PRESETS[cfg.model])
+    on_cuda = device.type == "cuda"
+    if cfg.fsdp1 or cfg.offload:
+        layout = one_rank_layout(device)
+    else:
+        layout = Layout(rank=0, world_size=1, device=device, mesh=None, dp_rank=0, dp_size=1, tp_size=1)
+    with torch.device("meta"):
+        model = Transformer(args)
+    lora = cfg.method in ("lora", "qlora", "dpo-lora")
+    if lora:
+        apply_lora(model, targets=DEFAULT_TARGETS, rank=LORA_RANK, alpha=2.0 * LORA_RANK)
+    parallel = ParallelSection(
+        activation_checkpointing=cfg.ac, cpu_offload=cfg.offload, compile=cfg.compile
+    )
+    parallelize(model, layout, parallel, bf16=True)
+    if cfg.fsdp1 and not cfg.offload:
+        apply_fsdp(model, layout, parallel, bf16=True)  # parallelize skips FSDP at dp size 1
+    model.to_empty(device="cpu" if cfg.offload else device)
+    fsdp = cfg.fsdp1 or cfg.offload
+    if not fsdp:
+        model.tie_weights()
+    model.init_buffers(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    if lora:
+        reset_lora_parameters(model)
+    if cfg.method == "qlora":
+        quantize_base_nf4(model)
+    model.train()
+    optimizer = build_optimizer(model, OptimSection(lr=1e-5), device)
+    scheduler = build_scheduler(optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps)
+    if cfg.method.startswith("dpo"):
+        loss_step, count = DPOLossStep(beta=0.1, label_smoothing=0.0, loss_type="sigmoid"), count_pairs
+    else:
+        from lmforge.train import losses
+
+        if hasattr(losses, "CausalLMLoss"):
+            loss_step = losses.CausalLMLoss(compile=cfg.compile)
+        else:
+            loss_step = losses.causal_lm_loss
+        count = count_label_tokens
+    trainer = Trainer(
+        model=model, loss_step=loss_step, batches=random_batches(cfg, args.vocab_size, device),
+        optimizer=optimizer, scheduler=scheduler, layout=layout,
+        sections=LoopSections(
+            TrainSection(steps=steps, micro_batch_size=cfg.batch, mixed_precision="bf16" if on_cuda else "fp32"),
+            CheckpointSection(every=0), MetricsSection(tensorboard=False), ProfileSection(),
+        ),
+        run_dir=None, checkpointer=_NoCheckpoints(), checkpoint_state={}, flops_per_token=1.0,
+        bf16=on_cuda, count_targets=count,
+    )
+    return trainer, args
+
+
+def predict(cfg: Config, args, *, compute: str = "bf16"):
+    setup = Setup(
+        args=args, model_name=PRESETS[cfg.model], method=cfg.method, lora_rank=LORA_RANK,
+        lora_targets=tuple(DEFAULT_TARGETS), gpus=1, activation_checkpointing=cfg.ac,
+        cpu_offload=cfg.offload, compile=cfg.compile, micro_batch_size=cfg.batch,
+        seq_len=cfg.seq, force_fsdp=cfg.fsdp1, compute_dtype=compute,
+    )
+    return plan_memory(setup, "h200")
+
+
+def measure(cfg: Config, device: torch.device, steps: int) -> dict:
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer, args = build_trainer(cfg, device, steps)
+    losses = [trainer.train_step(False)["loss"] for _ in range(steps)]
+    row = {"config": cfg.name, "seconds": round(time.perf_counter() - start, 1),
+           "loss": round(losses[-1], 3)}
+    plan = predict(cfg, args, compute="bf16" if on_cuda else "fp32")
+    row["predicted_peak_gib"] = round(plan.peak_allocated / GiB, 2)
+    row["predicted_total_gib"] = round(plan.total / GiB, 2)
+    row["predicted_phase"] = plan.peak_phase
+    row["predicted_components_gib"] = {
+        k: round(v / GiB, 2) for k, v in plan.phases[plan.peak_phase].items()
+    }
+    if on_cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        reserved = torch.cuda.max_memory_reserved()
+        free, total = torch.cuda.mem_get_info()
+        row["measured_peak_gib"] = round(peak / GiB, 2)
+        row["measured_reserved_gib"] = round(reserved / GiB, 2)
+        row["persistent_after_step_gib"] = round(torch.cuda.memory_allocated() / GiB, 2)
+        row["device_used_gib"] = round((total - free) / GiB, 2)
+        # Reserved at its peak, plus what lives outside the caching allocator (CUDA context,
+        # NCCL buffers): what the device must hold.
+        outside = (total - free) - torch.cuda.memory_reserved()
+        row["measured_total_gib"] = round((reserved + outside) / GiB, 2)
+        row["total_error_pct"] = round(100 * (plan.total - reserved - outside) / (reserved + outside), 1)
+        row["peak_error_pct"] = round(100 * (plan.peak_allocated - peak) / peak, 1)
+    del trainer
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", help="configuration names")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny configurations on the CPU")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    configs = SMOKE_CONFIGS if args.cpu_smoke else CONFIGS
+    if args.only:
+        known = {c.name: c for c in configs}
+        unknown = [n for n in args.only if n not in known]
+        if unknown:
+            parser.error(f"unknown configurations {unknown}; known: {', '.join(known)}")
+        configs = [known[n] for n in args.only]
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    context = None
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=device)
+        free, total = torch.cuda.mem_get_info()
+        context = (total - free) / GiB
+        print(f"{torch.cuda.get_device_name()}: {total / GiB:.1f} GiB, CUDA context "
+              f"{context:.2f} GiB (planner assumes {CUDA_CONTEXT_BYTES / GiB:.2f})", flush=True)
+    rows = []
+    for cfg in configs:
+        try:
+            row = measure(cfg, device, args.steps)
+        except Exception as err:  # one failing configuration must not lose the others
+            row = {"config": cfg.name, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            if device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with open(os.path.join(args.out, "memory.json"), "w") as handle:
+        json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                   "torch": torch.__version__, "context_gib": context, "rows": rows}, handle, indent=1)
+    print(f"\n{'config':24s} {'predicted':>10s} {'measured':>10s} {'error':>7s}   "
+          f"{'pred. total':>11s} {'measured':>9s} {'error':>7s}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['config']:24s} FAILED {row['error'][:80]}")
+        elif "measured_peak_gib" in row:
+            print(f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi {row['measured_peak_gib']:8.2f}Gi "
+                  f"{row['peak_error_pct']:+6.1f}%   {row['predicted_total_gib']:9.2f}Gi "
+                  f"{row['measured_total_gib']:7.2f}Gi {row['total_error_pct']:+6.1f}%")
+        else:
+            print(f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi (CPU smoke: loss {row['loss']})")
+
+
+if __name__ == "__main__":
+    main()
