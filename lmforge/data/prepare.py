@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -164,27 +164,39 @@ def _detect_format(path: Path) -> str | None:
     return SUFFIX_FORMATS.get(suffixes[-1]) if suffixes else None
 
 
+def expand_inputs(
+    item: str, *, is_data_file: Callable[[Path], bool], known: str, key: str = "input"
+) -> list[Path]:
+    """The files an input names: a file, a directory's data files (sorted), or a glob.
+
+    Raises:
+        DataError: naming the input (and the config key) when it matches nothing.
+    """
+    path = Path(item).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p))
+        if not files:
+            raise DataError(f"{path}: directory holds no data files (suffixes: {known})")
+        return files
+    if path.is_file():
+        return [path]
+    if glob.has_magic(item):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(item), recursive=True))
+        files = [p for p in files if p.is_file()]
+        if not files:
+            raise DataError(f"{item}: no file matches this pattern ({key})")
+        return files
+    raise DataError(f"{path}: no such file or directory ({key})")
+
+
 def _resolve_inputs(inputs: list[str], fmt: str) -> list[_Source]:
     """Expand directories and globs into files, each with its format; errors name the input."""
     sources: list[_Source] = []
+    known = " ".join(sorted(SUFFIX_FORMATS))
     for item in inputs:
-        path = Path(item).expanduser()
-        if path.is_dir():
-            files = sorted(
-                p for p in path.rglob("*") if p.is_file() and _detect_format(p) is not None
-            )
-            if not files:
-                known = " ".join(sorted(SUFFIX_FORMATS))
-                raise DataError(f"{path}: directory holds no input files (suffixes: {known})")
-        elif path.is_file():
-            files = [path]
-        elif glob.has_magic(item):
-            files = sorted(Path(p) for p in glob.glob(os.path.expanduser(item), recursive=True))
-            files = [p for p in files if p.is_file()]
-            if not files:
-                raise DataError(f"{item}: no file matches this pattern")
-        else:
-            raise DataError(f"{path}: no such file or directory")
+        files = expand_inputs(
+            item, is_data_file=lambda p: _detect_format(p) is not None, known=known
+        )
         for file in files:
             file_format = fmt if fmt != "auto" else _detect_format(file)
             if file_format is None:

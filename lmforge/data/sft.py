@@ -40,11 +40,9 @@ global items consumed; restoring it gives the exact next batch, also under anoth
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +53,13 @@ import torch
 from pydantic import Field, field_validator
 
 from lmforge.config import Section
-from lmforge.data.prepare import _first_line, _import_pyarrow, _looks_unreachable, _read_lines
+from lmforge.data.prepare import (
+    _first_line,
+    _import_pyarrow,
+    _looks_unreachable,
+    _read_lines,
+    expand_inputs,
+)
 from lmforge.data.prepare import _json_type as _json_kind
 from lmforge.data.tokenizer import CHAT_ROLES
 from lmforge.errors import ConfigError, DataError, ModelFormatError, UserError
@@ -150,20 +154,9 @@ def resolve_files(paths: Sequence[str], *, key: str = "path") -> list[tuple[Path
     known = ", ".join(DATA_SUFFIXES)
     files: list[tuple[Path, str]] = []
     for item in paths:
-        path = Path(item).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _detect_format(p))
-            if not found:
-                raise DataError(f"{path}: directory holds no data files (suffixes: {known})")
-        elif path.is_file():
-            found = [path]
-        elif glob.has_magic(item):
-            found = sorted(Path(p) for p in glob.glob(os.path.expanduser(item), recursive=True))
-            found = [p for p in found if p.is_file()]
-            if not found:
-                raise DataError(f"{item}: no file matches this pattern ({key})")
-        else:
-            raise DataError(f"{path}: no such file or directory ({key})")
+        found = expand_inputs(
+            item, is_data_file=lambda p: bool(_detect_format(p)), known=known, key=key
+        )
         for file in found:
             file_format = _detect_format(file)
             if file_format is None:
