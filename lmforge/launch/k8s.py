@@ -110,6 +110,17 @@ class K8sLauncher:
             *job.argv,
         ]
 
+    def image_for(self, container_image: str | None) -> str:
+        """The pod image for a stage's `container_image`, which may be written for Pyxis:
+        `docker://REF` → REF, `REGISTRY#IMAGE` → REGISTRY/IMAGE; an enroot squashfs file (a
+        path) is no image, so the launcher's `image` is used, as when none is set."""
+        if not container_image or container_image.startswith(("/", "./", "../")):
+            return self.image
+        if container_image.endswith(".sqsh"):
+            return self.image
+        image = container_image.removeprefix("docker://")
+        return image.replace("#", "/", 1)
+
     def manifest(self, job: StageJob) -> dict[str, Any]:
         """The PyTorchJob for `job`, as a dict (see the module docstring)."""
         res = job.resources
@@ -138,7 +149,7 @@ class K8sLauncher:
             resources["requests"] = {"cpu": str(res.cpus_per_task)}
         container: dict[str, Any] = {
             "name": CONTAINER_NAME,
-            "image": res.container_image or self.image,
+            "image": self.image_for(res.container_image),
             "imagePullPolicy": "IfNotPresent",
             "command": self.command(job),
             "workingDir": workdir,

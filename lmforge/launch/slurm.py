@@ -3,15 +3,15 @@
 Each stage becomes `<stage dir>/job.sbatch`. Inside the allocation the script resolves the first
 node's address with `scontrol show node` (a node name need not resolve as a hostname), then
 `srun` starts one task per node; for a multi-process training stage that task is
-`torchrun --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID --rdzv-backend c10d
---rdzv-endpoint ADDR:PORT ... -m lmforge ARGV`, every flag given once. Other stages run their
-command in one plain task.
+`torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint ADDR:PORT
+--rdzv-id $SLURM_JOB_ID --node-rank $SLURM_NODEID ... -m lmforge ARGV`, every flag given once.
+Other stages run their command in one plain task.
 
 Preemption: training stages ask for `--signal=B:USR2@<lead>` and `--requeue`. The batch shell
 traps USR2 and forwards it to the srun step (srun passes it to the tasks, torchrun to its
 workers); the trainer saves a checkpoint and exits (lmforge.train.preempt), and the script then
 runs `scontrol requeue $SLURM_JOB_ID`, so the same job starts again later and resumes from that
-checkpoint by itself.
+checkpoint by itself. (The trainer takes SIGUSR2 by default, `train.preempt_signal`; keep it.)
 
 `submit` sends the scripts in order with `sbatch --parsable --kill-on-invalid-dep=yes
 --dependency=afterok:<ids>`, so a failed stage leaves its dependents unstarted: Slurm (or, where

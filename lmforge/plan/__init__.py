@@ -13,21 +13,18 @@ from lmforge.plan.memory import (
     GPU_MEMORY,
     METHODS,
     Plan,
-    SearchResult,
     Setup,
     Suggestion,
     bytes_per_param,
     check_setup,
-    format_plan,
-    format_suggestions,
     model_state_bytes,
     parse_memory,
     plan_job,
     plan_memory,
-    search,
     setup_from_job,
-    suggest,
 )
+from lmforge.plan.report import format_plan, format_suggestions
+from lmforge.plan.search import SearchResult, search, suggest
 
 __all__ = [
     "GPU_MEMORY",

@@ -71,9 +71,7 @@ class DryRun:
         for key in self.measured:
             got, want = self.measured[key], self.arithmetic.get(key, 0)
             mark = "" if got == want else "   MISMATCH"
-            lines.append(
-                f"  {key:34s} {got / GiB:10.4f} GiB {want / GiB:10.4f} GiB{mark}"
-            )
+            lines.append(f"  {key:34s} {got / GiB:10.4f} GiB {want / GiB:10.4f} GiB{mark}")
         count = len(self.tensors) + len(self.reference_tensors)
         if self.mismatches:
             lines.append(f"  {len(self.mismatches)} of {count} tensors differ, e.g.:")
@@ -128,7 +126,9 @@ def _build(setup: Setup, layout, parallel, *, lora: bool):
         model = Transformer(setup.args)
     if lora:
         apply_lora(
-            model, targets=list(setup.lora_targets), rank=setup.lora_rank,
+            model,
+            targets=list(setup.lora_targets),
+            rank=setup.lora_rank,
             alpha=2.0 * setup.lora_rank,
         )
     parallelize(model, layout, parallel, bf16=setup.compute_dtype == "bf16")
@@ -147,8 +147,12 @@ def _shards(model) -> dict[str, TensorShard]:
         else:
             local, placements = tuple(param.shape), ""
         out[name] = TensorShard(
-            name=name, shape=tuple(param.shape), local_shape=local, dtype=param.dtype,
-            trainable=param.requires_grad, placements=placements,
+            name=name,
+            shape=tuple(param.shape),
+            local_shape=local,
+            dtype=param.dtype,
+            trainable=param.requires_grad,
+            placements=placements,
         )
     return out
 
@@ -164,20 +168,30 @@ def dry_run(setup: Setup) -> DryRun:
     check_setup(setup)
     shape = setup.mesh
     parallel = ParallelSection(
-        dp_replicate=setup.dp_replicate, dp_shard=setup.dp_shard, tp=setup.tp,
-        activation_checkpointing=setup.activation_checkpointing, cpu_offload=setup.cpu_offload,
+        dp_replicate=setup.dp_replicate,
+        dp_shard=setup.dp_shard,
+        tp=setup.tp,
+        activation_checkpointing=setup.activation_checkpointing,
+        cpu_offload=setup.cpu_offload,
         reshard_after_forward=setup.reshard_after_forward,
     )
     notes = []
     with fake_process_group(setup.gpus):
         cpu = torch.device("cpu")
         if setup.gpus == 1:  # what distributed.setup() builds for one process: no mesh
-            layout = Layout(rank=0, world_size=1, device=cpu, mesh=None, dp_rank=0, dp_size=1, tp_size=1)
+            layout = Layout(
+                rank=0, world_size=1, device=cpu, mesh=None, dp_rank=0, dp_size=1, tp_size=1
+            )
         else:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_AXES)
             layout = Layout(
-                rank=0, world_size=setup.gpus, device=cpu, mesh=mesh, dp_rank=0,
-                dp_size=shape[0] * shape[1], tp_size=shape[2],
+                rank=0,
+                world_size=setup.gpus,
+                device=cpu,
+                mesh=mesh,
+                dp_rank=0,
+                dp_size=shape[0] * shape[1],
+                tp_size=shape[2],
             )
         model = _build(setup, layout, parallel, lora=setup.uses_lora)
         tensors = _shards(model)
@@ -252,6 +266,11 @@ def dry_run(setup: Setup) -> DryRun:
             if got is None or got.local_shape != local_shape(spec, base):
                 mismatches.append(f"reference {name}: shard shape differs")
     return DryRun(
-        setup=setup, tensors=tensors, reference_tensors=reference, measured=measured,
-        arithmetic=arithmetic, mismatches=mismatches, notes=notes,
+        setup=setup,
+        tensors=tensors,
+        reference_tensors=reference,
+        measured=measured,
+        arithmetic=arithmetic,
+        mismatches=mismatches,
+        notes=notes,
     )

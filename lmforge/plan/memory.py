@@ -33,19 +33,19 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 METHODS = ("pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full")
 AC_MODES = ("none", "selective", "full")
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # sgd: with momentum (one buffer per parameter)
-# What torch allocates outside the caching allocator, per process (measured on H100/H200:
-# CUDA context with lazy module loading plus cuBLAS/cuDNN handles), and NCCL's buffers when a
-# process group with other GPUs exists.
-CUDA_CONTEXT_BYTES = 640 * 2**20
-NCCL_BYTES = 768 * 2**20
-# Caching-allocator memory reserved beyond the allocated peak (fragmentation), as a fraction.
-ALLOCATOR_SLACK = 0.06
+# What a process holds outside torch's caching allocator: the CUDA context with cuBLAS and
+# cuDNN handles (0.75 GiB measured on the H200), and NCCL's buffers (0.55 GiB for a one-rank
+# group there; more peers take more).
+CUDA_CONTEXT_BYTES = 768 * 2**20
+NCCL_BYTES = 1024 * 2**20
+# Caching-allocator memory reserved beyond the allocated peak: the loss's [tokens, vocab] fp32
+# buffers change shape between forward and backward, and the allocator ends up holding about
+# one more of them (measured: 0.3 to 2.3 of one, 1.1 on average, over 13 setups on the H200),
+# plus a few percent for everything else.
+ALLOCATOR_SLACK = 0.03
 NF4_BLOCK = 64
 FULL_INIT_MAX_PARAMS = 20e9  # = lmforge.train.stage's (not imported: it pulls in DCP)
 NF4_SCALER_BLOCK = 256
-# Rough step-time multipliers used to rank suggestions (one extra forward for full
-# checkpointing; half the matmuls again for selective; PCIe traffic for CPU offload).
-SLOWDOWN = {"ac:selective": 1.12, "ac:full": 1.33, "offload": 2.0, "tp": 1.05}
 # Host memory assumed per GPU when none is given: a DGX H100 / H200 node has 2 TiB for 8 GPUs.
 HOST_MEMORY_PER_GPU = 256 * GiB
 # Known GPUs: memory the device reports (nvidia-smi total), in bytes.
@@ -128,7 +128,9 @@ class Setup:
         from lmforge.train.config import ParallelSection
         from lmforge.train.distributed import mesh_shape
 
-        section = ParallelSection(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+        section = ParallelSection(
+            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp
+        )
         return mesh_shape(section, self.gpus)
 
     @property
@@ -160,7 +162,9 @@ class Setup:
 
     @property
     def optimizer_bytes(self) -> int:
-        return OPTIMIZER_STATES[self.optimizer] * DTYPE_BYTES[self.optimizer_dtype or self.param_dtype]
+        return (
+            OPTIMIZER_STATES[self.optimizer] * DTYPE_BYTES[self.optimizer_dtype or self.param_dtype]
+        )
 
     @property
     def residual_bytes(self) -> int:
@@ -205,9 +209,7 @@ def check_setup(setup: Setup) -> None:
             + ", ".join(AC_MODES)
         )
     if setup.optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(
-            f"optimizer {setup.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}"
-        )
+        raise ConfigError(f"optimizer {setup.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
     for key in ("param_dtype", "compute_dtype", "grad_dtype", "optimizer_dtype"):
         value = getattr(setup, key)
         if value is not None and value not in DTYPE_BYTES:
@@ -288,13 +290,26 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
         is_adapted = attr in adapted
         specs.append(
             ParamSpec(
-                f"{prefix}{attr}.weight", shape, group, tp_dim, full,
-                nf4=is_adapted and setup.method == "qlora", matmul=True,
+                f"{prefix}{attr}.weight",
+                shape,
+                group,
+                tp_dim,
+                full,
+                nf4=is_adapted and setup.method == "qlora",
+                matmul=True,
             )
         )
         if is_adapted:
-            specs.append(ParamSpec(f"{prefix}{attr}.lora_a.weight", (r, shape[1]), group, None, True, matmul=True))
-            specs.append(ParamSpec(f"{prefix}{attr}.lora_b.weight", (shape[0], r), group, None, True, matmul=True))
+            specs.append(
+                ParamSpec(
+                    f"{prefix}{attr}.lora_a.weight", (r, shape[1]), group, None, True, matmul=True
+                )
+            )
+            specs.append(
+                ParamSpec(
+                    f"{prefix}{attr}.lora_b.weight", (shape[0], r), group, None, True, matmul=True
+                )
+            )
 
     for i in range(a.num_layers if num_layers is None else num_layers):
         group = f"layers.{i}"
@@ -379,7 +394,7 @@ def model_state_bytes(setup: Setup, num_params: float | None = None) -> int:
     per = sum(bytes_per_param(setup).values())
     if not setup.uses_lora:
         count = setup.args.num_params() if num_params is None else num_params
-        return int(round(count * per))
+        return round(count * per)
     specs = param_specs(setup)
     total = 0
     for spec in specs:
@@ -446,7 +461,8 @@ def layer_activations(setup: Setup) -> dict[str, float]:
         "attention": (c * (2 * d + 2 * kvd) + 4 * h) / tp,
         "attention output input": _inputs_saved(
             setup, width=d, x_bytes=c, consumers=consumers("wo"), already_saved=True
-        ) / tp,
+        )
+        / tp,
         "MLP inputs": _inputs_saved(
             setup, width=d, x_bytes=rb, consumers=consumers("w1", "w3"), already_saved=False
         ),
@@ -454,9 +470,12 @@ def layer_activations(setup: Setup) -> dict[str, float]:
         "MLP": 3 * c * f / tp,
         "MLP down input": _inputs_saved(
             setup, width=f, x_bytes=c, consumers=consumers("w2"), already_saved=False
-        ) / tp,
+        )
+        / tp,
     }
-    lora_outputs = sum(c * r for attr in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") if attr in adapted)
+    lora_outputs = sum(
+        c * r for attr in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") if attr in adapted
+    )
     if lora_outputs:
         parts["LoRA A outputs"] = lora_outputs
     return parts
@@ -524,8 +543,11 @@ def head_activations(setup: Setup) -> float:
     full = not setup.uses_lora
     norm = (4 * d + 4 + (setup.residual_bytes * d if full else 0)) / tp
     out_input = _inputs_saved(
-        setup, width=d, x_bytes=setup.residual_bytes,
-        consumers=[(full, "output" in setup.adapted)], already_saved=False,
+        setup,
+        width=d,
+        x_bytes=setup.residual_bytes,
+        consumers=[(full, "output" in setup.adapted)],
+        already_saved=False,
     )
     return norm + out_input + (8 if full else 0) + 16
 
@@ -593,7 +615,9 @@ class Plan:
     def host_per_node(self) -> int:
         """Host memory the first node needs: its processes' offloaded state, plus the full
         starting weights rank 0 holds while loading them."""
-        return self.host_total * min(self.setup.gpus, self.setup.gpus_per_node) + self.load_host_bytes
+        return (
+            self.host_total * min(self.setup.gpus, self.setup.gpus_per_node) + self.load_host_bytes
+        )
 
     @property
     def host_fits(self) -> bool | None:
@@ -609,6 +633,8 @@ class Plan:
         return max(phase.get(component, 0) for phase in self.phases.values())
 
     def table(self) -> str:
+        from lmforge.plan.report import format_plan
+
         return format_plan(self)
 
 
@@ -680,15 +706,15 @@ def plan_memory(
         return sum(v * (1 if spec.group == "root" else L) for spec, v in values)
 
     params = per_model((s, parameter_bytes(s, setup)) for s in specs)
-    trainable_local = per_model(
-        (s, math.prod(local_shape(s, setup))) for s in specs if s.trainable
-    )
+    trainable_local = per_model((s, math.prod(local_shape(s, setup))) for s in specs if s.trainable)
     grads = trainable_local * setup.grad_bytes
     optim = trainable_local * setup.optimizer_bytes
     reference = 0
     if setup.reference == "frozen_copy":
         base = setup.replace(method="full")  # the same model without adapters
-        reference = per_model((s, parameter_bytes(s, base)) for s in param_specs(base, num_layers=1))
+        reference = per_model(
+            (s, parameter_bytes(s, base)) for s in param_specs(base, num_layers=1)
+        )
     host = {}
     if setup.cpu_offload:
         host = {"parameters": params, "gradients": grads, "optimizer states": optim}
@@ -721,12 +747,14 @@ def plan_memory(
 
     # ---- weight copies and gradient buffers -----------------------------------------------
     phases: dict[str, dict[str, int]] = {}
-    grad_acc = grads if setup.grad_accumulation > 1 else 0
+    # Gradients of earlier micro-batches of the step (without FSDP; FSDP keeps them unsharded,
+    # below).
+    grad_acc = grads if setup.grad_accumulation > 1 and not setup.fsdp else 0
     output_matmul = root["matmul_trainable"]  # the output projection (or the tied table)
     output_frozen = root["matmul_frozen"]
     if setup.fsdp:
         gb, redb = setup.gather_bytes, setup.reduce_bytes
-        labels["weight copies"] = f"{_dtype_name(gb)} weights gathered by FSDP (unsharded)"
+        labels["weight copies"] = f"{dtype_name(gb)} weights gathered by FSDP (unsharded)"
         labels["gradient buffers"] = "unsharded gradients + reduce-scatter buffers"
         blk, rt = block["all"] * gb, root["all"] * gb
         if setup.reshard_after_forward:
@@ -745,7 +773,7 @@ def plan_memory(
             notes.append(
                 "gradient accumulation under FSDP: the loop turns gradient sync off between "
                 "micro-batches, so FSDP2 keeps unsharded "
-                f"{_dtype_name(redb)} gradients of the whole model ({fmt_gib(unsharded_acc)} "
+                f"{dtype_name(redb)} gradients of the whole model ({fmt_gib(unsharded_acc)} "
                 "per GPU) until the last micro-batch"
             )
         grad_buffers_bwd = (
@@ -755,25 +783,38 @@ def plan_memory(
         )
         grad_buffers_root = root["trainable"] * (gb + redb) + unsharded_acc
         phases["forward end (loss)"] = {
-            **persistent, "gradients": grad_acc, "weight copies": gathered_fwd,
-            "gradient buffers": unsharded_acc, "activations": acts, "logits and loss": loss_fwd,
+            **persistent,
+            "gradients": grad_acc,
+            "weight copies": gathered_fwd,
+            "gradient buffers": unsharded_acc,
+            "activations": acts,
+            "logits and loss": loss_fwd,
         }
         phases["loss backward"] = {
-            **persistent, "gradients": grad_acc, "weight copies": gathered_fwd,
-            "gradient buffers": unsharded_acc, "activations": acts, "logits and loss": loss_bwd,
+            **persistent,
+            "gradients": grad_acc,
+            "weight copies": gathered_fwd,
+            "gradient buffers": unsharded_acc,
+            "activations": acts,
+            "logits and loss": loss_bwd,
         }
         phases["blocks backward"] = {
-            **persistent, "gradients": grads, "weight copies": gathered_bwd,
-            "gradient buffers": grad_buffers_bwd, "activations": acts,
+            **persistent,
+            "gradients": grads,
+            "weight copies": gathered_bwd,
+            "gradient buffers": grad_buffers_bwd,
+            "activations": acts,
             "backward workspace": recompute + workspace,
         }
         phases["last reduce-scatter"] = {
-            **persistent, "gradients": grads, "gradient buffers": grad_buffers_root,
+            **persistent,
+            "gradients": grads,
+            "gradient buffers": grad_buffers_root,
         }
     else:
         cb = setup.compute_bytes
         labels["weight copies"] = (
-            f"{_dtype_name(cb)} weight copies (autocast)" if setup.autocast else "weight copies"
+            f"{dtype_name(cb)} weight copies (autocast)" if setup.autocast else "weight copies"
         )
         labels["gradient buffers"] = "gradient buffers"
         if setup.autocast:
@@ -792,32 +833,42 @@ def plan_memory(
             copies_fwd = copies_bwd = layer_copies = 0
         layer_grads = block["trainable"] * (cb if setup.autocast else 0)
         phases["forward end (loss)"] = {
-            **persistent, "gradients": grad_acc, "weight copies": copies_fwd,
-            "activations": acts, "logits and loss": loss_fwd,
+            **persistent,
+            "gradients": grad_acc,
+            "weight copies": copies_fwd,
+            "activations": acts,
+            "logits and loss": loss_fwd,
             "backward workspace": nf4_transient,
         }
         phases["loss backward"] = {
-            **persistent, "gradients": grad_acc, "weight copies": copies_bwd,
-            "activations": acts, "logits and loss": loss_bwd,
+            **persistent,
+            "gradients": grad_acc,
+            "weight copies": copies_bwd,
+            "activations": acts,
+            "logits and loss": loss_bwd,
         }
         root_grads = root["trainable"] * setup.grad_bytes
         phases["blocks backward"] = {
-            **persistent, "gradients": max(grad_acc, root_grads),
+            **persistent,
+            "gradients": max(grad_acc, root_grads),
             "weight copies": max(copies_bwd, layer_copies) if recompute else copies_bwd,
             "activations": acts,
             "backward workspace": recompute + workspace + layer_grads + nf4_transient,
         }
         phases["backward end"] = {
-            **persistent, "gradients": grads, "weight copies": layer_copies,
-            "activations": int(tokens * per_layer), "backward workspace": recompute + workspace
-            + layer_grads,
+            **persistent,
+            "gradients": grads,
+            "weight copies": layer_copies,
+            "activations": int(tokens * per_layer),
+            "backward workspace": recompute + workspace + layer_grads,
         }
     phases["optimizer step"] = {**persistent, "gradients": grads}
     phases = {k: {c: int(v) for c, v in p.items() if v} for k, p in phases.items()}
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     peak = sum(phases[peak_phase].values())
-    overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 else 0)
-    overhead += int(ALLOCATOR_SLACK * peak)
+    overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 or setup.fsdp else 0)
+    eager_loss = setup.is_dpo or not setup.compile
+    overhead += int(ALLOCATOR_SLACK * peak) + (4 * a.vocab_size * tokens if eager_loss else 0)
 
     # ---- notes -------------------------------------------------------------------------
     if setup.optimizer != "adamw":
@@ -830,16 +881,23 @@ def plan_memory(
     if setup.uses_lora:
         notes.append(
             "the frozen base is materialized in fp32 by lmforge.train.stage "
-            + ("(NF4 for the adapted linears only; the other linears, embeddings and norms "
-               "stay fp32)" if setup.method == "qlora" else "(not bf16)")
+            + (
+                "(NF4 for the adapted linears only; the other linears, embeddings and norms "
+                "stay fp32)"
+                if setup.method == "qlora"
+                else "(not bf16)"
+            )
         )
     if setup.compile:
-        notes.append("torch.compile'd blocks: activations are an estimate (Inductor chooses "
-                     "what to save)")
+        notes.append(
+            "torch.compile'd blocks: activations are an estimate (Inductor chooses what to save)"
+        )
     if setup.document_masking:
-        notes.append("document masking passes a mask to SDPA: flash attention cannot run; the "
-                     "memory-efficient kernel is assumed (GQA with a mask may fall back to the "
-                     "math kernel, which saves [b, heads, s, s] attention weights)")
+        notes.append(
+            "document masking passes a mask to SDPA: flash attention cannot run; the "
+            "memory-efficient kernel is assumed (GQA with a mask may fall back to the "
+            "math kernel, which saves [b, heads, s, s] attention weights)"
+        )
     # Rank 0 holds the full starting weights on the host before broadcasting them
     # (lmforge.train.stage): a fresh fp32 model for a preset (large ones without LoRA are
     # initialized shard by shard instead), else the checkpoint as stored (bf16 assumed).
@@ -849,163 +907,17 @@ def plan_memory(
     else:
         load_host = a.num_params() * 2
     return Plan(
-        setup=setup, phases=phases, peak_phase=peak_phase, overhead=overhead,
-        gpu_memory=gpu_memory, host=host, labels=labels, notes=notes, load_host_bytes=load_host,
+        setup=setup,
+        phases=phases,
+        peak_phase=peak_phase,
+        overhead=overhead,
+        gpu_memory=gpu_memory,
+        host=host,
+        labels=labels,
+        notes=notes,
+        load_host_bytes=load_host,
         host_memory=host_memory,
     )
-
-
-# ----------------------------------------------------------------------------- search
-
-
-def _slowdown(setup: Setup) -> float:
-    factor = 1.0
-    if setup.activation_checkpointing != "none":
-        factor *= SLOWDOWN[f"ac:{setup.activation_checkpointing}"]
-    if setup.cpu_offload:
-        factor *= SLOWDOWN["offload"]
-    if setup.mesh[2] > 1:
-        factor *= SLOWDOWN["tp"] ** math.log2(setup.mesh[2])
-    return factor
-
-
-def _layouts(base: Setup, gpus: int, fixed: set[str]) -> list[Setup]:
-    """Candidate setups on `gpus` GPUs: tp ∈ {1, 2, 4, 8} (within a node), plain FSDP or HSDP
-    over nodes, each activation checkpointing mode, with and without CPU offload."""
-    a = base.args
-    per_node = min(gpus, base.gpus_per_node)
-    nodes = math.ceil(gpus / base.gpus_per_node)
-    tps = [base.tp] if "tp" in fixed else [t for t in (1, 2, 4, 8) if t <= per_node]
-    acs = [base.activation_checkpointing] if "ac" in fixed else list(AC_MODES)
-    offloads = [base.cpu_offload] if "cpu_offload" in fixed else [False, True]
-    replicates = [base.dp_replicate] if "dp_replicate" in fixed else sorted({1, nodes})
-    out = []
-    for tp in tps:
-        if gpus % tp or (tp > 1 and (a.num_kv_heads % tp or a.tie_embeddings or base.uses_lora)):
-            continue
-        for replicate in replicates:
-            if gpus % (replicate * tp):
-                continue
-            for ac in acs:
-                for offload in offloads:
-                    candidate = base.replace(
-                        gpus=gpus, tp=tp, dp_replicate=replicate, dp_shard=-1,
-                        activation_checkpointing=ac, cpu_offload=offload,
-                    )
-                    try:
-                        check_setup(candidate)
-                    except ConfigError:
-                        continue
-                    out.append(candidate)
-    return out
-
-
-def gpu_counts(gpus_per_node: int, limit: int = 4096) -> list[int]:
-    """1, 2, 4, ... up to a node, then whole nodes."""
-    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < gpus_per_node]
-    counts.append(gpus_per_node)
-    nodes = 2
-    while nodes * gpus_per_node <= limit:
-        counts.append(nodes * gpus_per_node)
-        nodes += 1 if nodes < 8 else nodes // 4
-    return counts
-
-
-@dataclass
-class SearchResult:
-    gpus: int
-    plan: Plan | None  # the cheapest fitting setup at that count; None: nothing fits
-    tried: int
-
-
-def search(
-    base: Setup,
-    gpu_memory: int,
-    *,
-    host_memory: int | None = None,
-    fixed: set[str] = frozenset(),
-    limit: int = 4096,
-) -> SearchResult:
-    """The fewest GPUs of `gpu_memory` on which `base` (method, model, batch fixed) fits, and
-    the cheapest degrees / checkpointing / offload there (by `_slowdown`). Keys in `fixed`
-    (tp, ac, cpu_offload, dp_replicate) keep base's value. host_memory: per node (None: the
-    default per GPU)."""
-    tried = 0
-    counts = [1] if base.method == "qlora" else gpu_counts(base.gpus_per_node, limit)
-    for gpus in counts:
-        best = None
-        for candidate in _layouts(base, gpus, set(fixed)):
-            tried += 1
-            plan = plan_memory(candidate, gpu_memory, host_memory=host_memory)
-            if plan.fits and (best is None or _slowdown(candidate) < _slowdown(best.setup)):
-                best = plan
-        if best is not None:
-            return SearchResult(gpus=gpus, plan=best, tried=tried)
-    return SearchResult(gpus=counts[-1], plan=None, tried=tried)
-
-
-def suggest(plan: Plan, *, max_items: int = 6) -> list[Suggestion]:
-    """Single changes that make `plan` fit (or fit better), cheapest first: cost = the step
-    time multiplier × the GPU-count ratio (GPU-hours), LoRA/QLoRA flagged as changing the
-    method."""
-    s = plan.setup
-    if plan.gpu_memory is None:
-        return []
-    out: list[Suggestion] = []
-    # A host size the user gave is per node; the default grows with the GPUs of a node.
-    host = None if plan.host_memory == HOST_MEMORY_PER_GPU * min(s.gpus, s.gpus_per_node) else plan.host_memory
-
-    def consider(change: str, candidate: Setup, note: str = "") -> None:
-        try:
-            p = plan_memory(candidate, plan.gpu_memory, host_memory=host)
-        except ConfigError:
-            return
-        if p.fits:
-            cost = _slowdown(candidate) / _slowdown(s) * candidate.gpus / s.gpus
-            out.append(Suggestion(change=change, plan=p, cost=cost, note=note))
-
-    order = list(AC_MODES)
-    for mode in order[order.index(s.activation_checkpointing) + 1:]:
-        consider(f"--ac {mode}", s.replace(activation_checkpointing=mode))
-    mbs = s.micro_batch_size
-    while mbs > 1:
-        mbs //= 2
-        accumulation = s.grad_accumulation * math.ceil(s.micro_batch_size / mbs)
-        candidate = s.replace(micro_batch_size=mbs, grad_accumulation=accumulation)
-        before = len(out)
-        consider(
-            f"--micro-batch-size {mbs}", candidate,
-            note=f"same global batch with {accumulation} gradient accumulation steps",
-        )
-        if len(out) > before:
-            out[-1].cost *= 1.05  # smaller matmuls run a little less efficiently
-            break
-    if not s.cpu_offload and s.method != "qlora":
-        consider("--cpu-offload", s.replace(cpu_offload=True))
-    if s.method != "qlora":
-        result = search(
-            s, plan.gpu_memory, host_memory=host, fixed={"ac", "cpu_offload", "tp", "dp_replicate"}
-        )
-        if result.plan is not None and result.gpus != s.gpus:
-            consider(f"--gpus {result.gpus}", result.plan.setup)
-        result = search(s, plan.gpu_memory, host_memory=host)
-        if result.plan is not None and (result.gpus, result.plan.setup) != (s.gpus, s):
-            p = result.plan.setup
-            change = f"--gpus {p.gpus} --tp {p.mesh[2]} --ac {p.activation_checkpointing}"
-            change += " --cpu-offload" if p.cpu_offload else ""
-            if all(x.change != change for x in out):
-                consider(change, p, note="fewest GPUs (--search)")
-    if s.method in ("full", "dpo-full"):
-        method = "lora" if s.method == "full" else "dpo-lora"
-        consider(f"--method {method}", s.replace(method=method, tp=1, dp_shard=-1),
-                 note="changes the method: LoRA adapters instead of full finetuning")
-    if s.method in ("lora", "full") and s.gpus == 1 and not s.cpu_offload:
-        consider("--method qlora", s.replace(method="qlora"),
-                 note="changes the method: NF4 frozen base (one GPU)")
-    unique: dict[str, Suggestion] = {}
-    for item in sorted(out, key=lambda x: (x.cost, x.plan.total)):
-        unique.setdefault(item.change, item)
-    return list(unique.values())[:max_items]
 
 
 # ----------------------------------------------------------------------------- units, output
@@ -1029,8 +941,17 @@ def parse_memory(text: str | int) -> int:
     if unit is None:
         scale = GiB if number < 1e6 else 1
     else:
-        scale = {"t": TiB, "tb": TiB, "tib": TiB, "g": GiB, "gb": GiB, "gib": GiB,
-                 "m": 2**20, "mb": 2**20, "mib": 2**20}[unit]
+        scale = {
+            "t": TiB,
+            "tb": TiB,
+            "tib": TiB,
+            "g": GiB,
+            "gb": GiB,
+            "gib": GiB,
+            "m": 2**20,
+            "mb": 2**20,
+            "mib": 2**20,
+        }[unit]
     return int(number * scale)
 
 
@@ -1038,160 +959,8 @@ def fmt_gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def _dtype_name(nbytes: int) -> str:
+def dtype_name(nbytes: int) -> str:
     return {4: "fp32", 2: "bf16"}.get(nbytes, f"{nbytes}-byte")
-
-
-def describe(setup: Setup) -> list[str]:
-    """Header lines: model, method, layout, precision."""
-    a = setup.args
-    replicate, shard, tp = setup.mesh
-    nodes = setup.num_nodes
-    where = f"{setup.gpus} GPU" + ("s" if setup.gpus > 1 else "")
-    if nodes > 1:
-        where += f" ({nodes} nodes × {math.ceil(setup.gpus / nodes)})"
-    method = {
-        "pretrain": "pretraining", "full": "full finetuning", "lora": "LoRA",
-        "qlora": "QLoRA (NF4 base)", "dpo-lora": "DPO with LoRA", "dpo-full": "DPO, full",
-    }[setup.method]
-    if setup.uses_lora:
-        method += f" rank {setup.lora_rank} on {','.join(setup.lora_targets)}"
-    if setup.is_dpo:
-        method += f" (reference: {setup.reference.replace('_', ' ')})"
-    if setup.fsdp:
-        kind = "HSDP" if replicate > 1 and shard > 1 else "FSDP2"
-        layout = f"{kind}: dp_replicate {replicate} × dp_shard {shard} × tp {tp}"
-    elif tp > 1:
-        layout = f"tensor parallel {tp} (no FSDP)"
-    else:
-        layout = "one GPU, no FSDP (autocast)" if setup.gpus == 1 else "no FSDP"
-    extras = [f"activation checkpointing {setup.activation_checkpointing}"]
-    if setup.cpu_offload:
-        extras.append("CPU offload")
-    if setup.compile:
-        extras.append("compiled")
-    batch = f"micro-batch {setup.micro_batch_size} × {setup.seq_len} tokens"
-    if setup.is_dpo:
-        batch += " (pairs: 2× sequences)"
-    if setup.grad_accumulation > 1:
-        batch += f", {setup.grad_accumulation} accumulation steps"
-    states = OPTIMIZER_STATES[setup.optimizer]
-    precision = (
-        f"parameters {setup.param_dtype}, gradients {setup.grad_dtype or setup.param_dtype}, "
-        f"{setup.optimizer} states {setup.optimizer_dtype or setup.param_dtype} ×{states}, "
-        f"compute {setup.compute_dtype}"
-    )
-    name = setup.model_name or "model"
-    return [
-        f"model      {name}: {a.num_params() / 1e9:.2f}B parameters ({a.num_layers} layers, "
-        f"dim {a.dim}, vocab {a.vocab_size}{', tied' if a.tie_embeddings else ''})",
-        f"method     {method}",
-        f"GPUs       {where}; {layout}",
-        f"step       {batch}; {', '.join(extras)}",
-        f"precision  {precision}",
-    ]
-
-
-def state_line(setup: Setup) -> str:
-    """The seed's arithmetic for this model: bytes/parameter and the unsharded total."""
-    per = bytes_per_param(setup)
-    total = model_state_bytes(setup)
-    parts = ", ".join(f"{k} {v}" for k, v in per.items())
-    if setup.uses_lora:
-        return (
-            f"model states (unsharded, before activations): trainable {sum(per.values())} "
-            f"bytes/parameter ({parts}), frozen base as stored: {total:.3g} bytes = "
-            f"{total / TiB:.3f} TiB"
-        )
-    return (
-        f"model states (unsharded, before activations): {sum(per.values())} bytes/parameter "
-        f"({parts}) × {setup.args.num_params() / 1e9:.2f}B = {total:.3g} bytes = "
-        f"{total / TiB:.2f} TiB"
-    )
-
-
-def format_plan(plan: Plan) -> str:
-    s = plan.setup
-    lines = describe(s)
-    lines.append(state_line(s))
-    lines.append("")
-    peak = plan.phases[plan.peak_phase]
-    labels = {
-        "parameters": f"parameters ({_storage_label(s)})",
-        "gradients": f"gradients ({s.grad_dtype or s.param_dtype})",
-        "optimizer states": f"optimizer states ({s.optimizer})",
-        "reference model": "DPO reference model (frozen copy)",
-        "weight copies": plan.labels.get("weight copies", "weight copies"),
-        "gradient buffers": plan.labels.get("gradient buffers", "gradient buffers"),
-        "activations": f"activations (checkpointing: {s.activation_checkpointing})",
-        "logits and loss": f"logits and loss (fp32 [{s.sequences}, {s.seq_len}, "
-                           f"{s.args.vocab_size}])",
-        "backward workspace": "backward workspace (recompute, activation grads)",
-    }
-    width = max(len(v) for v in labels.values()) + 2
-    lines.append(f"per GPU, at the peak ({plan.peak_phase})".ljust(width) + "   at peak   largest")
-    for name in COMPONENT_ORDER:
-        at_peak, largest = peak.get(name, 0), plan.largest(name)
-        on_host = s.cpu_offload and name in plan.host
-        if not largest and not on_host:
-            continue
-        extra = f"   on host: {plan.host[name] / GiB:.2f} GiB" if on_host else ""
-        lines.append(
-            f"  {labels[name]:<{width - 2}} {at_peak / GiB:8.2f} {largest / GiB:9.2f}{extra}"
-        )
-    lines.append(
-        f"  {'CUDA context, NCCL, allocator slack':<{width - 2}} {plan.overhead / GiB:8.2f}"
-    )
-    lines.append("  " + "-" * (width + 18))
-    total = f"  {'total':<{width - 2}} {plan.total / GiB:8.2f} GiB"
-    if plan.gpu_memory:
-        share = plan.total / plan.gpu_memory
-        verdict = "FITS" if plan.fits else "DOES NOT FIT"
-        total += f" of {plan.gpu_memory / GiB:.1f} GiB  ->  {verdict} ({share:.0%})"
-    lines.append(total)
-    per_node = min(s.gpus, s.gpus_per_node)
-    if plan.host:
-        lines.append(
-            f"host memory (CPU offload, pinned): {plan.host_total / GiB:.1f} GiB per GPU "
-            f"process, {plan.host_total * per_node / GiB:.1f} GiB per node of {per_node}"
-        )
-    if plan.load_host_bytes:
-        lines.append(
-            f"host memory while loading: rank 0 holds the full starting weights, "
-            f"{plan.load_host_bytes / GiB:.1f} GiB"
-        )
-    if plan.host_memory is not None and (plan.host or plan.host_fits is False):
-        verdict = "fits" if plan.host_fits else "DOES NOT FIT"
-        lines.append(
-            f"host memory, first node: {plan.host_per_node / GiB:.1f} GiB of "
-            f"{plan.host_memory / GiB:.0f} GiB -> {verdict}"
-        )
-    for note in plan.notes:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
-
-
-def _storage_label(setup: Setup) -> str:
-    label = setup.param_dtype
-    if setup.method == "qlora":
-        label = f"NF4 adapted bases, rest {setup.param_dtype}"
-    replicate, shard, _ = setup.mesh
-    if setup.fsdp and shard > 1:
-        label += f", sharded 1/{shard}"
-    return label
-
-
-def format_suggestions(suggestions: list[Suggestion]) -> str:
-    if not suggestions:
-        return "suggestions: none of the single changes tried fits (see --search)"
-    lines = ["suggestions, cheapest first (cost: relative GPU-hours):"]
-    for i, item in enumerate(suggestions, start=1):
-        p = item.plan
-        lines.append(
-            f"  {i}. {item.change:<44} {p.total / GiB:7.1f} GiB  cost ×{item.cost:.2f}"
-            + (f"  ({item.note})" if item.note else "")
-        )
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- from a job
@@ -1219,13 +988,23 @@ def setup_from_job(job, *, gpus: int, gpus_per_node: int = 8) -> Setup:
     seq_len = getattr(data, "seq_len", None) or getattr(data, "max_seq_len", 2048)
     masking = bool(getattr(data, "document_masking", False) or getattr(data, "packing", False))
     base = Setup(
-        args=args, model_name=str(source), method=method, gpus=gpus, gpus_per_node=gpus_per_node,
-        dp_replicate=job.parallel.dp_replicate, dp_shard=job.parallel.dp_shard, tp=job.parallel.tp,
+        args=args,
+        model_name=str(source),
+        method=method,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        dp_replicate=job.parallel.dp_replicate,
+        dp_shard=job.parallel.dp_shard,
+        tp=job.parallel.tp,
         activation_checkpointing=job.parallel.activation_checkpointing,
-        cpu_offload=job.parallel.cpu_offload, reshard_after_forward=job.parallel.reshard_after_forward,
-        compile=job.parallel.compile, micro_batch_size=job.train.micro_batch_size, seq_len=seq_len,
+        cpu_offload=job.parallel.cpu_offload,
+        reshard_after_forward=job.parallel.reshard_after_forward,
+        compile=job.parallel.compile,
+        micro_batch_size=job.train.micro_batch_size,
+        seq_len=seq_len,
         compute_dtype="fp32" if job.train.mixed_precision == "fp32" else "bf16",
-        document_masking=masking, from_scratch=from_scratch,
+        document_masking=masking,
+        from_scratch=from_scratch,
     )
     if lora_on:
         base = base.replace(lora_rank=lora.rank, lora_targets=tuple(lora.targets))
@@ -1250,5 +1029,7 @@ def plan_job(
     setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node)
     plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
     if not plan.fits:
+        from lmforge.plan.search import suggest
+
         plan.suggestions = suggest(plan)
     return plan

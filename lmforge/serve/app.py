@@ -388,7 +388,6 @@ class _Plan:
 
     sequences: list[SequenceRequest]
     prompt_lengths: list[int]  # per distinct prompt
-    n: int
 
 
 def _check_unsupported(body: _GenerationRequest) -> None:
@@ -532,7 +531,7 @@ def _plan(body: _GenerationRequest, generator: Generator, settings: ServeSetting
         for choice in range(n):
             seed = None if body.seed is None else body.seed + choice
             sequences.append(SequenceRequest(ids, params, seed, num_logprobs))
-    return _Plan(sequences, [len(ids) for ids in prompts], n)
+    return _Plan(sequences, [len(ids) for ids in prompts])
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -632,21 +631,12 @@ class _Session:
     async def events(self) -> AsyncIterator[TokenOutput]:
         """The engine's outputs until every choice has finished; TimeoutError past the
         deadline, RuntimeError if the engine failed."""
-        queue = self.submission.queue
-        remaining = len(self.submission.sequences)
-        loop = asyncio.get_running_loop()
-        while remaining:
-            if self.deadline is None:
-                output = await queue.get()
-            else:
-                output = await asyncio.wait_for(queue.get(), self.deadline - loop.time())
+        async for output in self.submission.events(deadline=self.deadline):
             if output.finish_reason == "error":
                 raise RuntimeError("generation failed (see the server log)")
             if not self._first_token_seen:
                 self._first_token_seen = True
                 self.state.metrics.first_token.observe(time.perf_counter() - self.arrival)
-            if output.finish_reason is not None:
-                remaining -= 1
             yield output
 
     def timeout_error(self) -> ApiError:

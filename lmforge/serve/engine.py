@@ -102,15 +102,17 @@ class Submission:
     cancelled: bool = False
     cancel_reason: str = "cancelled"
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(s.row.prompt_ids) for s in self.sequences)
-
-    async def events(self) -> AsyncIterator[TokenOutput]:
-        """Every sequence's outputs as they come, until each has finished."""
+    async def events(self, *, deadline: float | None = None) -> AsyncIterator[TokenOutput]:
+        """Every sequence's outputs as they come, until each has finished (the last output of
+        each has a `finish_reason`). Raises TimeoutError at `deadline` (the event loop's
+        `time()`); the caller then cancels."""
+        loop = asyncio.get_running_loop()
         remaining = len(self.sequences)
         while remaining:
-            output: TokenOutput = await self.queue.get()
+            if deadline is None:
+                output: TokenOutput = await self.queue.get()
+            else:
+                output = await asyncio.wait_for(self.queue.get(), deadline - loop.time())
             if output.finish_reason is not None:
                 remaining -= 1
             yield output

@@ -1,0 +1,241 @@
+"""Load on `lmforge serve`: throughput (generated tokens/s) and latency at several concurrencies.
+
+At each concurrency c, c client threads send streaming completion requests back to back (a
+fixed `--max-tokens`, `ignore_eos` so every request generates exactly that many, greedy) until
+`--requests` (default 4 x c, at least 8) have finished. Per level it reports generated
+tokens/s over the level's wall time, and the p50/p99 of request latency (send to last byte)
+and of time to first token. Against a running server (`--url`), or one it starts on an artifact
+(`--artifact`, with `--max-concurrency` rows; stopped at the end).
+
+    python benchmarks/serve_load.py --artifact runs/demo/sft/artifact          # CPU, tiny model
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY
+    python benchmarks/serve_load.py --artifact ART --device cuda --concurrency 1 8 32 64
+
+Writes serve_load.json to --out ($OUT if set). Only the standard library on the client side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "while",
+    "models",
+    "learn",
+    "from",
+    "text",
+    "and",
+    "tokens",
+]
+
+
+class Client:
+    def __init__(self, url: str, api_key: str | None) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        try:
+            connection.request("GET", path, headers=self.headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def stream_completion(self, body: dict) -> dict:
+        """One streaming request: latency, time to first token, completion tokens."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        try:
+            connection.request("POST", "/v1/completions", json.dumps(body), self.headers)
+            response = connection.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+            for raw in response:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[len(b"data: ") :])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                elif first is None and event.get("choices"):
+                    first = time.perf_counter() - start
+        finally:
+            connection.close()
+        return {"latency": time.perf_counter() - start, "ttft": first or 0.0, "tokens": tokens}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def run_level(client: Client, model: str, concurrency: int, num_requests: int, args) -> dict:
+    counter = iter(range(num_requests))
+    lock = threading.Lock()
+    results: list[dict] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next(counter, None)
+            if index is None:
+                return
+            words = " ".join(WORDS[(index + i) % len(WORDS)] for i in range(args.prompt_words))
+            body = {
+                "model": model,
+                "prompt": f"{index}: {words}",
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            result = client.stream_completion(body)
+            with lock:
+                results.append(result)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for future in [pool.submit(worker) for _ in range(concurrency)]:
+            future.result()
+    wall = time.perf_counter() - start
+    latencies = [r["latency"] for r in results]
+    ttfts = [r["ttft"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "p50_latency_s": statistics.median(latencies),
+        "p99_latency_s": percentile(latencies, 99),
+        "p50_ttft_s": statistics.median(ttfts),
+        "p99_ttft_s": percentile(ttfts, 99),
+    }
+
+
+def start_server(args) -> tuple[subprocess.Popen, str, Path]:
+    log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
+    command = [sys.executable, "-m", "lmforge", "serve", str(args.artifact), "--port", "0"]
+    command += ["--max-concurrency", str(args.max_concurrency), "--device", args.device]
+    command += ["--max-queue", str(max(args.concurrency) * 2), "--log-level", "warning"]
+    if args.max_seq_len:
+        command += ["--max-seq-len", str(args.max_seq_len)]
+    if args.num_threads:
+        command += ["--num-threads", str(args.num_threads)]
+    if args.api_key:
+        command += ["--api-key", args.api_key]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while True:
+        found = re.search(r"on (http://[^/\s]+)/v1", log.read_text())
+        if found:
+            url = found.group(1)
+            client = Client(url, args.api_key)
+            try:
+                if client.get("/health")[0] == 200:
+                    return process, url, log
+            except OSError:
+                pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise SystemExit(f"the server did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--artifact", type=Path, help="start `lmforge serve` on this artifact")
+    parser.add_argument("--api-key", default=os.environ.get("LMFORGE_API_KEY"))
+    parser.add_argument("--model", default=None, help="model name (default: the server's)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, default=None, help="per level (4 x c, >= 8)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2, help="requests before measuring")
+    # For --artifact:
+    parser.add_argument("--max-concurrency", type=int, default=32, help="server rows (32)")
+    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+
+    process = None
+    if args.artifact is not None:
+        process, url, log = start_server(args)
+        print(f"started lmforge serve on {url} (log: {log})", file=sys.stderr)
+    else:
+        url = args.url.rstrip("/").removesuffix("/v1")
+    try:
+        client = Client(url, args.api_key)
+        status, body = client.get("/v1/models")
+        if status != 200:
+            raise SystemExit(f"GET /v1/models: HTTP {status}: {body[:200]!r}")
+        model = args.model or json.loads(body)["data"][0]["id"]
+        for _ in range(args.warmup):
+            run_level(client, model, 1, 1, args)
+        rows = []
+        for concurrency in args.concurrency:
+            num_requests = args.requests or max(8, 4 * concurrency)
+            rows.append(run_level(client, model, concurrency, num_requests, args))
+            print(f"concurrency {concurrency}: done", file=sys.stderr, flush=True)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=120)
+
+    print(f"\nlmforge serve load: model {model!r}, {args.max_tokens} new tokens per request")
+    header = (
+        f"{'concurrency':>11} {'requests':>8} {'tokens/s':>9} {'p50 lat s':>9} "
+        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['concurrency']:>11} {row['requests']:>8} {row['tokens_per_s']:>9.1f} "
+            f"{row['p50_latency_s']:>9.3f} {row['p99_latency_s']:>9.3f} "
+            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"model": model, "max_tokens": args.max_tokens, "levels": rows}
+    (args.out / "serve_load.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

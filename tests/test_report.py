@@ -1,0 +1,184 @@
+"""The tiny demo pipeline end to end (shortened: fewer people and steps), its manifests, status
+and report: a self-contained HTML page that headless Chromium renders with every image loaded.
+Also: a recognizable token in the environment appears nowhere in the run directory."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from lmforge.cli import main as cli_main
+from lmforge.launch.local import LocalLauncher
+from lmforge.pipeline import load_pipeline, pipeline_status, read_manifest, run_pipeline
+from lmforge.report import collect_run, write_report
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "pipeline.toml"
+TOKEN = "hf_REPORTtestTOKEN_abcdef0123456789"
+API_KEY = "lmforge_REPORT_api_key_424242"
+
+
+def shortened(file: Path, out: Path) -> Path:
+    """The demo pipeline with a smaller world and a few steps per training stage."""
+    data = tomllib.loads(file.read_text())
+    data["pipeline"]["name"] = "short"
+    stages = data["stages"]
+    stages["world"]["demo"] = {"seed": 0, "num_people": 16, "repeats": 4}
+    for name, steps in (("pretrain", 12), ("sft", 6), ("dpo", 4)):
+        stage = stages[name]
+        stage["train"]["steps"] = steps
+        stage["scheduler"]["warmup_steps"] = 1
+        stage["metrics"]["log_every"] = 2
+        stage["checkpoint"]["every"] = steps
+    stages["pretrain"]["data"]["seq_len"] = 64
+    stages["pretrain"]["train"]["micro_batch_size"] = 8
+    stages["generate"]["max_new_tokens"] = 8
+    out.write_text(tomli_w.dumps(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("short")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_TOKEN", TOKEN)
+    mp.setenv("LMFORGE_API_KEY", API_KEY)
+    try:
+        file = shortened(EXAMPLE, workdir / "pipeline.toml")
+        lines: list[str] = []
+        pipeline = load_pipeline(file, workdir=workdir)
+        result = run_pipeline(pipeline, launcher=LocalLauncher(stream=None), echo=lines.append)
+    finally:
+        mp.undo()
+    assert result.ok, "\n".join(lines)
+    return workdir, pipeline, result, "\n".join(lines)
+
+
+def test_every_stage_ran_and_recorded_its_metrics(finished):
+    workdir, pipeline, result, out = finished
+    run_dir = workdir / "runs" / "short"
+    names = [s.name for s in pipeline.stages]
+    assert names == ["world", "tokenizer", "shards", "pretrain", "sft", "dpo", "eval",
+                     "quantize_int8", "quantize_int4", "eval_quantized", "generate"]
+    found = {name: read_manifest(run_dir / name) for name in names}
+    assert {m["status"] for m in found.values()} == {"succeeded"}
+    pretrain = found["pretrain"]["metrics"]
+    assert pretrain["step"] == 12 and pretrain["loss"] < pretrain["first_loss"]
+    assert found["sft"]["input"]["path"] == "runs/short/pretrain/artifact"
+    assert found["sft"]["input"]["hash"] == found["pretrain"]["output"]["hash"]
+    evaluated = found["eval"]["metrics"]
+    assert list(evaluated) == ["base", "sft", "dpo"]
+    for metrics in evaluated.values():
+        assert {"demo_mc/acc", "demo_mc_chat/acc", "preference/accuracy"} <= set(metrics)
+    assert list(found["eval_quantized"]["metrics"]) == ["dpo", "int8", "int4"]
+    int8, int4 = found["quantize_int8"]["metrics"], found["quantize_int4"]["metrics"]
+    assert int8["scheme"] == "int8-wo" and int4["scheme"] == "int4-wo"
+    sample = (run_dir / "generate" / "out" / "sample.txt").read_text()
+    assert sample.startswith("=== Where does") and "tokens/s" in sample
+    assert "report:" in out and (run_dir / "report.html").exists()
+
+    statuses = pipeline_status(run_dir)
+    assert [s.status for s in statuses] == ["succeeded"] * len(names)
+
+    # unchanged: a second run starts nothing
+    lines: list[str] = []
+    again = run_pipeline(load_pipeline(workdir / "pipeline.toml", workdir=workdir),
+                         launcher=LocalLauncher(stream=None), echo=lines.append)
+    assert again.ok and again.handles == {} and "everything is up to date" in lines
+
+
+def test_no_secret_anywhere_in_the_run_directory(finished):
+    workdir, _, _, out = finished
+    assert TOKEN not in out and API_KEY not in out
+    files = [p for p in (workdir / "runs").rglob("*") if p.is_file()]
+    assert len(files) > 50
+    for path in files:
+        data = path.read_bytes()
+        assert TOKEN.encode() not in data and API_KEY.encode() not in data, path
+
+
+def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys):
+    workdir, _, _, _ = finished
+    run_dir = workdir / "runs" / "short"
+    assert cli_main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
+    assert "report:" in capsys.readouterr().out
+    page = (tmp_path / "report.html").read_text()
+    for heading in ("Stages", "Training", "Evaluation", "Artifacts", "Lineage",
+                    "Generated sample"):
+        assert f"<h2>{heading}" in page, heading
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert len(sources) >= 5  # loss, throughput, eval, eval_quantized, sizes
+    for source in sources:
+        assert source.startswith("data:image/png;base64,")
+        assert base64.b64decode(source.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert "world → tokenizer" not in page  # lineage is of model artifacts only
+    assert "pretrain → sft → dpo → quantize_int8" in page
+    summary = collect_run(run_dir)
+    assert [a.stage for a in summary.artifacts] == ["pretrain", "sft", "dpo", "quantize_int8",
+                                                    "quantize_int4"]
+    sizes = {a.stage: a.weight_bytes for a in summary.artifacts}
+    assert sizes["quantize_int4"] < sizes["quantize_int8"] < sizes["dpo"]
+
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| stage | kind | state |" in markdown and "![" in markdown
+    assert (tmp_path / "report_assets" / "loss.png").exists()
+
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--virtual-time-budget=5000",
+]
+CHECK_SCRIPT = """
+<script>
+window.addEventListener("load", () => {
+  const images = Array.from(document.images);
+  const loaded = images.filter((img) => img.complete && img.naturalWidth > 0).length;
+  const mark = document.createElement("div");
+  mark.id = "lmforge-check";
+  mark.textContent = `images-loaded=${loaded}/${images.length}`;
+  document.body.appendChild(mark);
+});
+</script>
+"""
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    chromium() is None,
+    reason="headless Chromium is not installed (apt-get install -y chromium): the report "
+    "was not rendered in a browser",
+)
+def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, tmp_path):
+    workdir, _, _, _ = finished
+    paths = write_report(workdir / "runs" / "short", out=tmp_path / "report")
+    page = paths["html"].read_text()
+    checked = tmp_path / "checked.html"  # the report plus a script that counts loaded images
+    checked.write_text(page.replace("</body>", CHECK_SCRIPT + "</body>"))
+    profile = tmp_path / "profile"
+    command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
+               checked.as_uri()]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    match = re.search(r"images-loaded=(\d+)/(\d+)", done.stdout)
+    assert match, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    loaded, total = int(match.group(1)), int(match.group(2))
+    assert total >= 5 and loaded == total, match.group(0)
+    # and a screenshot of the page itself is a real, non-empty PNG
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                    f"--screenshot={shot}", "--window-size=1200,2400", paths["html"].as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert shot.stat().st_size > 20_000
+    json.dumps({"loaded": loaded})
