@@ -765,7 +765,7 @@ def make_plan(
             continue
         upstream = [d for d in stage.depends_on if d in running]
         if upstream:
-            plan.append(PlanItem(stage, "run", f"upstream stage {upstream[0]!r} runs"))
+            plan.append(PlanItem(stage, "run", f"upstream stage {upstream[-1]!r} runs"))
             running.add(stage.name)
             continue
         input_hash = combined_hash(input_fingerprints(pipeline, stage))

@@ -38,10 +38,14 @@ OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # sgd: with momentum (one buffer per 
 # group there; more peers take more).
 CUDA_CONTEXT_BYTES = 768 * 2**20
 NCCL_BYTES = 1024 * 2**20
-# Caching-allocator memory reserved beyond the allocated peak: the loss's [tokens, vocab] fp32
-# buffers change shape between forward and backward, and the allocator ends up holding about
-# one more of them (measured: 0.3 to 2.3 of one, 1.1 on average, over 13 setups on the H200),
-# plus a few percent for everything else.
+# Caching-allocator memory reserved beyond the allocated peak. The loss's fp32 [tokens, vocab]
+# buffers change shape between forward and backward and the allocator keeps about one more of
+# them reserved; under FSDP2 with full activation checkpointing (several CUDA streams, blocks
+# recomputed between the loss and the reduce-scatters) about 2.3 of them. Fitted on the H200
+# (benchmarks/memory.py, 19 setups; expandable_segments shrinks it without FSDP only), plus a
+# few percent of the peak for everything else.
+LOSS_BUFFERS_RESERVED = 1.1
+LOSS_BUFFERS_RESERVED_FSDP_FULL_AC = 2.3
 ALLOCATOR_SLACK = 0.03
 NF4_BLOCK = 64
 FULL_INIT_MAX_PARAMS = 20e9  # = lmforge.train.stage's (not imported: it pulls in DCP)
@@ -868,7 +872,13 @@ def plan_memory(
     peak = sum(phases[peak_phase].values())
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 or setup.fsdp else 0)
     eager_loss = setup.is_dpo or not setup.compile
-    overhead += int(ALLOCATOR_SLACK * peak) + (4 * a.vocab_size * tokens if eager_loss else 0)
+    loss_buffer = 4 * a.vocab_size * tokens if eager_loss else 0
+    kept = (
+        LOSS_BUFFERS_RESERVED_FSDP_FULL_AC
+        if setup.fsdp and setup.activation_checkpointing == "full"
+        else LOSS_BUFFERS_RESERVED
+    )
+    overhead += int(ALLOCATOR_SLACK * peak + kept * loss_buffer)
 
     # ---- notes -------------------------------------------------------------------------
     if setup.optimizer != "adamw":
