@@ -3,16 +3,16 @@
 Each configuration builds the model the way the trainer does (meta device → LoRA swap →
 `parallelize()` → materialize → init), runs a few `Trainer.train_step`s on random tokens
 (fp32 master weights, bf16 compute, fused AdamW), and compares
-`torch.cuda.max_memory_allocated()` with `plan_memory(...).peak_allocated`, and the device
-memory in use (reserved + CUDA context, from cudaMemGetInfo) with the plan's total. Target:
-within ±15% on every row.
+`torch.cuda.max_memory_allocated()` over the steady steps with `plan_memory(...).peak_allocated`
+(target: within ±15% on every row), and the device memory needed (the caching allocator's peak
+reservation plus what lives outside it: CUDA context, NCCL) with the plan's total.
 
     python benchmarks/memory.py                       # all configurations, one GPU
     python benchmarks/memory.py --only 1b-full-none 3b-lora-none
     python benchmarks/memory.py --cpu-smoke           # the same code path on CPU, tiny model
 
 "fsdp1" rows wrap the model in FSDP2 on a one-rank process group: the multi-GPU code path
-(bf16 all-gathers, fp32 reduce-scatters, no autocast) on one GPU.
+(bf16 all-gathers, fp32 reduce-scatters, no autocast) on one GPU. Writes $OUT/memory.json.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ SMOKE_CONFIGS = [
     Config("tiny-full-selective", "tiny", ac="selective", batch=2, seq=64),
     Config("tiny-lora-full", "tiny", method="lora", ac="full", batch=2, seq=64),
     Config("tiny-dpo-lora-none", "tiny", method="dpo-lora", batch=2, seq=64),
+    Config("tiny-dpo-full-none", "tiny", method="dpo-full", batch=2, seq=64),
     Config("tiny-qlora-full", "tiny", method="qlora", ac="full", batch=2, seq=64),
     Config("tiny-full-none-fsdp1", "tiny", batch=2, seq=64, fsdp1=True),
     Config("tiny-full-full-offload", "tiny", ac="full", batch=2, seq=64, offload=True),

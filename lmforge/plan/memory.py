@@ -47,9 +47,9 @@ NCCL_BYTES = 1024 * 2**20
 LOSS_BUFFERS_RESERVED = 1.1
 LOSS_BUFFERS_RESERVED_FSDP_FULL_AC = 2.3
 ALLOCATOR_SLACK = 0.03
-NF4_BLOCK = 64
-FULL_INIT_MAX_PARAMS = 20e9  # = lmforge.train.stage's (not imported: it pulls in DCP)
+NF4_BLOCK = 64  # = lmforge.modules.lora's NF4 block and double-quantization group
 NF4_SCALER_BLOCK = 256
+FULL_INIT_MAX_PARAMS = 20e9  # = lmforge.train.stage's (not imported: it pulls in DCP)
 # Host memory assumed per GPU when none is given: a DGX H100 / H200 node has 2 TiB for 8 GPUs.
 HOST_MEMORY_PER_GPU = 256 * GiB
 # Known GPUs: memory the device reports (nvidia-smi total), in bytes.
@@ -730,7 +730,9 @@ def plan_memory(
     # ---- activations -------------------------------------------------------------------
     tokens = setup.tokens
     per_layer = saved_per_layer(setup)
-    acts = int(tokens * (L * per_layer + head_activations(setup)))
+    # + RoPE's cos and sin [1, s, head_dim], shared by the layers (the residual's dtype).
+    rope = 2 * setup.seq_len * a.head_dim * setup.residual_bytes
+    acts = int(tokens * (L * per_layer + head_activations(setup))) + rope
     if setup.document_masking:
         acts += setup.sequences * setup.seq_len**2  # the bool block-causal mask, shared by layers
     no_ac = setup.replace(activation_checkpointing="none")
@@ -786,6 +788,14 @@ def plan_memory(
             + unsharded_acc
         )
         grad_buffers_root = root["trainable"] * (gb + redb) + unsharded_acc
+        phases["output projection"] = {  # the root is gathered until the forward returns
+            **persistent,
+            "gradients": grad_acc,
+            "weight copies": rt + gathered_fwd,
+            "gradient buffers": unsharded_acc,
+            "activations": acts,
+            "logits and loss": setup.compute_bytes * a.vocab_size * tokens,
+        }
         phases["forward end (loss)"] = {
             **persistent,
             "gradients": grad_acc,
@@ -883,7 +893,7 @@ def plan_memory(
     # ---- notes -------------------------------------------------------------------------
     if setup.optimizer != "adamw":
         notes.append("lmforge's trainer builds AdamW; other optimizers are a what-if here")
-    if setup.param_dtype != "fp32" or setup.grad_dtype or setup.optimizer_dtype:
+    if {setup.param_dtype, setup.grad_dtype or "fp32", setup.optimizer_dtype or "fp32"} != {"fp32"}:
         notes.append(
             "lmforge's trainer keeps parameters, gradients and optimizer states in fp32; other "
             "precisions are a what-if here"

@@ -113,7 +113,7 @@ def format_plan(plan: Plan) -> str:
     for name in COMPONENT_ORDER:
         at_peak, largest = peak.get(name, 0), plan.largest(name)
         on_host = s.cpu_offload and name in plan.host
-        if not largest and not on_host:
+        if largest < 0.005 * GiB and not on_host:  # nothing worth a row (LoRA buffers)
             continue
         extra = f"   on host: {plan.host[name] / GiB:.2f} GiB" if on_host else ""
         lines.append(

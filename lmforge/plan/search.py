@@ -70,8 +70,9 @@ def _layouts(base: Setup, gpus: int, fixed: set[str]) -> list[Setup]:
 
 def gpu_counts(gpus_per_node: int, limit: int = 4096) -> list[int]:
     """1, 2, 4, ... up to a node, then whole nodes."""
-    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < gpus_per_node]
-    counts.append(gpus_per_node)
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < min(gpus_per_node, limit)]
+    if gpus_per_node <= limit:
+        counts.append(gpus_per_node)
     nodes = 2
     while nodes * gpus_per_node <= limit:
         counts.append(nodes * gpus_per_node)

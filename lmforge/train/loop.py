@@ -119,9 +119,9 @@ class Trainer:
         scale = self.layout.dp_size / global_tokens.clamp(min=1)  # FSDP averages over dp ranks
         loss_sum = torch.zeros((), device=device)
         metric_sums: dict[str, torch.Tensor] = {}
-        for index, batch in enumerate(micro_batches):
-            if self.is_fsdp:
-                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        # FSDP reduce-scatters after every micro-batch: skipping it would hold unsharded fp32
+        # gradients of the whole model on each device (282 GB for 70B).
+        for batch in micro_batches:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 out = self.loss_step(self.model, batch)
             (out.loss_sum * scale).backward()
@@ -140,7 +140,8 @@ class Trainer:
             [loss_sum, num_tokens.float(), torch.tensor(float(preempt_flag), device=device)]
             + [metric_sums[k] for k in keys]
         )
-        stats = torch.cat([self._all_reduce(stats), grad_norm.reshape(1).float()]).tolist()
+        grad_norm = grad_norm.reshape(1).float().to(device)  # on the CPU under FSDP offload
+        stats = torch.cat([self._all_reduce(stats), grad_norm]).tolist()
         grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm_value)):
