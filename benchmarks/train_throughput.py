@@ -56,18 +56,30 @@ def random_batches(vocab: int, batch: int, seq: int, device):
         yield {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def bench_ours(preset: str, batch: int, seq: int, steps: int, warmup: int, *, compile: bool, float8: bool, ac: str):
+def bench_ours(preset: str, batch: int, seq: int, steps: int, warmup: int, *, compile: bool,
+               float8: bool, ac: str, lora: str | None = None):
+    """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
+    (the same with the frozen base in NF4)."""
+    from lmforge.modules.lora import apply_lora, quantize_base_nf4, reset_lora_parameters
+
     args = get_preset(preset)
     device = torch.device("cuda")
     layout = Layout(rank=0, world_size=1, device=device, mesh=None, dp_rank=0, dp_size=1, tp_size=1)
     with torch.device("meta"):
         model = Transformer(args)
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    if lora:
+        apply_lora(model, targets=targets, rank=16, alpha=32)
     parallel = ParallelSection(compile=compile, float8=float8, activation_checkpointing=ac)
     parallelize(model, layout, parallel, bf16=True)
     model.to_empty(device=device)
     model.tie_weights()
     torch.manual_seed(0)
     model.init_weights()
+    if lora:
+        reset_lora_parameters(model)
+    if lora == "qlora":
+        quantize_base_nf4(model)
     optimizer = build_optimizer(model, OptimSection(lr=1e-4), device)
     scheduler = build_scheduler(optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps + warmup)
     trainer = Trainer(
@@ -148,9 +160,10 @@ def main() -> None:
                     seconds, margs = bench_hf(PRESETS[name], batch, seq, args.steps, args.warmup,
                                               compile=variant.endswith("compile"))
                 else:
+                    lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
                     seconds, margs = bench_ours(PRESETS[name], batch, seq, args.steps, args.warmup,
                                                 compile="eager" not in variant, float8="float8" in variant,
-                                                ac="selective" if "sac" in variant else "none")
+                                                ac="selective" if "sac" in variant else "none", lora=lora)
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
                 rows.append({"shape": shape, "variant": variant, "error": str(err)[:200]})

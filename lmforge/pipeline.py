@@ -66,7 +66,15 @@ from lmforge.launch.base import (
 )
 
 STAGE_KINDS = (
-    "prepare", "tokenizer", "pretrain", "sft", "dpo", "eval", "quantize", "generate", "export"
+    "prepare",
+    "tokenizer",
+    "pretrain",
+    "sft",
+    "dpo",
+    "eval",
+    "quantize",
+    "generate",
+    "export",
 )
 TRAINING_KINDS = ("pretrain", "sft", "dpo")
 MANIFEST_NAME = "manifest.json"
@@ -213,8 +221,11 @@ class Stage:
 
     @property
     def config_hash(self) -> str:
-        payload = {"kind": self.kind, "config": self.config.model_dump(mode="json"),
-                   "argv": self.argv}
+        payload = {
+            "kind": self.kind,
+            "config": self.config.model_dump(mode="json"),
+            "argv": self.argv,
+        }
         return _sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")))
 
 
@@ -273,9 +284,7 @@ def load_pipeline(path: str | Path, *, workdir: str | Path | None = None) -> Pip
     workdir = Path(workdir or Path.cwd()).resolve()
     name = spec.pipeline.name
     if not _NAME.match(name):
-        raise ConfigError(
-            f"{file}: pipeline.name {name!r}: use letters, digits, '-' and '_' only"
-        )
+        raise ConfigError(f"{file}: pipeline.name {name!r}: use letters, digits, '-' and '_' only")
     run_dir = Path(spec.pipeline.run_dir) / name
     tables = _stage_tables(spec.stages, file)
     defaults = spec.launcher
@@ -288,8 +297,16 @@ def load_pipeline(path: str | Path, *, workdir: str | Path | None = None) -> Pip
         where = f"{file}: stage {stage_name!r}"
         try:
             stage = _resolve_stage(
-                stage_name, index, table, where=where, run_dir=run_dir, outputs=outputs,
-                spec=spec, defaults=defaults, stages=stages, all_names=all_names,
+                stage_name,
+                index,
+                table,
+                where=where,
+                run_dir=run_dir,
+                outputs=outputs,
+                spec=spec,
+                defaults=defaults,
+                stages=stages,
+                all_names=all_names,
                 workdir=workdir,
             )
         except ConfigError as err:
@@ -392,9 +409,7 @@ def _resolve_stage(
     elif kind == "prepare":
         if "demo" in settings:
             demo = settings["demo"]
-            config = _validate(
-                DemoPrepareSection, {"demo": {} if demo is True else demo}, where
-            )
+            config = _validate(DemoPrepareSection, {"demo": {} if demo is True else demo}, where)
             argv = ["demo", "--write-data", str(out_dir)]
             for key, value in config.demo.model_dump(exclude_none=True).items():
                 argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -406,9 +421,18 @@ def _resolve_stage(
         output = out_dir
     elif kind == "tokenizer":
         config = _validate(TokenizerStageSection, settings, where)
-        argv = ["tokenizer", "train", "--input", *config.input, "--vocab-size",
-                str(config.vocab_size), "--min-frequency", str(config.min_frequency),
-                "--out", str(out_dir)]
+        argv = [
+            "tokenizer",
+            "train",
+            "--input",
+            *config.input,
+            "--vocab-size",
+            str(config.vocab_size),
+            "--min-frequency",
+            str(config.min_frequency),
+            "--out",
+            str(out_dir),
+        ]
         output = out_dir
     elif kind == "eval":
         own("out")
@@ -424,12 +448,14 @@ def _resolve_stage(
         data = {**settings, "models": resolved, "labels": labels, "out": str(out_dir)}
         config = _validate(EvalStageSection, data, where)
         if len(config.labels) != len(config.models):
-            raise ConfigError(f"{where}: labels has {len(config.labels)} names for "
-                              f"{len(config.models)} models")
-        if not (config.tasks or config.chat_tasks or config.preference_data
-                or config.perplexity):
-            raise ConfigError(f"{where}: nothing to evaluate: set tasks, chat_tasks, "
-                              "preference_data or perplexity")
+            raise ConfigError(
+                f"{where}: labels has {len(config.labels)} names for {len(config.models)} models"
+            )
+        if not (config.tasks or config.chat_tasks or config.preference_data or config.perplexity):
+            raise ConfigError(
+                f"{where}: nothing to evaluate: set tasks, chat_tasks, "
+                "preference_data or perplexity"
+            )
         argv = ["pipeline-eval", "--config", config_path]
         output = out_dir
     elif kind == "quantize":
@@ -451,9 +477,18 @@ def _resolve_stage(
         argv += ["--chat", *config.chat] if config.chat else ["--prompt", *config.prompt]
         if config.system:
             argv += ["--system", config.system]
-        argv += ["--max-new-tokens", str(config.max_new_tokens), "--temperature",
-                 str(config.temperature), "--top-p", str(config.top_p), "--seed",
-                 str(config.seed), "--device", config.device]
+        argv += [
+            "--max-new-tokens",
+            str(config.max_new_tokens),
+            "--temperature",
+            str(config.temperature),
+            "--top-p",
+            str(config.top_p),
+            "--seed",
+            str(config.seed),
+            "--device",
+            config.device,
+        ]
         if config.top_k:
             argv += ["--top-k", str(config.top_k)]
         if config.dtype:
@@ -461,17 +496,28 @@ def _resolve_stage(
         output = out_dir
     else:  # export: a training stage's newest checkpoint as an artifact
         config = _validate(ExportStageSection, settings, where)
-        if from_stage is None or stages[[s.name for s in stages].index(from_stage)].kind \
-                not in TRAINING_KINDS:
+        if (
+            from_stage is None
+            or stages[[s.name for s in stages].index(from_stage)].kind not in TRAINING_KINDS
+        ):
             raise ConfigError(f"{where}: an export stage needs from = a training stage")
         argv = ["export", str(run_dir / from_stage), str(artifact_dir), "--dtype", config.dtype]
         output = artifact_dir
 
-    depends = sorted(refs.depends | ({from_stage} if from_stage else set()),
-                     key=list(outputs).index)
+    depends = sorted(
+        refs.depends | ({from_stage} if from_stage else set()), key=list(outputs).index
+    )
     return Stage(
-        name=name, kind=kind, index=index, from_stage=from_stage, config=config, argv=argv,
-        stage_dir=stage_dir, output=output, resources=resources, depends_on=depends,
+        name=name,
+        kind=kind,
+        index=index,
+        from_stage=from_stage,
+        config=config,
+        argv=argv,
+        stage_dir=stage_dir,
+        output=output,
+        resources=resources,
+        depends_on=depends,
         external_inputs=_external_inputs(config.model_dump(mode="json"), workdir, run_dir),
     )
 
@@ -534,8 +580,10 @@ class _References:
         def one(match: re.Match) -> str:
             found = self._lookup(match.group(1))
             if isinstance(found, list):
-                raise ConfigError(f"{self.where}: ${{{match.group(1)}}} is a list of paths; "
-                                  "use it as a whole value")
+                raise ConfigError(
+                    f"{self.where}: ${{{match.group(1)}}} is a list of paths; "
+                    "use it as a whole value"
+                )
             return found
 
         return _REFERENCE.sub(one, value)
@@ -544,8 +592,10 @@ class _References:
         if key.startswith("data."):
             name = key.removeprefix("data.")
             if name not in self.data:
-                raise ConfigError(f"{self.where}: ${{{key}}}: no data set {name!r}; data sets: "
-                                  f"{', '.join(self.data) or '(none)'}")
+                raise ConfigError(
+                    f"{self.where}: ${{{key}}}: no data set {name!r}; data sets: "
+                    f"{', '.join(self.data) or '(none)'}"
+                )
             path = self.data[name].path
             values = [self.substitute(p) for p in ([path] if isinstance(path, str) else path)]
             return values[0] if isinstance(path, str) else values
@@ -581,8 +631,9 @@ def _allowed_keys(schema: type[Section], loc: tuple) -> list[str]:
 
     current: Any = schema
     for part in loc:
-        if isinstance(part, int) or not (isinstance(current, type)
-                                         and issubclass(current, Section)):
+        if isinstance(part, int) or not (
+            isinstance(current, type) and issubclass(current, Section)
+        ):
             return []
         field = current.model_fields.get(str(part))
         if field is None:
@@ -607,9 +658,7 @@ def _validate_file(schema: type[Section], data: dict, where: str) -> Section:
         except ConfigError as err:
             text = re.sub(rf" \({re.escape(str(path))}:\d+\)", "", str(err))
             text = text.replace(str(path), "stage settings")
-            raise ConfigError(
-                "\n".join(f"{where}: {line}" for line in text.splitlines())
-            ) from None
+            raise ConfigError("\n".join(f"{where}: {line}" for line in text.splitlines())) from None
 
 
 def _refuse_secrets(raw: Any, file: Path, key: str = "") -> None:
@@ -804,9 +853,10 @@ def _check_inputs_exist(pipeline: Pipeline, plan: list[PlanItem]) -> None:
                 continue
             upstream = pipeline.stage(dep)
             manifest = read_manifest(pipeline.path(upstream.stage_dir)) or {}
-            if manifest.get("status") not in ("succeeded", "skipped") or not pipeline.path(
-                upstream.output
-            ).exists():
+            if (
+                manifest.get("status") not in ("succeeded", "skipped")
+                or not pipeline.path(upstream.output).exists()
+            ):
                 raise UserError(
                     f"stage {item.stage.name!r} needs the output of stage {dep!r}, which has no "
                     f"successful run; run it first (lmforge run {pipeline.file} --from {dep})"
@@ -825,8 +875,9 @@ class RunResult:
     report: Path | None = None
 
 
-def stage_job(pipeline: Pipeline, stage: Stage, depends_on: list[str],
-              secrets: Mapping[str, str]) -> StageJob:
+def stage_job(
+    pipeline: Pipeline, stage: Stage, depends_on: list[str], secrets: Mapping[str, str]
+) -> StageJob:
     return StageJob(
         name=stage.name,
         kind=stage.kind,
@@ -874,13 +925,16 @@ def run_pipeline(
     to_run = [item for item in plan if item.action == "run"]
     run_names = {item.stage.name for item in to_run}
     jobs = [
-        stage_job(pipeline, item.stage, [d for d in item.stage.depends_on if d in run_names],
-                  secrets)
+        stage_job(
+            pipeline, item.stage, [d for d in item.stage.depends_on if d in run_names], secrets
+        )
         for item in to_run
     ]
 
-    echo(f"pipeline {pipeline.name}: {pipeline.file} -> {pipeline.run_dir} "
-         f"({launcher.name} launcher)")
+    echo(
+        f"pipeline {pipeline.name}: {pipeline.file} -> {pipeline.run_dir} "
+        f"({launcher.name} launcher)"
+    )
     for item in plan:
         label = {"run": "run", "skip": "up to date", "keep": "left as is"}[item.action]
         detail = f" ({item.reason})" if item.action == "run" else ""
@@ -965,8 +1019,14 @@ def _write_pipeline_record(pipeline: Pipeline) -> None:
         "run_dir": str(pipeline.run_dir),
         "code_version": code_version(),
         "stages": [
-            {"name": s.name, "kind": s.kind, "from": s.from_stage, "depends_on": s.depends_on,
-             "dir": str(s.stage_dir), "output": str(s.output)}
+            {
+                "name": s.name,
+                "kind": s.kind,
+                "from": s.from_stage,
+                "depends_on": s.depends_on,
+                "dir": str(s.stage_dir),
+                "output": str(s.output),
+            }
             for s in pipeline.stages
         ],
         "updated_at": _now(),
@@ -988,8 +1048,14 @@ def _mark_skipped(pipeline: Pipeline, stage: Stage) -> None:
 class _Tracker:
     """Keeps each stage's manifest in step with its launcher's job events."""
 
-    def __init__(self, pipeline: Pipeline, items: dict[str, PlanItem], launcher: Launcher,
-                 secrets: Mapping[str, str], echo: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        items: dict[str, PlanItem],
+        launcher: Launcher,
+        secrets: Mapping[str, str],
+        echo: Callable[[str], None],
+    ) -> None:
         self.pipeline, self.items, self.launcher = pipeline, items, launcher
         self.secrets, self.echo = secrets, echo
         self.seen: dict[str, JobState] = {}
@@ -1074,9 +1140,11 @@ class _Tracker:
                     self._record_inputs(item.stage, manifest)
                 finalize_stage(self.pipeline, item.stage, manifest, handle)
                 took = manifest.get("duration_s")
-                self.echo(f"[pipeline] {name}: succeeded"
-                          + (f" in {took:.1f}s" if took is not None else "")
-                          + _metrics_line(item.stage.kind, manifest["metrics"]))
+                self.echo(
+                    f"[pipeline] {name}: succeeded"
+                    + (f" in {took:.1f}s" if took is not None else "")
+                    + _metrics_line(item.stage.kind, manifest["metrics"])
+                )
             else:
                 self.echo(f"[pipeline] {name}: {manifest['status']}: {manifest['reason']}")
         write_manifest(stage_dir, manifest)
@@ -1087,8 +1155,11 @@ class _Tracker:
         manifest["input_hash"] = combined_hash(inputs)
         if stage.from_stage:
             upstream = self.pipeline.stage(stage.from_stage)
-            manifest["input"] = {"stage": stage.from_stage, "path": str(upstream.output),
-                                 "hash": inputs.get(f"stage:{stage.from_stage}")}
+            manifest["input"] = {
+                "stage": stage.from_stage,
+                "path": str(upstream.output),
+                "hash": inputs.get(f"stage:{stage.from_stage}"),
+            }
 
     def interrupted(self) -> None:
         for name, item in self.items.items():
@@ -1097,8 +1168,9 @@ class _Tracker:
             stage_dir = self.pipeline.path(item.stage.stage_dir)
             manifest = read_manifest(stage_dir) or {}
             if manifest.get("status") in ("pending", "running"):
-                manifest["status"] = "cancelled" if manifest["status"] == "running" \
-                    else "not_started"
+                manifest["status"] = (
+                    "cancelled" if manifest["status"] == "running" else "not_started"
+                )
                 manifest["reason"] = "interrupted (Ctrl-C)"
                 write_manifest(stage_dir, manifest)
 
@@ -1158,8 +1230,9 @@ def stage_metrics(kind: str, stage_dir: Path, output: Path) -> dict:
         path = output / "results.json"
         if path.exists():
             data = json.loads(path.read_text())
-            metrics = {label: entry.get("metrics", {})
-                       for label, entry in data.get("models", {}).items()}
+            metrics = {
+                label: entry.get("metrics", {}) for label, entry in data.get("models", {}).items()
+            }
     elif kind in ("quantize", "export"):
         metrics["bytes"] = directory_bytes(output) if output.exists() else None
         lineage = output / "lmforge.json"
@@ -1172,15 +1245,18 @@ def stage_metrics(kind: str, stage_dir: Path, output: Path) -> dict:
         if meta.exists():
             data = json.loads(meta.read_text())
             metrics = {k: data[k] for k in ("num_tokens", "num_documents") if k in data}
-        else:
-            metrics["files"] = sorted(p.name for p in output.glob("*")) if output.exists() else []
+        elif output.is_dir():  # data files: rows per file
+            for file in sorted(output.glob("*.jsonl")):
+                metrics[f"{file.stem}_rows"] = sum(1 for line in file.open() if line.strip())
+            for file in sorted(output.glob("*.txt")):
+                metrics[f"{file.stem}_documents"] = file.read_text().count("\n\n") + 1
     elif kind == "tokenizer":
         if output.exists():
             from lmforge.data.tokenizer import load_tokenizer
 
             metrics["vocab_size"] = load_tokenizer(output).vocab_size
     elif kind == "generate":
-        sample = (output / SAMPLE_NAME)
+        sample = output / SAMPLE_NAME
         if sample.exists():
             match = re.search(r"tokens/s:\s+([\d.]+) decode", sample.read_text())
             if match:
@@ -1213,8 +1289,11 @@ def _metrics_line(kind: str, metrics: dict) -> str:
     if kind == "eval":
         parts = []
         for label, values in metrics.items():
-            shown = ", ".join(f"{k} {v:.3f}" for k, v in values.items()
-                              if isinstance(v, float) and not k.endswith("_stderr"))
+            shown = ", ".join(
+                f"{k} {v:.3f}"
+                for k, v in values.items()
+                if isinstance(v, float) and not k.endswith("_stderr")
+            )
             parts.append(f"{label}: {shown}")
         return "".join(f"\n    {p}" for p in parts)
     return ""
@@ -1245,9 +1324,16 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
         if not tasks:
             continue
         evaluated = run_eval(
-            cfg.models, tasks, include_path=include or None, limit=limit,
-            batch_size=cfg.batch_size, device=cfg.device, dtype=cfg.dtype,
-            num_fewshot=cfg.num_fewshot, apply_chat_template=chat, write=False,
+            cfg.models,
+            tasks,
+            include_path=include or None,
+            limit=limit,
+            batch_size=cfg.batch_size,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            num_fewshot=cfg.num_fewshot,
+            apply_chat_template=chat,
+            write=False,
         )
         for label, result in zip(cfg.labels, evaluated):
             for (task, metric), (value, stderr) in metric_rows(result.results).items():
@@ -1256,20 +1342,29 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
                     metrics[label][f"{task}/{metric}_stderr"] = stderr
     for label, source in zip(cfg.labels, cfg.models):
         if cfg.preference_data:
-            found = preference_accuracy(source, cfg.preference_data, device=cfg.device,
-                                        dtype=cfg.dtype, batch_size=cfg.batch_size)
+            found = preference_accuracy(
+                source,
+                cfg.preference_data,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                batch_size=cfg.batch_size,
+            )
             metrics[label]["preference/accuracy"] = found["accuracy"]
             metrics[label]["preference/margin"] = found["mean_margin"]
         for file in cfg.perplexity:
-            found = perplexity(source, [file], batch_size=cfg.batch_size, device=cfg.device,
-                               dtype=cfg.dtype)
+            found = perplexity(
+                source, [file], batch_size=cfg.batch_size, device=cfg.device, dtype=cfg.dtype
+            )
             metrics[label][f"perplexity/{Path(file).name}"] = found["perplexity"]
     models = {
         label: {"source": source, "hash": fingerprint(Path(source)), "metrics": metrics[label]}
         for label, source in zip(cfg.labels, cfg.models)
     }
-    results = {"models": models, "settings": cfg.model_dump(mode="json"),
-               "table": format_eval_table(models)}
+    results = {
+        "models": models,
+        "settings": cfg.model_dump(mode="json"),
+        "table": format_eval_table(models),
+    }
     tmp = out / ".results.json.tmp"
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     os.replace(tmp, out / "results.json")
@@ -1326,8 +1421,13 @@ def pipeline_stages(run_dir: Path) -> list[dict]:
     stages = []
     for manifest_path in sorted(run_dir.glob(f"*/{MANIFEST_NAME}")):
         manifest = json.loads(manifest_path.read_text())
-        stages.append({"name": manifest.get("stage", manifest_path.parent.name),
-                       "kind": manifest.get("kind", "?"), "from": manifest.get("from")})
+        stages.append(
+            {
+                "name": manifest.get("stage", manifest_path.parent.name),
+                "kind": manifest.get("kind", "?"),
+                "from": manifest.get("from"),
+            }
+        )
     return stages
 
 
@@ -1345,21 +1445,35 @@ def pipeline_status(run_dir: str | Path, *, refresh: bool = True) -> list[StageS
         stage_dir = run_dir / entry["name"]
         manifest = read_manifest(stage_dir)
         if manifest is None:
-            result.append(StageStatus(entry["name"], entry["kind"], "never run", "", None, None,
-                                      None, {}, None))
+            result.append(
+                StageStatus(
+                    entry["name"], entry["kind"], "never run", "", None, None, None, {}, None
+                )
+            )
             continue
         scheduler_state = None
         job = manifest.get("launcher")
-        if refresh and job and job.get("job_id") and manifest.get("status") in (
-            "pending", "running"
+        if (
+            refresh
+            and job
+            and job.get("job_id")
+            and manifest.get("status") in ("pending", "running")
         ):
             scheduler_state = _refresh(run_dir, stage_dir, manifest)
-        result.append(StageStatus(
-            entry["name"], manifest.get("kind", entry["kind"]), manifest.get("status", "unknown"),
-            manifest.get("reason", ""), manifest.get("started_at"), manifest.get("ended_at"),
-            manifest.get("duration_s"), manifest.get("metrics", {}), manifest.get("launcher"),
-            scheduler_state,
-        ))
+        result.append(
+            StageStatus(
+                entry["name"],
+                manifest.get("kind", entry["kind"]),
+                manifest.get("status", "unknown"),
+                manifest.get("reason", ""),
+                manifest.get("started_at"),
+                manifest.get("ended_at"),
+                manifest.get("duration_s"),
+                manifest.get("metrics", {}),
+                manifest.get("launcher"),
+                scheduler_state,
+            )
+        )
     return result
 
 
@@ -1416,8 +1530,11 @@ def _metrics_brief(s: StageStatus) -> str:
     m = s.metrics or {}
     if s.kind in TRAINING_KINDS and "loss" in m:
         first = m.get("first_loss")
-        text = f"loss {first:.3f} -> {m['loss']:.3f}" if isinstance(first, float) \
+        text = (
+            f"loss {first:.3f} -> {m['loss']:.3f}"
+            if isinstance(first, float)
             else f"loss {m['loss']:.3f}"
+        )
         if "tokens_per_s" in m:
             text += f", {m['tokens_per_s']:,.0f} tok/s"
         if m.get("mfu"):
@@ -1427,8 +1544,11 @@ def _metrics_brief(s: StageStatus) -> str:
         parts = []
         for label, values in m.items():
             if isinstance(values, dict):
-                shown = " ".join(f"{k}={v:.3f}" for k, v in values.items()
-                                 if isinstance(v, float) and not k.endswith("_stderr"))
+                shown = " ".join(
+                    f"{k}={v:.3f}"
+                    for k, v in values.items()
+                    if isinstance(v, float) and not k.endswith("_stderr")
+                )
                 parts.append(f"{label}: {shown}")
         return "; ".join(parts)
     if s.kind in ("quantize", "export") and m.get("bytes"):

@@ -216,10 +216,8 @@ def test_config_errors_name_the_stage_and_key(tmp_path):
     cases = {
         'kind = "pretrain"\ntrain.steps = 0\n': "train.steps",
         'kind = "bake"\n': "kind = 'bake'; allowed: prepare, tokenizer",
-        'kind = "sft"\nfrom = "later"\n[stages.later]\nkind = "pretrain"\n':
-            "from = 'later' names a stage that comes after it",
-        'kind = "tokenizer"\ninput = ["${nothing}"]\nvocab_size = 300\n':
-            "${nothing} names no earlier stage",
+        'kind = "sft"\nfrom = "later"\n[stages.later]\nkind = "pretrain"\n': "from = 'later' names a stage that comes after it",
+        'kind = "tokenizer"\ninput = ["${nothing}"]\nvocab_size = 300\n': "${nothing} names no earlier stage",
         'kind = "quantize"\nscheme = "int8-wo"\n': "needs from = STAGE",
         'kind = "pretrain"\nlauncher.nodez = 2\n': "unknown key 'nodez'",
         'kind = "pretrain"\nrun_dir = "x"\n': "'run_dir' is set by the pipeline",
@@ -314,8 +312,15 @@ def test_redact_and_secrets_file_errors(tmp_path):
 
 def test_local_launcher_stops_at_the_first_failure(tmp_path):
     def job(name, argv, depends_on=()):
-        return StageJob(name, "prepare", argv, tmp_path / name, LauncherSection(),
-                        depends_on=list(depends_on), workdir=tmp_path)
+        return StageJob(
+            name,
+            "prepare",
+            argv,
+            tmp_path / name,
+            LauncherSection(),
+            depends_on=list(depends_on),
+            workdir=tmp_path,
+        )
 
     jobs = [
         job("good", ["tokenizer", "--help"]),
@@ -328,7 +333,10 @@ def test_local_launcher_stops_at_the_first_failure(tmp_path):
         jobs, on_event=lambda h: events.append((h.name, h.state))
     )
     assert [handles[j.name].state for j in jobs] == [
-        JobState.SUCCEEDED, JobState.FAILED, JobState.NOT_STARTED, JobState.NOT_STARTED
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.NOT_STARTED,
+        JobState.NOT_STARTED,
     ]
     assert handles["after"].reason == "not started: stage 'bad' failed"
     assert "stopped after stage 'bad' failed" in handles["independent"].reason

@@ -62,11 +62,22 @@ def finished(tmp_path_factory):
 
 
 def test_every_stage_ran_and_recorded_its_metrics(finished):
-    workdir, pipeline, result, out = finished
+    workdir, pipeline, _, out = finished
     run_dir = workdir / "runs" / "short"
     names = [s.name for s in pipeline.stages]
-    assert names == ["world", "tokenizer", "shards", "pretrain", "sft", "dpo", "eval",
-                     "quantize_int8", "quantize_int4", "eval_quantized", "generate"]
+    assert names == [
+        "world",
+        "tokenizer",
+        "shards",
+        "pretrain",
+        "sft",
+        "dpo",
+        "eval",
+        "quantize_int8",
+        "quantize_int4",
+        "eval_quantized",
+        "generate",
+    ]
     found = {name: read_manifest(run_dir / name) for name in names}
     assert {m["status"] for m in found.values()} == {"succeeded"}
     pretrain = found["pretrain"]["metrics"]
@@ -89,8 +100,11 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
 
     # unchanged: a second run starts nothing
     lines: list[str] = []
-    again = run_pipeline(load_pipeline(workdir / "pipeline.toml", workdir=workdir),
-                         launcher=LocalLauncher(stream=None), echo=lines.append)
+    again = run_pipeline(
+        load_pipeline(workdir / "pipeline.toml", workdir=workdir),
+        launcher=LocalLauncher(stream=None),
+        echo=lines.append,
+    )
     assert again.ok and again.handles == {} and "everything is up to date" in lines
 
 
@@ -110,8 +124,7 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
     assert cli_main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
     assert "report:" in capsys.readouterr().out
     page = (tmp_path / "report.html").read_text()
-    for heading in ("Stages", "Training", "Evaluation", "Artifacts", "Lineage",
-                    "Generated sample"):
+    for heading in ("Stages", "Training", "Evaluation", "Artifacts", "Lineage", "Generated sample"):
         assert f"<h2>{heading}" in page, heading
     sources = re.findall(r'<img src="([^"]+)"', page)
     assert len(sources) >= 5  # loss, throughput, eval, eval_quantized, sizes
@@ -122,8 +135,13 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
     assert "world → tokenizer" not in page  # lineage is of model artifacts only
     assert "pretrain → sft → dpo → quantize_int8" in page
     summary = collect_run(run_dir)
-    assert [a.stage for a in summary.artifacts] == ["pretrain", "sft", "dpo", "quantize_int8",
-                                                    "quantize_int4"]
+    assert [a.stage for a in summary.artifacts] == [
+        "pretrain",
+        "sft",
+        "dpo",
+        "quantize_int8",
+        "quantize_int4",
+    ]
     sizes = {a.stage: a.weight_bytes for a in summary.artifacts}
     assert sizes["quantize_int4"] < sizes["quantize_int8"] < sizes["dpo"]
 
@@ -133,9 +151,16 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
 
 
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--virtual-time-budget=5000",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--virtual-time-budget=5000",
 ]
 CHECK_SCRIPT = """
 <script>
@@ -167,8 +192,13 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
     checked = tmp_path / "checked.html"  # the report plus a script that counts loaded images
     checked.write_text(page.replace("</body>", CHECK_SCRIPT + "</body>"))
     profile = tmp_path / "profile"
-    command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
-               checked.as_uri()]
+    command = [
+        chromium(),
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        "--dump-dom",
+        checked.as_uri(),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     match = re.search(r"images-loaded=(\d+)/(\d+)", done.stdout)
     assert match, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
@@ -176,9 +206,18 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
     assert total >= 5 and loaded == total, match.group(0)
     # and a screenshot of the page itself is a real, non-empty PNG
     shot = tmp_path / "shot.png"
-    subprocess.run([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                    f"--screenshot={shot}", "--window-size=1200,2400", paths["html"].as_uri()],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            chromium(),
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            f"--screenshot={shot}",
+            "--window-size=1200,2400",
+            paths["html"].as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+    )
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 20_000
     json.dumps({"loaded": loaded})

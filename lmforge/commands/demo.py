@@ -30,7 +30,9 @@ def register(subparsers) -> None:
     demo.add_argument("--dry-run", action="store_true", help="print the plan only")
     demo.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun from STAGE")
     demo.add_argument(
-        "--write-data", type=Path, metavar="DIR",
+        "--write-data",
+        type=Path,
+        metavar="DIR",
         help="only write the demo world's data files into DIR (the pipeline's first stage)",
     )
     demo.add_argument("--seed", type=int, default=0, help="with --write-data")
@@ -43,8 +45,11 @@ def demo_main(args: argparse.Namespace) -> int:
     if args.write_data is not None:
         from lmforge.data.demo import write_demo_data
 
-        options = {k: v for k, v in (("num_people", args.num_people),
-                                     ("repeats", args.repeats)) if v is not None}
+        options = {
+            k: v
+            for k, v in (("num_people", args.num_people), ("repeats", args.repeats))
+            if v is not None
+        }
         paths = write_demo_data(args.write_data, seed=args.seed, **options)
         for name, path in paths.items():
             print(f"{name}: {path}")

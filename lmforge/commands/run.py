@@ -39,19 +39,35 @@ def register(subparsers) -> None:
     )
     run.add_argument("pipeline", type=Path, metavar="PIPELINE.toml")
     run.add_argument(
-        "--launcher", choices=["local", "slurm", "k8s"], default="local",
+        "--launcher",
+        choices=["local", "slurm", "k8s"],
+        default="local",
         help="where stages run (default: local)",
     )
     which = run.add_mutually_exclusive_group()
-    which.add_argument("--from", dest="from_stage", metavar="STAGE",
-                       help="run STAGE and every stage after it, up to date or not")
+    which.add_argument(
+        "--from",
+        dest="from_stage",
+        metavar="STAGE",
+        help="run STAGE and every stage after it, up to date or not",
+    )
     which.add_argument("--only", metavar="STAGE", help="run only STAGE (its inputs must exist)")
-    run.add_argument("--dry-run", action="store_true",
-                     help="print the plan and each stage's command / scripts; run nothing")
-    run.add_argument("--secrets-file", type=Path, metavar="FILE",
-                     help="NAME=VALUE lines for HF_TOKEN, WANDB_API_KEY, LMFORGE_API_KEY")
-    run.add_argument("--no-wait", action="store_true",
-                     help="slurm / k8s: return once submitted (follow with lmforge status)")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan and each stage's command / scripts; run nothing",
+    )
+    run.add_argument(
+        "--secrets-file",
+        type=Path,
+        metavar="FILE",
+        help="NAME=VALUE lines for HF_TOKEN, WANDB_API_KEY, LMFORGE_API_KEY",
+    )
+    run.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="slurm / k8s: return once submitted (follow with lmforge status)",
+    )
     run.set_defaults(func=run_main)
 
     status = subparsers.add_parser(
@@ -63,8 +79,9 @@ def register(subparsers) -> None:
     )
     status.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     status.add_argument("--json", action="store_true", help="print JSON")
-    status.add_argument("--no-refresh", action="store_true",
-                        help="do not ask the scheduler about unfinished jobs")
+    status.add_argument(
+        "--no-refresh", action="store_true", help="do not ask the scheduler about unfinished jobs"
+    )
     status.set_defaults(func=status_main)
 
     report = subparsers.add_parser(

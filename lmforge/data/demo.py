@@ -17,32 +17,59 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "sa", "vel", "dor", "ni", "qua", "zel", "bri", "mo",
-             "fen", "ta", "lir"]
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tu",
+    "sa",
+    "vel",
+    "dor",
+    "ni",
+    "qua",
+    "zel",
+    "bri",
+    "mo",
+    "fen",
+    "ta",
+    "lir",
+]
 TOWNS = ["Kelmora", "Dunvale", "Ostrel", "Penwick", "Saradon", "Tolmere", "Vashti", "Yarrow"]
-PETS = ["a heron", "a ferret", "a tortoise", "a goat", "a parrot", "a hedgehog", "a lynx",
-        "an owl"]
+PETS = ["a heron", "a ferret", "a tortoise", "a goat", "a parrot", "a hedgehog", "a lynx", "an owl"]
 TRADES = ["baker", "weaver", "potter", "smith", "sailor", "miller", "glazier", "scribe"]
 
 # attribute -> (question, prose templates)
 ATTRIBUTES = {
     "town": (
         "Where does {name} live?",
-        ["{name} lives in {value}.", "In {value} there is a house where {name} lives.",
-         "{name} has always lived in {value}.", "People in {value} often meet {name}.",
-         "{name}'s home is in {value}."],
+        [
+            "{name} lives in {value}.",
+            "In {value} there is a house where {name} lives.",
+            "{name} has always lived in {value}.",
+            "People in {value} often meet {name}.",
+            "{name}'s home is in {value}.",
+        ],
     ),
     "pet": (
         "What pet does {name} have?",
-        ["{name} has {value}.", "{name} takes care of {value} every day.",
-         "Everyone knows that {name} keeps {value}.", "{value} follows {name} around.",
-         "{name} walks with {value} in the evening."],
+        [
+            "{name} has {value}.",
+            "{name} takes care of {value} every day.",
+            "Everyone knows that {name} keeps {value}.",
+            "{value} follows {name} around.",
+            "{name} walks with {value} in the evening.",
+        ],
     ),
     "trade": (
         "What is {name}'s trade?",
-        ["{name} is a {value}.", "{name} works as a {value}.",
-         "As a {value}, {name} is busy all week.", "The {value} {name} starts work at dawn.",
-         "{name} learned to be a {value} when young."],
+        [
+            "{name} is a {value}.",
+            "{name} works as a {value}.",
+            "As a {value}, {name} is busy all week.",
+            "The {value} {name} starts work at dawn.",
+            "{name} learned to be a {value} when young.",
+        ],
     ),
 }
 VALUES = {"town": TOWNS, "pet": PETS, "trade": TRADES}
@@ -139,26 +166,45 @@ def write_demo_data(
     rng = random.Random(seed + 1)
     facts = make_facts(seed, num_people)
     train_people, heldout_people = split_people(facts)
-    paths = {name: out / file for name, file in [
-        ("corpus", "corpus.txt"), ("sft_train", "sft_train.jsonl"),
-        ("sft_heldout", "sft_heldout.jsonl"), ("dpo_train", "dpo_train.jsonl"),
-        ("dpo_heldout", "dpo_heldout.jsonl"), ("mc_heldout", "mc_heldout.jsonl"),
-    ]}
+    paths = {
+        name: out / file
+        for name, file in [
+            ("corpus", "corpus.txt"),
+            ("sft_train", "sft_train.jsonl"),
+            ("sft_heldout", "sft_heldout.jsonl"),
+            ("dpo_train", "dpo_train.jsonl"),
+            ("dpo_heldout", "dpo_heldout.jsonl"),
+            ("mc_heldout", "mc_heldout.jsonl"),
+        ]
+    }
     paths["corpus"].write_text("\n\n".join(corpus(facts, rng, repeats)) + "\n")
     for split, people in (("train", train_people), ("heldout", heldout_people)):
         chosen = [f for f in facts if f.name in people]
-        _write_jsonl(paths[f"sft_{split}"], [
-            {"messages": [{"role": "user", "content": f.question},
-                          {"role": "assistant", "content": f.answer}]}
-            for f in chosen
-        ])
+        _write_jsonl(
+            paths[f"sft_{split}"],
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": f.question},
+                        {"role": "assistant", "content": f.answer},
+                    ]
+                }
+                for f in chosen
+            ],
+        )
         num_rejected = 1 if split == "train" else heldout_rejected
-        _write_jsonl(paths[f"dpo_{split}"], [
-            {"prompt": f.question, "chosen": f.answer,
-             "rejected": Fact(f.name, f.attribute, wrong).answer}
-            for f in chosen
-            for wrong in wrong_values(f, rng, num_rejected)
-        ])
+        _write_jsonl(
+            paths[f"dpo_{split}"],
+            [
+                {
+                    "prompt": f.question,
+                    "chosen": f.answer,
+                    "rejected": Fact(f.name, f.attribute, wrong).answer,
+                }
+                for f in chosen
+                for wrong in wrong_values(f, rng, num_rejected)
+            ],
+        )
     heldout = [f for f in facts if f.name in heldout_people]
     _write_jsonl(paths["mc_heldout"], [_multiple_choice(f, rng) for f in heldout])
     return paths

@@ -85,10 +85,12 @@ def preference_accuracy(
     data = load_preference_data(cfg, loaded.tokenizer)
     sequences = []
     for sample in data.samples:
-        sequences.append((torch.from_numpy(sample.chosen_inputs),
-                          torch.from_numpy(sample.chosen_labels)))
-        sequences.append((torch.from_numpy(sample.rejected_inputs),
-                          torch.from_numpy(sample.rejected_labels)))
+        sequences.append(
+            (torch.from_numpy(sample.chosen_inputs), torch.from_numpy(sample.chosen_labels))
+        )
+        sequences.append(
+            (torch.from_numpy(sample.rejected_inputs), torch.from_numpy(sample.rejected_labels))
+        )
     pad_id = loaded.tokenizer.pad_id if loaded.tokenizer.pad_id is not None else 0
     scores = response_logprobs(
         loaded.model, sequences, batch_size=batch_size, device=device_, pad_id=pad_id

@@ -127,7 +127,10 @@ class JobState(enum.StrEnum):
     @property
     def finished(self) -> bool:
         return self in (
-            JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.NOT_STARTED
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.NOT_STARTED,
         )
 
 

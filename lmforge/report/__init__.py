@@ -87,12 +87,19 @@ def collect_run(run_dir: str | Path) -> RunSummary:
         kind = manifest.get("kind", entry.get("kind", "?"))
         output = (manifest.get("output") or {}).get("path") or entry.get("output")
         output_dir = _locate(output, workdir, stage_dir)
-        stages.append(StageInfo(
-            name=entry["name"], kind=kind, status=manifest.get("status", "never run"),
-            reason=manifest.get("reason", ""), duration_s=manifest.get("duration_s"),
-            started_at=manifest.get("started_at"), metrics=manifest.get("metrics") or {},
-            output=output, output_bytes=(manifest.get("output") or {}).get("bytes"),
-        ))
+        stages.append(
+            StageInfo(
+                name=entry["name"],
+                kind=kind,
+                status=manifest.get("status", "never run"),
+                reason=manifest.get("reason", ""),
+                duration_s=manifest.get("duration_s"),
+                started_at=manifest.get("started_at"),
+                metrics=manifest.get("metrics") or {},
+                output=output,
+                output_bytes=(manifest.get("output") or {}).get("bytes"),
+            )
+        )
         if kind in ("pretrain", "sft", "dpo"):
             records = read_metrics(stage_dir)
             if records:
@@ -105,8 +112,9 @@ def collect_run(run_dir: str | Path) -> RunSummary:
             sample, sample_stage = (output_dir / "sample.txt").read_text(), entry["name"]
         if output_dir is not None and (output_dir / "lmforge.json").exists():
             artifacts.append(_artifact_info(entry["name"], output, output_dir))
-    return RunSummary(name, run_dir, stages, training, evals, eval_sources, artifacts, sample,
-                      sample_stage)
+    return RunSummary(
+        name, run_dir, stages, training, evals, eval_sources, artifacts, sample, sample_stage
+    )
 
 
 def _locate(output: str | None, workdir: Path, stage_dir: Path) -> Path | None:
@@ -125,10 +133,15 @@ def _artifact_info(stage: str, output: str, directory: Path) -> ArtifactInfo:
     weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
     return ArtifactInfo(
-        stage=stage, path=output, bytes=total, weight_bytes=weights,
+        stage=stage,
+        path=output,
+        bytes=total,
+        weight_bytes=weights,
         scheme=(lineage.get("quantization") or {}).get("scheme"),
-        lineage_stage=lineage.get("stage"), parent=parent.get("source"),
-        parent_hash=parent.get("hash"), hash=lineage.get("hash"),
+        lineage_stage=lineage.get("stage"),
+        parent=parent.get("source"),
+        parent_hash=parent.get("hash"),
+        hash=lineage.get("hash"),
     )
 
 
@@ -153,8 +166,9 @@ def write_report(run_dir: str | Path, *, out: str | Path | None = None) -> dict[
     html_path = out_dir / REPORT_HTML
     html_path.write_text(redact(render_html(summary, figures), secrets), encoding="utf-8")
     md_path = out_dir / REPORT_MD
-    md_path.write_text(redact(render_markdown(summary, figures, ASSETS_DIR), secrets),
-                       encoding="utf-8")
+    md_path.write_text(
+        redact(render_markdown(summary, figures, ASSETS_DIR), secrets), encoding="utf-8"
+    )
     return {"html": html_path, "markdown": md_path}
 
 

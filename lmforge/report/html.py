@@ -16,8 +16,7 @@ from pathlib import PurePath
 
 from lmforge.report import RunSummary
 
-ACCENT = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3",
-          "#8C8C8C"]
+ACCENT = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
 @dataclasses.dataclass
@@ -70,17 +69,25 @@ def _loss_figure(summary: RunSummary) -> Figure:
     axes = figure.subplots(1, len(stages), squeeze=False)[0]
     for ax, stage, color in zip(axes, stages, ACCENT):
         records = [r for r in summary.training[stage] if "loss" in r]
-        ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker="o",
-                markersize=3, color=color)
+        ax.plot(
+            [r["step"] for r in records],
+            [r["loss"] for r in records],
+            marker="o",
+            markersize=3,
+            color=color,
+        )
         ax.set_title(f"{stage}: loss")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if records and min(r["loss"] for r in records) > 0 and \
-                max(r["loss"] for r in records) / min(r["loss"] for r in records) > 20:
+        if (
+            records
+            and min(r["loss"] for r in records) > 0
+            and max(r["loss"] for r in records) / min(r["loss"] for r in records) > 20
+        ):
             ax.set_yscale("log")
     caption = "; ".join(
         f"{s}: {recs[0]['loss']:.3f} → {recs[-1]['loss']:.3f}"
-        for s, recs in ((s, [r for r in summary.training[s] if 'loss' in r]) for s in stages)
+        for s, recs in ((s, [r for r in summary.training[s] if "loss" in r]) for s in stages)
         if recs
     )
     return Figure("loss", "Training loss per stage", _png(figure), caption)
@@ -108,8 +115,10 @@ def _throughput_figure(summary: RunSummary) -> Figure:
     for ax, values, fmt in ((left, speeds, "{:,.0f}"), (right, mfus, "{:.2f}")):
         for i, value in enumerate(values):
             ax.annotate(fmt.format(value), (i, value), ha="center", va="bottom", fontsize=8)
-    caption = ("MFU is against metrics.peak_flops (default: one H200's bf16 peak), so on a CPU "
-               "it is close to 0.")
+    caption = (
+        "MFU is against metrics.peak_flops (default: one H200's bf16 peak), so on a CPU "
+        "it is close to 0."
+    )
     return Figure("throughput", "Throughput and MFU", _png(figure), caption)
 
 
@@ -143,8 +152,12 @@ def _eval_figure(stage: str, models: dict[str, dict]) -> Figure | None:
     ax.set_title(f"{stage}: each model side by side")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", ncols=min(3, len(metrics)))
-    return Figure(f"eval_{stage}", f"Evaluation: {stage}", _png(figure),
-                  "error bars: standard error (lm-eval)")
+    return Figure(
+        f"eval_{stage}",
+        f"Evaluation: {stage}",
+        _png(figure),
+        "error bars: standard error (lm-eval)",
+    )
 
 
 def _sizes_figure(summary: RunSummary) -> Figure:
@@ -157,8 +170,14 @@ def _sizes_figure(summary: RunSummary) -> Figure:
     ax.barh(names, sizes, color=colors)
     ax.invert_yaxis()
     for i, size in enumerate(sizes):
-        ax.annotate(f"{size:.2f} MB", (size, i), va="center", fontsize=8,
-                    xytext=(3, 0), textcoords="offset points")
+        ax.annotate(
+            f"{size:.2f} MB",
+            (size, i),
+            va="center",
+            fontsize=8,
+            xytext=(3, 0),
+            textcoords="offset points",
+        )
     ax.set_xlabel("weights on disk (MB)")
     ax.set_xlim(0, max(sizes or [1]) * 1.2)
     ax.set_title("artifact sizes: original (blue) vs quantized (orange)")
@@ -202,8 +221,11 @@ def _stage_detail(s) -> str:
     m = s.metrics
     if s.kind in ("pretrain", "sft", "dpo") and "loss" in m:
         first = m.get("first_loss")
-        text = f"loss {first:.3f} → {m['loss']:.3f}" if isinstance(first, float) \
+        text = (
+            f"loss {first:.3f} → {m['loss']:.3f}"
+            if isinstance(first, float)
             else f"loss {m['loss']:.3f}"
+        )
         if isinstance(m.get("tokens_per_s"), int | float):
             text += f", {m['tokens_per_s']:,.0f} tokens/s"
         return text
@@ -244,8 +266,17 @@ def artifact_rows(summary: RunSummary) -> list[list[str]]:
         parent = a.parent or "-"
         parent_stage = by_path.get(PurePath(parent).as_posix()) if a.parent else None
         shown_parent = f"{parent_stage} ({parent})" if parent_stage else parent
-        rows.append([a.stage, a.path, _size(a.weight_bytes), a.scheme or "-", shown_parent,
-                     (a.parent_hash or "-")[:12], (a.hash or "-")[:12]])
+        rows.append(
+            [
+                a.stage,
+                a.path,
+                _size(a.weight_bytes),
+                a.scheme or "-",
+                shown_parent,
+                (a.parent_hash or "-")[:12],
+                (a.hash or "-")[:12],
+            ]
+        )
     return rows
 
 
@@ -310,8 +341,10 @@ def _table(header: list[str], rows: list[list[str]], status_col: int | None = No
 
 def _figure_html(figure: Figure) -> str:
     caption = f"<figcaption>{html.escape(figure.caption)}</figcaption>" if figure.caption else ""
-    return (f'<figure id="fig-{html.escape(figure.key)}"><img src="{figure.data_uri}" '
-            f'alt="{html.escape(figure.title)}">{caption}</figure>')
+    return (
+        f'<figure id="fig-{html.escape(figure.key)}"><img src="{figure.data_uri}" '
+        f'alt="{html.escape(figure.title)}">{caption}</figure>'
+    )
 
 
 def render_html(summary: RunSummary, figures: list[Figure]) -> str:
@@ -326,8 +359,11 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
         f"<p>Run directory <code>{html.escape(str(summary.run_dir))}</code>; report written "
         f"{now}.</p>",
         "<h2>Stages</h2>",
-        _table(["stage", "kind", "state", "took", "key metrics / reason"], stage_rows(summary),
-               status_col=2),
+        _table(
+            ["stage", "kind", "state", "took", "key metrics / reason"],
+            stage_rows(summary),
+            status_col=2,
+        ),
     ]
     if summary.training:
         parts.append("<h2>Training</h2>")
@@ -342,17 +378,26 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
             parts.append(_table(header, rows))
             sources = summary.eval_sources.get(stage, {})
             if sources:
-                parts.append("<p>" + ", ".join(
-                    f"<b>{html.escape(k)}</b>: <code>{html.escape(str(v))}</code>"
-                    for k, v in sources.items()) + "</p>")
+                parts.append(
+                    "<p>"
+                    + ", ".join(
+                        f"<b>{html.escape(k)}</b>: <code>{html.escape(str(v))}</code>"
+                        for k, v in sources.items()
+                    )
+                    + "</p>"
+                )
             if f"eval_{stage}" in by_key:
                 parts.append(_figure_html(by_key[f"eval_{stage}"]))
     if summary.artifacts:
         parts.append("<h2>Artifacts</h2>")
         if "sizes" in by_key:
             parts.append(_figure_html(by_key["sizes"]))
-        parts.append(_table(["stage", "path", "weights", "quantization", "parent",
-                             "parent hash", "hash"], artifact_rows(summary)))
+        parts.append(
+            _table(
+                ["stage", "path", "weights", "quantization", "parent", "parent hash", "hash"],
+                artifact_rows(summary),
+            )
+        )
         parts.append("<h2>Lineage</h2><ul>")
         for chain in lineage_chains(summary):
             parts.append(f'<li class="chain">{html.escape(" → ".join(chain))}</li>')
@@ -371,17 +416,24 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     def clean(cell: str) -> str:
         return cell.replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| " + " | ".join(clean(h) for h in header) + " |",
-             "|" + "|".join("---" for _ in header) + "|"]
+    lines = [
+        "| " + " | ".join(clean(h) for h in header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
     lines += ["| " + " | ".join(clean(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def render_markdown(summary: RunSummary, figures: list[Figure], assets: str) -> str:
     by_key = {f.key: f for f in figures}
-    out = [f"# lmforge pipeline `{summary.name}`", "", "## Stages", "",
-           _md_table(["stage", "kind", "state", "took", "key metrics / reason"],
-                     stage_rows(summary)), ""]
+    out = [
+        f"# lmforge pipeline `{summary.name}`",
+        "",
+        "## Stages",
+        "",
+        _md_table(["stage", "kind", "state", "took", "key metrics / reason"], stage_rows(summary)),
+        "",
+    ]
     if summary.training:
         out += ["## Training", ""]
         for key in ("loss", "throughput"):
@@ -397,14 +449,26 @@ def render_markdown(summary: RunSummary, figures: list[Figure], assets: str) -> 
             if f"eval_{stage}" in by_key:
                 out += [f"![{stage}]({assets}/eval_{stage}.png)", ""]
     if summary.artifacts:
-        out += ["## Artifacts", "", _md_table(
-            ["stage", "path", "weights", "quantization", "parent", "parent hash", "hash"],
-            artifact_rows(summary)), ""]
+        out += [
+            "## Artifacts",
+            "",
+            _md_table(
+                ["stage", "path", "weights", "quantization", "parent", "parent hash", "hash"],
+                artifact_rows(summary),
+            ),
+            "",
+        ]
         if "sizes" in by_key:
             out += [f"![sizes]({assets}/sizes.png)", ""]
         out += ["## Lineage", ""] + [f"- {' → '.join(c)}" for c in lineage_chains(summary)]
         out.append("")
     if summary.sample:
-        out += [f"## Generated sample ({summary.sample_stage})", "", "```", summary.sample.rstrip(),
-                "```", ""]
+        out += [
+            f"## Generated sample ({summary.sample_stage})",
+            "",
+            "```",
+            summary.sample.rstrip(),
+            "```",
+            "",
+        ]
     return "\n".join(out)
