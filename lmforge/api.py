@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lmforge import artifact
-from lmforge.errors import ModelFormatError
+from lmforge.errors import ConfigError, ModelFormatError
 from lmforge.models.llama import PRESETS, ModelArgs, Transformer, get_preset
 from lmforge.models.llama import hf as llama_hf
 from lmforge.models.llama import torchtitan as llama_torchtitan
@@ -29,6 +29,21 @@ class LoadedModel:
     config: ModelArgs
     source: str
     lineage: dict = field(default_factory=dict)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as torch.device."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(
+            f"device {device!r} is not valid; allowed: auto, cpu, cuda, cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device} asked for, but CUDA is not available here; use cpu")
+    return device
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

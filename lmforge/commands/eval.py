@@ -7,6 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from lmforge.commands.common import add_runtime_arguments
 from lmforge.errors import ConfigError, UserError
 
 EPILOG = (
@@ -60,13 +61,7 @@ def register(subparsers) -> None:
     parser.add_argument("--limit", type=_limit, help="examples per task (a fraction if < 1)")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="compute dtype (default: as stored)",
-    )
+    add_runtime_arguments(parser)
     parser.add_argument(
         "--chat",
         action="store_true",

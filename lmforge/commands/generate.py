@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from lmforge.commands.common import add_runtime_arguments
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 
 
@@ -48,18 +49,8 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--stop", nargs="+", default=[], metavar="STR", help="stop strings (cut from the text)"
     )
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="compute dtype (default: as stored)",
-    )
-    parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile the decode step (default: on CUDA only)",
+    add_runtime_arguments(
+        parser, compile_help="torch.compile the decode step (default: on CUDA only)"
     )
     parser.add_argument(
         "--max-batch", type=int, default=8, metavar="N", help="prompts decoded together (8)"
@@ -106,16 +97,6 @@ def read_prompts_file(path: Path) -> list:
     return prompts
 
 
-def _pick_device(choice: str):
-    import torch
-
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here; allowed: cpu, auto")
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return choice
-
-
 def _label(prompt) -> str:
     text = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
     text = " ".join(str(text).split())
@@ -124,6 +105,7 @@ def _label(prompt) -> str:
 
 def main(args: argparse.Namespace) -> int:
     import lmforge
+    from lmforge.api import resolve_device
     from lmforge.generate import Generator, SamplingParams
     from lmforge.generate.generate import encode_prompt
 
@@ -146,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
 
-    device = _pick_device(args.device)
+    device = resolve_device(args.device)
     start = time.perf_counter()
     loaded = lmforge.load(args.artifact, device=device, dtype=args.dtype)
     if loaded.tokenizer is None:

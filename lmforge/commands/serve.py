@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from lmforge.commands.common import add_runtime_arguments
 from lmforge.errors import ConfigError, ModelFormatError
 
 API_KEY_ENV = "LMFORGE_API_KEY"
@@ -80,18 +81,8 @@ def register(subparsers) -> None:
         metavar="S",
         help="on SIGTERM, seconds in-flight requests get to finish (30)",
     )
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="compute dtype (default: as stored)",
-    )
-    parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile the decode step (default: on CUDA only)",
+    add_runtime_arguments(
+        parser, compile_help="torch.compile the decode step (default: on CUDA only)"
     )
     parser.add_argument(
         "--num-threads", type=int, default=None, metavar="N", help="CPU threads for torch"
@@ -195,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     import lmforge
-    from lmforge.commands.generate import _pick_device
+    from lmforge.api import resolve_device
     from lmforge.generate import Generator
 
     try:
@@ -209,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     sock = bind(args.host, args.port)  # fail early on a taken port, before loading
-    device = _pick_device(args.device)
+    device = resolve_device(args.device)
     start = time.perf_counter()
     loaded = lmforge.load(args.artifact, device=device, dtype=args.dtype)
     if loaded.tokenizer is None:

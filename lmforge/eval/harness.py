@@ -34,28 +34,13 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 
-from lmforge.api import LoadedModel, load
+from lmforge.api import LoadedModel, load, resolve_device
 from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """'auto' -> cuda when available, else cpu; anything else as torch.device."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(
-            f"device {device!r} is not valid; allowed: auto, cpu, cuda, cuda:N"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device} asked for, but CUDA is not available here; use cpu")
-    return device
 
 
 # ----------------------------------------------------------------------------------------------
