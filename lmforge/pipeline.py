@@ -526,6 +526,7 @@ def _external_inputs(config: Any, workdir: Path, run_dir: Path) -> list[str]:
     """Setting values that name existing files or directories outside the run directory:
     inputs whose content decides whether the stage is up to date."""
     found: set[str] = set()
+    runs = (workdir / run_dir).resolve()
 
     def walk(value: Any) -> None:
         if isinstance(value, dict):
@@ -536,14 +537,13 @@ def _external_inputs(config: Any, workdir: Path, run_dir: Path) -> list[str]:
                 walk(item)
         elif isinstance(value, str) and value and "\n" not in value and len(value) < 4096:
             path = Path(value)
-            if path.is_relative_to(run_dir):
-                return
             full = path if path.is_absolute() else workdir / path
             try:
                 exists = full.exists()
-            except OSError:
+                inside = full.resolve().is_relative_to(runs)  # a stage's output: a dependency
+            except (OSError, ValueError):
                 return
-            if exists and full.resolve() != workdir:
+            if exists and not inside and full.resolve() != workdir:
                 found.add(value)
 
     walk(config)
@@ -1286,16 +1286,6 @@ def _metrics_line(kind: str, metrics: dict) -> str:
         first = metrics.get("first_loss")
         start = f"{first:.3f} -> " if isinstance(first, float) else ""
         return f"; loss {start}{metrics['loss']:.3f}"
-    if kind == "eval":
-        parts = []
-        for label, values in metrics.items():
-            shown = ", ".join(
-                f"{k} {v:.3f}"
-                for k, v in values.items()
-                if isinstance(v, float) and not k.endswith("_stderr")
-            )
-            parts.append(f"{label}: {shown}")
-        return "".join(f"\n    {p}" for p in parts)
     return ""
 
 

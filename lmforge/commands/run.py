@@ -141,6 +141,7 @@ def report_main(args: argparse.Namespace) -> int:
 def pipeline_eval_main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's progress bars, in a stage log
     from lmforge.config import load_config
     from lmforge.pipeline import EvalStageSection, run_eval_stage
 

@@ -73,7 +73,7 @@ ATTRIBUTES = {
     ),
 }
 VALUES = {"town": TOWNS, "pet": PETS, "trade": TRADES}
-DEFAULT_NUM_PEOPLE = 64
+DEFAULT_NUM_PEOPLE = 32
 DEFAULT_REPEATS = 16
 
 
@@ -152,13 +152,14 @@ def write_demo_data(
     seed: int = 0,
     num_people: int = DEFAULT_NUM_PEOPLE,
     repeats: int = DEFAULT_REPEATS,
-    heldout_rejected: int = 3,
+    train_rejected: int = 3,
+    heldout_rejected: int = 7,
 ) -> dict[str, Path]:
     """Write the demo world's files and return their paths by name:
 
     corpus.txt (pretraining prose, one document per paragraph), sft_train.jsonl /
     sft_heldout.jsonl (chat messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen,
-    rejected; `heldout_rejected` wrong answers per held-out fact) and mc_heldout.jsonl
+    rejected; `train_rejected` / `heldout_rejected` wrong answers per fact) and mc_heldout.jsonl
     (multiple choice among four short answers, for lm-eval).
     """
     out = Path(out)
@@ -192,7 +193,7 @@ def write_demo_data(
                 for f in chosen
             ],
         )
-        num_rejected = 1 if split == "train" else heldout_rejected
+        num_rejected = train_rejected if split == "train" else heldout_rejected
         _write_jsonl(
             paths[f"dpo_{split}"],
             [

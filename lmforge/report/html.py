@@ -139,7 +139,7 @@ def _eval_figure(stage: str, models: dict[str, dict]) -> Figure | None:
     if not metrics:
         return None
     labels = list(models)
-    figure = _new_figure(max(5.0, 1.3 * len(labels) * max(1, len(metrics)) ** 0.5 + 2), 3.4)
+    figure = _new_figure(max(5.0, 1.3 * len(labels) * max(1, len(metrics)) ** 0.5 + 2), 3.8)
     ax = figure.subplots()
     width = 0.8 / len(metrics)
     for j, (metric, color) in enumerate(zip(metrics, ACCENT * 4)):
@@ -151,7 +151,9 @@ def _eval_figure(stage: str, models: dict[str, dict]) -> Figure | None:
     ax.set_ylim(0, 1.05)
     ax.set_title(f"{stage}: each model side by side")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", ncols=min(3, len(metrics)))
+    ax.legend(
+        fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=min(4, len(metrics))
+    )
     return Figure(
         f"eval_{stage}",
         f"Evaluation: {stage}",
