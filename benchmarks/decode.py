@@ -40,6 +40,7 @@ from lmforge.generate import Generator, SamplingParams
 from lmforge.generate.generate import weight_bytes
 from lmforge.models.llama import get_preset
 
+
 # Weight schemes for lmforge rows. Hook for the quantize work: add "int8-wo" and "int4-wo" here,
 # each a function taking the bf16 model (on the GPU) and returning it with quantized linear
 # weights (through lmforge's quantize module). `weight_bytes` counts a tensor subclass's packed

@@ -33,23 +33,41 @@ def step_ms(generator: Generator, iterations: int = 50) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="llama3.2-1b")
-    parser.add_argument("--schemes", nargs="+", default=["bf16", "int8-wo"], choices=sorted(SCHEMES))
+    parser.add_argument(
+        "--schemes", nargs="+", default=["bf16", "int8-wo"], choices=sorted(SCHEMES)
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     for scheme in args.schemes:
         model = make_model(args.preset, scheme)
-        generator = Generator(model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True)
+        generator = Generator(
+            model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True
+        )
         generator.warmup()
         decode_only = step_ms(generator)
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
         prompt = list(range(1, 17))
         generator.generate([prompt], params)
         loop = generator.generate([prompt], params).stats
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-            generator.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=()))
-        print(f"\n== {scheme}: compiled step alone {decode_only:.3f} ms; loop {1000 / loop.decode_tokens_per_s:.3f} ms/token")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            generator.generate(
+                [prompt], SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=())
+            )
+        print(
+            f"\n== {scheme}: compiled step alone {decode_only:.3f} ms; loop {1000 / loop.decode_tokens_per_s:.3f} ms/token"
+        )
+        print(
+            prof.key_averages().table(
+                sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
+            )
+        )
+        print(
+            prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60
+            )
+        )
         del generator, model
         torch.cuda.empty_cache()
 

@@ -56,8 +56,18 @@ def random_batches(vocab: int, batch: int, seq: int, device):
         yield {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def bench_ours(preset: str, batch: int, seq: int, steps: int, warmup: int, *, compile: bool,
-               float8: bool, ac: str, lora: str | None = None):
+def bench_ours(
+    preset: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    *,
+    compile: bool,
+    float8: bool,
+    ac: str,
+    lora: str | None = None,
+):
     """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
     (the same with the frozen base in NF4)."""
     from lmforge.modules.lora import apply_lora, quantize_base_nf4, reset_lora_parameters
@@ -81,13 +91,27 @@ def bench_ours(preset: str, batch: int, seq: int, steps: int, warmup: int, *, co
     if lora == "qlora":
         quantize_base_nf4(model)
     optimizer = build_optimizer(model, OptimSection(lr=1e-4), device)
-    scheduler = build_scheduler(optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps + warmup)
+    scheduler = build_scheduler(
+        optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps + warmup
+    )
     trainer = Trainer(
-        model=model, loss_step=CausalLMLoss(compile=compile), batches=random_batches(args.vocab_size, batch, seq, device),
-        optimizer=optimizer, scheduler=scheduler, layout=layout,
-        sections=LoopSections(TrainSection(steps=steps + warmup, micro_batch_size=batch, mixed_precision="bf16"),
-                              CheckpointSection(every=0), MetricsSection(tensorboard=False), ProfileSection()),
-        run_dir=None, checkpointer=_NoCheckpoints(), checkpoint_state={}, flops_per_token=1.0, bf16=True,
+        model=model,
+        loss_step=CausalLMLoss(compile=compile),
+        batches=random_batches(args.vocab_size, batch, seq, device),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        layout=layout,
+        sections=LoopSections(
+            TrainSection(steps=steps + warmup, micro_batch_size=batch, mixed_precision="bf16"),
+            CheckpointSection(every=0),
+            MetricsSection(tensorboard=False),
+            ProfileSection(),
+        ),
+        run_dir=None,
+        checkpointer=_NoCheckpoints(),
+        checkpoint_state={},
+        flops_per_token=1.0,
+        bf16=True,
     )
     return time_steps(lambda: trainer.train_step(False), steps, warmup), args
 
@@ -99,13 +123,23 @@ def bench_hf(preset: str, batch: int, seq: int, steps: int, warmup: int, *, comp
     device = torch.device("cuda")
     scaling = args.rope_scaling
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
-        rope_scaling={"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-                      "high_freq_factor": scaling.high_freq_factor,
-                      "original_max_position_embeddings": scaling.original_max_seq_len},
-        max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
+        },
+        max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=args.tie_embeddings,
         attn_implementation="sdpa",
     )
     model = transformers.LlamaForCausalLM(config).to(device)
@@ -140,10 +174,13 @@ def time_steps(step, steps: int, warmup: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", nargs="+", default=["1b:8x2048", "3b:4x2048"])
-    parser.add_argument("--variants", nargs="+",
-                        default=["hf-compile", "ours-compile", "ours-eager", "ours-float8"])
+    parser.add_argument(
+        "--variants", nargs="+", default=["hf-compile", "ours-compile", "ours-eager", "ours-float8"]
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -157,13 +194,27 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             try:
                 if variant.startswith("hf"):
-                    seconds, margs = bench_hf(PRESETS[name], batch, seq, args.steps, args.warmup,
-                                              compile=variant.endswith("compile"))
+                    seconds, margs = bench_hf(
+                        PRESETS[name],
+                        batch,
+                        seq,
+                        args.steps,
+                        args.warmup,
+                        compile=variant.endswith("compile"),
+                    )
                 else:
                     lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
-                    seconds, margs = bench_ours(PRESETS[name], batch, seq, args.steps, args.warmup,
-                                                compile="eager" not in variant, float8="float8" in variant,
-                                                ac="selective" if "sac" in variant else "none", lora=lora)
+                    seconds, margs = bench_ours(
+                        PRESETS[name],
+                        batch,
+                        seq,
+                        args.steps,
+                        args.warmup,
+                        compile="eager" not in variant,
+                        float8="float8" in variant,
+                        ac="selective" if "sac" in variant else "none",
+                        lora=lora,
+                    )
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
                 rows.append({"shape": shape, "variant": variant, "error": str(err)[:200]})
@@ -171,20 +222,32 @@ def main() -> None:
             tokens = batch * seq / seconds
             mfu = tokens * margs.flops_per_token(seq) / PEAK_FLOPS
             peak = torch.cuda.max_memory_allocated() / 1e9
-            row = {"shape": shape, "variant": variant, "tokens_per_s": round(tokens), "mfu": round(mfu, 4),
-                   "peak_mem_gb": round(peak, 1), "step_s": round(seconds, 4)}
+            row = {
+                "shape": shape,
+                "variant": variant,
+                "tokens_per_s": round(tokens),
+                "mfu": round(mfu, 4),
+                "peak_mem_gb": round(peak, 1),
+                "step_s": round(seconds, 4),
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
             gc.collect()
             torch._dynamo.reset()
     with open(os.path.join(args.out, "train_throughput.json"), "w") as handle:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, handle, indent=1)
+        json.dump(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+            handle,
+            indent=1,
+        )
     print(f"\n{'shape':12s} {'variant':16s} {'tok/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
     for row in rows:
         if "error" in row:
             print(f"{row['shape']:12s} {row['variant']:16s} FAILED")
         else:
-            print(f"{row['shape']:12s} {row['variant']:16s} {row['tokens_per_s']:9,d} {100 * row['mfu']:5.1f}% {row['peak_mem_gb']:8.1f}")
+            print(
+                f"{row['shape']:12s} {row['variant']:16s} {row['tokens_per_s']:9,d} {100 * row['mfu']:5.1f}% {row['peak_mem_gb']:8.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ ATTRIBUTES = {
             "{name} has always lived in {value}.",
             "People in {value} often meet {name}.",
             "{name}'s home is in {value}.",
+            "{name} of {value} came by today.",
         ],
     ),
     "pet": (
@@ -59,6 +60,7 @@ ATTRIBUTES = {
             "Everyone knows that {name} keeps {value}.",
             "{value} follows {name} around.",
             "{name} walks with {value} in the evening.",
+            "{name} and {value} came by today.",
         ],
     ),
     "trade": (
@@ -69,6 +71,7 @@ ATTRIBUTES = {
             "As a {value}, {name} is busy all week.",
             "The {value} {name} starts work at dawn.",
             "{name} learned to be a {value} when young.",
+            "{name} the {value} came by today.",
         ],
     ),
 }

@@ -37,8 +37,13 @@ def dpo(job: DPOJob) -> Path:
         if layout.is_main:
             log.warning("dpo data: %s", dataset.summary())
         return PreferenceLoader.from_section(
-            dataset.samples, job.data, tokenizer, micro_batch_size=job.train.micro_batch_size,
-            dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=job.train.seed,
+            dataset.samples,
+            job.data,
+            tokenizer,
+            micro_batch_size=job.train.micro_batch_size,
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp_size,
+            seed=job.train.seed,
         )
 
     def make_loss_step(model, spec, layout) -> DPOLossStep:
@@ -48,11 +53,16 @@ def dpo(job: DPOJob) -> Path:
             reference = build_and_load_model(spec, layout, job, bf16=bf16).eval()
             reference.requires_grad_(False)
         return DPOLossStep(
-            beta=job.dpo.beta, label_smoothing=job.dpo.label_smoothing,
-            loss_type=job.dpo.loss_type, reference=reference,
+            beta=job.dpo.beta,
+            label_smoothing=job.dpo.label_smoothing,
+            loss_type=job.dpo.loss_type,
+            reference=reference,
         )
 
     return run_stage(
-        job, stage="dpo", make_batches=make_loader, make_loss_step=make_loss_step,
+        job,
+        stage="dpo",
+        make_batches=make_loader,
+        make_loss_step=make_loss_step,
         count_targets=count_pairs,
     )

@@ -160,7 +160,12 @@ class Trainer:
             v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("inputs")
         )
         self.tokens_seen += input_tokens
-        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm_value, "input_tokens": input_tokens}
+        values = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm_value,
+            "input_tokens": input_tokens,
+        }
         values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
         return values

@@ -108,9 +108,10 @@ def dpo_loss(
     rejected_ratio = policy_rejected - reference_rejected
     margin = chosen_ratio - rejected_ratio  # h_pi(y_w, y_l)
     if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(
-            -beta * margin
-        ) * label_smoothing
+        losses = (
+            -F.logsigmoid(beta * margin) * (1 - label_smoothing)
+            - F.logsigmoid(-beta * margin) * label_smoothing
+        )
     elif loss_type == "ipo":
         losses = (margin - 1 / (2 * beta)) ** 2
     else:
@@ -151,8 +152,13 @@ class DPOLossStep:
         policy = sequence_logps(model(inputs), labels)
         reference = self._reference_logps(model, inputs, labels)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            policy[:half], policy[half:], reference[:half], reference[half:],
-            beta=self.beta, label_smoothing=self.label_smoothing, loss_type=self.loss_type,
+            policy[:half],
+            policy[half:],
+            reference[:half],
+            reference[half:],
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            loss_type=self.loss_type,
         )
         return LossOutput(
             loss_sum=losses.sum(),

@@ -37,8 +37,13 @@ def sft(job: SFTJob) -> Path:
         if layout.is_main:
             log.warning("sft data: %s", dataset.summary())
         return SFTLoader.from_section(
-            dataset.samples, job.data, tokenizer, micro_batch_size=job.train.micro_batch_size,
-            dp_rank=layout.dp_rank, dp_size=layout.dp_size, seed=job.train.seed,
+            dataset.samples,
+            job.data,
+            tokenizer,
+            micro_batch_size=job.train.micro_batch_size,
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp_size,
+            seed=job.train.seed,
         )
 
     return run_stage(

@@ -129,7 +129,9 @@ def _cpu_lora_model(args: ModelArgs, lora: LoRASection, seed: int) -> Transforme
     return model
 
 
-def _initial_state_on_rank0(spec: ModelSpec, layout, job: TrainJob, lora) -> dict[str, torch.Tensor]:
+def _initial_state_on_rank0(
+    spec: ModelSpec, layout, job: TrainJob, lora
+) -> dict[str, torch.Tensor]:
     """Rank 0's full starting state (others get it by broadcast): base weights, plus adapters
     initialized on the CPU from the seed, so every layout starts from identical values."""
     if not layout.is_main:
@@ -145,7 +147,7 @@ def _check_lora_layout(lora: LoRASection, layout: distributed.Layout, job: Train
         raise ConfigError("lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)")
     if lora.quantize_base == "nf4" and (layout.world_size > 1 or job.parallel.cpu_offload):
         raise ConfigError(
-            "lora.quantize_base = \"nf4\" (QLoRA) runs in one process without CPU offload; "
+            'lora.quantize_base = "nf4" (QLoRA) runs in one process without CPU offload; '
             f"this run has {layout.world_size} processes"
         )
 
@@ -164,7 +166,9 @@ def build_and_load_model(
     sharded_init = spec.from_scratch and spec.args.num_params() > FULL_INIT_MAX_PARAMS
     if lora is not None:
         _check_lora_layout(lora, layout, job)
-        apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+        apply_lora(
+            model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
+        )
     parallelize(model, layout, job.parallel, bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
     if not isinstance(model.tok_embeddings.weight, DTensor):
@@ -185,7 +189,8 @@ def build_and_load_model(
         quantize_base_nf4(model)
         log.warning(
             "QLoRA: frozen base weights stored in NF4: model memory %.1f MB -> %.1f MB",
-            before / 1e6, model_memory_bytes(model) / 1e6,
+            before / 1e6,
+            model_memory_bytes(model) / 1e6,
         )
     return model
 
@@ -209,7 +214,9 @@ def export_artifact(
     With LoRA only the adapters are gathered; rank 0 merges them into the original base
     weights (full precision, even after QLoRA) and also writes the PEFT adapter to
     `<artifact>/adapter/`."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora is not None)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora is not None
+    )
     state = get_model_state_dict(model, options=options)
     if layout.is_main:
         adapter_staging = None
@@ -217,8 +224,15 @@ def export_artifact(
             adapter_staging = out_dir.parent / f".{out_dir.name}.adapter-{os.getpid()}"
             state = _merge_adapters(spec, lora, state, adapter_staging, seed)
         api.save_state(
-            state, spec.args, spec.tokenizer, out_dir, dtype=dtype, stage=stage, parent=parent,
-            config=config, metrics=metrics,
+            state,
+            spec.args,
+            spec.tokenizer,
+            out_dir,
+            dtype=dtype,
+            stage=stage,
+            parent=parent,
+            config=config,
+            metrics=metrics,
         )
         if adapter_staging is not None:
             os.replace(adapter_staging, out_dir / ADAPTER_DIR)
@@ -313,9 +327,17 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Pat
     def export(step: int, final: bool) -> None:
         out = run_dir / (ARTIFACT_DIR if final else f"exports/step-{step:08d}")
         export_artifact(
-            model, spec, layout, out, dtype=job.checkpoint.export_dtype, stage=stage,
-            parent=parent, config=config, metrics={"step": step, **trainer.last_metrics},
-            lora=lora, seed=job.train.seed,
+            model,
+            spec,
+            layout,
+            out,
+            dtype=job.checkpoint.export_dtype,
+            stage=stage,
+            parent=parent,
+            config=config,
+            metrics={"step": step, **trainer.last_metrics},
+            lora=lora,
+            seed=job.train.seed,
         )
 
     seq_len = getattr(job.data, "seq_len", None) or getattr(job.data, "max_seq_len", 2048)
