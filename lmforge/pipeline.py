@@ -151,6 +151,9 @@ class EvalStageSection(Section):
     """The demo's mc_heldout.jsonl: makes the tasks demo_mc and demo_mc_chat available."""
     preference_data: str | None = None
     """(prompt, chosen, rejected) rows: adds `preference/accuracy` per model."""
+    answer_data: str | None = None
+    """Chat conversations ending in a reference answer: adds `answers/exact_match` (greedy
+    generation in the chat format, lmforge.eval.answers)."""
     perplexity: list[str] = Field(default_factory=list)
     limit: float | None = None
     batch_size: PositiveInt = 8
@@ -451,10 +454,16 @@ def _resolve_stage(
             raise ConfigError(
                 f"{where}: labels has {len(config.labels)} names for {len(config.models)} models"
             )
-        if not (config.tasks or config.chat_tasks or config.preference_data or config.perplexity):
+        if not (
+            config.tasks
+            or config.chat_tasks
+            or config.preference_data
+            or config.answer_data
+            or config.perplexity
+        ):
             raise ConfigError(
                 f"{where}: nothing to evaluate: set tasks, chat_tasks, "
-                "preference_data or perplexity"
+                "preference_data, answer_data or perplexity"
             )
         argv = ["pipeline-eval", "--config", config_path]
         output = out_dir
@@ -1310,6 +1319,7 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
         include.append(str(write_demo_task(cfg.demo_data, out / "tasks")))
     limit = None if cfg.limit is None else (int(cfg.limit) if cfg.limit >= 1 else cfg.limit)
     metrics: dict[str, dict[str, float]] = {label: {} for label in cfg.labels}
+    samples: dict[str, list] = {}
     for tasks, chat in ((cfg.tasks, False), (cfg.chat_tasks, True)):
         if not tasks:
             continue
@@ -1331,6 +1341,12 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
                 if stderr is not None:
                     metrics[label][f"{task}/{metric}_stderr"] = stderr
     for label, source in zip(cfg.labels, cfg.models):
+        if cfg.answer_data:
+            from lmforge.eval.answers import answer_accuracy
+
+            found = answer_accuracy(source, cfg.answer_data, device=cfg.device, dtype=cfg.dtype)
+            metrics[label]["answers/exact_match"] = found["exact_match"]
+            samples[label] = found["examples"]
         if cfg.preference_data:
             found = preference_accuracy(
                 source,
@@ -1347,7 +1363,12 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
             )
             metrics[label][f"perplexity/{Path(file).name}"] = found["perplexity"]
     models = {
-        label: {"source": source, "hash": fingerprint(Path(source)), "metrics": metrics[label]}
+        label: {
+            "source": source,
+            "hash": fingerprint(Path(source)),
+            "metrics": metrics[label],
+            "answers": samples.get(label, []),
+        }
         for label, source in zip(cfg.labels, cfg.models)
     }
     results = {
@@ -1537,7 +1558,7 @@ def _metrics_brief(s: StageStatus) -> str:
                 shown = " ".join(
                     f"{k}={v:.3f}"
                     for k, v in values.items()
-                    if isinstance(v, float) and not k.endswith("_stderr")
+                    if isinstance(v, float) and not k.endswith(("_stderr", "acc_norm", "margin"))
                 )
                 parts.append(f"{label}: {shown}")
         return "; ".join(parts)

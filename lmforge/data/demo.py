@@ -3,11 +3,13 @@
 People with invented names each have a home town, a pet and a trade. Pretraining reads the facts
 as prose: many short biographies per person, each telling the person's facts in a random order
 and wording (varied wording is what lets a small model store a fact so that it can be asked
-about, not just recited in one sentence). SFT teaches answering questions about the facts in the
-chat format, with a short answer (`Ostrel.`) that no prose sentence contains, so answering is a
-skill the base model lacks. DPO teaches preferring the true answer over a false one. The
-held-out questions and pairs are about people whose questions were never trained on, but whose
-facts the prose told: they measure what each stage taught, not what it memorized.
+about, not just recited in one sentence; train with document masking so that each biography is
+read on its own). SFT teaches answering questions in the chat format with a short answer
+(`In Ostrel.`) instead of continuing prose, a skill the base model lacks. DPO teaches preferring
+the true answer over false ones. Instruction data and preference data ask about different
+people (three of the training people for SFT, the rest for DPO: pairs are the cheaper data),
+and a quarter of all people are held out: their facts were only ever read as prose, so
+questions about them measure what each stage taught, not what it memorized.
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ class Fact:
 
     @property
     def answer(self) -> str:
-        """The short answer SFT teaches: `Ostrel.`, `A ferret.`, `A baker.`"""
-        value = self.value if self.attribute != "trade" else f"a {self.value}"
+        """The short answer SFT teaches: `In Ostrel.`, `A ferret.`, `A baker.` (the value keeps
+        the leading space it has in the prose, so it is the same token the facts were read as)."""
+        if self.attribute == "town":
+            return f"In {self.value}."
+        value = self.value if self.attribute == "pet" else f"a {self.value}"
         return value[0].upper() + value[1:] + "."
 
 
@@ -157,19 +162,27 @@ def write_demo_data(
     repeats: int = DEFAULT_REPEATS,
     train_rejected: int = 3,
     heldout_rejected: int = 7,
+    num_sft_people: int = 3,
 ) -> dict[str, Path]:
     """Write the demo world's files and return their paths by name:
 
     corpus.txt (pretraining prose, one document per paragraph), sft_train.jsonl /
     sft_heldout.jsonl (chat messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen,
     rejected; `train_rejected` / `heldout_rejected` wrong answers per fact) and mc_heldout.jsonl
-    (multiple choice among four short answers, for lm-eval).
+    (multiple choice among four short answers, for lm-eval). SFT rows are about the first
+    `num_sft_people` training people, DPO rows about the other training people.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed + 1)
     facts = make_facts(seed, num_people)
     train_people, heldout_people = split_people(facts)
+    # Instruction data and preference data ask about different people (real data sets come
+    # from different prompts), and there is much more preference data (pairs are cheap to
+    # collect): SFT teaches the answer format on a few people, DPO the right answer on many.
+    ordered = sorted(train_people)
+    num_sft = min(max(1, num_sft_people), len(ordered) - 1)
+    sft_people, dpo_people = set(ordered[:num_sft]), set(ordered[num_sft:])
     paths = {
         name: out / file
         for name, file in [
@@ -183,7 +196,8 @@ def write_demo_data(
     }
     paths["corpus"].write_text("\n\n".join(corpus(facts, rng, repeats)) + "\n")
     for split, people in (("train", train_people), ("heldout", heldout_people)):
-        chosen = [f for f in facts if f.name in people]
+        sft_facts = [f for f in facts if f.name in (sft_people if split == "train" else people)]
+        dpo_facts = [f for f in facts if f.name in (dpo_people if split == "train" else people)]
         _write_jsonl(
             paths[f"sft_{split}"],
             [
@@ -193,7 +207,7 @@ def write_demo_data(
                         {"role": "assistant", "content": f.answer},
                     ]
                 }
-                for f in chosen
+                for f in sft_facts
             ],
         )
         num_rejected = train_rejected if split == "train" else heldout_rejected
@@ -205,7 +219,7 @@ def write_demo_data(
                     "chosen": f.answer,
                     "rejected": Fact(f.name, f.attribute, wrong).answer,
                 }
-                for f in chosen
+                for f in dpo_facts
                 for wrong in wrong_values(f, rng, num_rejected)
             ],
         )

@@ -58,6 +58,8 @@ class RunSummary:
     artifacts: list[ArtifactInfo]
     sample: str | None
     sample_stage: str | None
+    eval_answers: dict[str, dict[str, list[dict]]] = dataclasses.field(default_factory=dict)
+    """eval stage -> model label -> [{question, answer, reference}] (answer accuracy examples)"""
 
 
 def collect_run(run_dir: str | Path) -> RunSummary:
@@ -79,6 +81,7 @@ def collect_run(run_dir: str | Path) -> RunSummary:
     training: dict[str, list[dict]] = {}
     evals: dict[str, dict] = {}
     eval_sources: dict[str, dict] = {}
+    eval_answers: dict[str, dict] = {}
     artifacts: list[ArtifactInfo] = []
     sample = sample_stage = None
     for entry in entries:
@@ -108,12 +111,24 @@ def collect_run(run_dir: str | Path) -> RunSummary:
             data = json.loads((output_dir / "results.json").read_text())
             evals[entry["name"]] = {k: v.get("metrics", {}) for k, v in data["models"].items()}
             eval_sources[entry["name"]] = {k: v.get("source") for k, v in data["models"].items()}
+            answers = {k: v["answers"] for k, v in data["models"].items() if v.get("answers")}
+            if answers:
+                eval_answers[entry["name"]] = answers
         if kind == "generate" and output_dir is not None and (output_dir / "sample.txt").exists():
             sample, sample_stage = (output_dir / "sample.txt").read_text(), entry["name"]
         if output_dir is not None and (output_dir / "lmforge.json").exists():
             artifacts.append(_artifact_info(entry["name"], output, output_dir))
     return RunSummary(
-        name, run_dir, stages, training, evals, eval_sources, artifacts, sample, sample_stage
+        name,
+        run_dir,
+        stages,
+        training,
+        evals,
+        eval_sources,
+        artifacts,
+        sample,
+        sample_stage,
+        eval_answers,
     )
 
 

@@ -123,13 +123,14 @@ def _throughput_figure(summary: RunSummary) -> Figure:
 
 
 def eval_bar_metrics(models: dict[str, dict]) -> list[str]:
-    """Metrics shown as bars: fractions (accuracies), not stderrs, margins or perplexities."""
+    """Metrics shown as bars: fractions (accuracies, exact match), not stderrs, margins or
+    perplexities."""
     names: list[str] = []
     for metrics in models.values():
         for key, value in metrics.items():
             if key.endswith("_stderr") or key in names or not isinstance(value, int | float):
                 continue
-            if 0.0 <= value <= 1.0 and ("acc" in key or "accuracy" in key):
+            if 0.0 <= value <= 1.0 and any(w in key for w in ("acc", "exact_match")):
                 names.append(key)
     return names
 
@@ -261,6 +262,21 @@ def eval_rows(models: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def answer_rows(answers: dict[str, list[dict]]) -> tuple[list[str], list[list[str]]]:
+    """Held-out questions with the reference and each model's greedy answer."""
+    labels = list(answers)
+    header = ["question", "true answer", *labels]
+    rows = []
+    for i, example in enumerate(answers[labels[0]]):
+        row = [example["question"], example["reference"]]
+        for label in labels:
+            given = answers[label][i]["answer"] if i < len(answers[label]) else ""
+            mark = "✓" if given.strip().casefold() == example["reference"].casefold() else "✗"
+            row.append(f"{mark} {given}" if given else f"{mark} (nothing)")
+        rows.append(row)
+    return header, rows
+
+
 def artifact_rows(summary: RunSummary) -> list[list[str]]:
     by_path = {PurePath(a.path).as_posix(): a.stage for a in summary.artifacts}
     rows = []
@@ -312,7 +328,8 @@ body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; mar
        max-width: 1100px; color: #222; padding: 0 1em; }
 h1 { border-bottom: 2px solid #4C72B0; padding-bottom: .2em; }
 h2 { margin-top: 1.6em; color: #333; }
-table { border-collapse: collapse; margin: .6em 0; font-size: 14px; }
+table { border-collapse: collapse; margin: .6em 0; font-size: 14px; display: block;
+        overflow-x: auto; max-width: 100%; }
 th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f4f8; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -390,6 +407,10 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
                 )
             if f"eval_{stage}" in by_key:
                 parts.append(_figure_html(by_key[f"eval_{stage}"]))
+            if stage in summary.eval_answers:
+                header, rows = answer_rows(summary.eval_answers[stage])
+                parts.append("<p>Greedy answers to the first held-out questions:</p>")
+                parts.append(_table(header, rows))
     if summary.artifacts:
         parts.append("<h2>Artifacts</h2>")
         if "sizes" in by_key:
@@ -450,6 +471,10 @@ def render_markdown(summary: RunSummary, figures: list[Figure], assets: str) -> 
             out += [f"### {stage}", "", _md_table(header, rows), ""]
             if f"eval_{stage}" in by_key:
                 out += [f"![{stage}]({assets}/eval_{stage}.png)", ""]
+            if stage in summary.eval_answers:
+                header, rows = answer_rows(summary.eval_answers[stage])
+                out += ["Greedy answers to the first held-out questions:", ""]
+                out += [_md_table(header, rows), ""]
     if summary.artifacts:
         out += [
             "## Artifacts",
