@@ -39,7 +39,8 @@ MULTI_TURN = [
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> dict[str, Path]:
-    return write_demo_data(tmp_path_factory.mktemp("demo"))
+    # Four people of three facts: 12 SFT rows, a whole number of batches of 4.
+    return write_demo_data(tmp_path_factory.mktemp("demo"), num_sft_people=4)
 
 
 @pytest.fixture(scope="module")
