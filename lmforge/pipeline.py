@@ -11,6 +11,8 @@ A pipeline file names the pipeline, the model to start from, data sets and the s
     path = "${world}/sft_train.jsonl"  # ${data.NAME} in a stage setting is this path
     [launcher]                         # defaults for every stage's [stages.X.launcher]
     nodes = 1
+    [plan]                             # plan each training stage's GPU memory before it runs
+    gpu_memory = "h200"                # (lmforge plan's arithmetic); warn when it will not fit
     [stages.sft]                       # or [[stages]] with name = "sft"; file order is run order
     kind = "sft"                       # prepare|tokenizer|pretrain|sft|dpo|eval|quantize|generate|export
     from = "pretrain"                  # the input artifact: another stage's output
@@ -48,7 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from lmforge.config import ModelSection, Section, dump_config, load_config
 from lmforge.data.prepare import PrepareSection
@@ -109,9 +111,35 @@ class DataSetSection(Section):
     description: str = ""
 
 
+class PlanSection(Section):
+    """How `lmforge run` checks that the training stages fit their GPUs (`lmforge plan`)."""
+
+    gpu_memory: str | None = None
+    """Memory of one GPU: 80GB, 141GB, or a name (h100, h200, a100-80gb, ...). Unset: the local
+    GPU's with the local launcher; elsewhere the stages are not planned."""
+    host_memory: str | None = None
+    """Host memory of one node (CPU offload, loading the weights); unset: 256 GiB per GPU."""
+    model: str | None = None
+    """The shape to plan with while `[model] source` is not on disk yet: a preset (e.g.
+    llama3.1-70b) or a config directory."""
+
+    @field_validator("gpu_memory", "host_memory")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        from lmforge.plan.memory import parse_memory
+
+        if value is not None:
+            try:
+                parse_memory(value)
+            except ConfigError as err:
+                raise ValueError(str(err)) from None
+        return value
+
+
 class PipelineFile(Section):
     pipeline: PipelineSection
     model: ModelSection = Field(default_factory=ModelSection)
+    plan: PlanSection = Field(default_factory=PlanSection)
     data: dict[str, DataSetSection] = Field(default_factory=dict)
     launcher: dict[str, Any] = Field(default_factory=dict)
     stages: dict[str, dict[str, Any]] | list[dict[str, Any]]
@@ -240,6 +268,7 @@ class Pipeline:
     run_dir: Path  # relative to workdir: <run_dir>/<name>
     stages: list[Stage]
     section: PipelineSection
+    plan_section: PlanSection = dataclasses.field(default_factory=PlanSection)
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -319,7 +348,7 @@ def load_pipeline(path: str | Path, *, workdir: str | Path | None = None) -> Pip
         outputs[stage_name] = stage.output
     if problems:
         raise ConfigError("\n".join(problems))
-    return Pipeline(name, file, workdir, run_dir, stages, spec.pipeline)
+    return Pipeline(name, file, workdir, run_dir, stages, spec.pipeline, spec.plan)
 
 
 def _stage_tables(stages: Any, file: Path) -> list[tuple[str, dict]]:
@@ -631,7 +660,8 @@ def _validate(schema: type[Section], data: Any, where: str):
                 allowed = ", ".join(_allowed_keys(schema, problem["loc"][:-1]))
                 lines.append(f"{where}: unknown key {key!r}; allowed: {allowed}")
             else:
-                lines.append(f"{where}: {key} = {problem.get('input')!r}: {problem['msg']}")
+                message = problem["msg"].removeprefix("Value error, ")
+                lines.append(f"{where}: {key} = {problem.get('input')!r}: {message}")
         raise ConfigError("\n".join(lines)) from None
 
 
@@ -948,11 +978,16 @@ def run_pipeline(
         label = {"run": "run", "skip": "up to date", "keep": "left as is"}[item.action]
         detail = f" ({item.reason})" if item.action == "run" else ""
         echo(f"  {item.stage.name:<14} {item.stage.kind:<9} {label}{detail}")
+    plan_files = _plan_memory(pipeline, [item.stage for item in to_run], launcher.name, echo)
     if dry_run:
         for item, job in zip(to_run, jobs):
             echo(f"\n# stage {job.name} ({job.kind})")
             echo(f"$ lmforge {_quote(job.argv)}")
-            files = {STAGE_CONFIG: item.stage.config_text, **launcher.render(job)}
+            files = {
+                STAGE_CONFIG: item.stage.config_text,
+                **launcher.render(job),
+                **plan_files.get(job.name, {}),
+            }
             job.run_dir.mkdir(parents=True, exist_ok=True)
             for file_name, text in files.items():
                 text = redact(text, secrets)
@@ -972,7 +1007,7 @@ def run_pipeline(
 
     tracker = _Tracker(pipeline, {i.stage.name: i for i in to_run}, launcher, secrets, echo)
     for item, job in zip(to_run, jobs):
-        tracker.prepare(item, job)
+        tracker.prepare(item, job, plan_files.get(job.name, {}))
     handles: dict[str, JobHandle] = {}
     try:
         handles = launcher.submit(jobs, secrets=secrets, on_event=tracker.event)
@@ -998,6 +1033,22 @@ def run_pipeline(
     else:
         echo(f"[pipeline] submitted; follow with: lmforge status {pipeline.run_dir}")
     return RunResult(pipeline, plan, handles, ok=ok, report=report)
+
+
+def _plan_memory(
+    pipeline: Pipeline, stages: list[Stage], launcher: str, echo: Callable[[str], None]
+) -> dict[str, dict[str, str]]:
+    """Plan the GPU memory of the training stages about to run (warning about those that will
+    not fit) and return each planned stage's table as a file for its directory."""
+    from lmforge.plan.stages import PLAN_FILE, format_stage_plans, plan_stages
+
+    plans = [p for p in plan_stages(pipeline, stages, launcher) if p.skipped != "runs on the CPU"]
+    if not plans:
+        return {}
+    echo("")
+    for line in format_stage_plans(plans):
+        echo(line)
+    return {p.stage.name: {PLAN_FILE: p.plan.table() + "\n"} for p in plans if p.plan is not None}
 
 
 def _quote(argv: list[str]) -> str:
@@ -1069,9 +1120,9 @@ class _Tracker:
         self.secrets, self.echo = secrets, echo
         self.seen: dict[str, JobState] = {}
 
-    def prepare(self, item: PlanItem, job: StageJob) -> None:
+    def prepare(self, item: PlanItem, job: StageJob, extra_files: Mapping[str, str]) -> None:
         """Clear the stage directory (unless a failed training run can resume), write its
-        config and rendered scripts and a `pending` manifest."""
+        config, rendered scripts, `extra_files` and a `pending` manifest."""
         from lmforge.artifact import code_version
 
         stage = item.stage
@@ -1088,7 +1139,7 @@ class _Tracker:
             shutil.rmtree(stage_dir)
         stage_dir.mkdir(parents=True, exist_ok=True)
         (stage_dir / STAGE_CONFIG).write_text(stage.config_text)
-        for file_name, text in self.launcher.render(job).items():
+        for file_name, text in {**self.launcher.render(job), **extra_files}.items():
             (stage_dir / file_name).write_text(redact(text, self.secrets))
         manifest = {
             "stage": stage.name,

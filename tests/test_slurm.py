@@ -413,6 +413,64 @@ def test_70b_dependency_chain(rendered_70b):
     assert "job_wikitext=$(sbatch --parsable --kill-on-invalid-dep=yes /" in submit
 
 
+def test_70b_training_stages_are_planned_and_fit(rendered_70b, capsys):
+    pipeline, _, printed = rendered_70b
+    from lmforge.cli import main
+
+    for name in TRAINING:
+        (line,) = [x for x in printed.splitlines() if x.startswith(f"  {name} ") and "GPU" in x]
+        assert "16 GPUs:" in line and "of 140.4 GiB per GPU, fits" in line, line
+        table = (pipeline.workdir / f"runs/llama3_70b/{name}/memory_plan.txt").read_text()
+        assert "16 GPUs (2 nodes × 8)" in table and "->  FITS" in table, table
+        # The pipeline plans exactly as `lmforge plan` does with the stage's own config.
+        kind = "pretrain" if name == "cpt" else name
+        config = pipeline.workdir / f"runs/llama3_70b/{name}/stage.toml"
+        argv = ["plan", "--config", str(config), "--job", kind, "--model", "llama3.1-70b"]
+        assert main([*argv, "--gpus", "2x8", "--gpu-memory", "h200"]) == 0
+        total = re.search(r"total +([0-9.]+ GiB)", capsys.readouterr().out).group(1)
+        assert f"{total} of 140.4 GiB" in table
+    assert "WARNING" not in printed
+
+
+def test_70b_on_80gb_gpus_warns_that_pretraining_will_not_fit(tmp_path):
+    from lmforge.pipeline import load_pipeline, run_pipeline
+
+    text = EXAMPLE_70B.read_text()
+    assert 'gpu_memory = "h200"' in text
+    (tmp_path / "p.toml").write_text(text.replace('gpu_memory = "h200"', 'gpu_memory = "80GB"'))
+    pipeline = load_pipeline(tmp_path / "p.toml", workdir=tmp_path)
+    lines: list[str] = []
+    assert run_pipeline(pipeline, launcher="slurm", dry_run=True, echo=lines.append).ok
+    warnings = [line for line in lines if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "stage 'cpt' will not fit" in warnings[0], warnings
+    assert "--cpu-offload" in "\n".join(lines[lines.index(warnings[0]) :][:8])
+    assert "DOES NOT FIT" in (tmp_path / "runs/llama3_70b/cpt/memory_plan.txt").read_text()
+
+
+def test_stages_are_not_planned_without_gpu_memory_or_model_shape(tmp_path):
+    from lmforge.pipeline import load_pipeline, run_pipeline
+
+    text = EXAMPLE_70B.read_text()
+    variants = {
+        "no memory": (text.replace('gpu_memory = "h200"', ""), "set [plan] gpu_memory"),
+        "no shape": (
+            text.replace('model = "llama3.1-70b"', ""),
+            "the model models/Llama-3.1-70B is not on disk yet; set [plan] model = PRESET",
+        ),
+    }
+    for name, (variant, reason) in variants.items():
+        (tmp_path / "p.toml").write_text(variant)
+        pipeline = load_pipeline(tmp_path / "p.toml", workdir=tmp_path)
+        lines: list[str] = []
+        assert run_pipeline(pipeline, launcher="slurm", dry_run=True, echo=lines.append).ok
+        planned = [line for line in lines if line.startswith(("  cpt ", "  sft ", "  dpo "))]
+        assert len(planned) == 6, (name, planned)  # the stage list, then the memory plan
+        assert all(reason in line for line in planned[3:]), (name, planned)
+    (tmp_path / "p.toml").write_text(text.replace('gpu_memory = "h200"', 'gpu_memory = "lots"'))
+    with pytest.raises(ConfigError, match=r"plan.gpu_memory.*'lots'"):
+        load_pipeline(tmp_path / "p.toml", workdir=tmp_path)
+
+
 def test_rendered_scripts_hold_no_secret(tmp_path, monkeypatch):
     from lmforge.pipeline import load_pipeline, run_pipeline
 

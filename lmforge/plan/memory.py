@@ -753,9 +753,9 @@ def plan_memory(
 
     # ---- weight copies and gradient buffers -----------------------------------------------
     phases: dict[str, dict[str, int]] = {}
-    # Gradients of earlier micro-batches of the step (without FSDP; FSDP keeps them unsharded,
-    # below).
-    grad_acc = grads if setup.grad_accumulation > 1 and not setup.fsdp else 0
+    # Gradients of earlier micro-batches of the step. Under FSDP the loop reduce-scatters after
+    # every micro-batch, so these are the sharded gradients, accumulated in place.
+    grad_acc = grads if setup.grad_accumulation > 1 else 0
     output_matmul = root["matmul_trainable"]  # the output projection (or the tied table)
     output_frozen = root["matmul_frozen"]
     if setup.fsdp:
@@ -771,28 +771,15 @@ def plan_memory(
         if setup.reference == "frozen_copy":
             gathered_fwd += blk  # the reference's last block stays gathered (no backward)
             gathered_bwd += blk
-        unsharded_acc = 0
-        if setup.grad_accumulation > 1:
-            # set_requires_gradient_sync(False) between micro-batches: FSDP2 keeps every
-            # block's unsharded gradient, upcast to the reduce dtype, until the last one.
-            unsharded_acc = (L * block["trainable"] + root["trainable"]) * redb
-            notes.append(
-                "gradient accumulation under FSDP: the loop turns gradient sync off between "
-                "micro-batches, so FSDP2 keeps unsharded "
-                f"{dtype_name(redb)} gradients of the whole model ({fmt_gib(unsharded_acc)} "
-                "per GPU) until the last micro-batch"
-            )
         grad_buffers_bwd = (
             block["trainable"] * (gb + redb)  # this block's gradients + its reduce-scatter input
             + root["trainable"] * gb  # the output projection's gradient, held to the end
-            + unsharded_acc
         )
-        grad_buffers_root = root["trainable"] * (gb + redb) + unsharded_acc
+        grad_buffers_root = root["trainable"] * (gb + redb)
         phases["output projection"] = {  # the root is gathered until the forward returns
             **persistent,
             "gradients": grad_acc,
             "weight copies": rt + gathered_fwd,
-            "gradient buffers": unsharded_acc,
             "activations": acts,
             "logits and loss": setup.compute_bytes * a.vocab_size * tokens,
         }
@@ -800,7 +787,6 @@ def plan_memory(
             **persistent,
             "gradients": grad_acc,
             "weight copies": gathered_fwd,
-            "gradient buffers": unsharded_acc,
             "activations": acts,
             "logits and loss": loss_fwd,
         }
@@ -808,7 +794,6 @@ def plan_memory(
             **persistent,
             "gradients": grad_acc,
             "weight copies": gathered_fwd,
-            "gradient buffers": unsharded_acc,
             "activations": acts,
             "logits and loss": loss_bwd,
         }
@@ -986,14 +971,21 @@ def dtype_name(nbytes: int) -> str:
 # ----------------------------------------------------------------------------- from a job
 
 
-def setup_from_job(job, *, gpus: int, gpus_per_node: int = 8) -> Setup:
-    """The Setup a training job config (PretrainJob, SFTJob, DPOJob) runs with on `gpus`."""
+def setup_from_job(
+    job, *, gpus: int, gpus_per_node: int = 8, args: ModelArgs | None = None
+) -> Setup:
+    """The Setup a training job config (PretrainJob, SFTJob, DPOJob) runs with on `gpus`.
+
+    args: the shape of `job.model.source` when it cannot be read yet (an upstream stage's
+    output, a download to come); the job's model overrides still apply.
+    """
     from lmforge import api
+    from lmforge.models.llama.args import PRESETS
     from lmforge.train.config import DPOJob, PretrainJob
 
     source = job.model.source
-    from_scratch = api.detect_format(source) == "preset"
-    args = api.read_args(source)
+    from_scratch = source in PRESETS
+    args = args or api.read_args(source)
     if job.model.overrides:
         args = args.replace(**job.model.overrides)
     lora = getattr(job, "lora", None)
