@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import bench_trainer
 from lmforge.models.llama import Transformer, get_preset
 from lmforge.modules.lora import (
     DEFAULT_TARGETS,
@@ -36,18 +37,10 @@ from lmforge.modules.lora import (
 )
 from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
 from lmforge.train.config import (
-    CheckpointSection,
-    MetricsSection,
-    OptimSection,
     ParallelSection,
-    ProfileSection,
-    SchedulerSection,
-    TrainSection,
 )
 from lmforge.train.distributed import MESH_AXES, Layout
-from lmforge.train.loop import LoopSections, Trainer
-from lmforge.train.losses import DPOLossStep, count_label_tokens, count_pairs
-from lmforge.train.optim import build_optimizer, build_scheduler
+from lmforge.train.losses import CausalLMLoss, DPOLossStep, count_label_tokens, count_pairs
 from lmforge.train.parallelize import apply_fsdp, parallelize
 
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
@@ -96,23 +89,8 @@ SMOKE_CONFIGS = [
     Config("tiny-dpo-full-none", "tiny", method="dpo-full", batch=2, seq=64),
     Config("tiny-qlora-full", "tiny", method="qlora", ac="full", batch=2, seq=64),
     Config("tiny-full-none-fsdp1", "tiny", batch=2, seq=64, fsdp1=True),
-    Config("tiny-full-full-offload", "tiny", ac="full", batch=2, seq=64, offload=True),
-]
+]  # no CPU-offload row: FSDP2's offload policy needs an accelerator to offload from
 LORA_RANK = 16
-
-
-class _NoCheckpoints:
-    def latest(self):
-        return None
-
-    def restore_latest(self, state):
-        return None
-
-    def save(self, step, state):
-        pass
-
-    def close(self):
-        pass
 
 
 def random_batches(cfg: Config, vocab: int, device):
@@ -187,50 +165,27 @@ def build_trainer(cfg: Config, device: torch.device, steps: int):
     lora = cfg.method in ("lora", "qlora", "dpo-lora")
     model = build_model(cfg, args, layout, device, lora=lora)
     model.train()
-    optimizer = build_optimizer(model, OptimSection(lr=1e-5), device)
-    scheduler = build_scheduler(
-        optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps
-    )
     if cfg.method.startswith("dpo"):
         reference = None
         if cfg.method == "dpo-full":  # lmforge.train.dpo: a frozen copy built like the policy
             reference = build_model(cfg, args, layout, device, lora=False).eval()
             reference.requires_grad_(False)
-        loss_step, count = (
-            DPOLossStep(beta=0.1, label_smoothing=0.0, loss_type="sigmoid", reference=reference),
-            count_pairs,
+        loss_step = DPOLossStep(
+            beta=0.1, label_smoothing=0.0, loss_type="sigmoid", reference=reference
         )
+        count = count_pairs
     else:
-        from lmforge.train import losses
-
-        if hasattr(losses, "CausalLMLoss"):
-            loss_step = losses.CausalLMLoss(compile=cfg.compile)
-        else:
-            loss_step = losses.causal_lm_loss
-        count = count_label_tokens
-    trainer = Trainer(
-        model=model,
+        loss_step, count = CausalLMLoss(compile=cfg.compile), count_label_tokens
+    trainer = bench_trainer(
+        model,
+        layout,
         loss_step=loss_step,
         batches=random_batches(cfg, args.vocab_size, device),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        layout=layout,
-        sections=LoopSections(
-            TrainSection(
-                steps=steps,
-                micro_batch_size=cfg.batch,
-                global_batch_size=cfg.batch * cfg.accumulation,
-                mixed_precision="bf16" if on_cuda else "fp32",
-            ),
-            CheckpointSection(every=0),
-            MetricsSection(tensorboard=False),
-            ProfileSection(),
-        ),
-        run_dir=None,
-        checkpointer=_NoCheckpoints(),
-        checkpoint_state={},
-        flops_per_token=1.0,
+        steps=steps,
+        micro_batch_size=cfg.batch,
+        accumulation=cfg.accumulation,
         bf16=on_cuda,
+        lr=1e-5,
         count_targets=count,
     )
     return trainer, args
@@ -256,20 +211,6 @@ def predict(cfg: Config, args, *, compute: str = "bf16"):
     return plan_memory(setup, "h200")
 
 
-def _grad_norm_on_device(device: torch.device) -> None:
-    """Work around Trainer.train_step's `torch.cat([stats, grad_norm])`, which fails under CPU
-    offload (the gradients, hence their norm, live on the host): return the norm on the GPU."""
-    clip = torch.nn.utils.clip_grad_norm_
-    if getattr(clip, "_on_device", False):
-        return
-
-    def clip_on_device(*args, **kwargs):
-        return clip(*args, **kwargs).to(device)
-
-    clip_on_device._on_device = True
-    torch.nn.utils.clip_grad_norm_ = clip_on_device
-
-
 def measure(cfg: Config, device: torch.device, steps: int) -> dict:
     on_cuda = device.type == "cuda"
     if on_cuda:
@@ -277,8 +218,6 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    if cfg.offload and on_cuda:
-        _grad_norm_on_device(device)
     trainer, args = build_trainer(cfg, device, steps)
     probe = {}
     if on_cuda:  # allocated memory when the loss forward is done (activations + logits held)

@@ -15,38 +15,15 @@ import time
 
 import torch
 
+from benchmarks.common import bench_trainer
 from lmforge.models.llama import Transformer, get_preset
-from lmforge.train.config import (
-    CheckpointSection,
-    MetricsSection,
-    OptimSection,
-    ParallelSection,
-    ProfileSection,
-    SchedulerSection,
-    TrainSection,
-)
+from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
-from lmforge.train.loop import LoopSections, Trainer
 from lmforge.train.losses import CausalLMLoss
-from lmforge.train.optim import build_optimizer, build_scheduler
 from lmforge.train.parallelize import parallelize
 
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b"}
 PEAK_FLOPS = 989e12
-
-
-class _NoCheckpoints:
-    def latest(self):
-        return None
-
-    def restore_latest(self, state):
-        return None
-
-    def save(self, step, state):
-        pass
-
-    def close(self):
-        pass
 
 
 def random_batches(vocab: int, batch: int, seq: int, device):
@@ -90,28 +67,13 @@ def bench_ours(
         reset_lora_parameters(model)
     if lora == "qlora":
         quantize_base_nf4(model)
-    optimizer = build_optimizer(model, OptimSection(lr=1e-4), device)
-    scheduler = build_scheduler(
-        optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps + warmup
-    )
-    trainer = Trainer(
-        model=model,
+    trainer = bench_trainer(
+        model,
+        layout,
         loss_step=CausalLMLoss(compile=compile),
         batches=random_batches(args.vocab_size, batch, seq, device),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        layout=layout,
-        sections=LoopSections(
-            TrainSection(steps=steps + warmup, micro_batch_size=batch, mixed_precision="bf16"),
-            CheckpointSection(every=0),
-            MetricsSection(tensorboard=False),
-            ProfileSection(),
-        ),
-        run_dir=None,
-        checkpointer=_NoCheckpoints(),
-        checkpoint_state={},
-        flops_per_token=1.0,
-        bf16=True,
+        steps=steps + warmup,
+        micro_batch_size=batch,
     )
     return time_steps(lambda: trainer.train_step(False), steps, warmup), args
 

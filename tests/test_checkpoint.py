@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from lmforge.errors import ConfigError
-from lmforge.models.llama import Transformer, get_preset
+from lmforge.models.llama import Transformer
 from lmforge.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -31,12 +31,11 @@ from lmforge.train.checkpoint import (
     checkpoint_problem,
 )
 from tests.scripts import checkpoint_worker as worker
+from tests.train_utils import small_args
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "scripts" / "checkpoint_worker.py"
-SMALL = get_preset("tiny").replace(
-    dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=256
-)
+SMALL = small_args(256)
 
 
 def make_training(seed: int):

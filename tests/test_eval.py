@@ -20,8 +20,6 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lmforge import cli  # noqa: E402
 from lmforge.api import build_model, load, save_state  # noqa: E402
 from lmforge.artifact import artifact_hash  # noqa: E402
-from lmforge.data.demo import write_demo_data  # noqa: E402
-from lmforge.data.tokenizer import train_bpe  # noqa: E402
 from lmforge.errors import ConfigError, DataError  # noqa: E402
 from lmforge.eval import (  # noqa: E402
     LmforgeLM,
@@ -32,7 +30,7 @@ from lmforge.eval import (  # noqa: E402
 )
 from lmforge.eval.harness import metric_rows  # noqa: E402
 from lmforge.eval.perplexity import sliding_windows  # noqa: E402
-from lmforge.models.llama import get_preset  # noqa: E402
+from tests.train_utils import demo_world  # noqa: E402
 
 # Sums of ~20 float32 log-probabilities of ~-5.7 each agree to a few float32 ulps, not to 1e-5
 # absolute; relative 1e-6 is ~8 ulps.
@@ -42,16 +40,7 @@ LL_TOLERANCE = dict(rel=1e-6, abs=1e-5)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
-    data = write_demo_data(root / "data")
-    tokenizer = train_bpe([data["corpus"]], vocab_size=300, out_dir=root / "tokenizer")
-    args = get_preset("tiny").replace(
-        dim=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=128,
-        vocab_size=tokenizer.vocab_size,
-    )
+    data, tokenizer, args = demo_world(root, vocab_size=300)
     artifacts = []
     for seed, name in ((0, "base"), (1, "sft")):
         model = build_model(args, seed=seed)

@@ -11,13 +11,11 @@ import torch
 import lmforge
 from lmforge.api import build_model
 from lmforge.cli import main as cli_main
-from lmforge.data.demo import write_demo_data
-from lmforge.data.tokenizer import train_bpe
 from lmforge.errors import ConfigError
 from lmforge.generate import Generator, Sampler, SamplingParams
 from lmforge.generate.generate import weight_bytes
-from lmforge.models.llama import get_preset
 from tests.conftest import make_hf_llama
+from tests.train_utils import demo_world
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
 
@@ -48,11 +46,7 @@ def hf_pair(tmp_path_factory):
 def tiny_with_tokenizer(tmp_path_factory):
     """A random tiny model with a BPE tokenizer trained on the demo corpus, and its artifact."""
     root = tmp_path_factory.mktemp("tiny")
-    write_demo_data(root / "data")
-    tokenizer = train_bpe([root / "data" / "corpus.txt"], vocab_size=384, out_dir=root / "tok")
-    args = get_preset("tiny").replace(
-        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=384
-    )
+    _, tokenizer, args = demo_world(root, vocab_size=384)
     loaded = lmforge.api.LoadedModel(
         model=build_model(args, seed=3).eval(), tokenizer=tokenizer, config=args, source="tiny"
     )

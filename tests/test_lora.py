@@ -18,17 +18,13 @@ from lmforge import cli
 from lmforge.api import LoadedModel, build_model
 from lmforge.config import load_config
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models.llama import Transformer, get_preset
+from lmforge.models.llama import Transformer
 from lmforge.modules import lora
 from tests.conftest import make_hf_llama
+from tests.train_utils import small_args
 
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down", "output"]
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-
-
-def tiny_args(**changes):
-    shape = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=256)
-    return get_preset("tiny").replace(**(shape | changes))
 
 
 def perturb_adapters(model, *, seed=1, std=0.05):
@@ -41,7 +37,7 @@ def perturb_adapters(model, *, seed=1, std=0.05):
 
 
 def lora_model(targets=ALL_TARGETS, *, rank=4, alpha=8.0, seed=0):
-    model = build_model(tiny_args(), seed=seed)
+    model = build_model(small_args(), seed=seed)
     base_logits = model(TOKENS).detach()
     lora.apply_lora(model, targets=targets, rank=rank, alpha=alpha, dropout=0.0)
     return model, base_logits
@@ -51,7 +47,7 @@ def lora_model(targets=ALL_TARGETS, *, rank=4, alpha=8.0, seed=0):
 
 
 def test_zero_b_leaves_logits_unchanged_and_keeps_state_dict_names():
-    base = build_model(tiny_args())
+    base = build_model(small_args())
     base_names = set(base.state_dict())
     model, base_logits = lora_model()
     assert torch.equal(model(TOKENS), base_logits)
@@ -73,7 +69,7 @@ def test_merged_model_equals_unmerged_forward():
     lora.merge_lora(model)
     assert not lora.lora_modules(model)
     assert isinstance(model.layers["1"].feed_forward.w2, torch.nn.Linear)
-    assert set(model.state_dict()) == set(build_model(tiny_args()).state_dict())
+    assert set(model.state_dict()) == set(build_model(small_args()).state_dict())
     torch.testing.assert_close(model(TOKENS), adapted, atol=1e-5, rtol=0)
 
 
@@ -105,7 +101,7 @@ def test_only_adapters_train():
 
 
 def test_dropout_only_in_training():
-    model = build_model(tiny_args())
+    model = build_model(small_args())
     lora.apply_lora(model, targets=["q"], rank=4, alpha=8, dropout=0.5)
     perturb_adapters(model)
     model.eval()
@@ -115,7 +111,7 @@ def test_dropout_only_in_training():
 
 
 def test_meta_device_then_to_empty_and_reset():
-    args = tiny_args()
+    args = small_args()
     base = build_model(args, seed=3)
     with torch.device("meta"):
         model = Transformer(args)
@@ -135,10 +131,10 @@ def test_meta_device_then_to_empty_and_reset():
 
 
 def test_bad_targets_and_tied_output_are_config_errors():
-    model = build_model(tiny_args())
+    model = build_model(small_args())
     with pytest.raises(ConfigError, match=r"'qq'.*allowed: q, k, v, o, gate, up, down, output"):
         lora.apply_lora(model, targets=["q", "qq"], rank=4, alpha=8)
-    tied = build_model(tiny_args(tie_embeddings=True))
+    tied = build_model(small_args(tie_embeddings=True))
     with pytest.raises(ConfigError, match="tied embeddings"):
         lora.apply_lora(tied, targets=["q", "output"], rank=4, alpha=8)
     with pytest.raises(ConfigError, match=r"targets.*'w1'.*allowed: q, k"):
@@ -154,7 +150,7 @@ def test_bad_targets_and_tied_output_are_config_errors():
 def saved_lora(tmp_path_factory):
     """A base artifact (lmforge.save), our adapter for it, and our logits before/after merge."""
     root = tmp_path_factory.mktemp("lora")
-    args = tiny_args()
+    args = small_args()
     base = build_model(args, seed=5)
     base_dir = lmforge.save(LoadedModel(base, None, args, "tiny"), root / "base")
     cfg = lora.LoRASection(enabled=True, rank=4, alpha=8, targets=ALL_TARGETS)
@@ -238,12 +234,12 @@ def test_bad_adapters_name_the_file(tmp_path, saved_lora):
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
     with pytest.raises(ModelFormatError, match=r"bad/adapter_config.json: use_dora = true"):
-        lora.load_peft_adapter(build_model(tiny_args()), bad)
+        lora.load_peft_adapter(build_model(small_args()), bad)
     (bad / "adapter_config.json").write_text(json.dumps(config | {"target_modules": ["qkv"]}))
     with pytest.raises(ModelFormatError, match=r"adapter_config.json: target_modules.*q_proj"):
         lora.read_peft_config(bad)
     (bad / "adapter_config.json").write_text(json.dumps(config))
-    wider = build_model(tiny_args(dim=128, ffn_dim=256))
+    wider = build_model(small_args(dim=128, ffn_dim=256))
     with pytest.raises(ModelFormatError, match=r"adapter_model.safetensors: tensor .* shape"):
         lora.load_peft_adapter(wider, bad)
 
@@ -271,7 +267,7 @@ def test_merge_command_round_trip(tmp_path, saved_lora, capsys):
 
 def test_qlora_nf4_base_forward_memory_and_training():
     pytest.importorskip("torchao")
-    args = tiny_args(dim=128, ffn_dim=256)
+    args = small_args(dim=128, ffn_dim=256)
     model = build_model(args, seed=7)
     lora.apply_lora(model, targets=lora.DEFAULT_TARGETS, rank=8, alpha=16)
     full_logits = model(TOKENS).detach()

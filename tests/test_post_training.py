@@ -14,11 +14,15 @@ import torch
 
 import lmforge
 from lmforge.api import build_model, save_state
-from lmforge.data.demo import write_demo_data
-from lmforge.data.tokenizer import train_bpe
-from lmforge.models.llama import get_preset
 from lmforge.train.losses import dpo_loss
-from tests.train_utils import kill_all, losses, run_inprocess, run_torchrun, wait_for_step
+from tests.train_utils import (
+    demo_world,
+    kill_all,
+    losses,
+    run_inprocess,
+    run_torchrun,
+    wait_for_step,
+)
 
 GOLDEN_DPO = Path(__file__).parent / "golden" / "dpo_losses.json"
 
@@ -27,16 +31,7 @@ GOLDEN_DPO = Path(__file__).parent / "golden" / "dpo_losses.json"
 def base(tmp_path_factory):
     """A small random base artifact with the demo tokenizer, and the demo data."""
     root = tmp_path_factory.mktemp("post")
-    paths = write_demo_data(root / "data")
-    tokenizer = train_bpe([paths["corpus"]], vocab_size=400, out_dir=root / "tokenizer")
-    args = get_preset("tiny").replace(
-        dim=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=128,
-        vocab_size=tokenizer.vocab_size,
-    )
+    paths, tokenizer, args = demo_world(root, vocab_size=400)
     artifact = save_state(
         build_model(args, seed=3).state_dict(),
         args,

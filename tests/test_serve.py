@@ -36,7 +36,7 @@ from lmforge.api import build_model, save_state  # noqa: E402
 from lmforge.cli import main as cli_main  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
 from lmforge.generate import Generator, SamplingParams  # noqa: E402
-from lmforge.models.llama import get_preset  # noqa: E402
+from tests.train_utils import small_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -58,9 +58,7 @@ def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("serve")
     (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     tokenizer = train_bpe([root / "corpus.txt"], vocab_size=320, out_dir=root / "tok")
-    args = get_preset("tiny").replace(
-        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=320
-    )
+    args = small_args(320)
     model = build_model(args, seed=7)
     directory = save_state(
         model.state_dict(), args, tokenizer, root / MODEL, stage="test", parent=None

@@ -25,8 +25,8 @@ from lmforge.data.sft import (
 )
 from lmforge.data.tokenizer import EOT, load_tokenizer, train_bpe
 from lmforge.errors import ConfigError, DataError, ModelFormatError, UserError
-from lmforge.models.llama.args import get_preset
 from lmforge.train.losses import IGNORE_INDEX
+from tests.train_utils import small_args
 
 MULTI_TURN = [
     {"role": "system", "content": "You answer questions about the demo world."},
@@ -320,14 +320,7 @@ def one_thread():
 
 def test_packing_gives_the_same_per_sample_losses_as_unpacked(demo_data, tokenizer, one_thread):
     samples = demo_data.samples[:10]
-    args = get_preset("tiny").replace(
-        dim=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=128,
-        vocab_size=tokenizer.vocab_size,
-    )
+    args = small_args(tokenizer.vocab_size)
     model = build_model(args, seed=0).eval()
     packed = SFTLoader(samples, micro_batch_size=1, max_seq_len=128, pack=True, pad_id=3)
     assert packed.num_items < len(samples)  # several samples share a sequence

@@ -32,10 +32,9 @@ from lmforge.models.llama.torchtitan import (
     is_torchtitan_checkpoint,
     read_torchtitan_checkpoint,
 )
+from tests.train_utils import small_args
 
-SMALL = get_preset("tiny").replace(
-    dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=256
-)
+SMALL = small_args(256)
 
 
 def _half_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

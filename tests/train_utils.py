@@ -11,16 +11,26 @@ import sys
 from pathlib import Path
 
 from lmforge.cli import main as cli_main
+from lmforge.data.demo import write_demo_data
+from lmforge.data.tokenizer import Tokenizer, train_bpe
+from lmforge.models.llama import ModelArgs, get_preset
 
 # A model small enough that a training step takes milliseconds on one CPU core.
-SMALL_MODEL = [
-    "model.source=tiny",
-    "model.overrides.dim=64",
-    "model.overrides.num_layers=2",
-    "model.overrides.num_heads=4",
-    "model.overrides.num_kv_heads=2",
-    "model.overrides.ffn_dim=128",
-]
+SMALL_SHAPE = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128)
+SMALL_MODEL = ["model.source=tiny", *(f"model.overrides.{k}={v}" for k, v in SMALL_SHAPE.items())]
+
+
+def small_args(vocab_size: int = 256, **changes) -> ModelArgs:
+    """The tiny preset cut down to SMALL_SHAPE."""
+    return get_preset("tiny").replace(**{**SMALL_SHAPE, "vocab_size": vocab_size, **changes})
+
+
+def demo_world(root: Path, vocab_size: int) -> tuple[dict[str, Path], Tokenizer, ModelArgs]:
+    """The demo data under root/data, a BPE tokenizer trained on its corpus (root/tokenizer) and
+    the small shape for that tokenizer."""
+    data = write_demo_data(root / "data")
+    tokenizer = train_bpe([data["corpus"]], vocab_size=vocab_size, out_dir=root / "tokenizer")
+    return data, tokenizer, small_args(tokenizer.vocab_size)
 
 
 def write_corpus(path: Path, *, num_docs: int = 400, seed: int = 0) -> Path:

@@ -7,17 +7,18 @@ sharded like the policy.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from lmforge.data.preference import PreferenceLoader, load_preference_data
 from lmforge.errors import ConfigError
 from lmforge.train.config import DPOJob
 from lmforge.train.losses import DPOLossStep, count_pairs
-from lmforge.train.sft import require_tokenizer
-from lmforge.train.stage import build_and_load_model, lora_section, run_stage
-
-log = logging.getLogger(__name__)
+from lmforge.train.stage import (
+    build_and_load_model,
+    data_loader_factory,
+    lora_section,
+    run_stage,
+)
 
 
 def dpo(job: DPOJob) -> Path:
@@ -30,21 +31,6 @@ def dpo(job: DPOJob) -> Path:
         reference_kind = "adapters_disabled" if lora is not None else "frozen_copy"
     if reference_kind == "adapters_disabled" and lora is None:
         raise ConfigError('dpo.reference = "adapters_disabled" needs lora.enabled = true')
-
-    def make_loader(layout, spec) -> PreferenceLoader:
-        tokenizer = require_tokenizer(spec, "dpo")
-        dataset = load_preference_data(job.data, tokenizer)
-        if layout.is_main:
-            log.warning("dpo data: %s", dataset.summary())
-        return PreferenceLoader.from_section(
-            dataset.samples,
-            job.data,
-            tokenizer,
-            micro_batch_size=job.train.micro_batch_size,
-            dp_rank=layout.dp_rank,
-            dp_size=layout.dp_size,
-            seed=job.train.seed,
-        )
 
     def make_loss_step(model, spec, layout) -> DPOLossStep:
         reference = None
@@ -62,7 +48,7 @@ def dpo(job: DPOJob) -> Path:
     return run_stage(
         job,
         stage="dpo",
-        make_batches=make_loader,
+        make_batches=data_loader_factory(job, "dpo", load_preference_data, PreferenceLoader),
         make_loss_step=make_loss_step,
         count_targets=count_pairs,
     )

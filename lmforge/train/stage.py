@@ -274,6 +274,32 @@ def lora_section(job: TrainJob) -> LoRASection | None:
     return lora if lora is not None and lora.enabled else None
 
 
+def data_loader_factory(job, stage: str, load_data: Callable, loader_cls: type) -> Callable:
+    """The `make_batches` of a post-training stage: tokenize `job.data` with the model's
+    tokenizer (`load_data(section, tokenizer)`) and give this data-parallel rank its slice."""
+
+    def make(layout: distributed.Layout, spec: ModelSpec):
+        if spec.tokenizer is None:
+            raise ConfigError(
+                f"{stage} needs a tokenizer: model.source {spec.source!r} has none; "
+                "set model.tokenizer"
+            )
+        dataset = load_data(job.data, spec.tokenizer)
+        if layout.is_main:
+            log.warning("%s data: %s", stage, dataset.summary())
+        return loader_cls.from_section(
+            dataset.samples,
+            job.data,
+            spec.tokenizer,
+            micro_batch_size=job.train.micro_batch_size,
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp_size,
+            seed=job.train.seed,
+        )
+
+    return make
+
+
 def run_stage(
     job: TrainJob,
     *,
