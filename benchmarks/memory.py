@@ -131,7 +131,13 @@ def build_model(cfg: Config, args, layout: Layout, device: torch.device, *, lora
     with torch.device("meta"):
         model = Transformer(args)
     if lora:
-        apply_lora(model, targets=DEFAULT_TARGETS, rank=LORA_RANK, alpha=2.0 * LORA_RANK)
+        apply_lora(  # as lmforge.train.stage in bf16 training: frozen linears stored in bf16
+            model,
+            targets=DEFAULT_TARGETS,
+            rank=LORA_RANK,
+            alpha=2.0 * LORA_RANK,
+            base_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        )
     parallel = ParallelSection(
         activation_checkpointing=cfg.ac, cpu_offload=cfg.offload, compile=cfg.compile
     )

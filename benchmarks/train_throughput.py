@@ -56,7 +56,7 @@ def bench_ours(
         model = Transformer(args)
     targets = ["q", "k", "v", "o", "gate", "up", "down"]
     if lora:
-        apply_lora(model, targets=targets, rank=16, alpha=32)
+        apply_lora(model, targets=targets, rank=16, alpha=32, base_dtype=torch.bfloat16)
     parallel = ParallelSection(compile=compile, float8=float8, activation_checkpointing=ac)
     parallelize(model, layout, parallel, bf16=True)
     model.to_empty(device=device)

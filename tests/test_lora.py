@@ -321,3 +321,28 @@ def test_qlora_nf4_base_forward_memory_and_training():
     assert not lora.is_nf4(model.layers["0"].attention.wq.weight)
     model.output.weight = torch.nn.Parameter(model.output.weight.get_original_weight())
     torch.testing.assert_close(model(TOKENS), adapted, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_frozen_linears_give_the_same_autocast_forward(tied):
+    args = small_args(tie_embeddings=tied)
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    fp32 = lora.apply_lora(build_model(args, seed=0), targets=targets, rank=4, alpha=8)
+    perturb_adapters(fp32)
+    half = lora.apply_lora(
+        build_model(args, seed=5), targets=targets, rank=4, alpha=8, base_dtype=torch.bfloat16
+    )
+    half.load_state_dict(fp32.state_dict())
+    dtypes = {name: p.dtype for name, p in half.named_parameters()}
+    for name, dtype in dtypes.items():
+        frozen_linear = name.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight",
+                                       "w1.weight", "w2.weight", "w3.weight"))  # fmt: skip
+        frozen_linear |= name == "output.weight" and not tied  # tied: it is the embedding
+        assert dtype == (torch.bfloat16 if frozen_linear else torch.float32), name
+    assert [n for n, p in half.named_parameters() if p.requires_grad] == [
+        n for n, p in fp32.named_parameters() if p.requires_grad
+    ]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the matmuls read bf16 weights anyway
+        assert torch.equal(half(TOKENS), fp32(TOKENS))
+    stored_bf16 = sum(p.numel() for p in half.parameters() if p.dtype == torch.bfloat16)
+    assert lora.model_memory_bytes(fp32) - lora.model_memory_bytes(half) == 2 * stored_bf16

@@ -144,6 +144,20 @@ def test_dpo_loss_matches_hand_computed_values():
         )
 
 
+def test_bf16_lora_keeps_frozen_linears_in_bf16_with_and_without_fsdp(tmp_path, base, caplog):
+    bf16 = "train.mixed_precision=bf16"
+    with caplog.at_level("WARNING"):
+        assert run_inprocess("sft", sft_args(tmp_path / "one", base, bf16)) == 0
+    assert "LoRA: frozen linear weights in bfloat16" in caplog.text
+    reference = losses(tmp_path / "one")
+    run_torchrun(2, "sft", sft_args(tmp_path / "two", base, bf16, "train.micro_batch_size=2"))
+    two = losses(tmp_path / "two")  # FSDP2: bf16 frozen and fp32 trainable shards, one group
+    assert sorted(two) == sorted(reference) == [1, 2, 3, 4, 5]
+    for step in reference:  # bf16 compute: autocast (one process) vs FSDP's casts (two)
+        assert abs(two[step] - reference[step]) <= 5e-3, (step, two[step], reference[step])
+    assert reference[5] < reference[1] and two[5] < two[1]
+
+
 def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, base):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")

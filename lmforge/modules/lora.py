@@ -39,6 +39,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config import Section
 from lmforge.errors import ConfigError, ModelFormatError
@@ -88,6 +89,10 @@ class LoRASection(Section):
     """Which linears get adapters: q, k, v, o (attention), gate, up, down (MLP), output."""
     quantize_base: Literal["none", "nf4"] = "none"
     """nf4: store the frozen base weights of the adapted linears in 4-bit NormalFloat (QLoRA)."""
+    base_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the frozen linear weights (embeddings, norms and adapters stay float32): auto
+    is bfloat16 when training in bf16 mixed precision (the matmuls read bf16 weights anyway:
+    half the memory, the same forward), else float32."""
 
     @field_validator("targets")
     @classmethod
@@ -250,10 +255,13 @@ def apply_lora(
     rank: int,
     alpha: float,
     dropout: float = 0.0,
+    base_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Swap the targeted linears of a Llama `Transformer` for `LoRALinear`s, in place, and
-    freeze every other parameter. Works on a meta-device model (adapters are then initialized
-    by `reset_lora_parameters(model)` after `to_empty`). Returns `model`.
+    freeze every other parameter; with `base_dtype`, store the frozen linear weights in it
+    (`frozen_linears`; the adapters keep the model's dtype). Works on a meta-device model
+    (adapters are then initialized by `reset_lora_parameters(model)` after `to_empty`).
+    Returns `model`.
 
     targets: names from q, k, v, o, gate, up, down, output (Meta's wq wk wv wo w1 w3 w2 output).
     """
@@ -285,7 +293,37 @@ def apply_lora(
         setattr(parent, attribute, LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout))
     for name, param in model.named_parameters():
         param.requires_grad_(_is_lora_parameter(name))
+    if base_dtype is not None:
+        for module in frozen_linears(model):
+            for name, param in module.named_parameters(recurse=False):
+                setattr(module, name, nn.Parameter(param.to(base_dtype), requires_grad=False))
     return model
+
+
+def frozen_dtype(lora: LoRASection, bf16_training: bool) -> torch.dtype | None:
+    """What `lora.base_dtype` asks for when training is (or is not) in bf16 mixed precision;
+    None: leave the model's dtype."""
+    if lora.base_dtype == "bfloat16" or (lora.base_dtype == "auto" and bf16_training):
+        return torch.bfloat16
+    return None
+
+
+def frozen_linears(model: nn.Module) -> list[nn.Module]:
+    """The LoRALinears' bases and every other frozen linear layer whose weight is not shared
+    with another module (a tied output projection is the embedding table)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    adapters = {id(sub) for m in lora_modules(model).values() for sub in (m.lora_a, m.lora_b)}
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, LoRALinear))
+        and id(m) not in adapters
+        and not m.weight.requires_grad
+        and owners[id(m.weight)] == 1
+    ]
 
 
 def reset_lora_parameters(model: nn.Module) -> None:
@@ -354,22 +392,8 @@ def quantize_base_nf4(
             nf4 = _to_nf4(module.weight, block_size, f"{name}.weight")
             module.weight = nn.Parameter(nf4, requires_grad=False)
     if include_frozen_linears:
-        shared = {
-            id(p)
-            for m in model.modules()
-            if not isinstance(m, nn.Linear)
-            for p in m.parameters(recurse=False)
-        }
-        lora_parts = {id(sub) for m in lora_modules(model).values() for sub in (m.lora_a, m.lora_b)}
-        swaps = [
-            name
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear)
-            and id(m) not in lora_parts
-            and not m.weight.requires_grad
-            and id(m.weight) not in shared
-        ]
-        for name in swaps:
+        plain = {id(m) for m in frozen_linears(model) if type(m) is nn.Linear}
+        for name in [name for name, m in model.named_modules() if id(m) in plain]:
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attribute, NF4Linear(getattr(parent, attribute), block_size=block_size))
@@ -380,9 +404,12 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor holds; for wrapper subclasses (NF4, DTensor) those of its inner tensors."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+    if isinstance(tensor, DTensor):
+        return tensor_bytes(tensor.to_local())  # this rank's shard
     if is_traceable_wrapper_subclass(tensor):
         inner_names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(tensor, n)) for n in inner_names)
+        inner = [getattr(tensor, n) for n in inner_names]
+        return sum(tensor_bytes(t) for t in inner if isinstance(t, torch.Tensor))
     return tensor.numel() * tensor.element_size()
 
 

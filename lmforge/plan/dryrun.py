@@ -27,6 +27,7 @@ from lmforge.plan.memory import (
     local_shape,
     nf4_bytes,
     param_specs,
+    parameter_bytes,
 )
 
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."
@@ -130,6 +131,7 @@ def _build(setup: Setup, layout, parallel, *, lora: bool):
             targets=list(setup.lora_targets),
             rank=setup.lora_rank,
             alpha=2.0 * setup.lora_rank,
+            base_dtype=torch.bfloat16 if setup.frozen_linear_bytes == 2 else None,
         )
     parallelize(model, layout, parallel, bf16=setup.compute_dtype == "bf16")
     return model
@@ -248,8 +250,7 @@ def dry_run(setup: Setup) -> DryRun:
                 f"{name}: dry run {list(got.local_shape)} trainable={got.trainable}, "
                 f"arithmetic {list(want)} trainable={spec.trainable}"
             )
-        numel = math.prod(want)
-        nbytes = nf4_bytes(numel) if spec.nf4 else numel * setup.param_bytes
+        nbytes = parameter_bytes(spec, setup)
         arithmetic["parameters (trainable)" if spec.trainable else "parameters (frozen)"] += nbytes
     mismatches += [f"{n}: in the model, not in the arithmetic" for n in tensors if n not in specs]
     trainable_arith = sum(math.prod(local_shape(s, setup)) for s in specs.values() if s.trainable)

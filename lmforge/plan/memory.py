@@ -1,7 +1,7 @@
 """Memory arithmetic of one training step, per GPU, as lmforge's trainer actually runs it.
 
 Everything here follows the code, not a textbook: `lmforge.train.stage` materializes parameters
-in fp32 (frozen LoRA bases too), `lmforge.train.parallelize` applies FSDP2 (bf16 all-gathers,
+in fp32 (frozen LoRA linears in bf16 when training in bf16), `lmforge.train.parallelize` applies FSDP2 (bf16 all-gathers,
 fp32 reduce-scatters, the last block kept unsharded after forward) only when the data-parallel
 size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
 cache keeps a bf16 copy of every trainable matmul weight until the backward pass. The loss
@@ -97,6 +97,7 @@ class Setup:
     grad_dtype: str | None = None  # None: the parameters' dtype (what torch does)
     optimizer_dtype: str | None = None  # None: the parameters' dtype
     dpo_reference: str = "auto"  # auto | adapters_disabled | frozen_copy
+    lora_base_dtype: str = "auto"  # auto | fp32 | bf16: frozen linears' storage (lora.base_dtype)
     document_masking: bool = False
     from_scratch: bool = True  # a preset (fresh init) rather than a checkpoint directory
     force_fsdp: bool = False  # FSDP2 even on one rank (benchmarks/memory.py: the multi-GPU path)
@@ -159,6 +160,14 @@ class Setup:
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def frozen_linear_bytes(self) -> int:
+        """Bytes per element of a frozen linear weight under LoRA: lora.base_dtype (auto: the
+        compute dtype when it is bf16, lmforge.modules.lora.frozen_dtype)."""
+        if self.lora_base_dtype == "auto":
+            return 2 if self.compute_dtype == "bf16" else self.param_bytes
+        return DTYPE_BYTES[self.lora_base_dtype]
 
     @property
     def grad_bytes(self) -> int:
@@ -270,6 +279,7 @@ class ParamSpec:
     trainable: bool
     nf4: bool = False  # stored as NF4 (QLoRA's frozen bases of adapted linears)
     matmul: bool = False  # used as a matmul weight (cast to the compute dtype)
+    frozen_linear: bool = False  # a linear's weight frozen by LoRA (stored in lora.base_dtype)
 
     @property
     def numel(self) -> int:
@@ -301,6 +311,7 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
                 full,
                 nf4=is_adapted and setup.method == "qlora",
                 matmul=True,
+                frozen_linear=not full,
             )
         )
         if is_adapted:
@@ -370,7 +381,9 @@ def nf4_bytes(numel: int) -> int:
 
 def parameter_bytes(spec: ParamSpec, setup: Setup, numel: int | None = None) -> int:
     numel = math.prod(local_shape(spec, setup)) if numel is None else numel
-    return nf4_bytes(numel) if spec.nf4 else numel * setup.param_bytes
+    if spec.nf4:
+        return nf4_bytes(numel)
+    return numel * (setup.frozen_linear_bytes if spec.frozen_linear else setup.param_bytes)
 
 
 # ----------------------------------------------------------------------------- bytes/param
@@ -405,7 +418,7 @@ def model_state_bytes(setup: Setup, num_params: float | None = None) -> int:
         if spec.trainable:
             total += spec.numel * per
         else:
-            total += nf4_bytes(spec.numel) if spec.nf4 else spec.numel * setup.param_bytes
+            total += parameter_bytes(spec, setup, spec.numel)
     return total
 
 
@@ -677,8 +690,9 @@ def _group_numels(specs: list[ParamSpec], setup: Setup) -> dict[str, dict[str, i
             g["trainable"] += n
         if spec.matmul and spec.trainable:
             g["matmul_trainable"] += n
-        if spec.matmul and not spec.trainable and not spec.nf4:
-            g["matmul_frozen"] += n
+        stored_for_compute = spec.frozen_linear and setup.frozen_linear_bytes == setup.compute_bytes
+        if spec.matmul and not spec.trainable and not spec.nf4 and not stored_for_compute:
+            g["matmul_frozen"] += n  # frozen weights that autocast casts at each use
         if spec.nf4:
             g["nf4"] += n
     return groups
@@ -884,14 +898,11 @@ def plan_memory(
             "precisions are a what-if here"
         )
     if setup.uses_lora:
+        stored = {2: "bf16", 4: "fp32"}[setup.frozen_linear_bytes]
+        nf4 = "NF4 for the adapted linears, " if setup.method == "qlora" else ""
         notes.append(
-            "the frozen base is materialized in fp32 by lmforge.train.stage "
-            + (
-                "(NF4 for the adapted linears only; the other linears, embeddings and norms "
-                "stay fp32)"
-                if setup.method == "qlora"
-                else "(not bf16)"
-            )
+            f"frozen base: {nf4}{stored} for the other linear weights (lora.base_dtype), fp32 "
+            "for embeddings and norms"
         )
     if setup.compile:
         notes.append(
@@ -1019,7 +1030,10 @@ def setup_from_job(
         from_scratch=from_scratch,
     )
     if lora_on:
-        base = base.replace(lora_rank=lora.rank, lora_targets=tuple(lora.targets))
+        base_dtype = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[lora.base_dtype]
+        base = base.replace(
+            lora_rank=lora.rank, lora_targets=tuple(lora.targets), lora_base_dtype=base_dtype
+        )
     if isinstance(job, DPOJob):
         base = base.replace(dpo_reference=job.dpo.reference)
     if job.train.global_batch_size:

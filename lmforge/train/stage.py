@@ -35,6 +35,7 @@ from lmforge.models.llama import hf as llama_hf
 from lmforge.modules.lora import (
     LoRASection,
     apply_lora,
+    frozen_dtype,
     lora_state_dict,
     merge_lora,
     model_memory_bytes,
@@ -167,7 +168,12 @@ def build_and_load_model(
     if lora is not None:
         _check_lora_layout(lora, layout, job)
         apply_lora(
-            model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout
+            model,
+            targets=lora.targets,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            base_dtype=frozen_dtype(lora, bf16),
         )
     parallelize(model, layout, job.parallel, bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
@@ -184,14 +190,22 @@ def build_and_load_model(
     if spec.args.tie_embeddings:
         state.pop("output.weight", None)
     set_model_state_dict(model, state, options=options)
-    if lora is not None and lora.quantize_base == "nf4":
-        before = model_memory_bytes(model)
+    if lora is None:
+        return model
+    before = model_memory_bytes(model)
+    stored = str(frozen_dtype(lora, bf16) or torch.float32).removeprefix("torch.")
+    if lora.quantize_base == "nf4":
         quantize_base_nf4(model)
-        log.warning(
-            "QLoRA: frozen base weights stored in NF4: model memory %.1f MB -> %.1f MB",
-            before / 1e6,
-            model_memory_bytes(model) / 1e6,
-        )
+        if layout.is_main:
+            log.warning(
+                "QLoRA: adapted base weights in NF4, other frozen linears in %s: model memory "
+                "%.1f MB -> %.1f MB",
+                stored,
+                before / 1e6,
+                model_memory_bytes(model) / 1e6,
+            )
+    elif layout.is_main:
+        log.warning("LoRA: frozen linear weights in %s: model memory %.1f MB", stored, before / 1e6)
     return model
 
 
