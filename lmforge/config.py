@@ -123,7 +123,7 @@ def dump_config(cfg: Section, fmt: Literal["toml", "yaml", "json"] = "toml") -> 
     if fmt == "yaml":
         return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
     if fmt == "toml":
-        return tomli_w.dumps(_drop_none(plain))
+        return tomli_w.dumps(drop_none(plain))
     raise ValueError(f"unknown config format {fmt!r}; expected toml, yaml or json")
 
 
@@ -564,11 +564,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _drop_none(value: Any) -> Any:
+def drop_none(value: Any) -> Any:
+    """Without None values (TOML has no null), in nested dicts and lists too."""
     if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+        return {k: drop_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_drop_none(v) for v in value]
+        return [drop_none(v) for v in value]
     return value
 
 
@@ -577,6 +578,7 @@ __all__ = [
     "ModelSection",
     "Section",
     "config_hash",
+    "drop_none",
     "dump_config",
     "load_config",
 ]

@@ -52,7 +52,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import Field, PositiveInt, field_validator
 
-from lmforge.config import ModelSection, Section, dump_config, load_config
+from lmforge.config import ModelSection, Section, drop_none, dump_config, load_config
 from lmforge.data.prepare import PrepareSection
 from lmforge.errors import ConfigError, UserError
 from lmforge.launch.base import (
@@ -691,7 +691,7 @@ def _validate_file(schema: type[Section], data: dict, where: str) -> Section:
     the temporary file's name replaced by the stage's."""
     with tempfile.TemporaryDirectory(prefix="lmforge-stage-") as tmp:
         path = Path(tmp) / STAGE_CONFIG
-        path.write_text(tomli_w.dumps(_drop_none(data)))
+        path.write_text(tomli_w.dumps(drop_none(data)))
         try:
             return load_config(schema, path)
         except ConfigError as err:
@@ -725,14 +725,6 @@ def _deep_merge(base: Mapping, override: Mapping) -> dict:
         else:
             out[key] = value
     return out
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
 
 
 # ----------------------------------------------------------------------------- fingerprints

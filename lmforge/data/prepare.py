@@ -414,17 +414,22 @@ def _rows(source: _Source, cfg: PrepareSection) -> Iterator[_Row]:
 
 
 @dataclass
-class _BadRows:
-    """Counts malformed rows, logs the first few, remembers the first for the final message."""
+class BadRows:
+    """Malformed rows: raise at the first (default), or count them, log the first few and
+    refuse more than `max_fraction` of all rows (`check`). `option` and `fraction_option` name
+    the settings in messages (a command-line flag or a config key)."""
 
     skip: bool
+    max_fraction: float
+    option: str = "skip_bad_rows=true"
+    fraction_option: str = "max_bad_fraction"
     count: int = 0
     first: str | None = None
 
-    def add(self, row: _Row) -> None:
-        message = f"{row.where}: {row.problem}"
+    def add(self, where: str, problem: str) -> None:
+        message = f"{where}: {problem}"
         if not self.skip:
-            raise DataError(f"{message} (--skip-bad-rows skips malformed rows)")
+            raise DataError(f"{message} ({self.option} skips malformed rows)")
         self.count += 1
         self.first = self.first or message
         if self.count <= _NUM_BAD_ROWS_LOGGED:
@@ -432,8 +437,17 @@ class _BadRows:
         elif self.count == _NUM_BAD_ROWS_LOGGED + 1:
             logger.warning("more malformed rows; only counting them from now on")
 
+    def check(self, num_rows: int, what: str = "rows") -> None:
+        """Raise when more than `max_fraction` of `num_rows` rows were malformed."""
+        if self.count and self.count > self.max_fraction * num_rows:
+            raise DataError(
+                f"{self.count} of {num_rows} {what} are malformed ({self.count / num_rows:.2%}), "
+                f"more than {self.fraction_option}={self.max_fraction} allows; the first: "
+                f"{self.first}"
+            )
 
-def _documents(sources: list[_Source], cfg: PrepareSection, bad: _BadRows) -> Iterator[list[str]]:
+
+def _documents(sources: list[_Source], cfg: PrepareSection, bad: BadRows) -> Iterator[list[str]]:
     """Non-empty document texts in input order, in chunks; counts rows into the sources."""
     chunk: list[str] = []
     num_chars = 0
@@ -442,7 +456,7 @@ def _documents(sources: list[_Source], cfg: PrepareSection, bad: _BadRows) -> It
             source.num_rows += 1
             if row.problem is not None:
                 source.num_bad_rows += 1
-                bad.add(row)
+                bad.add(row.where, row.problem)
                 continue
             if not row.text:
                 source.num_empty_documents += 1
@@ -669,7 +683,7 @@ def prepare(cfg: PrepareSection, *, progress: bool = True) -> PrepareResult:
     out = Path(cfg.out).expanduser()
     partial = _claim_out_dir(out)
 
-    bad = _BadRows(skip=cfg.skip_bad_rows)
+    bad = BadRows(cfg.skip_bad_rows, cfg.max_bad_fraction, option="--skip-bad-rows")
     writer = _ShardWriter(partial, dtype, cfg.shard_tokens)
     committed = False
     bar = tqdm(
@@ -692,12 +706,7 @@ def prepare(cfg: PrepareSection, *, progress: bool = True) -> PrepareResult:
         num_documents = sum(s.num_documents for s in sources)
         num_empty = sum(s.num_empty_documents for s in sources)
         names = ", ".join(s.name for s in sources[:3]) + (" ..." if len(sources) > 3 else "")
-        if bad.count and bad.count > cfg.max_bad_fraction * num_rows:
-            raise DataError(
-                f"{bad.count} of {num_rows} rows in {names} are malformed "
-                f"({bad.count / num_rows:.2%}), more than max_bad_fraction="
-                f"{cfg.max_bad_fraction} allows; the first: {bad.first}"
-            )
+        bad.check(num_rows, f"rows in {names}")
         if num_documents == 0:
             raise DataError(
                 f"no documents in {names}: {num_rows} rows, {num_empty} empty, "

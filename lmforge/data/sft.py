@@ -54,6 +54,7 @@ from pydantic import Field, field_validator
 
 from lmforge.config import Section
 from lmforge.data.prepare import (
+    BadRows,
     _first_line,
     _import_pyarrow,
     _looks_unreachable,
@@ -72,7 +73,6 @@ STATE_VERSION = 1
 # File suffixes (after an optional .gz) read as data; .json may hold a list or JSON lines.
 DATA_SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 # How many malformed rows are logged one by one before only counting them.
-_NUM_BAD_ROWS_LOGGED = 5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,35 +307,6 @@ def read_records(cfg: DataSourceSection, *, heldout: bool = False) -> Iterator[R
             yield from _parquet_records(file)
 
 
-@dataclass
-class BadRows:
-    """Malformed rows: raise at the first (default) or count, log the first few and cap."""
-
-    skip: bool
-    max_fraction: float
-    count: int = 0
-    first: str | None = None
-
-    def add(self, where: str, problem: str) -> None:
-        message = f"{where}: {problem}"
-        if not self.skip:
-            raise DataError(f"{message} (data.skip_bad_rows=true skips malformed rows)")
-        self.count += 1
-        self.first = self.first or message
-        if self.count <= _NUM_BAD_ROWS_LOGGED:
-            logger.warning("skipping malformed row %s", message)
-        elif self.count == _NUM_BAD_ROWS_LOGGED + 1:
-            logger.warning("more malformed rows; only counting them from now on")
-
-    def check(self, num_rows: int) -> None:
-        """Raise when more than `max_fraction` of `num_rows` rows were malformed."""
-        if self.count and self.count > self.max_fraction * num_rows:
-            raise DataError(
-                f"{self.count} of {num_rows} rows are malformed, more than data.max_bad_fraction"
-                f"={self.max_fraction} allows; the first: {self.first}"
-            )
-
-
 def parse_rows(
     cfg: DataSourceSection, parse: Callable[[Record], T], *, heldout: bool = False
 ) -> tuple[list[T], int, int]:
@@ -348,7 +319,12 @@ def parse_rows(
     Returns:
         (results of the good rows in order, number of rows, number of malformed rows).
     """
-    bad = BadRows(skip=cfg.skip_bad_rows, max_fraction=cfg.max_bad_fraction)
+    bad = BadRows(
+        cfg.skip_bad_rows,
+        cfg.max_bad_fraction,
+        option="data.skip_bad_rows=true",
+        fraction_option="data.max_bad_fraction",
+    )
     results: list[T] = []
     num_rows = 0
     for record in read_records(cfg, heldout=heldout):

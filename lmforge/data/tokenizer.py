@@ -288,11 +288,16 @@ class Tokenizer:
         *,
         vocab_size: int,
         special_tokens: dict[str, int],
-        config: dict[str, Any],
+        config: Mapping[str, Any] | None,
         chat_template: str | None,
         extra_stop_ids: Iterable[int],
         source: Path | None,
     ) -> None:
+        """What every format shares: vocabulary size, special tokens and their roles, the
+        tokenizer config and chat template (from the config when not given)."""
+        config = dict(config or {})
+        if chat_template is None:
+            chat_template = _config_chat_template(config)
         self.vocab_size = vocab_size
         self.special_tokens = special_tokens
         self.source = source
@@ -526,9 +531,6 @@ class HFTokenizer(Tokenizer):
         added = hf.get_added_tokens_decoder()
         special_tokens = {tok.content: i for i, tok in sorted(added.items()) if tok.special}
         vocab_size = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        config = dict(config or {})
-        if chat_template is None:
-            chat_template = _config_chat_template(config)
         self._init_common(
             vocab_size=vocab_size,
             special_tokens=special_tokens,
@@ -638,9 +640,6 @@ class TiktokenTokenizer(Tokenizer):
             mergeable_ranks=ranks,
             special_tokens=special_tokens,
         )
-        config = dict(config or {})
-        if chat_template is None:
-            chat_template = _config_chat_template(config)
         self._init_common(
             vocab_size=num_base + len(special_tokens),
             special_tokens=special_tokens,
