@@ -257,6 +257,22 @@ def test_training_stage_config_is_a_validated_job_config(tmp_path):
     assert torchrun_command(["x"], nproc_per_node=1)[-3:] == ["-m", "lmforge", "x"]
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["--nnodes", "0"], "--nnodes 0 must be >= 1"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 must be in 0..1"),
+        (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
+        ([], "name the subcommand"),
+    ],
+)
+def test_launch_refuses_bad_flags_with_exit_2(flags, message, capsys):
+    command = [] if not flags else ["pretrain"]
+    assert cli_main(["launch", *flags, *command]) == 2
+    assert message in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- secrets
 
 

@@ -142,6 +142,13 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         raise UserError(
             "lmforge launch: name the subcommand to run, e.g. `pretrain --config job.toml`"
         )
+    for flag, value, least in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1)):
+        if value < least:
+            raise UserError(f"lmforge launch: {flag} {value} must be >= {least}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(
+            f"lmforge launch: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1}"
+        )
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise UserError("lmforge launch: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
     return build(
