@@ -31,7 +31,7 @@ from lmforge.train.checkpoint import (
     checkpoint_problem,
 )
 from tests.scripts import checkpoint_worker as worker
-from tests.train_utils import small_args
+from tests.train_utils import descendants, small_args
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "scripts" / "checkpoint_worker.py"
@@ -237,23 +237,6 @@ NUM_KILL_TRIALS = 4  # + 1 final run: each torchrun launch costs ~8 s of CPU
 ASYNC_TRIALS = (1, 2)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(entry.path, "stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -264,7 +247,7 @@ def _alive(pid: int) -> bool:
 def _kill_all(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its workers at once. torchrun starts each worker in a session of
     its own, so killing torchrun's process group alone would leave them running."""
-    workers = _descendants(proc.pid)
+    workers = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     for pid in workers:
         with contextlib.suppress(ProcessLookupError):
