@@ -72,8 +72,6 @@ T = TypeVar("T")
 STATE_VERSION = 1
 # File suffixes (after an optional .gz) read as data; .json may hold a list or JSON lines.
 DATA_SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
-# How many malformed rows are logged one by one before only counting them.
-
 
 # ----------------------------------------------------------------------------------------------
 # Config

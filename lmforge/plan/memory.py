@@ -1,8 +1,9 @@
 """Memory arithmetic of one training step, per GPU, as lmforge's trainer actually runs it.
 
 Everything here follows the code, not a textbook: `lmforge.train.stage` materializes parameters
-in fp32 (frozen LoRA linears in bf16 when training in bf16), `lmforge.train.parallelize` applies FSDP2 (bf16 all-gathers,
-fp32 reduce-scatters, the last block kept unsharded after forward) only when the data-parallel
+in fp32 (frozen LoRA linears in bf16 when training in bf16), `lmforge.train.parallelize`
+applies FSDP2 (bf16 all-gathers, fp32 reduce-scatters, the last block kept unsharded after
+forward) only when the data-parallel
 size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
 cache keeps a bf16 copy of every trainable matmul weight until the backward pass. The loss
 materializes fp32 logits [b, s, vocab] (`lmforge.train.losses`). Activations are counted tensor
@@ -898,7 +899,7 @@ def plan_memory(
             "precisions are a what-if here"
         )
     if setup.uses_lora:
-        stored = {2: "bf16", 4: "fp32"}[setup.frozen_linear_bytes]
+        stored = dtype_name(setup.frozen_linear_bytes)
         nf4 = "NF4 for the adapted linears, " if setup.method == "qlora" else ""
         notes.append(
             f"frozen base: {nf4}{stored} for the other linear weights (lora.base_dtype), fp32 "
@@ -969,10 +970,6 @@ def parse_memory(text: str | int) -> int:
             "mib": 2**20,
         }[unit]
     return int(number * scale)
-
-
-def fmt_gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
 
 
 def dtype_name(nbytes: int) -> str:
@@ -1049,10 +1046,12 @@ def plan_job(
     gpu_memory: int | str,
     gpus_per_node: int = 8,
     host_memory: int | str | None = None,
+    args: ModelArgs | None = None,
 ) -> Plan:
     """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
-    'h100', ...), with suggestions when it does not fit. For `lmforge run --dry-run`."""
-    setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node)
+    'h100', ...), with suggestions when it does not fit (`args`: see `setup_from_job`). For
+    `lmforge run` (lmforge.plan.stages)."""
+    setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node, args=args)
     plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
     if not plan.fits:
         from lmforge.plan.search import suggest

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmforge.errors import UserError
-from lmforge.plan.memory import GiB, Plan, parse_memory, plan_memory, setup_from_job
+from lmforge.plan.memory import GiB, Plan, parse_memory, plan_job
 
 if TYPE_CHECKING:
     from lmforge.models.llama.args import ModelArgs
@@ -61,17 +61,14 @@ def plan_stages(pipeline: Pipeline, stages: list[Stage], launcher: str) -> list[
         except UserError as err:
             plans.append(StagePlan(stage, None, str(err)))
             continue
-        setup = setup_from_job(
+        plan = plan_job(
             stage.config,
             gpus=resources.nodes * resources.nproc_per_node,
             gpus_per_node=resources.nproc_per_node,
+            gpu_memory=gpu_memory,
+            host_memory=section.host_memory,
             args=args,
         )
-        plan = plan_memory(setup, gpu_memory, host_memory=section.host_memory)
-        if not plan.fits:
-            from lmforge.plan.search import suggest
-
-            plan.suggestions = suggest(plan)
         plans.append(StagePlan(stage, plan))
     return plans
 
