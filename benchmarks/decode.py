@@ -1,6 +1,6 @@
-"""Batch-1 decode speed on one GPU: lmforge's `Generator` (static KV cache, decode step compiled
-with CUDA graphs) side by side with Hugging Face transformers' `generate` on the same weights,
-against the memory-bandwidth limit.
+"""Batch-1 decode speed on one GPU (or the CPU): lmforge's `Generator` (static KV cache, decode
+step compiled with CUDA graphs on a GPU) side by side with Hugging Face transformers' `generate`
+on the same weights, against the memory-bandwidth limit.
 
 For each preset (random weights, bf16): lmforge's decode tokens/s (prefill excluded) and overall
 tokens/s; transformers' `generate` on the same weights exported with `lmforge.save` and loaded
@@ -11,7 +11,12 @@ row's % of it. DESIGN's target: lmforge bf16 >= 70% of the limit.
 
     python benchmarks/decode.py                                  # 1B and 3B, all variants
     python benchmarks/decode.py --presets llama3.2-1b --variants lmforge hf-static
-    python benchmarks/decode.py --schemes bf16 int8-wo           # once SCHEMES has int8-wo
+    python benchmarks/decode.py --schemes bf16 int8-wo int4-wo
+    python benchmarks/decode.py --device cpu --presets tiny --schemes fp32 \
+        --variants lmforge lmforge-unfused                        # fused projections or not
+
+"lmforge-unfused" is "lmforge" with `Generator(fuse=False)`: q/k/v and gate/up stay separate
+matmuls (Transformer.fuse_projections joins them).
 
 Each variant compiles first (about a minute for lmforge and for hf-static); with a 10-minute
 limit per command, run one preset per command. Writes decode.json to --out ($OUT if set).
@@ -57,40 +62,59 @@ def _quantized(scheme: str, group_size: int | None) -> Callable[[nn.Module], nn.
 
 SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "bf16": lambda model: model,
+    "fp32": lambda model: model.float(),  # CPUs without fast bf16 matmuls
     "int8-wo": _quantized("int8-wo", None),
     "int4-wo": _quantized("int4-wo", 128),
 }
 
-VARIANTS = ("lmforge", "lmforge-eager", "hf", "hf-static")
-DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
+VARIANTS = ("lmforge", "lmforge-unfused", "lmforge-eager", "hf", "hf-static")
+DEFAULT_VARIANTS = ("lmforge", "lmforge-unfused", "hf", "hf-static")
+DEVICE = "cuda"  # --device
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting each byte read and written."""
-    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    """Copy bandwidth of the device in bytes/s, counting each byte read and written."""
+    if DEVICE == "cpu":
+        num_bytes, iterations = num_bytes // 8, iterations // 4
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     target = torch.empty_like(source)
     for _ in range(3):
         target.copy_(source)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    _sync()
+    start = time.perf_counter()
     for _ in range(iterations):
         target.copy_(source)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
+    _sync()
+    seconds = time.perf_counter() - start
     del source, target
-    torch.cuda.empty_cache()
+    _cleanup()
     return 2 * num_bytes * iterations / seconds
 
 
+def _peak_gb() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 1e9, 2) if DEVICE == "cuda" else None
+
+
 def make_model(preset: str, scheme: str) -> nn.Module:
-    model = build_model(get_preset(preset), device="cuda", dtype=torch.bfloat16, seed=0)
+    model = build_model(get_preset(preset), device=DEVICE, dtype=torch.bfloat16, seed=0)
     return SCHEMES[scheme](model.eval())
 
 
-def bench_lmforge(model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool):
+def bench_lmforge(
+    model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool, fuse: bool
+):
     generator = Generator(
-        model, max_batch=1, max_seq_len=len(prompt) + new_tokens, device="cuda", compile=compile
+        model,
+        max_batch=1,
+        max_seq_len=len(prompt) + new_tokens,
+        device=DEVICE,
+        compile=compile,
+        fuse=fuse,
     )
     generator.warmup()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
@@ -107,9 +131,9 @@ def bench_hf(directory: Path, prompt: list[int], new_tokens: int, repeats: int, 
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
-    model = model.to("cuda").eval()
+    model = model.to(DEVICE).eval()
     model.generation_config.eos_token_id = None  # always new_tokens tokens
-    input_ids = torch.tensor([prompt], device="cuda")
+    input_ids = torch.tensor([prompt], device=DEVICE)
     kwargs = dict(
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=new_tokens,
@@ -120,11 +144,11 @@ def bench_hf(directory: Path, prompt: list[int], new_tokens: int, repeats: int, 
         kwargs["cache_implementation"] = "static"
 
     def run():
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids, **kwargs)
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - start, out[0, len(prompt) :].tolist()
 
     for _ in range(2 if static else 1):  # static: transformers compiles on the first calls
@@ -144,7 +168,9 @@ def _agreement(a: list[int], b: list[int]) -> int:
 def _cleanup() -> None:
     gc.collect()
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def main() -> None:
@@ -164,9 +190,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="where decode.json goes")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device (--device cpu measures the CPU)")
 
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -185,7 +214,6 @@ def main() -> None:
         reference = None  # lmforge bf16 tokens, to compare with transformers'
         for scheme in args.schemes:
             for variant in [v for v in args.variants if v.startswith("lmforge")]:
-                torch.cuda.reset_peak_memory_stats()
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:
                     model = make_model(preset, scheme)
@@ -195,9 +223,10 @@ def main() -> None:
                         prompt,
                         args.new_tokens,
                         args.repeats,
-                        compile=variant == "lmforge",
+                        compile=variant != "lmforge-eager" and DEVICE == "cuda",
+                        fuse=variant != "lmforge-unfused",
                     )
-                    if scheme == "bf16":
+                    if scheme == "bf16" and variant == "lmforge":
                         bf16_bytes, reference = num_bytes, reference or tokens
                     limit = bandwidth / num_bytes
                     row.update(
@@ -207,7 +236,7 @@ def main() -> None:
                         overall_tok_s=round(overall, 1),
                         pct_of_limit=round(100 * decode / limit, 1),
                         bandwidth_gb_s=round(decode * num_bytes / 1e9),
-                        peak_mem_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                        peak_mem_gb=_peak_gb(),
                     )
                 except Exception as err:  # one failing variant must not lose the others
                     row["error"] = f"{type(err).__name__}: {err}"[:300]
@@ -227,7 +256,6 @@ def main() -> None:
             del model, state
             _cleanup()
             for variant in hf_variants:
-                torch.cuda.reset_peak_memory_stats()
                 row = {"preset": preset, "variant": f"{variant} bf16"}
                 try:
                     overall, tokens = bench_hf(
@@ -244,7 +272,7 @@ def main() -> None:
                         overall_tok_s=round(overall, 1),
                         pct_of_limit=round(100 * overall / limit, 1),
                         bandwidth_gb_s=round(overall * bf16_bytes / 1e9),
-                        peak_mem_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                        peak_mem_gb=_peak_gb(),
                     )
                     if reference is not None:
                         row["same_tokens_as_lmforge"] = _agreement(reference, tokens)
@@ -254,7 +282,7 @@ def main() -> None:
                 _cleanup()
 
     summary = {
-        "gpu": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
         "prompt_len": args.prompt_len,
@@ -280,10 +308,11 @@ def main() -> None:
             print(f"{row['preset']:13s} {row['variant']:20s} FAILED {row['error'][:60]}")
             continue
         decode = f"{row['decode_tok_s']:8.0f}" if "decode_tok_s" in row else f"{'-':>8s}"
+        peak = f"{row['peak_mem_gb']:8.2f}" if row["peak_mem_gb"] is not None else f"{'-':>8s}"
         print(
             f"{row['preset']:13s} {row['variant']:20s} {row['weight_gb']:6.2f}GB "
             f"{row['limit_tok_s']:7d} {decode} {row['overall_tok_s']:8.0f} "
-            f"{row['pct_of_limit']:7.1f}% {row['bandwidth_gb_s']:6d} {row['peak_mem_gb']:8.2f}"
+            f"{row['pct_of_limit']:7.1f}% {row['bandwidth_gb_s']:6d} {peak}"
         )
     print(
         "(tokens/s; % limit uses decode for lmforge, overall for hf; target: lmforge bf16 >= 70%)"

@@ -20,6 +20,7 @@ from lmforge.config import load_config
 from lmforge.errors import ConfigError, ModelFormatError
 from lmforge.models.llama import Transformer
 from lmforge.modules import lora
+from lmforge.sizes import module_bytes, tensor_bytes
 from tests.conftest import make_hf_llama
 from tests.train_utils import small_args
 
@@ -271,8 +272,8 @@ def test_qlora_nf4_base_forward_memory_and_training():
     model = build_model(args, seed=7)
     lora.apply_lora(model, targets=lora.DEFAULT_TARGETS, rank=8, alpha=16)
     full_logits = model(TOKENS).detach()
-    full_bytes = lora.model_memory_bytes(model)
-    base_linear_bytes = sum(lora.tensor_bytes(m.weight) for m in lora.lora_modules(model).values())
+    full_bytes = module_bytes(model)
+    base_linear_bytes = sum(tensor_bytes(m.weight) for m in lora.lora_modules(model).values())
     base_wq = model.layers["0"].attention.wq.weight.detach().clone()
     lora.quantize_base_nf4(model)
     wq = model.layers["0"].attention.wq
@@ -291,12 +292,12 @@ def test_qlora_nf4_base_forward_memory_and_training():
     # Memory: the adapted linears' base weights shrink from 4 bytes to 0.52 per weight (4-bit
     # codes + double-quantized scales): measured 0.130x; the whole model 0.348x (fp32 embedding
     # and output head kept), 0.276x with the output head in NF4 too.
-    nf4_linear_bytes = sum(lora.tensor_bytes(m.weight) for m in lora.lora_modules(model).values())
+    nf4_linear_bytes = sum(tensor_bytes(m.weight) for m in lora.lora_modules(model).values())
     assert nf4_linear_bytes / base_linear_bytes < 0.135
-    assert lora.model_memory_bytes(model) / full_bytes < 0.36
+    assert module_bytes(model) / full_bytes < 0.36
     lora.quantize_base_nf4(model, include_frozen_linears=True)  # the output head too
     assert lora.is_nf4(model.output.weight)
-    assert lora.model_memory_bytes(model) / full_bytes < 0.28
+    assert module_bytes(model) / full_bytes < 0.28
 
     # Adapters train on a fixed batch; only they get gradients, the NF4 base stays as it was.
     codes = wq.weight.quantized_data.clone()
@@ -345,4 +346,4 @@ def test_bf16_frozen_linears_give_the_same_autocast_forward(tied):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the matmuls read bf16 weights anyway
         assert torch.equal(half(TOKENS), fp32(TOKENS))
     stored_bf16 = sum(p.numel() for p in half.parameters() if p.dtype == torch.bfloat16)
-    assert lora.model_memory_bytes(fp32) - lora.model_memory_bytes(half) == 2 * stored_bf16
+    assert module_bytes(fp32) - module_bytes(half) == 2 * stored_bf16

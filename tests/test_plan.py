@@ -250,7 +250,8 @@ def test_gradient_accumulation_under_fsdp_holds_only_sharded_gradients():
 
 def test_qlora_stores_adapted_bases_as_nf4():
     pytest.importorskip("torchao")
-    from lmforge.modules.lora import _to_nf4, tensor_bytes
+    from lmforge.modules.lora import _to_nf4
+    from lmforge.sizes import tensor_bytes
 
     for shape in ((64, 64), (512, 1024)):
         nf4 = _to_nf4(torch.randn(shape), 64)

@@ -29,6 +29,7 @@ pytest.importorskip("torchao")
 
 from lmforge.quantize import QuantSpec, quantize_artifact, quantize_model, save_quantized
 from lmforge.quantize import quantize as quantize_lib
+from lmforge.sizes import module_bytes, tensor_bytes
 
 ARGS = get_preset("tiny").replace(
     dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=256, vocab_size=256
@@ -101,11 +102,11 @@ def test_linear_weights_shrink_on_disk_and_in_memory(source, quantized, scheme, 
     )
     assert report.linear_bytes / report.linear_bf16_bytes <= bound
     assert report.disk_bytes < quantize_lib.weight_file_bytes(source)
-    original_memory = quantize_lib.memory_bytes(lmforge.load(source).model)
+    original_memory = module_bytes(lmforge.load(source).model)
     assert report.memory_bytes < original_memory
     # subclass weights count their inner tensors: qdata 1 byte per value (int4 held in int8)
     wq = model.layers["0"].attention.wq.weight
-    assert quantize_lib.tensor_bytes(wq) >= wq.numel()
+    assert tensor_bytes(wq) >= wq.numel()
     if scheme == "int4-wo":  # and the file holds two values per byte
         sizes = quantize_lib.stored_bytes(path)
         assert sizes["model.layers.0.self_attn.q_proj._weight_qdata_int4x2"] == wq.numel() // 2

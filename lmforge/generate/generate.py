@@ -40,6 +40,7 @@ from torch import nn
 from lmforge.errors import ConfigError
 from lmforge.generate.sampling import Sampler, SamplingParams
 from lmforge.modules.kv_cache import KVCaches, attention_mask
+from lmforge.sizes import tensor_bytes
 
 # A prompt: text (encoded with BOS), a chat (a list of {"role", "content"} messages, encoded
 # with the chat template and the assistant header), or token ids as they are.
@@ -136,15 +137,6 @@ class GenerationOutput:
         return [r.text for r in self.results]
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    # Tensor subclasses (torchao's quantized weights) hold their data in inner tensors.
-    flatten = getattr(type(tensor), "__tensor_flatten__", None)
-    if flatten is not None:
-        names, _ = tensor.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter and persistent buffer once,
     except an embedding table that is only looked up (a table tied to the output layer counts).
@@ -157,7 +149,7 @@ def weight_bytes(model: nn.Module) -> int:
         for tensor in owned:
             _, lookup_only = tensors.get(id(tensor), (tensor, True))
             tensors[id(tensor)] = (tensor, lookup_only and isinstance(module, nn.Embedding))
-    return sum(_tensor_bytes(t) for t, lookup_only in tensors.values() if not lookup_only)
+    return sum(tensor_bytes(t) for t, lookup_only in tensors.values() if not lookup_only)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -338,6 +330,9 @@ class Generator:
             model's, at most 4096).
         device: where to run (default: where the model is); the model is moved there.
         compile: torch.compile the decode step (default: on CUDA only, with CUDA graphs).
+        fuse: join each block's q/k/v and gate/up projections into one matmul each
+            (`Transformer.fuse_projections`: plain weights only; the state dict keeps its
+            names). On by default: decoding is a chain of small matmuls.
     """
 
     def __init__(
@@ -349,6 +344,7 @@ class Generator:
         max_seq_len: int | None = None,
         device: str | torch.device | None = None,
         compile: bool | None = None,
+        fuse: bool = True,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -363,6 +359,7 @@ class Generator:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
+        self.fused = fuse and model.fuse_projections()
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

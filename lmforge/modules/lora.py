@@ -39,7 +39,6 @@ from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lmforge.config import Section
 from lmforge.errors import ConfigError, ModelFormatError
@@ -400,29 +399,6 @@ def quantize_base_nf4(
     return model
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor holds; for wrapper subclasses (NF4, DTensor) those of its inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if isinstance(tensor, DTensor):
-        return tensor_bytes(tensor.to_local())  # this rank's shard
-    if is_traceable_wrapper_subclass(tensor):
-        inner_names, _ = tensor.__tensor_flatten__()
-        inner = [getattr(tensor, n) for n in inner_names]
-        return sum(tensor_bytes(t) for t in inner if isinstance(t, torch.Tensor))
-    return tensor.numel() * tensor.element_size()
-
-
-def model_memory_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters and buffers (shared ones once), NF4 as stored."""
-    seen, total = set(), 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            total += tensor_bytes(tensor)
-    return total
-
-
 # ---- PEFT-compatible adapter files ------------------------------------------------------------
 
 
@@ -634,11 +610,9 @@ __all__ = [
     "lora_modules",
     "lora_state_dict",
     "merge_lora",
-    "model_memory_bytes",
     "quantize_base_nf4",
     "read_peft_config",
     "reset_lora_parameters",
     "save_peft_adapter",
-    "tensor_bytes",
     "trainable_parameters",
 ]

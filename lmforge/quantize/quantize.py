@@ -41,6 +41,7 @@ from lmforge import artifact
 from lmforge.errors import ConfigError, ModelFormatError, UserError
 from lmforge.models.llama import ModelArgs, Transformer
 from lmforge.models.llama import hf as llama_hf
+from lmforge.sizes import module_bytes
 
 SCHEMES = ("int8-wo", "int4-wo")
 DEFAULT_INT4_GROUP_SIZE = 256
@@ -282,7 +283,7 @@ def quantize_artifact(
     source_dir = Path(source) if detect_format(source) == "hf" else None  # has safetensors
     original = SizeReport(
         disk_bytes=weight_file_bytes(source_dir) if source_dir else None,
-        memory_bytes=memory_bytes(loaded.model),
+        memory_bytes=module_bytes(loaded.model),
     )
     notes = []
     start_dtype = next(loaded.model.parameters()).dtype
@@ -320,22 +321,6 @@ def quantize_artifact(
 # ---- sizes ----------------------------------------------------------------------------------
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor holds; a torchao subclass counts its inner tensors (qdata, scale, ...)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(tensor):
-        inner_names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(tensor, name)) for name in inner_names)
-    return tensor.numel() * tensor.element_size()
-
-
-def memory_bytes(model: nn.Module) -> int:
-    """Parameter + buffer bytes of a model (shared tensors counted once)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(tensor_bytes(t) for t in tensors)
-
-
 def weight_file_bytes(directory: Path) -> int:
     """Sum of the sizes of a model directory's safetensors files."""
     return sum(f.stat().st_size for f in artifact.weight_files(Path(directory)))
@@ -364,7 +349,7 @@ def size_report(directory: Path, model: nn.Module, modules: list[str]) -> SizeRe
     bf16 = sum(model.get_submodule(m).weight.numel() * 2 for m in modules)
     return SizeReport(
         disk_bytes=weight_file_bytes(directory),
-        memory_bytes=memory_bytes(model),
+        memory_bytes=module_bytes(model),
         linear_bytes=linear,
         linear_bf16_bytes=bf16,
     )

@@ -38,11 +38,11 @@ from lmforge.modules.lora import (
     frozen_dtype,
     lora_state_dict,
     merge_lora,
-    model_memory_bytes,
     quantize_base_nf4,
     reset_lora_parameters,
     save_peft_adapter,
 )
+from lmforge.sizes import module_bytes
 from lmforge.train import distributed
 from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
@@ -192,7 +192,7 @@ def build_and_load_model(
     set_model_state_dict(model, state, options=options)
     if lora is None:
         return model
-    before = model_memory_bytes(model)
+    before = module_bytes(model)
     stored = str(frozen_dtype(lora, bf16) or torch.float32).removeprefix("torch.")
     if lora.quantize_base == "nf4":
         quantize_base_nf4(model)
@@ -202,7 +202,7 @@ def build_and_load_model(
                 "%.1f MB -> %.1f MB",
                 stored,
                 before / 1e6,
-                model_memory_bytes(model) / 1e6,
+                module_bytes(model) / 1e6,
             )
     elif layout.is_main:
         log.warning("LoRA: frozen linear weights in %s: model memory %.1f MB", stored, before / 1e6)
