@@ -12,11 +12,7 @@ row's % of it. DESIGN's target: lmforge bf16 >= 70% of the limit.
     python benchmarks/decode.py                                  # 1B and 3B, all variants
     python benchmarks/decode.py --presets llama3.2-1b --variants lmforge hf-static
     python benchmarks/decode.py --schemes bf16 int8-wo int4-wo
-    python benchmarks/decode.py --device cpu --presets tiny --schemes fp32 \
-        --variants lmforge lmforge-unfused                        # fused projections or not
-
-"lmforge-unfused" is "lmforge" with `Generator(fuse=False)`: q/k/v and gate/up stay separate
-matmuls (Transformer.fuse_projections joins them).
+    python benchmarks/decode.py --device cpu --presets tiny --schemes fp32 --variants lmforge
 
 Each variant compiles first (about a minute for lmforge and for hf-static); with a 10-minute
 limit per command, run one preset per command. Writes decode.json to --out ($OUT if set).
@@ -67,8 +63,8 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-wo": _quantized("int4-wo", 128),
 }
 
-VARIANTS = ("lmforge", "lmforge-unfused", "lmforge-eager", "hf", "hf-static")
-DEFAULT_VARIANTS = ("lmforge", "lmforge-unfused", "hf", "hf-static")
+VARIANTS = ("lmforge", "lmforge-eager", "hf", "hf-static")
+DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
 DEVICE = "cuda"  # --device
 
 
@@ -105,16 +101,13 @@ def make_model(preset: str, scheme: str) -> nn.Module:
     return SCHEMES[scheme](model.eval())
 
 
-def bench_lmforge(
-    model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool, fuse: bool
-):
+def bench_lmforge(model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool):
     generator = Generator(
         model,
         max_batch=1,
         max_seq_len=len(prompt) + new_tokens,
         device=DEVICE,
         compile=compile,
-        fuse=fuse,
     )
     generator.warmup()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
@@ -224,9 +217,8 @@ def main() -> None:
                         args.new_tokens,
                         args.repeats,
                         compile=variant != "lmforge-eager" and DEVICE == "cuda",
-                        fuse=variant != "lmforge-unfused",
                     )
-                    if scheme == "bf16" and variant == "lmforge":
+                    if scheme == "bf16":
                         bf16_bytes, reference = num_bytes, reference or tokens
                     limit = bandwidth / num_bytes
                     row.update(

@@ -15,7 +15,7 @@ from lmforge.errors import ConfigError
 from lmforge.generate import Generator, Sampler, SamplingParams
 from lmforge.generate.generate import weight_bytes
 from tests.conftest import make_hf_llama
-from tests.train_utils import demo_world, small_args
+from tests.train_utils import demo_world
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
 
@@ -346,54 +346,3 @@ def test_cli_prints_text_and_report(tiny_with_tokenizer, tmp_path, capsys):
     assert f"{prompts_file}:1" in capsys.readouterr().err
     code = cli_main(["generate", str(artifact), "--prompt", "x", "--max-seq-len", "1"])
     assert code == 2 and "max-seq-len" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("num_kv_heads", [2, 4])
-def test_fused_projections_keep_logits_and_state_dict(num_kv_heads, tmp_path):
-    args = small_args(num_kv_heads=num_kv_heads)
-    model = build_model(args, seed=0).eval()
-    tokens = torch.tensor(_random_prompts([12, 12]))
-    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    with torch.no_grad():
-        reference = model(tokens)
-        assert model.fuse_projections()
-        assert {"wqkv.weight", "wo.weight"} == {
-            name for name, _ in model.layers["0"].attention.named_parameters()
-        }
-        torch.testing.assert_close(model(tokens), reference, rtol=0, atol=1e-5)
-        fused_state = model.state_dict()  # Meta's names, split back
-        assert sorted(fused_state) == sorted(state)
-        assert all(torch.equal(fused_state[name], state[name]) for name in state)
-        other = build_model(args, seed=1).eval()
-        assert other.fuse_projections()
-        other.load_state_dict(state)  # joined on load
-        torch.testing.assert_close(other(tokens), reference, rtol=0, atol=1e-5)
-        saved = lmforge.save(
-            lmforge.api.LoadedModel(model=model, tokenizer=None, config=args, source="t"),
-            tmp_path / "artifact",
-        )
-        torch.testing.assert_close(lmforge.load(saved).model(tokens), reference, rtol=0, atol=1e-5)
-
-
-def test_only_plain_weights_fuse(hf_pair):
-    from lmforge.modules.lora import apply_lora
-    from lmforge.quantize.quantize import QuantSpec, quantize_model
-
-    lora = apply_lora(build_model(small_args(), seed=0), targets=["q"], rank=2, alpha=4)
-    quantized = build_model(small_args(), seed=0)
-    quantize_model(quantized, QuantSpec("int8-wo"))
-    for model in (lora, quantized):
-        names = [name for name, _ in model.named_parameters()]
-        assert not model.fuse_projections()
-        assert [name for name, _ in model.named_parameters()] == names
-    _, loaded = hf_pair
-    prompts = _random_prompts([7, 3])
-    unfused = build_model(loaded.config, seed=0)
-    unfused.load_state_dict(loaded.model.state_dict())
-    plain = Generator(unfused, max_batch=2, max_seq_len=64, fuse=False)
-    assert not plain.fused and "wq" in dict(unfused.layers["0"].attention.named_children())
-    fused = Generator(loaded.model, max_batch=2, max_seq_len=64)
-    assert fused.fused
-    assert [r.token_ids for r in fused.generate(prompts, GREEDY).results] == [
-        r.token_ids for r in plain.generate(prompts, GREEDY).results
-    ]

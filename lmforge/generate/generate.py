@@ -330,9 +330,6 @@ class Generator:
             model's, at most 4096).
         device: where to run (default: where the model is); the model is moved there.
         compile: torch.compile the decode step (default: on CUDA only, with CUDA graphs).
-        fuse: join each block's q/k/v and gate/up projections into one matmul each
-            (`Transformer.fuse_projections`: plain weights only; the state dict keeps its
-            names). On by default: decoding is a chain of small matmuls.
     """
 
     def __init__(
@@ -344,7 +341,6 @@ class Generator:
         max_seq_len: int | None = None,
         device: str | torch.device | None = None,
         compile: bool | None = None,
-        fuse: bool = True,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -359,7 +355,6 @@ class Generator:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        self.fused = fuse and model.fuse_projections()
         self.tokenizer = tokenizer
         self.args = args
         self.device = device
