@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from lmforge.models.llama.args import ModelArgs
     from lmforge.pipeline import Pipeline, Stage
 
-TRAINING_KINDS = ("pretrain", "sft", "dpo")
+PLAN_FILE = "memory_plan.txt"  # the table, in the stage's directory
 
 
 @dataclasses.dataclass
@@ -46,6 +46,8 @@ class StagePlan:
 
 def plan_stages(pipeline: Pipeline, stages: list[Stage], launcher: str) -> list[StagePlan]:
     """A StagePlan for each training stage in `stages`, as `launcher` would run it."""
+    from lmforge.pipeline import TRAINING_KINDS
+
     section = pipeline.plan_section
     plans = []
     for stage in stages:
@@ -75,19 +77,18 @@ def plan_stages(pipeline: Pipeline, stages: list[Stage], launcher: str) -> list[
 
 def _gpu_memory(configured: str | None, stage: Stage, launcher: str) -> int | str:
     """Bytes per GPU, or why the stage is not planned."""
+    import torch
+
     device = stage.config.train.device
-    local = launcher == "local"
-    if device == "cpu" or (device == "auto" and not local and stage.resources.gpus_per_node == 0):
+    if device == "auto":  # as the job will resolve it where it runs
+        on_gpu = torch.cuda.is_available() if launcher == "local" else stage.resources.gpus_per_node
+        device = "cuda" if on_gpu else "cpu"
+    if device == "cpu":
         return "runs on the CPU"
     if configured is not None:
         return parse_memory(configured)
-    if local:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory
-        if device == "auto":
-            return "runs on the CPU"
+    if launcher == "local" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
     return "set [plan] gpu_memory (e.g. 80GB, h200) to check that it fits"
 
 
@@ -132,6 +133,3 @@ def format_stage_plans(plans: list[StagePlan]) -> list[str]:
                 + format_suggestions(item.plan.suggestions)
             )
     return lines
-
-
-PLAN_FILE = "memory_plan.txt"
