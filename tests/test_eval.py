@@ -191,7 +191,7 @@ def test_cli_results_json_comparison_and_perplexity(world, capsys):
     assert f"perplexity {report['perplexity']:.4f}" in out
 
 
-def test_task_errors_name_the_task(world, tmp_path):
+def test_task_errors_name_the_task(world, tmp_path, capsys):
     artifact = world["artifacts"][0]
     with pytest.raises(ConfigError, match="unknown task 'no_such_task_xyz'"):
         run_eval([artifact], ["no_such_task_xyz"], include_path=world["include"], write=False)
@@ -208,6 +208,9 @@ def test_task_errors_name_the_task(world, tmp_path):
     )
     with pytest.raises(DataError, match="task 'demo_mc'"):
         run_eval([artifact], ["demo_mc"], include_path=include, write=False)
+    # A missing model is named before any task is looked up.
+    assert cli.main(["eval", str(tmp_path / "no_model"), "--tasks", "no_such_task_xyz"]) == 2
+    assert f"{tmp_path / 'no_model'}: no such file or directory" in capsys.readouterr().err
 
 
 def test_sliding_windows_score_every_token_once():

@@ -112,6 +112,10 @@ def eval_main(args: argparse.Namespace) -> int:
     tasks = [t.strip() for item in args.tasks for t in item.split(",") if t.strip()]
     if not tasks and not args.perplexity:
         raise ConfigError("nothing to evaluate: give --tasks and/or --perplexity FILE")
+    from lmforge.api import detect_format
+
+    for source in args.sources:  # a missing model before any task is loaded
+        detect_format(source)
     with tempfile.TemporaryDirectory(prefix="lmforge-eval-tasks-") as demo_dir:
         include_path = list(args.include_path)
         if args.demo_data is not None:
