@@ -659,8 +659,11 @@ def _validate(schema: type[Section], data: Any, where: str):
             if problem["type"] == "extra_forbidden":
                 allowed = ", ".join(_allowed_keys(schema, problem["loc"][:-1]))
                 lines.append(f"{where}: unknown key {key!r}; allowed: {allowed}")
+            elif problem["type"] == "missing":
+                lines.append(f"{where}: {key} is required")
             else:
                 message = problem["msg"].removeprefix("Value error, ")
+                message = message.replace("Input should be ", "must be ", 1)
                 lines.append(f"{where}: {key} = {problem.get('input')!r}: {message}")
         raise ConfigError("\n".join(lines)) from None
 

@@ -221,12 +221,17 @@ def test_config_errors_name_the_stage_and_key(tmp_path):
         'kind = "quantize"\nscheme = "int8-wo"\n': "needs from = STAGE",
         'kind = "pretrain"\nlauncher.nodez = 2\n': "unknown key 'nodez'",
         'kind = "pretrain"\nrun_dir = "x"\n': "'run_dir' is set by the pipeline",
+        'kind = "pretrain"\nlauncher.nodes = 0\n': "launcher: nodes = 0: must be greater than 0",
     }
     for body, message in cases.items():
         file.write_text('[pipeline]\nname = "p"\n[stages.s]\n' + body)
         with pytest.raises(ConfigError, match=None) as err:
             load_pipeline(file, workdir=tmp_path)
         assert message in str(err.value), (body, str(err.value))
+
+    file.write_text('[pipeline]\nname = "p"\n')
+    with pytest.raises(ConfigError, match=r"p.toml: stages is required$"):
+        load_pipeline(file, workdir=tmp_path)
 
     file.write_text(base + '[stages.pre.launcher.env]\nHF_TOKEN = "hf_xxx"\n')
     with pytest.raises(ConfigError, match="secrets must not be written in the pipeline file"):
