@@ -436,6 +436,10 @@ def _resolve_stage(
         data = _deep_merge(data, settings)
         data["run_dir"] = str(stage_dir)
         config = _validate_file(training_schema(kind), data, where)
+        try:
+            config.require_data()
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
         output = artifact_dir
         argv = [kind, "--config", config_path]
     elif kind == "prepare":

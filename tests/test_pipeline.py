@@ -222,6 +222,8 @@ def test_config_errors_name_the_stage_and_key(tmp_path):
         'kind = "pretrain"\nlauncher.nodez = 2\n': "unknown key 'nodez'",
         'kind = "pretrain"\nrun_dir = "x"\n': "'run_dir' is set by the pipeline",
         'kind = "pretrain"\nlauncher.nodes = 0\n': "launcher: nodes = 0: must be greater than 0",
+        'kind = "pretrain"\n': "stage 's': data.shards is not set",
+        'kind = "sft"\n': "stage 's': data.path (or data.dataset) is not set",
     }
     for body, message in cases.items():
         file.write_text('[pipeline]\nname = "p"\n[stages.s]\n' + body)
@@ -243,7 +245,8 @@ def test_training_stage_config_is_a_validated_job_config(tmp_path):
     file.write_text(
         '[pipeline]\nname = "p"\n[model]\nsource = "tiny"\ntokenizer = "tok/"\n'
         '[launcher]\npartition = "gpu"\n'
-        '[stages.pre]\nkind = "pretrain"\ntrain.steps = 7\nlauncher.nproc_per_node = 2\n'
+        '[stages.pre]\nkind = "pretrain"\ndata.shards = "s/"\ntrain.steps = 7\n'
+        "launcher.nproc_per_node = 2\n"
         '[stages.ft]\nkind = "sft"\nfrom = "pre"\ndata.path = ["a.jsonl"]\nlora.enabled = true\n'
     )
     pipeline = load_pipeline(file, workdir=tmp_path)

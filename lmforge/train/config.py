@@ -13,6 +13,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from lmforge.config import ModelSection, Section
 from lmforge.data.preference import PreferenceDataSection
 from lmforge.data.sft import SFTDataSection
+from lmforge.errors import ConfigError
 from lmforge.modules.lora import LoRASection
 
 
@@ -134,6 +135,12 @@ class PretrainJob(TrainJob):
     run_dir: str = "runs/pretrain"
     data: DataSection = Field(default_factory=DataSection)
 
+    def require_data(self) -> None:
+        if not self.data.shards:
+            raise ConfigError(
+                "data.shards is not set: pass the directory made by `lmforge prepare`"
+            )
+
 
 class SFTJob(TrainJob):
     """`lmforge sft`: instruction finetuning, full or with LoRA / QLoRA adapters."""
@@ -141,6 +148,10 @@ class SFTJob(TrainJob):
     run_dir: str = "runs/sft"
     data: SFTDataSection = Field(default_factory=SFTDataSection)
     lora: LoRASection = Field(default_factory=LoRASection)
+
+    def require_data(self) -> None:
+        if not self.data.path and not self.data.dataset:
+            raise ConfigError("data.path (or data.dataset) is not set: name the instruction data")
 
 
 class DPOSection(Section):
@@ -161,3 +172,7 @@ class DPOJob(TrainJob):
     data: PreferenceDataSection = Field(default_factory=PreferenceDataSection)
     lora: LoRASection = Field(default_factory=LoRASection)
     dpo: DPOSection = Field(default_factory=DPOSection)
+
+    def require_data(self) -> None:
+        if not self.data.path and not self.data.dataset:
+            raise ConfigError("data.path (or data.dataset) is not set: name the preference data")

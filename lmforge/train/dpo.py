@@ -23,8 +23,7 @@ from lmforge.train.stage import (
 
 def dpo(job: DPOJob) -> Path:
     """Align to `train.steps` (resuming from the run dir's checkpoints); returns the artifact."""
-    if not job.data.path and not job.data.dataset:
-        raise ConfigError("data.path (or data.dataset) is not set: name the preference data")
+    job.require_data()
     lora = lora_section(job)
     reference_kind = job.dpo.reference
     if reference_kind == "auto":

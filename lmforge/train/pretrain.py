@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.data.pretrain import PackedLoader, TokenShards
-from lmforge.errors import ConfigError
 from lmforge.train.config import PretrainJob
 from lmforge.train.losses import CausalLMLoss
 from lmforge.train.stage import run_stage
@@ -14,8 +13,7 @@ from lmforge.train.stage import run_stage
 
 def pretrain(job: PretrainJob) -> Path:
     """Train to `train.steps` (resuming from the run dir's checkpoints) and return the artifact."""
-    if not job.data.shards:
-        raise ConfigError("data.shards is not set: pass the directory made by `lmforge prepare`")
+    job.require_data()
     shards = TokenShards(job.data.shards)
 
     def make_loader(layout, spec) -> PackedLoader:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.data.sft import SFTLoader, load_sft_data
-from lmforge.errors import ConfigError
 from lmforge.train.config import SFTJob
 from lmforge.train.losses import CausalLMLoss
 from lmforge.train.stage import data_loader_factory, run_stage
@@ -17,8 +16,7 @@ from lmforge.train.stage import data_loader_factory, run_stage
 
 def sft(job: SFTJob) -> Path:
     """Finetune to `train.steps` (resuming from the run dir's checkpoints); returns the artifact."""
-    if not job.data.path and not job.data.dataset:
-        raise ConfigError("data.path (or data.dataset) is not set: name the instruction data")
+    job.require_data()
     return run_stage(
         job,
         stage="sft",
