@@ -100,6 +100,11 @@ def setup(parallel: ParallelSection, device_choice: str) -> Layout:
     )
 
 
-def teardown() -> None:
+def teardown(*, wait_for_all: bool = False) -> None:
+    """Destroy the process group; with `wait_for_all` (every rank is known to get here) after a
+    barrier, so no rank tears its group down while a peer is still using it: a gloo rank that
+    did so ahead of the others was seen to abort at exit (SIGABRT after its last step)."""
     if dist.is_initialized():
+        if wait_for_all and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

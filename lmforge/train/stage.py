@@ -50,6 +50,7 @@ from lmforge.train.loop import LoopSections, LossStep, Trainer
 from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler
 from lmforge.train.parallelize import parallelize
+from lmforge.train.preempt import PreemptedError
 
 log = logging.getLogger(__name__)
 
@@ -331,10 +332,18 @@ def run_stage(
         count_targets: batch -> the number of targets the loss is averaged over.
     """
     layout = distributed.setup(job.parallel, job.train.device)
+    together = (
+        False  # whether every rank leaves from the same point (then they wait for each other)
+    )
     try:
-        return _run(job, layout, stage, make_batches, make_loss_step, count_targets)
+        artifact = _run(job, layout, stage, make_batches, make_loss_step, count_targets)
+        together = True
+        return artifact
+    except PreemptedError:
+        together = True  # every rank stopped after the same step (the flag is all-reduced)
+        raise
     finally:
-        distributed.teardown()
+        distributed.teardown(wait_for_all=together)
 
 
 def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Path:
