@@ -60,29 +60,20 @@ def common(run_dir: Path, artifact: Path, *extra: str) -> list[str]:
     ]
 
 
-def sft_args(run_dir, base, *extra):
+def lora_args(run_dir, base, data: str, *extra):
+    """A rank-4 LoRA run on the demo file `data` (sft_train / dpo_train)."""
     artifact, paths = base
     return common(
-        run_dir,
-        artifact,
-        f"data.path={paths['sft_train']}",
-        "lora.enabled=true",
-        "lora.rank=4",
-        *extra,
+        run_dir, artifact, f"data.path={paths[data]}", "lora.enabled=true", "lora.rank=4", *extra
     )
+
+
+def sft_args(run_dir, base, *extra):
+    return lora_args(run_dir, base, "sft_train", *extra)
 
 
 def dpo_args(run_dir, base, *extra):
-    artifact, paths = base
-    return common(
-        run_dir,
-        artifact,
-        f"data.path={paths['dpo_train']}",
-        "lora.enabled=true",
-        "lora.rank=4",
-        "dpo.beta=0.5",
-        *extra,
-    )
+    return lora_args(run_dir, base, "dpo_train", "dpo.beta=0.5", *extra)
 
 
 @pytest.mark.parametrize("stage, make_args", [("sft", sft_args), ("dpo", dpo_args)])
