@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from lmforge.errors import UserError
@@ -54,11 +56,25 @@ def main(argv: list[str] | None = None) -> int:
         result = args.func(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+        code = err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
-    return int(result or 0)
+        code = 130
+    else:
+        code = int(result or 0)
+    if argv is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        _leave_worker(code)
+    return code
+
+
+def _leave_worker(code: int) -> None:
+    """A torchrun worker whose work is done and flushed leaves without running C++ destructors:
+    a finished gloo rank was seen to abort while tearing down ("terminate called without an
+    active exception", SIGABRT), which torchrun and Slurm then report as a failed job."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ KEY = "test-key-123"
 MODEL = "tiny-chat"
 MAIN_CONCURRENCY = 32
 MAIN_CONTEXT = 96
+# The small server's context: a generation this long cannot finish inside its 3 s timeout on
+# any CPU (tens of seconds at the fastest), so the timeout test does not race the machine.
+LONG_CONTEXT = 65536
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 CORPUS = (
@@ -58,7 +61,7 @@ def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("serve")
     (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     tokenizer = train_bpe([root / "corpus.txt"], vocab_size=320, out_dir=root / "tok")
-    args = small_args(320)
+    args = small_args(320, max_seq_len=LONG_CONTEXT)
     model = build_model(args, seed=7)
     directory = save_state(
         model.state_dict(), args, tokenizer, root / MODEL, stage="test", parent=None
@@ -116,7 +119,7 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(artifact, tmp_path_factory):
     """Three servers, started together: the main one (API key, 32 rows), a small one (one row,
-    one queue place, 3 s timeout) and one to drain with SIGTERM."""
+    one queue place, 3 s timeout, a 64k context) and one to drain with SIGTERM."""
     logs = tmp_path_factory.mktemp("logs")
     started = {
         "main": Server(
@@ -141,7 +144,7 @@ def servers(artifact, tmp_path_factory):
             "--max-queue",
             "1",
             "--max-seq-len",
-            "2048",
+            str(LONG_CONTEXT),
             "--request-timeout",
             "3",
         ),
@@ -563,7 +566,7 @@ def _wait_for(condition, timeout: float = 20) -> None:
 
 def test_full_queue_429_disconnect_frees_the_row_and_timeout_408(servers):
     small = servers["small"]
-    long = {"model": MODEL, "prompt": "hi", "max_tokens": 2040, "ignore_eos": True}
+    long = {"model": MODEL, "prompt": "hi", "max_tokens": LONG_CONTEXT - 8, "ignore_eos": True}
     running, response = _open_stream(small, "/v1/completions", long)
     assert response.readline().startswith(b"data: ")  # it runs: the only row is taken
     queued, answer = _in_thread(request, small, "POST", "/v1/completions", long)
@@ -578,7 +581,7 @@ def test_full_queue_429_disconnect_frees_the_row_and_timeout_408(servers):
     _wait_for(lambda: metric(small, "lmforge_running_sequences") == 1)
     assert metric(small, "lmforge_queue_depth") == 0
 
-    queued.join(timeout=30)  # 2040 tokens take longer than the 3 s timeout
+    queued.join(timeout=30)  # ~65k tokens cannot be generated within the 3 s timeout
     status, _, content = answer["value"]
     assert status == 408 and assert_error_envelope(content)["code"] == "request_timeout"
     _wait_for(lambda: metric(small, 'lmforge_sequences_finished_total{reason="timeout"}') == 1)

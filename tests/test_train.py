@@ -96,14 +96,17 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
     )
     wait_for_step(run_dir, 7, proc)
     kill_all(proc)
+    # Where the kill lands depends on the machine's speed: at least step 5 is committed (and
+    # step 10 or 15 on a fast one); the resumed run must continue from the newest.
     committed = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
-    assert committed[-1] == "step-00000005", committed
+    last = int(committed[-1].split("-")[1])
+    assert last in (5, 10, 15), committed
     before = losses(run_dir)
     (run_dir / "metrics.jsonl").unlink()
     run_torchrun(2, "pretrain", pretrain_args(run_dir, tokenizer, shards, *args))
     resumed = losses(run_dir)
-    assert min(resumed) == 6
-    assert all(resumed[s] == reference[s] for s in range(6, 21)), (resumed, reference)
+    assert sorted(resumed) == list(range(last + 1, 21))
+    assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
     assert all(before[s] == reference[s] for s in before)
 
 
@@ -232,11 +235,16 @@ def test_nan_loss_stops_naming_the_step(tmp_path):
 
 
 def test_golden_losses(tmp_path):
-    """Guards against silent numerical change; regenerate with tests/golden/make_golden.py."""
-    from tests.golden.make_golden import golden_run
+    """Guards against silent numerical change; regenerate with tests/golden/make_golden.py.
+
+    Exact equality holds only on one processor: summation order differs with vector width and
+    BLAS kernels. The tolerance comes from the spread measured in make_golden.py's docstring
+    (at most 2.4e-5 relative over these 20 steps) and what it still catches (a 1% change of the
+    learning rate fails at step 2)."""
+    from tests.golden.make_golden import CROSS_MACHINE_RTOL, golden_run
 
     golden = json.loads(GOLDEN.read_text())
     measured = golden_run(tmp_path)
     assert list(measured) == list(golden["losses"])
     for got, want in zip(measured.values(), golden["losses"].values()):
-        assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (measured, golden)
+        assert abs(got - want) <= CROSS_MACHINE_RTOL * abs(want), (measured, golden)

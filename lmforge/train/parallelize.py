@@ -89,8 +89,6 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
             f"parallel.tp = {tp_mesh.size()} must divide the model's num_kv_heads "
             f"({model.args.num_kv_heads})"
         )
-    if model.args.tie_embeddings:
-        raise ConfigError("parallel.tp > 1 is not supported for models with tied embeddings yet")
     parallelize_module(
         model,
         tp_mesh,
@@ -120,6 +118,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
             "feed_forward.w3": ColwiseParallel(),
         }
         parallelize_module(block, tp_mesh, plan)
+    # Both tables are sharded by vocabulary rows (Shard(0)): one DTensor serves as both, so a
+    # tied model stays tied (parallelize_module gave each module its own copy).
+    model.tie_weights()
 
 
 # Ops whose outputs selective checkpointing keeps (expensive to recompute); everything else

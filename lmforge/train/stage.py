@@ -178,8 +178,8 @@ def build_and_load_model(
         )
     parallelize(model, layout, job.parallel, bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
-    if not isinstance(model.tok_embeddings.weight, DTensor):
-        model.tie_weights()
+    # FSDP2 swaps tensors in place (the tie survives); a plain module gets new ones (re-tie).
+    model.tie_weights()
     model.init_buffers(layout.device)
     if sharded_init and lora is None:
         with torch.no_grad():
@@ -188,8 +188,9 @@ def build_and_load_model(
         return model
     state = _initial_state_on_rank0(spec, layout, job, lora)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=layout.world_size > 1)
-    if spec.args.tie_embeddings:
-        state.pop("output.weight", None)
+    if spec.args.tie_embeddings and state:
+        # One parameter under two names: a distributed load expects both keys.
+        state["output.weight"] = state["tok_embeddings.weight"]
     set_model_state_dict(model, state, options=options)
     if lora is None:
         return model
