@@ -1,0 +1,173 @@
+"""Training through the real CLI on one and two GPUs: `lmforge launch --nproc N pretrain|sft|dpo`
+on real token shards, SFT and DPO files, as a user runs it. For each row: median tokens/s over
+the steps after warm-up, the measured peak memory (torch.cuda.max_memory_allocated) and the
+planner's prediction for the same job (`lmforge plan --config <run>/job.toml`, the total less its
+context/slack line, so both count allocated bytes).
+
+    python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
+
+Rows are PRESET-LAYOUT[-KIND]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain (default),
+sft-lora or dpo-lora. Presets are as shipped (1B and 3B tie their embeddings); pass
+`--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
+(vocab 8192; the model keeps its 128256-row table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
+MICRO_BATCH = {"1b": 8, "3b": 4, "8b": 2, "tiny": 4}
+GIB = 2**30
+
+
+def write_data(root: Path, seq_len: int) -> dict[str, Path]:
+    """A random-word corpus, its tokenizer and shards; SFT and DPO rows about seq_len long."""
+    from lmforge.data.prepare import PrepareSection, prepare
+    from lmforge.data.tokenizer import train_bpe
+
+    paths = {name: root / name for name in ("tokenizer", "shards", "sft.jsonl", "dpo.jsonl")}
+    if all(path.exists() for path in paths.values()):
+        return paths
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+             for _ in range(5000)]  # fmt: skip
+
+    def text(num_words: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(num_words))
+
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(text(400) for _ in range(2000)) + "\n")
+    train_bpe([corpus], vocab_size=8192, out_dir=root / "tokenizer")
+    prepare(PrepareSection(input=[str(corpus)], tokenizer=str(root / "tokenizer"),
+                           out=str(root / "shards"), text_split="paragraph"))  # fmt: skip
+    words_per_row = seq_len // 3  # ~1.5 tokens a word: a row fills about half the window
+    with (root / "sft.jsonl").open("w") as out:
+        for _ in range(256):
+            row = {"instruction": text(words_per_row // 4), "output": text(3 * words_per_row // 4)}
+            out.write(json.dumps(row) + "\n")
+    with (root / "dpo.jsonl").open("w") as out:
+        for _ in range(256):
+            prompt = text(words_per_row // 4)
+            row = {"prompt": prompt, "chosen": text(words_per_row // 2),
+                   "rejected": text(words_per_row // 2)}  # fmt: skip
+            out.write(json.dumps(row) + "\n")
+    return paths
+
+
+def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[str]]:
+    size, layout, *kind = row.split("-", 2)
+    kind = kind[0] if kind else "pretrain"
+    nproc = 1 if layout == "1" else 2
+    stage = {"pretrain": "pretrain", "sft-lora": "sft", "dpo-lora": "dpo"}[kind]
+    micro = MICRO_BATCH[size] if stage != "dpo" else max(1, MICRO_BATCH[size] // 2)
+    keys = [
+        f"run_dir={run_dir}",
+        f"model.source={PRESETS[size]}",
+        f"model.tokenizer={data['tokenizer']}",
+        "model.overrides.vocab_size=128256"
+        if size != "tiny"
+        else "model.overrides.vocab_size=8192",
+        f"train.steps={args.steps}",
+        f"train.micro_batch_size={micro}",
+        f"train.device={args.device}",
+        "scheduler.warmup_steps=2",
+        "metrics.log_every=1",
+        "metrics.tensorboard=false",
+        "checkpoint.every=0",
+        "checkpoint.export_dtype=bfloat16",
+        f"parallel.compile={str(args.device == 'cuda').lower()}",
+    ]
+    if args.untied:
+        keys.append("model.overrides.tie_embeddings=false")
+    if layout == "tp2":
+        keys += ["parallel.tp=2", "parallel.dp_shard=1"]
+    if stage == "pretrain":
+        keys += [f"data.shards={data['shards']}", f"data.seq_len={args.seq_len}"]
+    else:
+        path = data["sft.jsonl" if stage == "sft" else "dpo.jsonl"]
+        keys += [f"data.path={path}", f"data.max_seq_len={args.seq_len}", "lora.enabled=true",
+                 "lora.rank=16", 'lora.targets=["q","k","v","o","gate","up","down"]']  # fmt: skip
+        keys.append("data.pack=true" if stage == "sft" else "data.pad_to_max_seq_len=true")
+    launch = [sys.executable, "-m", "lmforge", "launch", "--nproc", str(nproc), stage]
+    return nproc, launch + keys
+
+
+def measured(run_dir: Path, warmup: int) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["step"] > warmup]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "peak_gib": max(r["peak_mem_gb"] for r in records) * 1e9 / GIB,
+        "loss_first_last": (records[0]["loss"], records[-1]["loss"]),
+    }
+
+
+def planned(run_dir: Path, nproc: int) -> dict:
+    """The planner's per-GPU total and its allocated part (total less context and slack)."""
+    command = [sys.executable, "-m", "lmforge", "plan", "--config", str(run_dir / "job.toml")]
+    command += ["--gpus", str(nproc), "--gpu-memory", "141GB"]
+    text = subprocess.run(command, capture_output=True, text=True).stdout
+    total = re.search(r"total\s+([\d.]+) GiB", text)
+    slack = re.search(r"CUDA context, NCCL, allocator slack\s+([\d.]+)", text)
+    if not total:
+        return {"plan_text": text}
+    allocated = float(total.group(1)) - (float(slack.group(1)) if slack else 0.0)
+    return {"plan_total_gib": float(total.group(1)), "plan_allocated_gib": allocated}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", default=["1b-1", "1b-2", "3b-1", "3b-2", "3b-tp2"])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lmforge-multi-gpu"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    data = write_data(args.work / "data", args.seq_len)
+    results = {}
+    for row in args.rows:
+        run_dir = args.work / row
+        nproc, command = row_command(row, data, run_dir, args)
+        log = args.out / f"{row}.log"
+        with log.open("w") as out:
+            code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+        if code != 0:
+            results[row] = {"error": f"exit {code}: " + log.read_text()[-600:]}
+        else:
+            results[row] = {**measured(run_dir, args.warmup), **planned(run_dir, nproc)}
+        print(row, json.dumps(results[row]), flush=True)
+    (args.out / "multi_gpu.json").write_text(json.dumps(results, indent=1))
+    print(
+        "\n| row | tokens/s | vs 1 GPU | peak GiB | planner GiB (allocated) | loss first → last |"
+    )
+    print("|---|---|---|---|---|---|")
+    for row, r in results.items():
+        if "error" in r:
+            print(f"| {row} | failed: {r['error'][-200:]!r} | | | | |")
+            continue
+        parts = row.split("-")
+        one = results.get("-".join([parts[0], "1", *parts[2:]]), {})
+        ratio = r["tokens_per_s"] / one["tokens_per_s"] if one.get("tokens_per_s") else None
+        plan = r.get("plan_allocated_gib")
+        print(
+            f"| {row} | {r['tokens_per_s']:,.0f} | {f'{ratio:.3f}x' if ratio else ''} | "
+            f"{r['peak_gib']:.1f} | {f'{plan:.1f}' if plan else '?'} | "
+            f"{r['loss_first_last'][0]:.2f} → {r['loss_first_last'][1]:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
