@@ -268,8 +268,8 @@ def test_qlora_stores_adapted_bases_as_nf4():
 
 def test_trainer_rules_are_enforced():
     args = get_preset("llama3.2-1b")  # tied embeddings
-    with pytest.raises(ConfigError, match="tied embeddings"):
-        plan_memory(Setup(args=args, gpus=2, tp=2))
+    with pytest.raises(ConfigError, match="lora.enabled with parallel.tp"):
+        plan_memory(Setup(args=args, method="lora", gpus=2, tp=2))
     with pytest.raises(ConfigError, match="QLoRA"):
         plan_memory(Setup(args=args, method="qlora", gpus=2))
     with pytest.raises(ConfigError, match="does not match the world size"):
@@ -291,14 +291,19 @@ DRY_RUNS = {
     ),
     "FSDP 8, DPO full (frozen copy)": dict(gpus=8, method="dpo-full"),
     "QLoRA": dict(gpus=1, method="qlora", lora_targets=("q", "k", "v", "down")),
+    "tied, FSDP 2": dict(gpus=2, tied=True),
+    "tied, FSDP 4 × TP 2": dict(gpus=8, tp=2, tied=True),
+    "tied, HSDP 2 × 2, DPO full": dict(gpus=4, dp_replicate=2, method="dpo-full", tied=True),
 }
 
 
 @pytest.mark.parametrize("name", sorted(DRY_RUNS))
 def test_dry_run_shards_equal_the_arithmetic(name):
-    if DRY_RUNS[name].get("method") == "qlora":
+    layout = dict(DRY_RUNS[name])
+    if layout.get("method") == "qlora":
         pytest.importorskip("torchao")
-    setup = Setup(args=tiny_args(), **DRY_RUNS[name])
+    args = tiny_args().replace(tie_embeddings=layout.pop("tied", False))
+    setup = Setup(args=args, **layout)
     report = dry_run(setup)
     assert report.mismatches == []
     assert report.measured == report.arithmetic

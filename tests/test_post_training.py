@@ -27,11 +27,10 @@ from tests.train_utils import (
 GOLDEN_DPO = Path(__file__).parent / "golden" / "dpo_losses.json"
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def _base(root: Path, *, tied: bool):
     """A small random base artifact with the demo tokenizer, and the demo data."""
-    root = tmp_path_factory.mktemp("post")
     paths, tokenizer, args = demo_world(root, vocab_size=400)
+    args = args.replace(tie_embeddings=tied)
     artifact = save_state(
         build_model(args, seed=3).state_dict(),
         args,
@@ -41,6 +40,17 @@ def base(tmp_path_factory):
         parent=None,
     )
     return artifact, paths
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return _base(tmp_path_factory.mktemp("post"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_base(tmp_path_factory):
+    """The same with tied embeddings (as Llama 3.2 1B and 3B ship)."""
+    return _base(tmp_path_factory.mktemp("post-tied"), tied=True)
 
 
 def common(run_dir: Path, artifact: Path, *extra: str) -> list[str]:
@@ -76,8 +86,30 @@ def dpo_args(run_dir, base, *extra):
     return lora_args(run_dir, base, "dpo_train", "dpo.beta=0.5", *extra)
 
 
-@pytest.mark.parametrize("stage, make_args", [("sft", sft_args), ("dpo", dpo_args)])
-def test_two_processes_match_one(tmp_path, base, stage, make_args):
+def full_sft_args(run_dir, base, *extra):
+    artifact, paths = base
+    return common(run_dir, artifact, f"data.path={paths['sft_train']}", "optim.lr=1e-3", *extra)
+
+
+def full_dpo_args(run_dir, base, *extra):
+    artifact, paths = base
+    return common(run_dir, artifact, f"data.path={paths['dpo_train']}", "dpo.beta=0.5", *extra)
+
+
+@pytest.mark.parametrize(
+    "stage, make_args, which",
+    [
+        ("sft", sft_args, "base"),
+        ("dpo", dpo_args, "base"),
+        ("sft", sft_args, "tied_base"),
+        ("sft", full_sft_args, "tied_base"),
+        ("dpo", dpo_args, "tied_base"),
+        ("dpo", full_dpo_args, "tied_base"),
+    ],
+    ids=["sft-lora", "dpo-lora", "tied-sft-lora", "tied-sft-full", "tied-dpo-lora", "tied-dpo-full"],
+)
+def test_two_processes_match_one(tmp_path, request, stage, make_args, which):
+    base = request.getfixturevalue(which)
     assert run_inprocess(stage, make_args(tmp_path / "one", base)) == 0
     reference = losses(tmp_path / "one")
     run_torchrun(2, stage, make_args(tmp_path / "two", base, "train.micro_batch_size=2"))

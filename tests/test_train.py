@@ -44,43 +44,78 @@ def _assert_close(a: dict, b: dict, tol: float) -> None:
         assert abs(a[step] - b[step]) <= tol, (step, a[step], b[step])
 
 
-def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data):
+TIED = "model.overrides.tie_embeddings=true"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data, tied):
+    """Every layout gives the one-process losses on the same global batch of 8; a tied model
+    (as Llama 3.2 1B/3B ship) also under HSDP and TP x FSDP on 4 processes."""
     tokenizer, shards = data
-    base = tmp_path / "one"
-    assert (
-        run_inprocess(
-            "pretrain", pretrain_args(base, tokenizer, shards, "train.micro_batch_size=8")
-        )
-        == 0
-    )
-    reference = losses(base)
+
+    def args(run_dir, *extra):
+        return pretrain_args(run_dir, tokenizer, shards, *([TIED] * tied), *extra)
+
+    assert run_inprocess("pretrain", args(tmp_path / "one", "train.micro_batch_size=8")) == 0
+    reference = losses(tmp_path / "one")
     assert len(reference) == 5 and reference[5] < reference[1]
 
     accum = tmp_path / "accum"
     run_inprocess(
-        "pretrain",
-        pretrain_args(
-            accum, tokenizer, shards, "train.micro_batch_size=2", "train.global_batch_size=8"
-        ),
+        "pretrain", args(accum, "train.micro_batch_size=2", "train.global_batch_size=8")
     )
     _assert_close(losses(accum), reference, 1e-5)
 
-    fsdp = tmp_path / "fsdp"
-    run_torchrun(2, "pretrain", pretrain_args(fsdp, tokenizer, shards, "train.micro_batch_size=4"))
-    _assert_close(losses(fsdp), reference, 1e-5)
+    layouts = {
+        "fsdp": (2, ["train.micro_batch_size=4"]),
+        "tp": (2, ["train.micro_batch_size=8", "parallel.tp=2"]),
+    }
+    if tied:
+        layouts["hsdp"] = (2, ["train.micro_batch_size=4", "parallel.dp_replicate=2"])
+        layouts["tp_fsdp"] = (4, ["train.micro_batch_size=4", "parallel.tp=2"])
+    for name, (nproc, extra) in layouts.items():
+        run_torchrun(nproc, "pretrain", args(tmp_path / name, *extra))
+        _assert_close(losses(tmp_path / name), reference, 1e-5)
+    if tied:
+        _check_tied_artifact(tmp_path / "fsdp" / "artifact")
 
-    tp = tmp_path / "tp"
-    run_torchrun(
-        2,
-        "pretrain",
-        pretrain_args(tp, tokenizer, shards, "train.micro_batch_size=8", "parallel.tp=2"),
-    )
-    _assert_close(losses(tp), reference, 1e-5)
+
+def _check_tied_artifact(artifact: Path) -> None:
+    """transformers loads a 2-rank artifact with one shared table and lmforge's logits."""
+    import transformers
+
+    import lmforge
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    tokens = torch.arange(1, 17)[None]
+    ours = lmforge.load(artifact, dtype=torch.float32).model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
+
+
+def test_tied_continued_pretraining_two_ranks_match_one(tmp_path, data):
+    """Continued pretraining from a tied artifact: FSDP2 loads the one table for both uses."""
+    tokenizer, shards = data
+    start = tmp_path / "start"
+    run_inprocess("pretrain", pretrain_args(start, tokenizer, shards, TIED, "train.steps=2"))
+
+    def args(run_dir, *extra):
+        keep = [a for a in pretrain_args(run_dir, tokenizer, shards) if "model." not in a]
+        return [*keep, f"model.source={start / 'artifact'}", *extra]
+
+    run_inprocess("pretrain", args(tmp_path / "one", "train.micro_batch_size=8"))
+    run_torchrun(2, "pretrain", args(tmp_path / "two", "train.micro_batch_size=4"))
+    reference = losses(tmp_path / "one")
+    assert reference[1] < 5.0  # starts from the trained weights, not from scratch
+    _assert_close(losses(tmp_path / "two"), reference, 1e-5)
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
+    """On a tied model (tests/test_checkpoint.py kills untied FSDP2 runs)."""
     tokenizer, shards = data
-    args = ["train.steps=20", "checkpoint.every=5"]
+    args = ["train.steps=20", "checkpoint.every=5", TIED]
     reference_dir = tmp_path / "reference"
     run_torchrun(2, "pretrain", pretrain_args(reference_dir, tokenizer, shards, *args))
     reference = losses(reference_dir)

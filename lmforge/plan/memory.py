@@ -248,10 +248,6 @@ def check_setup(setup: Setup) -> None:
                 f"parallel.tp = {tp} must divide the model's num_kv_heads "
                 f"({setup.args.num_kv_heads})"
             )
-        if setup.args.tie_embeddings:
-            raise ConfigError(
-                "parallel.tp > 1 is not supported for models with tied embeddings yet"
-            )
         if setup.uses_lora:
             raise ConfigError(
                 "lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)"

@@ -45,7 +45,7 @@ def _layouts(base: Setup, gpus: int, fixed: set[str]) -> list[Setup]:
     replicates = [base.dp_replicate] if "dp_replicate" in fixed else sorted({1, nodes})
     out = []
     for tp in tps:
-        if gpus % tp or (tp > 1 and (a.num_kv_heads % tp or a.tie_embeddings or base.uses_lora)):
+        if gpus % tp or (tp > 1 and (a.num_kv_heads % tp or base.uses_lora)):
             continue
         for replicate in replicates:
             if gpus % (replicate * tp):
