@@ -268,7 +268,7 @@ def test_qlora_stores_adapted_bases_as_nf4():
 
 def test_trainer_rules_are_enforced():
     args = get_preset("llama3.2-1b")  # tied embeddings
-    with pytest.raises(ConfigError, match="lora.enabled with parallel.tp"):
+    with pytest.raises(ConfigError, match=r"lora\.enabled with parallel\.tp"):
         plan_memory(Setup(args=args, method="lora", gpus=2, tp=2))
     with pytest.raises(ConfigError, match="QLoRA"):
         plan_memory(Setup(args=args, method="qlora", gpus=2))

@@ -106,7 +106,14 @@ def full_dpo_args(run_dir, base, *extra):
         ("dpo", dpo_args, "tied_base"),
         ("dpo", full_dpo_args, "tied_base"),
     ],
-    ids=["sft-lora", "dpo-lora", "tied-sft-lora", "tied-sft-full", "tied-dpo-lora", "tied-dpo-full"],
+    ids=[
+        "sft-lora",
+        "dpo-lora",
+        "tied-sft-lora",
+        "tied-sft-full",
+        "tied-dpo-lora",
+        "tied-dpo-full",
+    ],
 )
 def test_two_processes_match_one(tmp_path, request, stage, make_args, which):
     base = request.getfixturevalue(which)

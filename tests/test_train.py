@@ -61,9 +61,7 @@ def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data, tied):
     assert len(reference) == 5 and reference[5] < reference[1]
 
     accum = tmp_path / "accum"
-    run_inprocess(
-        "pretrain", args(accum, "train.micro_batch_size=2", "train.global_batch_size=8")
-    )
+    run_inprocess("pretrain", args(accum, "train.micro_batch_size=2", "train.global_batch_size=8"))
     _assert_close(losses(accum), reference, 1e-5)
 
     layouts = {

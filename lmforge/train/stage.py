@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from lmforge import api, artifact
 from lmforge.config import ModelSection, dump_config
