@@ -9,7 +9,8 @@ with `weights_only=True`. Layout of a run directory::
       step-00000042/                  committed: complete, never written into again
         .metadata  __0_0.distcp  __1_0.distcp    DCP (model + optimizer)
         extra-rank0.pt  extra-rank1.pt           per-rank state
-        COMMITTED                                JSON: step, world size, every file and its size
+        COMMITTED                                JSON: step, world size, every file, its size
+                                                 and SHA-256
       .tmp-step-00000043-5f2c9a1e/    a save in progress, or left by a crash
 
 Crash safety comes from the layout, not from luck: a save writes into a fresh `.tmp-*`
@@ -18,7 +19,9 @@ writes `COMMITTED` and renames the directory into place (an atomic rename on POS
 SIGKILL at any moment therefore leaves either a complete `step-*` directory or a `.tmp-*` one
 that is ignored and later removed; an older checkpoint is only deleted once `keep_last`
 (at least 2) newer ones are committed. `latest()` trusts a directory only when its `COMMITTED` marker is
-there and every listed file has its recorded size.
+there and every listed file has its recorded size; `restore_latest()` and `load()` also check
+every file's SHA-256 (the ranks share the hashing) and fall back past a checkpoint whose bytes
+changed, naming the file. Nothing is unpickled without restriction (`lmforge.safe_dcp`).
 
 Typical use in a training loop::
 
@@ -74,15 +77,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lmforge import safe_dcp
 from lmforge.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMMIT_FILENAME = "COMMITTED"
-DCP_METADATA_FILENAME = ".metadata"
+DCP_METADATA_FILENAME = safe_dcp.METADATA_NAME
 TMP_PREFIX = ".tmp-"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: COMMITTED records a SHA-256 per file; 1 (sizes only) is still read
+_RANK_FILE_RE = re.compile(r"^(?:__(\d+)_\d+\.distcp|extra-rank(\d+)\.pt)$")
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 
@@ -204,8 +209,12 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     commit = read_commit(path)
     if commit is None:
         return "unreadable COMMITTED marker"
-    if commit.get("format") != FORMAT_VERSION:
-        return f"checkpoint format {commit.get('format')!r}, this lmforge reads {FORMAT_VERSION}"
+    if commit.get("format") not in (1, FORMAT_VERSION):
+        return (
+            f"checkpoint format {commit.get('format')!r}, this lmforge reads 1 and {FORMAT_VERSION}"
+        )
+    if commit["format"] >= 2 and set(commit.get("sha256") or ()) != set(commit.get("files") or ()):
+        return "COMMITTED marker lacks a checksum for every file"
     files, step, world_size = commit.get("files"), commit.get("step"), commit.get("world_size")
     if not isinstance(files, dict) or not isinstance(step, int) or not isinstance(world_size, int):
         return "COMMITTED marker lacks files/step/world_size"
@@ -230,6 +239,24 @@ def is_committed(path: str | os.PathLike) -> bool:
     return checkpoint_problem(path) is None
 
 
+def checksum_problem(path: Path, names: list[str], sha256: Mapping[str, str]) -> str | None:
+    """The first of `names` whose bytes no longer match the commit's SHA-256, if any."""
+    for name in names:
+        try:
+            actual = safe_dcp.sha256_file(path / name)
+        except OSError as exc:
+            return f"file {name} cannot be read ({exc.strerror or exc})"
+        if actual != sha256[name]:
+            return f"file {name} fails its checksum (changed after the checkpoint was written)"
+    return None
+
+
+def _owning_rank(name: str) -> int:
+    """The rank that wrote file `name` of a checkpoint (rank 0: .metadata, COMMITTED)."""
+    match = _RANK_FILE_RE.match(name)
+    return int(match.group(1) or match.group(2)) if match else 0
+
+
 # ---- small helpers -------------------------------------------------------------------------
 
 
@@ -239,6 +266,17 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an error's message; for DCP's CheckpointException, of the first
+    rank's underlying error (its own message is a list of ranks and tracebacks)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = getattr(first, "exception", first)
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _fsync_dir(path: Path) -> None:
@@ -392,6 +430,8 @@ class Checkpointer:
         self._group = process_group
         self._pending: _PendingSave | None = None
         self.last_load: LoadReport | None = None
+        # the newest checkpoint whose bytes this process wrote and hashed, or verified on load
+        self.last_verified: Path | None = None
 
     # ---- ranks and collectives
     @property
@@ -414,6 +454,14 @@ class Checkpointer:
         dist.broadcast_object_list(box, group=self._group, group_src=0)
         return box[0]
 
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if not self._distributed:
+            return [value]
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
+
     # ---- finding checkpoints
     def _step_dirs(self) -> list[tuple[int, Path]]:
         if not self.directory.is_dir():
@@ -430,8 +478,13 @@ class Checkpointer:
         return [path for _, path in self._step_dirs() if checkpoint_problem(path) is None]
 
     def latest(self) -> Path | None:
-        """The newest complete committed checkpoint; newer partial ones are skipped with a
-        warning. Local (not collective): reads the filesystem only."""
+        """The newest complete committed checkpoint (by its marker and file sizes; `verify`
+        checks the bytes); newer partial ones are skipped with a warning. Local (not
+        collective): reads the filesystem only."""
+        return next(self._candidates(), None)
+
+    def _candidates(self):
+        """Complete committed checkpoints, newest first, warning about the others."""
         pending = self._pending.tmp_dir.name if self._pending else None
         if self.directory.is_dir():
             for path in sorted(self.directory.glob(TMP_PREFIX + "step-*")):
@@ -444,9 +497,24 @@ class Checkpointer:
         for _, path in reversed(self._step_dirs()):
             problem = checkpoint_problem(path)
             if problem is None:
-                return path
-            logger.warning("ignoring incomplete checkpoint %s: %s", path, problem)
-        return None
+                yield path
+            else:
+                logger.warning("ignoring incomplete checkpoint %s: %s", path, problem)
+
+    def verify(self, path: str | os.PathLike) -> str | None:
+        """Why checkpoint `path` cannot be trusted, or None (collective): its marker and file
+        sizes, then every file's SHA-256, the ranks sharing the files between them."""
+        path = Path(path)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            commit = read_commit(path)
+            if "sha256" in commit:
+                names = sorted(commit["files"])[self.rank :: self.world_size]
+                problem = checksum_problem(path, names, commit["sha256"])
+            elif self.rank == 0:
+                logger.warning("checkpoint %s has no checksums (format 1): sizes checked", path)
+        problems = [p for p in self._gather(problem) if p is not None]
+        return problems[0] if problems else None
 
     # ---- saving
     def save(self, step: int, state: Mapping[str, Any]) -> None:
@@ -528,19 +596,27 @@ class Checkpointer:
         # every rank's shards and per-rank file are written; DCP's coordinator has written
         # .metadata before any rank's save returned
         self._barrier()
+        # each rank hashes the files it wrote (read back from the page cache)
+        own = sorted(p.name for p in pending.tmp_dir.iterdir() if p.is_file())
+        own = [name for name in own if _owning_rank(name) % self.world_size == self.rank]
+        digests = {name: safe_dcp.sha256_file(pending.tmp_dir / name) for name in own}
+        sha256 = {k: v for part in self._gather(digests) for k, v in part.items()}
         error = None
         if self.rank == 0:
             try:
-                self._commit_on_rank0(pending)
+                self._commit_on_rank0(pending, sha256)
             except (OSError, AssertionError) as exc:  # tell the other ranks instead of hanging
                 error = f"could not commit checkpoint {pending.final_dir}: {exc}"
         error = self._broadcast(error)
         if error:
             raise CheckpointError(error)
+        self.last_verified = pending.final_dir
 
-    def _commit_on_rank0(self, pending: _PendingSave) -> None:
+    def _commit_on_rank0(self, pending: _PendingSave, sha256: dict[str, str]) -> None:
         tmp_dir, final_dir = pending.tmp_dir, pending.final_dir
         files = {p.name: p.stat().st_size for p in sorted(tmp_dir.iterdir()) if p.is_file()}
+        unhashed = sorted(set(files) - set(sha256))
+        assert not unhashed, f"{tmp_dir}: no rank hashed {unhashed}"
         expected = [DCP_METADATA_FILENAME] + [rank_filename(r) for r in range(self.world_size)]
         missing = [name for name in expected if name not in files]
         assert not missing, f"{tmp_dir} lacks {missing} after every rank finished saving"
@@ -550,6 +626,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "time": time.time(),
             "files": files,
+            "sha256": {name: sha256[name] for name in files},
         }
         _write_durably(
             tmp_dir / COMMIT_FILENAME, lambda f: f.write(json.dumps(commit, indent=1).encode())
@@ -594,19 +671,27 @@ class Checkpointer:
         self.close()
 
     # ---- loading
-    def load(self, path: str | os.PathLike, state: MutableMapping[str, Any]) -> LoadReport:
-        """Restore `state` in place from the checkpoint at `path` (collective). Only the
-        items named in `state` are read; each must be in the checkpoint."""
+    def load(
+        self, path: str | os.PathLike, state: MutableMapping[str, Any], *, verified: bool = False
+    ) -> LoadReport:
+        """Restore `state` in place from the checkpoint at `path` (collective), after checking
+        its bytes (unless `verified`). Only the items named in `state` are read; each must be
+        in the checkpoint."""
         path = Path(path)
-        problem = checkpoint_problem(path)
+        problem = None if verified else self.verify(path)
         if problem is not None:
             raise CheckpointError(f"cannot load checkpoint {path}: {problem}")
         commit = read_commit(path)
         saved_world_size = commit["world_size"]
         dcp_items, rank_items = _split_state(state)
         if dcp_items:
-            with _quiet_single_process():
-                dcp.load(dcp_items, checkpoint_id=path, process_group=self._group)
+            try:
+                with _quiet_single_process():
+                    safe_dcp.load(dcp_items, path, process_group=self._group)
+            except Exception as err:  # DCP gathers every rank's failure into one exception
+                raise CheckpointError(
+                    f"cannot load checkpoint {path} into this run: {_first_line(err)}"
+                ) from None
 
         messages: list[str] = []
         not_carried: list[str] = []
@@ -620,10 +705,12 @@ class Checkpointer:
 
         def saved(rank: int) -> dict[str, Any]:
             if rank not in saved_ranks:
-                extra = torch.load(
-                    path / rank_filename(rank), map_location="cpu", weights_only=True
-                )
-                saved_ranks[rank] = extra["items"]
+                file = path / rank_filename(rank)
+                try:
+                    extra = torch.load(file, map_location="cpu", weights_only=True)
+                    saved_ranks[rank] = extra["items"]
+                except Exception as err:  # refused global, truncation, not a dict
+                    raise CheckpointError(f"cannot read {file}: {_first_line(err)}") from None
             return saved_ranks[rank]
 
         resharded = saved_world_size != self.world_size
@@ -669,15 +756,40 @@ class Checkpointer:
             warnings=tuple(messages),
         )
         self.last_load = report
+        self.last_verified = path
         if self.rank == 0:
             logger.info("restored checkpoint %s (step %d)", path, report.step)
         return report
 
     def restore_latest(self, state: MutableMapping[str, Any]) -> int | None:
-        """Load the newest committed checkpoint into `state` (collective); returns its step,
-        or None when the run directory has none. Rank 0 picks, so all ranks agree."""
-        latest = self.latest() if self.rank == 0 else None
-        latest = self._broadcast(str(latest) if latest is not None else None)
-        if latest is None:
-            return None
-        return self.load(Path(latest), state).step
+        """Load the newest checkpoint that verifies into `state` (collective); returns its
+        step, or None when the run directory has none. A checkpoint that fails its checks is
+        skipped with a warning naming the file; if none passes, nothing is loaded and a
+        CheckpointError says why (a fresh start would collide with the committed steps)."""
+        candidates = [str(p) for p in self._candidates()] if self.rank == 0 else None
+        problems = []
+        for path in map(Path, self._broadcast(candidates)):
+            problem = self.verify(path)
+            if problem is None:
+                return self.load(path, state, verified=True).step
+            problems.append(f"{path.name}: {problem}")
+            if self.rank == 0:
+                aside = self._move_aside(path, "corrupt")
+                logger.warning("ignoring checkpoint %s: %s (kept as %s)", path, problem, aside)
+        if problems:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} can be trusted ({'; '.join(problems)}); "
+                "move them away to start this run over"
+            )
+        return None
+
+    def _move_aside(self, path: Path, why: str) -> Path:
+        """Rank 0: rename a checkpoint that failed its checks out of the way of the step it
+        held (a resumed run saves that step again), keeping its files for inspection."""
+        aside = path.with_name(f"{path.name}.{why}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(path, aside)
+        except OSError as exc:
+            logger.warning("could not move %s aside: %s", path, exc)
+            return path
+        return aside

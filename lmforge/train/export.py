@@ -22,24 +22,30 @@ from lmforge.train.checkpoint import (
 from lmforge.train.stage import MODEL_DIR
 
 
-def _locate(source: Path) -> tuple[Path, Path]:
-    """(run_dir, checkpoint_dir) from a run directory or one checkpoint directory."""
-    source = Path(source)
-    if read_commit(source) is not None:
-        run_dir = source.parent.parent
-        return run_dir, source
+def _load_newest(source: Path, run_dir: Path, model: Transformer) -> Path:
+    """Load `model` from a run directory's newest checkpoint that verifies, or from the one
+    checkpoint directory given; returns the checkpoint's directory."""
+    state = {"model": ModelOptimizerState(model)}
+    if source != run_dir:
+        Checkpointer(run_dir).load(source, state)
+        return source
     if not (source / CHECKPOINTS_DIRNAME).is_dir():
         raise UserError(
             f"{source}: neither a run directory (with checkpoints/) nor a committed checkpoint"
         )
-    latest = Checkpointer(source).latest()
-    if latest is None:
+    checkpointer = Checkpointer(source)
+    if checkpointer.restore_latest(state) is None:
         raise UserError(f"{source}: has no committed checkpoint to export")
-    return source, latest
+    return checkpointer.last_load.path
+
+
+def _run_dir_of(source: Path) -> Path:
+    return source.parent.parent if read_commit(source) is not None else source
 
 
 def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
-    run_dir, checkpoint_dir = _locate(Path(source))
+    source = Path(source)
+    run_dir = _run_dir_of(source)
     model_dir = run_dir / MODEL_DIR
     config_path = model_dir / artifact.CONFIG_NAME
     if not config_path.exists():
@@ -47,7 +53,7 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "bflo
     args = llama_hf.args_from_hf_config(artifact.read_json(config_path), config_path)
     tokenizer = api.load_tokenizer_for(model_dir, args)
     model = Transformer(args)  # fp32 on the CPU; every weight is overwritten below
-    Checkpointer(run_dir).load(checkpoint_dir, {"model": ModelOptimizerState(model)})
+    checkpoint_dir = _load_newest(source, run_dir, model)
     step = read_commit(checkpoint_dir)["step"]
     job_path = run_dir / "job.toml"
     lineage_config = {"job": job_path.read_text()} if job_path.exists() else {}

@@ -148,7 +148,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDivergedError(
                 f"step {self.step + 1}: loss is {loss}, grad norm {grad_norm_value}; stopped "
-                f"before the update. Last good checkpoint: {self.checkpointer.latest() or 'none'}"
+                f"before the update. Last good checkpoint: {self.checkpointer.last_verified or 'none'}"
             )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()

@@ -25,16 +25,14 @@ pickled loss history, the data loader's state) are never read.
 from __future__ import annotations
 
 import functools
-import io
 import logging
-import pickle
 import re
 import warnings
 from pathlib import Path
 
 import torch
 
-from lmforge import artifact
+from lmforge import artifact, safe_dcp
 from lmforge.errors import ModelFormatError
 from lmforge.models.llama import hf as llama_hf
 from lmforge.models.llama.args import PRESETS, ModelArgs, RopeScaling, get_preset
@@ -42,7 +40,7 @@ from lmforge.models.llama.model import Transformer
 
 logger = logging.getLogger(__name__)
 
-METADATA_NAME = ".metadata"
+METADATA_NAME = safe_dcp.METADATA_NAME
 _STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 # Our (= torchtitan's) parameter names; anything else under the model is unsupported.
 _PARAM_RE = re.compile(
@@ -93,51 +91,11 @@ _CONFIG_HELP = (
 )
 
 
-# ---- reading .metadata without running arbitrary pickles ----------------------------------
-
-_DCP_METADATA_CLASSES = {
-    "Metadata",
-    "TensorStorageMetadata",
-    "BytesStorageMetadata",
-    "ChunkStorageMetadata",
-    "TensorProperties",
-    "StorageMeta",
-    "MetadataIndex",
-    "_MEM_FORMAT_ENCODING",
-}
-_ALLOWED_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": _DCP_METADATA_CLASSES,
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        if name in _ALLOWED_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
 def _load_metadata(directory: Path):
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    file = directory / METADATA_NAME
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
-    except Exception as err:  # truncated file, foreign pickle, refused global
-        raise ModelFormatError(f"{file}: cannot read DCP metadata ({err})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise ModelFormatError(f"{file}: not DCP metadata (found {type(metadata).__name__})")
-    return metadata
+        return safe_dcp.load_metadata(directory)
+    except safe_dcp.UnreadableCheckpointError as err:
+        raise ModelFormatError(str(err)) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -404,23 +362,6 @@ def read_torchtitan_args(path: str | Path, model_config: str | ModelArgs | None)
 # ---- reading the tensors ------------------------------------------------------------------
 
 
-def _safe_reader(directory: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader with the restricted unpickler for `.metadata`."""
-
-        def read_metadata(self, *args, **kwargs):
-            metadata = _load_metadata(directory)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader(directory)
-
-
 def read_torchtitan_checkpoint(
     path: str | Path, args: ModelArgs | str | None
 ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
@@ -432,15 +373,13 @@ def read_torchtitan_checkpoint(
         args: the model's hyperparameters, or a `--model-config` string (preset, torchtitan
             flavor, config.json / params.json); checked against the tensor shapes.
     """
-    import torch.distributed.checkpoint as dcp
-
     directory, model, args = _resolve(Path(path), args)
     # every model tensor, a tied output too: it is checked to really be the embedding's copy
     state = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in model.values()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed")
-            dcp.load(state, storage_reader=_safe_reader(directory), no_dist=True)
+            safe_dcp.load(state, directory, no_dist=True)
     except Exception as err:  # DCP wraps per-rank failures in a CheckpointException
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelFormatError(
