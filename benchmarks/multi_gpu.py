@@ -6,8 +6,9 @@ context/slack line, so both count allocated bytes).
 
     python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
 
-Rows are PRESET-LAYOUT[-KIND]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain (default),
-sft-lora or dpo-lora. Presets are as shipped (1B and 3B tie their embeddings); pass
+Rows are PRESET-LAYOUT[-KIND][+nrs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
+(default), sft-lora or dpo-lora; +nrs keeps the gathered parameters between forward and backward
+(parallel.reshard_after_forward = false). Presets are as shipped (1B and 3B tie their embeddings); pass
 `--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
 (vocab 8192; the model keeps its 128256-row table).
 """
@@ -19,10 +20,13 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.trace_summary import summarize
 
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
 MICRO_BATCH = {"1b": 8, "3b": 4, "8b": 2, "tiny": 4}
@@ -64,7 +68,11 @@ def write_data(root: Path, seq_len: int) -> dict[str, Path]:
     return paths
 
 
+OPTIONS = {"nrs": "parallel.reshard_after_forward=false"}  # row suffixes: +nrs
+
+
 def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[str]]:
+    row, *options = row.split("+")
     size, layout, *kind = row.split("-", 2)
     kind = kind[0] if kind else "pretrain"
     nproc = 1 if layout == "1" else 2
@@ -89,6 +97,7 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
     ]
     if args.untied:
         keys.append("model.overrides.tie_embeddings=false")
+    keys += [OPTIONS[option] for option in options]
     if layout == "tp2":
         keys += ["parallel.tp=2", "parallel.dp_shard=1"]
     if stage == "pretrain":
@@ -98,6 +107,12 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
         keys += [f"data.path={path}", f"data.max_seq_len={args.seq_len}", "lora.enabled=true",
                  "lora.rank=16", 'lora.targets=["q","k","v","o","gate","up","down"]']  # fmt: skip
         keys.append("data.pack=true" if stage == "sft" else "data.pad_to_max_seq_len=true")
+    if "+".join([row, *options]) in args.profile:
+        keys += [
+            "profile.enabled=true",
+            f"profile.start_step={args.warmup + 1}",
+            "profile.num_steps=2",
+        ]
     launch = [sys.executable, "-m", "lmforge", "launch", "--nproc", str(nproc), stage]
     return nproc, launch + keys
 
@@ -133,6 +148,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--profile", nargs="*", default=[], help="rows to trace (2 steps)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lmforge-multi-gpu"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
@@ -149,6 +165,10 @@ def main() -> None:
         else:
             results[row] = {**measured(run_dir, args.warmup), **planned(run_dir, nproc)}
         print(row, json.dumps(results[row]), flush=True)
+        for trace in sorted((run_dir / "profile").glob("rank0*.json*")):
+            print(summarize(trace), flush=True)
+        for name in ("checkpoints", "artifact", "profile"):  # a 3B row leaves ~40 GB
+            shutil.rmtree(run_dir / name, ignore_errors=True)
     (args.out / "multi_gpu.json").write_text(json.dumps(results, indent=1))
     print(
         "\n| row | tokens/s | vs 1 GPU | peak GiB | planner GiB (allocated) | loss first → last |"
@@ -158,7 +178,7 @@ def main() -> None:
         if "error" in r:
             print(f"| {row} | failed: {r['error'][-200:]!r} | | | | |")
             continue
-        parts = row.split("-")
+        parts = row.split("+")[0].split("-")
         one = results.get("-".join([parts[0], "1", *parts[2:]]), {})
         ratio = r["tokens_per_s"] / one["tokens_per_s"] if one.get("tokens_per_s") else None
         plan = r.get("plan_allocated_gib")

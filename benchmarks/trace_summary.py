@@ -1,0 +1,85 @@
+"""Where a profiled training step's GPU time goes, from a torch.profiler Chrome trace (as
+`profile.enabled = true` writes to `<run_dir>/profile/`): the span of the GPU work, time with
+compute kernels running, time with collectives (NCCL) running, collectives not hidden behind
+compute (exposed communication), idle time, and the largest kernels.
+
+    python benchmarks/trace_summary.py RUN_DIR/profile/rank0.*.pt.trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a, b) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, high - low)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(path: Path, top: int = 8) -> str:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as file:
+        events = json.load(file)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not kernels:
+        return f"{path}: no GPU kernels in the trace"
+    is_comm = [("nccl" in e["name"].lower()) for e in kernels]
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e, c in zip(kernels, is_comm) if not c])
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e, c in zip(kernels, is_comm) if c])
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    busy = _length(_union(compute + comm))
+    overlap = _intersection(compute, comm)
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    for e in kernels:
+        per_kernel[e["name"][:90]] += e["dur"]
+    n = max(len(steps), 1)
+    ms = 1e3 * n  # trace times are in microseconds; report per step in ms
+    lines = [
+        f"{path.name}: {len(steps)} profiled steps, per step:",
+        f"  GPU span {span / ms:.1f} ms; compute {_length(compute) / ms:.1f} ms; "
+        f"collectives {_length(comm) / ms:.1f} ms, of which hidden behind compute "
+        f"{overlap / ms:.1f} ms, exposed {(_length(comm) - overlap) / ms:.1f} ms; "
+        f"idle {(span - busy) / ms:.1f} ms",
+        "  largest kernels (ms per step):",
+    ]
+    for name, total in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"    {total / ms:7.2f}  {name}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    args = parser.parse_args()
+    for trace in args.traces:
+        print(summarize(trace))
+
+
+if __name__ == "__main__":
+    main()
