@@ -93,6 +93,17 @@ def load_config(
         if nested:
             problems.extend(nested)
             continue
+        clash = _non_table_above(data, key_path)
+        if clash is not None:  # `train: 5` in the file and `train.steps=...` given
+            at = where_in_file(clash)
+            problems.append(
+                _Problem(
+                    clash,
+                    f"{_dotted(clash)}{f' ({at})' if at else ''} is a value, not a section: "
+                    f"it cannot take {_dotted(key_path)} from the command line",
+                )
+            )
+            continue
         _deep_set(data, key_path, value)
         overridden.append(key_path)
 
@@ -442,6 +453,17 @@ def _contains(data: Any, key_path: KeyPath) -> bool:
             return False
         data = data[key]
     return True
+
+
+def _non_table_above(data: dict[str, Any], key_path: KeyPath) -> KeyPath | None:
+    """The first prefix of `key_path` that `data` holds as a value rather than a table."""
+    for depth in range(1, len(key_path)):
+        if not isinstance(data, dict) or key_path[depth - 1] not in data:
+            return None
+        data = data[key_path[depth - 1]]
+        if not isinstance(data, dict):
+            return key_path[:depth]
+    return None
 
 
 def _deep_set(data: dict[str, Any], key_path: KeyPath, value: Any) -> None:

@@ -21,10 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 METADATA_NAME = ".metadata"
+# What a failed DCP save or load raises: DCP gathers the ranks' errors into a CheckpointException,
+# which derives from BaseException, not Exception.
+DCP_ERRORS = (Exception, CheckpointException)
 
 _DCP_METADATA_CLASSES = {
     "Metadata",

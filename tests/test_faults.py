@@ -6,6 +6,7 @@ Each case goes through the library and through the CLI (`lmforge pretrain` resum
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -170,3 +171,137 @@ def test_resume_skips_a_corrupt_checkpoint_and_matches_the_uninterrupted_run(
     resumed = losses(run_dir)
     assert sorted(resumed) == [3, 4, 5, 6]  # from step 2, the newest that verifies
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
+
+
+# ---- inputs that used to fail later, or with a traceback ------------------------------------
+
+
+def _error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["optim.betas=[0.9,1.5]"], "optim.betas[1] = 1.5"),
+        (["train.seed=-1"], "train.seed = -1"),
+        (["parallel.cpu_offload=true"], "parallel.cpu_offload"),
+        (["model.overrides.rope_theta=0"], "rope_theta=0 must be > 0"),
+        (["model.overrides.norm_eps=0"], "norm_eps=0 must be > 0"),
+        (["model.overrides.max_seq_len=16"], "exceeds the model's max_seq_len 16"),
+    ],
+)
+def test_bad_values_are_refused_before_training(tmp_path, data, capsys, extra, needle):
+    tokenizer, shards = data
+    run_dir = tmp_path / "run"
+    assert run_inprocess("pretrain", pretrain_args(run_dir, tokenizer, shards, *extra)) == 2
+    (error,) = _error_lines(capsys)
+    assert needle in error
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_run_dir_naming_a_file_and_a_yaml_value_under_an_override(tmp_path, data, capsys):
+    tokenizer, shards = data
+    (tmp_path / "file").write_text("x")
+    assert run_inprocess("pretrain", pretrain_args(tmp_path / "file", tokenizer, shards)) == 2
+    assert "is a file" in _error_lines(capsys)[0]
+    (tmp_path / "job.yaml").write_text("train: 5\n")
+    args = [
+        "--config",
+        str(tmp_path / "job.yaml"),
+        *pretrain_args(tmp_path / "r", tokenizer, shards),
+    ]
+    assert run_inprocess("pretrain", args) == 2
+    error = _error_lines(capsys)[0]
+    assert "job.yaml:1) is a value, not a section: it cannot take train." in error
+
+
+def test_resume_with_another_shape_or_fewer_steps_keeps_the_run(
+    tmp_path, data, trained_run, capsys
+):
+    tokenizer, shards = data
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    job = (run_dir / "job.toml").read_text()
+    wider = pretrain_args(run_dir, tokenizer, shards, "model.overrides.dim=128", "train.steps=6")
+    assert run_inprocess("pretrain", wider) == 2
+    assert "another model shape (dim 64 -> 128)" in _error_lines(capsys)[0]
+    assert (run_dir / "job.toml").read_text() == job  # the run's own config survives
+    fewer = pretrain_args(run_dir, tokenizer, shards, "train.steps=3")
+    assert run_inprocess("pretrain", fewer) == 2
+    assert "train.steps = 3 is below step 4" in _error_lines(capsys)[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+    ]
+
+
+def test_config_json_with_a_wrong_type_is_one_line(tmp_path, capsys):
+    from lmforge.cli import main as cli_main
+
+    config = {"model_type": "llama", "hidden_size": "big", "num_attention_heads": 4,
+              "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli_main(["model", "info", str(tmp_path)]) == 2
+    (error,) = _error_lines(capsys)
+    assert "config.json" in error and "wrong type" in error
+
+
+def test_empty_dpo_responses_are_bad_rows():
+    from lmforge.data.preference import PreferenceDataSection, preference_pair
+    from lmforge.data.sft import RowProblem
+
+    for chosen, rejected in (("", "no"), ("yes", "  ")):
+        row = {"prompt": "Is it?", "chosen": chosen, "rejected": rejected}
+        with pytest.raises(RowProblem, match="is empty"):
+            preference_pair(row, PreferenceDataSection())
+
+
+# ---- a full disk and read-only directories (tmpfs mounts: root only, skipped elsewhere) ------
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, data, trained_run, capsys
+):
+    tokenizer, shards = data
+    checkpoint = _bytes_under(trained_run / "checkpoints" / "step-00000002")
+    # room for the run's small files and one checkpoint, not for a second one beside it
+    size = _bytes_under(trained_run / "model") + checkpoint * 3 // 2 + (256 << 10)
+    with tmpfs(tmp_path / "small", f"size={size}") as small:
+        run_dir = small / "run"
+        args = pretrain_args(run_dir, tokenizer, shards, "train.steps=4", "checkpoint.every=2")
+        assert run_inprocess("pretrain", args) == 2
+        (error,) = _error_lines(capsys)
+        assert "could not write checkpoint" in error and "step-00000004" in error, error
+        assert "no space left" in error and "step-00000002 is intact" in error, error
+        kept = run_dir / "checkpoints" / "step-00000002"
+        assert Checkpointer(run_dir).verify(kept) is None
+        assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the partial save is gone
+
+
+def test_read_only_run_dir_and_prepare_out(tmp_path, data, capsys):
+    tokenizer, shards = data
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as read_only:
+        assert run_inprocess("pretrain", pretrain_args(read_only / "run", tokenizer, shards)) == 2
+        assert "cannot write to run_dir" in _error_lines(capsys)[0]
+        prepare = ["--input", str(shards.parent / "corpus.txt"), "--tokenizer", str(tokenizer)]
+        assert run_inprocess("prepare", [*prepare, "--out", str(read_only / "shards")]) == 2
+        assert "Read-only file system" in _error_lines(capsys)[0]

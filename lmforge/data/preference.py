@@ -118,6 +118,8 @@ def preference_pair(record: Any, cfg: PreferenceDataSection) -> PreferencePair:
                 f"{name!r} has no response after the prompt (chosen and rejected must differ "
                 "in their final assistant message)"
             )
+        if not any(str(m["content"]).strip() for m in response):
+            raise RowProblem(f"{name!r} is empty: a preference pair needs two non-empty responses")
         odd = next((m["role"] for m in response if m["role"] != "assistant"), None)
         if odd is not None:
             raise RowProblem(

@@ -642,11 +642,14 @@ def _claim_out_dir(out: Path) -> Path:
             f"{out}: already exists and is not an empty directory; choose another --out "
             "or delete it"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir()
+    except OSError as err:
+        raise UserError(f"cannot write to {out.parent}: {err.strerror or err}") from None
     return partial
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -266,6 +267,22 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _is_disk_full(err: BaseException, directory: Path) -> bool:
+    """ENOSPC anywhere in the chain, or torch's writer failing on a volume with no room left
+    (it reports "[enforce fail at inline_container.cc...]" without the errno)."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(directory).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def _first_line(err: BaseException) -> str:
@@ -547,19 +564,47 @@ class Checkpointer:
             "world_size": self.world_size,
             "items": rank_states,
         }
-        _write_durably(tmp_dir / rank_filename(self.rank), lambda f: torch.save(extra, f))
+        try:
+            _write_durably(tmp_dir / rank_filename(self.rank), lambda f: torch.save(extra, f))
+            error = None
+        except Exception as err:  # disk full, read-only: every rank must hear of it
+            error = self._write_failure(final_dir, err)
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            self._abandon(tmp_dir)
+            raise CheckpointError(errors[0])
+        try:
+            if self.async_save:
+                # stages a copy of the tensors now and writes them in a background thread
+                with _quiet_single_process():
+                    pending.future = dcp.async_save(
+                        dcp_items, checkpoint_id=tmp_dir, process_group=self._group
+                    )
+                self._pending = pending
+            else:
+                with _quiet_single_process():
+                    dcp.save(dcp_items, checkpoint_id=tmp_dir, process_group=self._group)
+                self._commit(pending)
+        except CheckpointError:
+            raise
+        except safe_dcp.DCP_ERRORS as err:  # DCP raised the same on every rank
+            self._abandon(tmp_dir)
+            raise CheckpointError(self._write_failure(final_dir, err)) from None
 
-        if self.async_save:
-            # stages a copy of the tensors now and writes them in a background thread
-            with _quiet_single_process():
-                pending.future = dcp.async_save(
-                    dcp_items, checkpoint_id=tmp_dir, process_group=self._group
-                )
-            self._pending = pending
-        else:
-            with _quiet_single_process():
-                dcp.save(dcp_items, checkpoint_id=tmp_dir, process_group=self._group)
-            self._commit(pending)
+    def _write_failure(self, final_dir: Path, err: BaseException) -> str:
+        """One line for a failed save, saying what is still safe."""
+        reason = _first_line(err)
+        if _is_disk_full(err, self.directory):
+            reason = f"no space left on the device of {self.directory}"
+        kept = self.latest()
+        return f"could not write checkpoint {final_dir}: {reason}; " + (
+            f"the previous checkpoint {kept} is intact" if kept else "no earlier checkpoint"
+        )
+
+    def _abandon(self, tmp_dir: Path) -> None:
+        """Remove a failed save's partial files (space a full disk needs back)."""
+        if self.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def _prepare_save(self, final_dir: Path) -> tuple[str, str | None]:
         """Rank 0: a nonce for the temporary directory, or an error when `final_dir` is taken."""
@@ -592,7 +637,11 @@ class Checkpointer:
 
     def _commit(self, pending: _PendingSave) -> None:
         if pending.future is not None:
-            pending.future.result()  # raises if the write failed
+            try:
+                pending.future.result()  # raises if the background write failed
+            except safe_dcp.DCP_ERRORS as err:
+                self._abandon(pending.tmp_dir)
+                raise CheckpointError(self._write_failure(pending.final_dir, err)) from None
         # every rank's shards and per-rank file are written; DCP's coordinator has written
         # .metadata before any rank's save returned
         self._barrier()
@@ -688,7 +737,7 @@ class Checkpointer:
             try:
                 with _quiet_single_process():
                     safe_dcp.load(dcp_items, path, process_group=self._group)
-            except Exception as err:  # DCP gathers every rank's failure into one exception
+            except safe_dcp.DCP_ERRORS as err:  # every rank's failure, gathered
                 raise CheckpointError(
                     f"cannot load checkpoint {path} into this run: {_first_line(err)}"
                 ) from None

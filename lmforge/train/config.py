@@ -6,7 +6,7 @@ gets `ParallelSection`, the checkpointer `CheckpointSection`, and so on.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -31,7 +31,11 @@ class OptimSection(Section):
     """AdamW (Loshchilov & Hutter, 2019)."""
 
     lr: PositiveFloat = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.95,
+    )
+    """Adam's moment decay rates, each in [0, 1)."""
     eps: PositiveFloat = 1e-8
     weight_decay: float = Field(0.1, ge=0)
     fused: bool | None = None
@@ -55,7 +59,7 @@ class TrainSection(Section):
     data-parallel size. None: micro_batch_size × data-parallel size (no accumulation)."""
     max_grad_norm: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     deterministic: bool = False
     """Deterministic algorithms (bit-identical resume on CPU fp32); slower on GPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lmforge.errors import UserError
+from lmforge.errors import ConfigError, UserError
 from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
 from lmforge.train.distributed import Layout
 from lmforge.train.losses import LossOutput, count_label_tokens
@@ -188,6 +188,15 @@ class Trainer:
         cfg = self.cfg
         total = cfg.train.steps
         start = self.restore()
+        if start > total:
+            raise ConfigError(
+                f"train.steps = {total} is below step {start}, already checkpointed in "
+                f"{self.run_dir}; raise train.steps to continue, or use another run_dir"
+            )
+        if start == total and self.layout.is_main:
+            log.warning(
+                "%s is already at step %d of %d: nothing to train", self.run_dir, start, total
+            )
         logger = MetricsLogger(
             self.run_dir,
             cfg.metrics,
@@ -204,6 +213,8 @@ class Trainer:
         watch = PreemptionWatch(cfg.train.preempt_signal)
         profiler = Profiler(cfg.profile, self.run_dir, self.layout)
         try:
+            if start == total and self.export is not None:
+                self.export(total, True)  # the stage's output, written again from the weights
             with profiler:
                 while self.step < total:
                     values = self.train_step(watch.requested)

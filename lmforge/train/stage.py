@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lmforge import api, artifact
 from lmforge.config import ModelSection, dump_config
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, UserError
 from lmforge.models.llama import ModelArgs, Transformer
 from lmforge.models.llama import hf as llama_hf
 from lmforge.modules.lora import (
@@ -271,9 +271,46 @@ def _merge_adapters(
     return model.state_dict()
 
 
+def check_job(job: TrainJob, spec: ModelSpec, layout: distributed.Layout, seq_len: int) -> None:
+    """Refuse, before anything is written, what would only fail later (or lose the run)."""
+    if seq_len > spec.args.max_seq_len:
+        raise ConfigError(
+            f"the data's sequence length {seq_len} exceeds the model's max_seq_len "
+            f"{spec.args.max_seq_len}; shorten data.seq_len / data.max_seq_len or raise "
+            "model.overrides.max_seq_len"
+        )
+    if job.parallel.cpu_offload and layout.device.type != "cuda":
+        raise ConfigError(
+            "parallel.cpu_offload = true moves GPU state to host memory; this run is on the "
+            "CPU already: set parallel.cpu_offload = false"
+        )
+    run_dir = Path(job.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir = {str(run_dir)!r} is a file; name a directory")
+    saved = run_dir / MODEL_DIR / artifact.CONFIG_NAME
+    if saved.is_file() and Checkpointer(run_dir).latest() is not None:
+        before = llama_hf.args_from_hf_config(artifact.read_json(saved), saved)
+        changed = {
+            name: (getattr(before, name), getattr(spec.args, name))
+            for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size")
+            if getattr(before, name) != getattr(spec.args, name)
+        }
+        if changed:
+            diff = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            raise ConfigError(
+                f"{run_dir} holds checkpoints of another model shape ({diff}); resume with the "
+                "same model, or use another run_dir"
+            )
+
+
 def write_run_files(run_dir: Path, job: TrainJob, spec: ModelSpec) -> None:
     """job.toml and model/ (config.json + tokenizer) so `lmforge export` can rebuild the model."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ".write-test").touch()
+        (run_dir / ".write-test").unlink()
+    except OSError as err:
+        raise UserError(f"cannot write to run_dir {run_dir}: {err.strerror or err}") from None
     (run_dir / "job.toml").write_text(dump_config(job, "toml"))
     model_dir = run_dir / MODEL_DIR
     model_dir.mkdir(exist_ok=True)
@@ -354,6 +391,8 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Pat
     bf16 = job.train.mixed_precision == "bf16" or (
         job.train.mixed_precision == "auto" and layout.device.type == "cuda"
     )
+    seq_len = getattr(job.data, "seq_len", None) or getattr(job.data, "max_seq_len", 2048)
+    check_job(job, spec, layout, seq_len)
     if layout.is_main:
         write_run_files(run_dir, job, spec)
     model = build_and_load_model(spec, layout, job, bf16=bf16, lora=lora)
@@ -389,7 +428,6 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Pat
             seed=job.train.seed,
         )
 
-    seq_len = getattr(job.data, "seq_len", None) or getattr(job.data, "max_seq_len", 2048)
     trainer = Trainer(
         model=model,
         loss_step=make_loss_step(model, spec, layout),

@@ -43,7 +43,10 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
-            if getattr(self, name) <= 0:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"model {name}={value!r} must be an integer")
+            if value <= 0:
                 raise ConfigError(f"model {name}={getattr(self, name)} must be > 0")
         if self.dim % self.num_heads:
             raise ConfigError(
@@ -56,6 +59,9 @@ class ModelArgs:
             )
         if (self.dim // self.num_heads) % 2:
             raise ConfigError(f"head_dim={self.dim // self.num_heads} must be even for RoPE")
+        for name in ("norm_eps", "rope_theta", "max_seq_len"):
+            if not getattr(self, name) > 0:  # 0 or less: NaN at the first step
+                raise ConfigError(f"model {name}={getattr(self, name)} must be > 0")
 
     @property
     def head_dim(self) -> int:

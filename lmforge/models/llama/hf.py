@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.errors import ModelFormatError
+from lmforge.errors import ConfigError, ModelFormatError
 from lmforge.models.llama.args import ModelArgs, RopeScaling
 
 # (HF name, our name); `{i}` stands for the layer index.
@@ -123,6 +123,12 @@ def args_from_hf_config(cfg: dict, path: Path) -> ModelArgs:
         )
     except KeyError as err:
         raise ModelFormatError(f"{path}: config.json lacks the key {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:  # "hidden_size": "big"
+        raise ModelFormatError(
+            f"{path}: config.json has a value of the wrong type ({err})"
+        ) from None
+    except ConfigError as err:  # a shape the model cannot have
+        raise ModelFormatError(f"{path}: {err}") from None
 
 
 def args_to_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:

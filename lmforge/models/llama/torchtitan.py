@@ -380,7 +380,7 @@ def read_torchtitan_checkpoint(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed")
             safe_dcp.load(state, directory, no_dist=True)
-    except Exception as err:  # DCP wraps per-rank failures in a CheckpointException
+    except safe_dcp.DCP_ERRORS as err:  # per-rank failures, gathered by DCP
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelFormatError(
             f"{directory}: cannot read the model tensors ({first_line})"
