@@ -135,12 +135,13 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
     last = int(committed[-1].split("-")[1])
     assert last in (5, 10, 15), committed
     before = losses(run_dir)
-    (run_dir / "metrics.jsonl").unlink()
     run_torchrun(2, "pretrain", pretrain_args(run_dir, tokenizer, shards, *args))
+    # the rows of steps the kill undid were dropped: every step is logged once
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+    assert steps == list(range(1, 21)), steps
     resumed = losses(run_dir)
-    assert sorted(resumed) == list(range(last + 1, 21))
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
-    assert all(before[s] == reference[s] for s in before)
+    assert all(before[s] == reference[s] for s in before if s <= last)
 
 
 def test_preemption_signal_saves_and_resumes_without_lost_steps(tmp_path, data):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import resource
 import sys
 import time
@@ -77,6 +79,7 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         if cfg.tensorboard:
             try:
@@ -153,6 +156,28 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Forget the rows of steps a crash undid (the resumed run logs them again), so every step
+    appears once; rewritten atomically."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _logged_step(line) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    log.info("%s: dropped %d rows logged after step %d", path, len(lines) - len(kept), step)
+
+
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line from a kill: dropped
 
 
 def _plain(value):
