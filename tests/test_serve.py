@@ -46,6 +46,7 @@ MAIN_CONTEXT = 96
 # The small server's context: a generation this long cannot finish inside its 3 s timeout on
 # any CPU (tens of seconds at the fastest), so the timeout test does not race the machine.
 LONG_CONTEXT = 65536
+SMALL_BODY_LIMIT = 100_000
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 CORPUS = (
@@ -147,6 +148,20 @@ def servers(artifact, tmp_path_factory):
             str(LONG_CONTEXT),
             "--request-timeout",
             "3",
+            "--max-request-bytes",
+            str(SMALL_BODY_LIMIT),
+        ),
+        "cutoff": Server(
+            artifact,
+            logs / "cutoff.log",
+            "--max-concurrency",
+            "1",
+            "--max-queue",
+            "1",
+            "--max-seq-len",
+            str(LONG_CONTEXT),
+            "--shutdown-grace",
+            "1",
         ),
         "drain": Server(
             artifact,
@@ -587,6 +602,43 @@ def test_full_queue_429_disconnect_frees_the_row_and_timeout_408(servers):
     _wait_for(lambda: metric(small, 'lmforge_sequences_finished_total{reason="timeout"}') == 1)
 
 
+def test_oversized_bodies_get_413_before_they_are_read(servers):
+    small = servers["small"]
+    prompt = "x" * (2 * SMALL_BODY_LIMIT)
+    status, _, content = request(
+        small, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt}
+    )
+    assert status == 413 and assert_error_envelope(content)["code"] == "request_too_large"
+    # without a Content-Length (chunked): refused once the bytes read pass the limit
+    connection = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
+    chunks = (b"x" * 50_000 for _ in range(400))  # 20 MB offered, refused after 100 kB
+    connection.request("POST", "/v1/completions", body=chunks, encode_chunked=True)
+    response = connection.getresponse()
+    assert response.status == 413
+    connection.close()
+    assert request(small, "GET", "/health")[0] == 200
+
+
+def test_sigterm_past_the_grace_period_answers_503(servers):
+    cutoff = servers["cutoff"]
+    endless = {"model": MODEL, "prompt": "hi", "max_tokens": LONG_CONTEXT - 8, "ignore_eos": True}
+    connection, response = _open_stream(cutoff, "/v1/completions", endless)
+    assert response.readline().startswith(b"data: ")
+    queued, answer = _in_thread(request, cutoff, "POST", "/v1/completions", endless)
+    _wait_for(lambda: metric(cutoff, "lmforge_queue_depth") == 1)
+    cutoff.process.send_signal(signal.SIGTERM)
+    events = [line[len("data: ") :] for line in response.read().decode().splitlines() if line]
+    connection.close()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+    queued.join(timeout=30)
+    status, _, content = answer["value"]
+    assert status == 503 and assert_error_envelope(content)["code"] == "server_shutting_down"
+    assert cutoff.process.wait(timeout=30) == 0
+    assert "Traceback" not in cutoff.log.read_text()
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0(servers):
     drain = servers["drain"]
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
@@ -661,3 +713,25 @@ def test_engine_vllm_needs_vllm(artifact, capsys):
         assert cli_main(["serve", str(artifact), "--engine", "vllm"]) == 2
         error = capsys.readouterr().err.strip()
         assert "\n" not in error and "pip install vllm" in error
+
+
+def test_api_key_from_a_file_or_the_environment_never_both_ways(tmp_path, monkeypatch):
+    from lmforge.cli import build_parser
+    from lmforge.commands.serve import _api_key
+
+    def key(*flags):
+        return _api_key(build_parser().parse_args(["serve", str(tmp_path), *flags]))
+
+    (tmp_path / "key").write_text("s3cret\n")
+    monkeypatch.delenv("LMFORGE_API_KEY", raising=False)
+    assert key("--api-key-file", str(tmp_path / "key")) == "s3cret"
+    monkeypatch.setenv("LMFORGE_API_KEY", "from-env")
+    assert key() == "from-env"
+    with pytest.raises(lmforge.errors.ConfigError, match="given twice"):
+        key("--api-key-file", str(tmp_path / "key"))
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.delenv("LMFORGE_API_KEY")
+    with pytest.raises(lmforge.errors.ConfigError, match="is empty"):
+        key("--api-key-file", str(tmp_path / "empty"))
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "--api-key-file" in help_text and "ps" in help_text

@@ -30,13 +30,25 @@ def register(subparsers) -> None:
         '"stream": true), GET /health and GET /metrics (Prometheus). Concurrent requests share '
         "decode steps (continuous batching). SIGTERM stops accepting connections, lets "
         "in-flight requests finish within --shutdown-grace and exits 0.",
-        epilog=f"The API key comes from --api-key or the {API_KEY_ENV} environment variable; "
-        "with one set, every route but /health needs 'Authorization: Bearer KEY'.",
+        epilog=f"The API key comes from --api-key-file (first line), the {API_KEY_ENV} "
+        "environment variable or --api-key (visible to every user in `ps`: prefer the other "
+        "two); with one set, every route but /health needs 'Authorization: Bearer KEY'.",
     )
     parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact or HF Llama directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free port)")
-    parser.add_argument("--api-key", default=None, metavar="KEY", help="require this bearer key")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require this bearer key (shown in `ps`; see --api-key-file, {API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require the bearer key on this file's first line",
+    )
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -79,7 +91,14 @@ def register(subparsers) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGTERM, seconds in-flight requests get to finish (30)",
+        help="on SIGTERM, seconds in-flight requests get to finish (30); the rest get 503",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 << 20,
+        metavar="N",
+        help="larger request bodies get 413 before they are read (8388608 = 8 MiB)",
     )
     add_runtime_arguments(
         parser, compile_help="torch.compile the decode step (default: on CUDA only)"
@@ -112,6 +131,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("request_timeout", "shutdown_grace"):
         if not getattr(args, name) >= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 seconds")
+    if args.max_request_bytes < 1024:
+        raise ConfigError(f"--max-request-bytes {args.max_request_bytes} must be >= 1024")
     if args.num_threads is not None and args.num_threads < 1:
         raise ConfigError(f"--num-threads {args.num_threads} must be >= 1")
     if not Path(args.artifact).is_dir():
@@ -119,9 +140,30 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    """The key from --api-key-file, --api-key or $LMFORGE_API_KEY (at most one of them)."""
+    given = [
+        source
+        for source, value in (
+            ("--api-key-file", args.api_key_file),
+            ("--api-key", args.api_key),
+            (API_KEY_ENV, os.environ.get(API_KEY_ENV)),
+        )
+        if value is not None
+    ]
+    if len(given) > 1 and given[:2] != ["--api-key", API_KEY_ENV]:
+        raise ConfigError(f"the API key is given twice ({' and '.join(given)}); give one")
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as err:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: {err.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        source = f"--api-key-file {args.api_key_file}"
+    else:
+        key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+        source = f"--api-key or {API_KEY_ENV}"
     if key is not None and not key.strip():
-        raise ConfigError(f"the API key (--api-key or {API_KEY_ENV}) is empty")
+        raise ConfigError(f"the API key ({source}) is empty")
     return key
 
 
@@ -239,6 +281,7 @@ def main(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_n=args.max_n,
         request_timeout=args.request_timeout or None,
+        max_request_bytes=args.max_request_bytes,
     )
     app = create_app(generator, settings)
     host, port = sock.getsockname()[:2]

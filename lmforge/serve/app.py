@@ -72,6 +72,7 @@ class ServeSettings:
         request_timeout: seconds from arrival to the last token (queueing included); None or 0
             for no limit.
         retry_after: seconds a 429 asks the client to wait.
+        max_request_bytes: larger request bodies get a 413 before they are read.
     """
 
     model_name: str
@@ -80,6 +81,7 @@ class ServeSettings:
     max_n: int = 8
     request_timeout: float | None = 600.0
     retry_after: int = 1
+    max_request_bytes: int = 8 << 20
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -379,6 +381,48 @@ class _AuthMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
 
+class _BodyLimitMiddleware:
+    """413 for a body over `limit` bytes: at once when Content-Length says so, else as soon as
+    the bytes received pass it (chunked uploads). Smaller bodies are read here and replayed."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
+            await _error_response(self._too_large())(scope, receive, send)
+            return
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await _error_response(self._too_large())(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body is larger than this server's limit of {self.limit} bytes "
+            "(lmforge serve --max-request-bytes)",
+            code="request_too_large",
+        )
+
+
 # ---- turning requests into sequences --------------------------------------------------------
 
 
@@ -634,10 +678,22 @@ class _Session:
         async for output in self.submission.events(deadline=self.deadline):
             if output.finish_reason == "error":
                 raise RuntimeError("generation failed (see the server log)")
+            if output.finish_reason == "shutdown":
+                raise _ShuttingDown
             if not self._first_token_seen:
                 self._first_token_seen = True
                 self.state.metrics.first_token.observe(time.perf_counter() - self.arrival)
             yield output
+
+    @staticmethod
+    def shutdown_error() -> ApiError:
+        return ApiError(
+            503,
+            "the server is shutting down and this request did not finish within its grace "
+            "period; retry on another server",
+            type="server_error",
+            code="server_shutting_down",
+        )
 
     def timeout_error(self) -> ApiError:
         timeout = self.state.settings.request_timeout
@@ -690,6 +746,8 @@ class _Session:
         except TimeoutError:
             self.submission.cancel("timeout")
             raise self.timeout_error() from None
+        except _ShuttingDown:
+            raise self.shutdown_error() from None
         finally:
             gone.cancel()
             collect.cancel()
@@ -750,9 +808,16 @@ class _Session:
             self.submission.cancel("timeout")
             err = self.timeout_error()
             yield _sse(error_body(err.message, type=err.type, param=None, code=err.code))
+        except _ShuttingDown:
+            err = self.shutdown_error()
+            yield _sse(error_body(err.message, type=err.type, param=None, code=err.code))
         except RuntimeError as err:
             yield _sse(error_body(str(err), type="server_error", param=None, code=None))
         yield "data: [DONE]\n\n"
+
+
+class _ShuttingDown(Exception):
+    """The drain's grace period ran out before the request finished."""
 
 
 def _sse(payload: dict) -> str:
@@ -904,7 +969,8 @@ def create_app(generator: Generator, settings: ServeSettings) -> FastAPI:
         metrics.running.set(engine.num_running)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    if settings.api_key:
+    app.add_middleware(_BodyLimitMiddleware, limit=settings.max_request_bytes)
+    if settings.api_key:  # outside the body limit: no key, no reading of the body
         app.add_middleware(_AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # outermost: 401s count too
     return app
@@ -931,13 +997,28 @@ def bind(host: str, port: int) -> socket.socket:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, except that SIGTERM/SIGINT end with exit code 0 after the drain
-    (uvicorn records the signal and raises it again once it has shut down)."""
+    (uvicorn records the signal and raises it again once it has shut down), and requests
+    still running when the grace period ends get an OpenAI-style 503 (a last error event for
+    streams) rather than uvicorn's plain-text 500."""
+
+    def __init__(self, config: uvicorn.Config, engine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl+C: stop waiting
-        else:
-            self.should_exit = True
+            return
+        if not self.should_exit and self.loop is not None:
+            self.loop.call_soon_threadsafe(
+                self.loop.call_later, self.grace, self.engine.shut_down_sessions
+            )
+        self.should_exit = True
 
 
 def serve(
@@ -955,9 +1036,11 @@ def serve(
         app,
         log_level=log_level,
         access_log=access_log,
-        timeout_graceful_shutdown=shutdown_grace,
+        # past the grace period the sessions answer 503 themselves; uvicorn cancels what is
+        # left a little later
+        timeout_graceful_shutdown=shutdown_grace + 2.0,
         lifespan="on",
     )
-    server = _DrainingServer(config)
+    server = _DrainingServer(config, app.state.engine, shutdown_grace)
     server.run(sockets=[sock])
     return bool(server.started)

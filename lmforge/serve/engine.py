@@ -275,6 +275,14 @@ class Engine:
                 if output.finish_reason is not None:
                     self._finish(sequence, output.finish_reason, notify=False)
 
+    def shut_down_sessions(self, reason: str = "shutdown") -> None:
+        """End every sequence now (the drain's grace period ran out): each submission gets a
+        last output with `finish_reason = reason` and its rows are freed at the next step."""
+        for sequence in [*self._waiting, *self._running.values()]:
+            if not sequence.submission.cancelled:
+                sequence.submission.cancel(reason)
+                sequence.submission.queue.put_nowait(TokenOutput(sequence.choice, -1, "", reason))
+
     def _drop_cancelled(self) -> None:
         for sequence in [*self._waiting, *self._running.values()]:
             if sequence.submission.cancelled:
