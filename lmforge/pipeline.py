@@ -42,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 import tomllib
@@ -66,6 +67,7 @@ from lmforge.launch.base import (
     make_launcher,
     redact,
 )
+from lmforge.procs import process_alive
 
 STAGE_KINDS = (
     "prepare",
@@ -1163,6 +1165,8 @@ class _Tracker:
             "metrics": {},
             "code_version": code_version(),
             "launcher": {"name": self.launcher.name},
+            # who waits on this stage: `lmforge status` tells a killed runner from a live one
+            "runner": {"pid": os.getpid(), "host": socket.gethostname()},
             "submitted_at": _now(),
             "started_at": None,
             "ended_at": None,
@@ -1514,7 +1518,10 @@ def pipeline_status(run_dir: str | Path, *, refresh: bool = True) -> list[StageS
             continue
         scheduler_state = None
         job = manifest.get("launcher")
-        if (
+        gone = _runner_gone(manifest)
+        if gone:
+            manifest.update(status="interrupted", reason=gone)
+        elif (
             refresh
             and job
             and job.get("job_id")
@@ -1536,6 +1543,25 @@ def pipeline_status(run_dir: str | Path, *, refresh: bool = True) -> list[StageS
             )
         )
     return result
+
+
+def _runner_gone(manifest: dict) -> str | None:
+    """Why a pending or running stage of the local launcher can no longer finish (the
+    `lmforge run` that started it is dead), or None. Other launchers' jobs outlive the runner
+    (`--detach`): their scheduler says how they are."""
+    runner = manifest.get("runner") or {}
+    local = (manifest.get("launcher") or {}).get("name", "local") == "local"
+    if manifest.get("status") not in ("pending", "running") or not local or not runner:
+        return None
+    if runner.get("host") != socket.gethostname():
+        return None  # another machine's process: nothing to ask here
+    pid = runner.get("pid")
+    if not isinstance(pid, int) or process_alive(pid):
+        return None
+    return (
+        f"the `lmforge run` that started it (pid {pid}) is gone: it was killed or lost its "
+        "machine; run the pipeline again to resume"
+    )
 
 
 def _refresh(run_dir: Path, stage_dir: Path, manifest: dict) -> str | None:

@@ -15,6 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,43 @@ def test_read_only_run_dir_and_prepare_out(tmp_path, data, capsys):
         prepare = ["--input", str(shards.parent / "corpus.txt"), "--tokenizer", str(tokenizer)]
         assert run_inprocess("prepare", [*prepare, "--out", str(read_only / "shards")]) == 2
         assert "Read-only file system" in _error_lines(capsys)[0]
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")  # a zombie has exited: only its exit status is left
+
+
+def test_killed_prepare_leaves_no_workers_and_a_rerun_finishes_then_skips(tmp_path, data):
+    from tests.train_utils import descendants, write_corpus
+
+    tokenizer, _ = data
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=300_000)
+    out = tmp_path / "shards"
+    command = [sys.executable, "-m", "lmforge", "prepare", "--input", str(corpus)]
+    command += ["--tokenizer", str(tokenizer), "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(workers := descendants(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
+        time.sleep(0.05)
+    time.sleep(0.5)  # tokenizing
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while not all(_gone(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their parent"
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".shards.partial-*")) and not out.exists()
+
+    first = lmforge_cli(*command[3:])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert not list(tmp_path.glob(".shards.partial-*"))  # the killed run's leftovers went
+    again = lmforge_cli(*command[3:])
+    assert again.returncode == 0 and "already prepared" in again.stderr, again.stderr[-2000:]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from lmforge.pipeline import (
     pipeline_status,
     read_manifest,
     run_pipeline,
+    write_manifest,
 )
 
 CHEAP = """
@@ -183,6 +186,25 @@ def test_a_failure_stops_dependents_and_status_says_why(done, tmp_path, capsys):
     # fixed: the failed stage and its dependents run, the good one is skipped
     result, out = run(tmp_path, write(tmp_path))
     assert result.ok and set(result.handles) == {"tok", "shards"}, out
+
+
+def test_status_tells_a_killed_runner_from_a_live_one(done, tmp_path):
+    tmp_path = copy_of(done, tmp_path)
+    stage_dir = tmp_path / "runs" / "cheap" / "shards"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid, expected in ((dead.pid, "interrupted"), (os.getpid(), "running")):
+        manifest = read_manifest(stage_dir)
+        manifest.update(status="running", runner={"pid": pid, "host": socket.gethostname()})
+        manifest["launcher"] = {"name": "local"}
+        write_manifest(stage_dir, manifest)
+        (status,) = [s for s in pipeline_status(tmp_path / "runs" / "cheap") if s.name == "shards"]
+        assert status.status == expected, status
+    manifest = read_manifest(stage_dir)
+    manifest["runner"]["pid"] = dead.pid
+    write_manifest(stage_dir, manifest)
+    table = format_status(pipeline_status(tmp_path / "runs" / "cheap"))
+    assert f"(pid {dead.pid}) is gone" in table
 
 
 def test_dry_run_prints_the_plan_and_commands_and_runs_nothing(tmp_path, capsys):

@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +44,7 @@ from tqdm import tqdm
 
 from lmforge.config import Section
 from lmforge.errors import ConfigError, DataError, UserError
+from lmforge.procs import die_with_parent, process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -481,6 +483,7 @@ def _init_worker(tokenizer_path: str) -> None:
     from lmforge.data.tokenizer import load_tokenizer
 
     global _worker_tokenizer
+    die_with_parent(signal.SIGKILL)  # a killed prepare leaves no worker behind
     # One process per core already; the Rust thread pool inside each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = load_tokenizer(tokenizer_path)
@@ -635,6 +638,54 @@ def _check_config(cfg: PrepareSection) -> None:
         raise ConfigError("prepare needs " + "; ".join(missing))
 
 
+def _recipe(cfg: PrepareSection, sources: list[_Source], tokenizer) -> dict[str, Any]:
+    """What the shards are made from: a rerun with the same recipe has nothing to do."""
+    inputs = []
+    for source in sources:
+        stamp = {"name": source.name, "format": source.format}
+        if source.path is not None:
+            stat = source.path.stat()
+            stamp.update(bytes=stat.st_size, mtime_ns=stat.st_mtime_ns)
+        inputs.append(stamp)
+    return {
+        "inputs": inputs,
+        "tokenizer_fingerprint": tokenizer.fingerprint(),
+        "text_field": cfg.text_field,
+        "text_split": cfg.text_split,
+        "shard_tokens": cfg.shard_tokens,
+    }
+
+
+def _already_prepared(out: Path, recipe: dict[str, Any]) -> PrepareResult | None:
+    """The result of an earlier, finished run with the same recipe, or None."""
+    try:
+        meta = json.loads((out / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("recipe") != recipe:
+        return None
+    logger.warning("%s: already prepared from the same inputs and tokenizer; nothing to do", out)
+    return PrepareResult(
+        out_dir=out,
+        dtype=meta["dtype"],
+        num_documents=meta["num_documents"],
+        num_tokens=meta["num_tokens"],
+        num_shards=meta["num_shards"],
+        num_rows=meta["num_rows"],
+        num_bad_rows=meta["num_bad_rows"],
+        num_empty_documents=meta["num_empty_documents"],
+    )
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Partial outputs of prepare runs that were killed (their process is gone)."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            logger.warning("removing %s, left by a prepare run that was killed", partial)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
 def _claim_out_dir(out: Path) -> Path:
     """Check `out` can be created; returns the hidden sibling directory to write into."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -645,6 +696,7 @@ def _claim_out_dir(out: Path) -> Path:
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(out)
         if partial.exists():
             shutil.rmtree(partial)
         partial.mkdir()
@@ -684,6 +736,10 @@ def prepare(cfg: PrepareSection, *, progress: bool = True) -> PrepareResult:
         sources.append(_Source(name=name, format="dataset"))
     num_workers = cfg.workers or _available_cores()
     out = Path(cfg.out).expanduser()
+    recipe = _recipe(cfg, sources, tokenizer)
+    done = _already_prepared(out, recipe)
+    if done is not None:
+        return done
     partial = _claim_out_dir(out)
 
     bad = BadRows(cfg.skip_bad_rows, cfg.max_bad_fraction, option="--skip-bad-rows")
@@ -749,6 +805,7 @@ def prepare(cfg: PrepareSection, *, progress: bool = True) -> PrepareResult:
                 "text_field": cfg.text_field,
                 "text_split": cfg.text_split,
                 "sources": [s.summary() for s in sources],
+                "recipe": recipe,
                 "created": datetime.now(UTC).isoformat(timespec="seconds"),
             },
         )

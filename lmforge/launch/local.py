@@ -28,6 +28,7 @@ from lmforge.launch.base import (
     redact,
     torchrun_command,
 )
+from lmforge.procs import die_with_parent, process_alive
 
 
 class LocalLauncher:
@@ -109,7 +110,7 @@ class LocalLauncher:
         # A manifest that says "running" whose process is gone was interrupted (killed with
         # the runner); one that is alive is still running.
         waiting = handle.state in (JobState.RUNNING, JobState.PENDING)
-        if waiting and handle.job_id and not _alive(int(handle.job_id)):
+        if waiting and handle.job_id and not process_alive(int(handle.job_id)):
             handle.state = JobState.UNKNOWN
             handle.reason = f"process {handle.job_id} is gone (the run was interrupted)"
         return handle
@@ -143,6 +144,8 @@ class LocalLauncher:
                     text=True,
                     errors="replace",
                     bufsize=1,
+                    # a killed `lmforge run` takes its stage down (SIGTERM: training saves)
+                    preexec_fn=die_with_parent,
                 )
             except OSError as err:
                 handle.state = JobState.FAILED
@@ -201,16 +204,6 @@ def _ok(handle: JobHandle) -> bool:
 def _notify(on_event: JobCallback | None, handle: JobHandle) -> None:
     if on_event is not None:
         on_event(handle)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _last_line(path: Path, limit: int = 300) -> str:

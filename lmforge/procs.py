@@ -1,0 +1,40 @@
+"""Child processes that do not outlive their parent.
+
+A parent killed with SIGKILL runs no cleanup, so its children (prepare's tokenizer workers, a
+pipeline stage started by `lmforge run`) would go on as orphans: holding memory, writing into
+a run nobody records. On Linux the kernel can signal a child when its parent thread dies
+(prctl PR_SET_PDEATHSIG); elsewhere this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (call it in the
+    child: a Popen `preexec_fn`, a pool initializer)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), sig)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
+    return True
