@@ -157,7 +157,7 @@ def main() -> None:
     for row in args.rows:
         run_dir = args.work / row
         nproc, command = row_command(row, data, run_dir, args)
-        log = args.out / f"{row}.log"
+        log = args.out / f"{row.replace('+', '_')}.log"  # $OUT returns plain names only
         with log.open("w") as out:
             code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
         if code != 0:
