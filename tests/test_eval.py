@@ -53,13 +53,35 @@ def world(tmp_path_factory):
     return {"root": root, "data": data, "artifacts": artifacts, "include": include}
 
 
-def _hf_model_args(directory, *, add_bos_token=True) -> str:
-    return f"pretrained={directory},dtype=float32,add_bos_token={add_bos_token}"
+@pytest.fixture(scope="module")
+def without_bos(world):
+    """The base artifact with a tokenizer.json that does not add BOS in transformers (as some
+    Hugging Face Llama directories ship): lm-eval's `hf` backend then scores without it."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    target = world["root"] / "base-no-bos"
+    shutil.copytree(world["artifacts"][0], target)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.save(str(target / "tokenizer.json"))
+    assert not load(target).tokenizer.adds_bos and load(world["artifacts"][0]).tokenizer.adds_bos
+    return target
 
 
-@pytest.mark.parametrize("task,chat", [("demo_mc", False), ("demo_mc_chat", True)])
-def test_multiple_choice_equals_hf_backend(world, task, chat):
-    artifact = world["artifacts"][0]
+def _hf_model_args(directory) -> str:
+    return f"pretrained={directory},dtype=float32"  # the hf backend's own BOS default
+
+
+@pytest.mark.parametrize(
+    "task,chat,bos",
+    [("demo_mc", False, True), ("demo_mc_chat", True, True), ("demo_mc", False, False)],
+    ids=["plain", "chat", "tokenizer-without-bos"],
+)
+def test_multiple_choice_equals_hf_backend(world, request, task, chat, bos):
+    """Per request, every log-likelihood equals the `hf` backend's, both with its defaults."""
+    artifact = world["artifacts"][0] if bos else request.getfixturevalue("without_bos")
     ours = run_eval(
         [artifact],
         [task],
@@ -129,9 +151,7 @@ def test_rolling_and_generation_equal_hf_backend(world):
     generate = [
         Instance("generate_until", {}, (p, dict(settings)), i) for i, p in enumerate(prompts)
     ]
-    hf = HFLM(
-        pretrained=str(artifact), dtype="float32", device="cpu", batch_size=2, add_bos_token=True
-    )
+    hf = HFLM(pretrained=str(artifact), dtype="float32", device="cpu", batch_size=2)
     ours = LmforgeLM(artifact, batch_size=2)
     assert ours.generate_until(generate) == hf.generate_until(generate)
 

@@ -365,6 +365,12 @@ class Tokenizer:
 
     # --- shared ------------------------------------------------------------------------------
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether transformers' tokenizer for these files starts an encoded text with BOS
+        (`add_special_tokens=True`, its default): what lm-eval's `hf` backend gets."""
+        return False
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Ids of `text`. Special-token text inside `text` is encoded as ordinary text."""
         return self._add_bos_eos(self._encode_plain(text), bos=bos, eos=eos)
@@ -547,6 +553,13 @@ class HFTokenizer(Tokenizer):
     def _encode_plain(self, text: str) -> list[int]:
         return self._plain.encode(text, add_special_tokens=False).ids
 
+    @property
+    def adds_bos(self) -> bool:
+        if self.bos_id is None:
+            return False
+        with_specials = self._plain.encode("a", add_special_tokens=True).ids
+        return with_specials[:1] == [self.bos_id] and self._encode_plain("a")[:1] != [self.bos_id]
+
     def _encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)]
 
@@ -665,6 +678,10 @@ class TiktokenTokenizer(Tokenizer):
             return [self._encode_plain(text) for text in texts]
         return self._enc.encode_ordinary_batch(texts)
 
+    @property
+    def adds_bos(self) -> bool:
+        return self.bos_id is not None  # as transformers' Llama 3 conversion and `to_hf`
+
     def _encode_with_specials(self, text: str) -> list[int]:
         ids: list[int] = []
         for piece in _cut_long_runs(text):
@@ -731,6 +748,7 @@ class TiktokenTokenizer(Tokenizer):
         hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
         for name in names:
             assert hf.token_to_id(name) == self.special_tokens[name], name
+        _add_bos_on_encode(hf, self.bos_token)
         return hf
 
     def _fingerprint_parts(self) -> Iterator[str]:
@@ -755,6 +773,25 @@ def _cut_long_runs(text: str) -> list[str]:
             start = cut
     pieces.append(text[start:])
     return pieces
+
+
+def _add_bos_on_encode(hf: tokenizers.Tokenizer, bos_token: str | None) -> None:
+    """Make transformers (and vLLM, lm-eval's `hf` backend) start every encoded text with BOS,
+    as Llama 3's own tokenizer.json does and as lmforge's pretraining data begins each
+    document. lmforge's own calls encode without special tokens and add BOS where they mean to."""
+    bos_id = hf.token_to_id(bos_token) if bos_token else None
+    if bos_id is None:
+        return
+    hf.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos_token} $A",
+                pair=f"{bos_token} $A {bos_token}:1 $B:1",
+                special_tokens=[(bos_token, bos_id)],
+            ),
+        ]
+    )
 
 
 def _set_llama3_pipeline(hf: tokenizers.Tokenizer, pattern: str) -> None:
@@ -946,8 +983,9 @@ def train_bpe(
     """Train a byte-level BPE (Llama 3 split regex) on UTF-8 text files and save it to `out_dir`.
 
     Special tokens get the ids after the learned vocabulary, as in Llama 3, and `vocab_size`
-    counts them. No BOS is added automatically: `encode(text, bos=True)` adds it. The saved
-    directory loads with `load_tokenizer` and with `transformers.AutoTokenizer`.
+    counts them. lmforge's `encode(text)` adds no BOS (`encode(text, bos=True)` does);
+    transformers' `encode` adds it, as for Llama 3's own tokenizer. The saved directory loads
+    with `load_tokenizer` and with `transformers.AutoTokenizer`.
     BPE: Sennrich et al. 2016, https://arxiv.org/abs/1508.07909.
 
     Returns:
@@ -994,6 +1032,7 @@ def train_bpe(
         "pad_token": first_present(PAD),
     }
     config = {k: v for k, v in config.items() if v is not None}
+    _add_bos_on_encode(hf, config.get("bos_token"))
     chat_template = (
         LLAMA3_CHAT_TEMPLATE if {START_HEADER, END_HEADER, EOT} <= set(special_tokens) else None
     )

@@ -8,8 +8,9 @@ longest first, right-padded; only the continuation positions go through the outp
 sampled), and `apply_chat_template` so that `--chat` evaluates in the model's chat format.
 Tokenization follows lm-eval's `hf` backend, so that scores equal it on the same artifact:
 context and continuation are encoded together and split at the context's length, trailing
-spaces of the context move to the continuation, BOS is prepended unless the text already starts
-with it, and special-token text (a rendered chat template) becomes special ids.
+spaces of the context move to the continuation, BOS is prepended when the tokenizer adds it in
+transformers (unless the text already starts with it), and special-token text (a rendered chat
+template) becomes special ids.
 
 `run_eval` evaluates tasks (lm-eval names or local YAMLs from include paths) on one or more
 artifacts, writes a results JSON per artifact and returns the results; `format_results_table`
@@ -149,8 +150,9 @@ class LmforgeLM(LM):
         device: "cpu", "cuda", "cuda:N" or "auto".
         dtype: "float32", "bfloat16", "float16" or None (as stored).
         max_length: longest input in tokens (default: the model's max_seq_len).
-        add_bos_token: prepend BOS to contexts (as lmforge's pretraining data does); the
-            same switch as the `hf` backend's `add_bos_token`.
+        add_bos_token: prepend BOS to contexts; None (the default, as in the `hf` backend):
+            when the model's tokenizer adds it in transformers (lmforge's tokenizers and
+            Llama 3's do, as their pretraining data begins documents with it).
         max_gen_toks: default generation length when a task does not set one.
         seed: seed of the generator used for sampled generation.
     """
@@ -163,7 +165,7 @@ class LmforgeLM(LM):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         max_length: int | None = None,
-        add_bos_token: bool = True,
+        add_bos_token: bool | None = None,
         max_gen_toks: int = 256,
         seed: int = 1234,
     ) -> None:
@@ -186,7 +188,7 @@ class LmforgeLM(LM):
         self.tokenizer = loaded.tokenizer
         self.batch_size = batch_size
         self.max_length = max_length or loaded.config.max_seq_len
-        self.add_bos_token = add_bos_token
+        self.add_bos_token = self.tokenizer.adds_bos if add_bos_token is None else add_bos_token
         self.max_gen_toks = max_gen_toks
         self._generator = torch.Generator().manual_seed(seed)
         specials = sorted(self.tokenizer.special_tokens, key=len, reverse=True)
