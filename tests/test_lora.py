@@ -347,3 +347,18 @@ def test_bf16_frozen_linears_give_the_same_autocast_forward(tied):
         assert torch.equal(half(TOKENS), fp32(TOKENS))
     stored_bf16 = sum(p.numel() for p in half.parameters() if p.dtype == torch.bfloat16)
     assert module_bytes(fp32) - module_bytes(half) == 2 * stored_bf16
+
+
+def test_nf4_bases_shard_only_in_whole_scale_groups():
+    pytest.importorskip("torchao")
+    with torch.device("meta"):
+        wide = lora.apply_lora(
+            Transformer(small_args(dim=256, ffn_dim=512)), targets=["q"], rank=4, alpha=8
+        )
+        narrow = lora.apply_lora(Transformer(small_args()), targets=["q"], rank=4, alpha=8)
+    lora.nf4_placeholders(wide, num_shards=2)
+    assert lora.is_nf4(wide.layers["0"].attention.wq.weight)
+    with pytest.raises(
+        ConfigError, match=r"layers\.0\.attention\.wq\.weight \(64, 64\) does not split"
+    ):
+        lora.nf4_placeholders(narrow, num_shards=2)

@@ -271,7 +271,7 @@ def test_trainer_rules_are_enforced():
     with pytest.raises(ConfigError, match=r"lora\.enabled with parallel\.tp"):
         plan_memory(Setup(args=args, method="lora", gpus=2, tp=2))
     with pytest.raises(ConfigError, match="QLoRA"):
-        plan_memory(Setup(args=args, method="qlora", gpus=2))
+        plan_memory(Setup(args=args, method="qlora", gpus=2, cpu_offload=True))
     with pytest.raises(ConfigError, match="does not match the world size"):
         plan_memory(Setup(args=args, gpus=8, dp_shard=3))
     with pytest.raises(ConfigError, match="num_kv_heads"):
@@ -291,6 +291,7 @@ DRY_RUNS = {
     ),
     "FSDP 8, DPO full (frozen copy)": dict(gpus=8, method="dpo-full"),
     "QLoRA": dict(gpus=1, method="qlora", lora_targets=("q", "k", "v", "down")),
+    "QLoRA, FSDP 2": dict(gpus=2, method="qlora", lora_targets=("q", "k", "v", "down")),
     "tied, FSDP 2": dict(gpus=2, tied=True),
     "tied, FSDP 4 × TP 2": dict(gpus=8, tp=2, tied=True),
     "tied, HSDP 2 × 2, DPO full": dict(gpus=4, dp_replicate=2, method="dpo-full", tied=True),

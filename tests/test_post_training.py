@@ -27,10 +27,10 @@ from tests.train_utils import (
 GOLDEN_DPO = Path(__file__).parent / "golden" / "dpo_losses.json"
 
 
-def _base(root: Path, *, tied: bool):
+def _base(root: Path, *, tied: bool, **shape):
     """A small random base artifact with the demo tokenizer, and the demo data."""
     paths, tokenizer, args = demo_world(root, vocab_size=400)
-    args = args.replace(tie_embeddings=tied)
+    args = args.replace(tie_embeddings=tied, **shape)
     artifact = save_state(
         build_model(args, seed=3).state_dict(),
         args,
@@ -51,6 +51,13 @@ def base(tmp_path_factory):
 def tied_base(tmp_path_factory):
     """The same with tied embeddings (as Llama 3.2 1B and 3B ship)."""
     return _base(tmp_path_factory.mktemp("post-tied"), tied=True)
+
+
+@pytest.fixture(scope="module")
+def qlora_base(tmp_path_factory):
+    """Tied, and wide enough (dim 256) that each NF4 base splits into 2 FSDP shards of whole
+    scale groups."""
+    return _base(tmp_path_factory.mktemp("post-qlora"), tied=True, dim=256, ffn_dim=512)
 
 
 def common(run_dir: Path, artifact: Path, *extra: str) -> list[str]:
@@ -86,6 +93,14 @@ def dpo_args(run_dir, base, *extra):
     return lora_args(run_dir, base, "dpo_train", "dpo.beta=0.5", *extra)
 
 
+def qlora_sft_args(run_dir, base, *extra):
+    return sft_args(run_dir, base, "lora.quantize_base=nf4", *extra)
+
+
+def qlora_dpo_args(run_dir, base, *extra):
+    return dpo_args(run_dir, base, "lora.quantize_base=nf4", *extra)
+
+
 def full_sft_args(run_dir, base, *extra):
     artifact, paths = base
     return common(run_dir, artifact, f"data.path={paths['sft_train']}", "optim.lr=1e-3", *extra)
@@ -105,6 +120,8 @@ def full_dpo_args(run_dir, base, *extra):
         ("sft", full_sft_args, "tied_base"),
         ("dpo", dpo_args, "tied_base"),
         ("dpo", full_dpo_args, "tied_base"),
+        ("sft", qlora_sft_args, "qlora_base"),
+        ("dpo", qlora_dpo_args, "qlora_base"),
     ],
     ids=[
         "sft-lora",
@@ -113,6 +130,8 @@ def full_dpo_args(run_dir, base, *extra):
         "tied-sft-full",
         "tied-dpo-lora",
         "tied-dpo-full",
+        "tied-sft-qlora",
+        "tied-dpo-qlora",
     ],
 )
 def test_two_processes_match_one(tmp_path, request, stage, make_args, which):

@@ -252,12 +252,8 @@ def check_setup(setup: Setup) -> None:
             raise ConfigError(
                 "lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)"
             )
-    if setup.method == "qlora" and (setup.gpus > 1 or setup.cpu_offload):
-        raise ConfigError(
-            'lora.quantize_base = "nf4" (QLoRA) runs in one process without CPU offload; '
-            f"this plan has {setup.gpus} processes"
-            + (" and CPU offload" if setup.cpu_offload else "")
-        )
+    if setup.method == "qlora" and setup.cpu_offload:
+        raise ConfigError('lora.quantize_base = "nf4" (QLoRA) cannot be combined with CPU offload')
     if setup.reference == "adapters_disabled" and not setup.uses_lora:
         raise ConfigError('dpo.reference = "adapters_disabled" needs lora.enabled = true')
 

@@ -100,7 +100,7 @@ def search(
     (tp, ac, cpu_offload, dp_replicate) keep base's value. host_memory: per node (None: the
     default per GPU)."""
     tried = 0
-    counts = [1] if base.method == "qlora" else gpu_counts(base.gpus_per_node, limit)
+    counts = gpu_counts(base.gpus_per_node, limit)
     for gpus in counts:
         best = None
         for candidate in _layouts(base, gpus, set(fixed)):
@@ -176,11 +176,11 @@ def suggest(plan: Plan, *, max_items: int = 6) -> list[Suggestion]:
             s.replace(method=method, tp=1, dp_shard=-1),
             note="changes the method: LoRA adapters instead of full finetuning",
         )
-    if s.method in ("lora", "full") and s.gpus == 1 and not s.cpu_offload:
+    if s.method in ("lora", "full") and not s.cpu_offload and s.mesh[2] == 1:
         consider(
             "--method qlora",
             s.replace(method="qlora"),
-            note="changes the method: NF4 frozen base (one GPU)",
+            note="changes the method: NF4 frozen base",
         )
     unique: dict[str, Suggestion] = {}
     for item in sorted(out, key=lambda x: (x.cost, x.plan.total)):

@@ -32,12 +32,17 @@ from lmforge.errors import ConfigError, UserError
 from lmforge.models.llama import ModelArgs, Transformer
 from lmforge.models.llama import hf as llama_hf
 from lmforge.modules.lora import (
+    WRAPPER_PREFIX,
     LoRASection,
     apply_lora,
     frozen_dtype,
+    load_nf4_shard,
+    lora_modules,
     lora_state_dict,
     merge_lora,
+    nf4_placeholders,
     quantize_base_nf4,
+    quantize_like,
     reset_lora_parameters,
     save_peft_adapter,
 )
@@ -146,10 +151,9 @@ def _initial_state_on_rank0(
 def _check_lora_layout(lora: LoRASection, layout: distributed.Layout, job: TrainJob) -> None:
     if layout.tp_size > 1:
         raise ConfigError("lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)")
-    if lora.quantize_base == "nf4" and (layout.world_size > 1 or job.parallel.cpu_offload):
+    if lora.quantize_base == "nf4" and job.parallel.cpu_offload:
         raise ConfigError(
-            'lora.quantize_base = "nf4" (QLoRA) runs in one process without CPU offload; '
-            f"this run has {layout.world_size} processes"
+            'lora.quantize_base = "nf4" (QLoRA) cannot be combined with parallel.cpu_offload'
         )
 
 
@@ -175,6 +179,9 @@ def build_and_load_model(
             dropout=lora.dropout,
             base_dtype=frozen_dtype(lora, bf16),
         )
+    sharded_nf4 = lora is not None and lora.quantize_base == "nf4" and layout.dp_size > 1
+    if sharded_nf4:  # FSDP2 shards the packed NF4 bases (QLoRA across processes)
+        nf4_placeholders(model, num_shards=layout.mesh["dp_shard"].size())
     parallelize(model, layout, job.parallel, bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
     # FSDP2 swaps tensors in place (the tie survives); a plain module gets new ones (re-tie).
@@ -190,24 +197,48 @@ def build_and_load_model(
     if spec.args.tie_embeddings and state:
         # One parameter under two names: a distributed load expects both keys.
         state["output.weight"] = state["tok_embeddings.weight"]
+    if sharded_nf4:
+        bases = {name: state.pop(name, None) for name in _lora_base_names(model)}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, state, options=options)
+    if sharded_nf4:
+        _load_nf4_bases(model, bases, layout)
     if lora is None:
         return model
-    before = module_bytes(model)
+    before = module_bytes(model)  # this process's share (its FSDP shards under FSDP)
     stored = str(frozen_dtype(lora, bf16) or torch.float32).removeprefix("torch.")
-    if lora.quantize_base == "nf4":
+    if lora.quantize_base == "nf4" and not sharded_nf4:
         quantize_base_nf4(model)
-        if layout.is_main:
-            log.warning(
-                "QLoRA: adapted base weights in NF4, other frozen linears in %s: model memory "
-                "%.1f MB -> %.1f MB",
-                stored,
-                before / 1e6,
-                module_bytes(model) / 1e6,
-            )
+    if layout.is_main and lora.quantize_base == "nf4":
+        log.warning(
+            "QLoRA: adapted base weights in NF4, other frozen linears in %s: model memory "
+            "%s%.1f MB per process",
+            stored,
+            "" if sharded_nf4 else f"{before / 1e6:.1f} MB -> ",
+            module_bytes(model) / 1e6,
+        )
     elif layout.is_main:
         log.warning("LoRA: frozen linear weights in %s: model memory %.1f MB", stored, before / 1e6)
     return model
+
+
+def _lora_base_names(model: torch.nn.Module) -> list[str]:
+    """State-dict names of the adapted base weights."""
+    return [f"{name.replace(WRAPPER_PREFIX, '')}.weight" for name in lora_modules(model)]
+
+
+def _load_nf4_bases(model: torch.nn.Module, bases: dict, layout: distributed.Layout) -> None:
+    """Rank 0 quantizes each full base weight once (exactly as one process does) and
+    broadcasts the packed tensors; every rank keeps its FSDP shard of them."""
+    shards = layout.mesh["dp_shard"].size()
+    index = layout.mesh.get_local_rank("dp_shard")
+    for name, module in zip(_lora_base_names(model), lora_modules(model).values()):
+        local = module.weight._local_tensor  # the object FSDP2 all-gathers (to_local: a view)
+        source = bases[name] if layout.is_main else torch.ones(module.weight.shape)
+        full = quantize_like(source.to(device=local.device, dtype=local.dtype))
+        for inner in full.__tensor_flatten__()[0]:
+            dist.broadcast(getattr(full, inner), src=0)
+        load_nf4_shard(local, full, index=index, num_shards=shards)
 
 
 def export_artifact(
