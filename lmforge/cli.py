@@ -34,21 +34,51 @@ COMMAND_MODULES = [
 ]
 
 
+class _VersionAction(argparse.Action):
+    """`--version`: lmforge's version (+ git commit when run from a checkout) and torch's."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+
+        from lmforge.artifact import code_version
+
+        print(f"lmforge {code_version()} (torch {torch.__version__})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmforge",
         description="Take a Llama-family model through its whole life: prepare, pretrain, "
         "finetune, align, evaluate, quantize, generate, serve.",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print lmforge's version")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Like `parse_args`, except that `key=value` overrides may come after options too
+    (`lmforge sft --config sft.yaml lora.rank=16`): argparse stops collecting a positional
+    list at the first option."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and isinstance(getattr(args, "overrides", None), list):
+        overrides = [item for item in rest if "=" in item and not item.startswith("-")]
+        args.overrides += overrides
+        rest = [item for item in rest if item not in overrides]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -306,3 +306,28 @@ def test_cli_main_exit_code_2(capsys, monkeypatch):
     assert err.splitlines()[1].startswith('dtype = "bf16" (command line): must be one of')
     assert "Traceback" not in err
     assert cli.main(["config"]) == 2  # no action: help, exit 2
+
+
+def test_overrides_may_follow_options_and_unknown_flags_still_fail(tmp_path, capsys):
+    from lmforge.cli import main
+
+    (tmp_path / "sft.yaml").write_text("train:\n  steps: 5\n")
+    assert (
+        main(["config", "show", "sft", "--config", str(tmp_path / "sft.yaml"), "lora.rank=16"]) == 0
+    )
+    shown = capsys.readouterr().out
+    assert "rank = 16" in shown and "steps = 5" in shown
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "show", "sft", "--config", str(tmp_path / "sft.yaml"), "--bogus"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from lmforge import __version__
+    from lmforge.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"lmforge {__version__}")

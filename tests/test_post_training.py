@@ -225,3 +225,21 @@ def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, base):
     assert (ours.float() - theirs).abs().max().item() < 0.05
     baseline = lmforge.load(base[0]).model(tokens)
     assert (ours.float() - baseline).abs().max().item() > 1e-3  # the adapter changed something
+
+
+def test_peft_adapter_names_its_base_by_absolute_path(tmp_path, base, monkeypatch):
+    """`AutoPeftModelForCausalLM` finds the base from any working directory, also when the run
+    named it by a relative path."""
+    peft = pytest.importorskip("peft")
+    artifact, paths = base
+    monkeypatch.chdir(artifact.parent)
+    run_dir = tmp_path / "run"
+    assert (
+        run_inprocess("sft", sft_args(run_dir, (Path(artifact.name), paths), "train.steps=1")) == 0
+    )
+    adapter = run_dir / "artifact" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(artifact.resolve())
+    monkeypatch.chdir(tmp_path)
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(adapter)
+    assert model.peft_config["default"].r == 4

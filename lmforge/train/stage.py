@@ -297,7 +297,10 @@ def _merge_adapters(
         state.pop("output.weight", None)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    save_peft_adapter(model, spec.args, adapter_dir, base_model=str(spec.source), lora_cfg=lora)
+    # An absolute path, so that PEFT finds the base from any working directory.
+    local = Path(spec.source).expanduser()
+    base_model = str(local.resolve()) if local.exists() else str(spec.source)
+    save_peft_adapter(model, spec.args, adapter_dir, base_model=base_model, lora_cfg=lora)
     merge_lora(model)
     return model.state_dict()
 
