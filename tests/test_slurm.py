@@ -384,7 +384,9 @@ def test_70b_other_stages_run_one_plain_task(rendered_70b):
         assert srun[srun.index("python") :][:3] == ["python", "-m", "lmforge"]
         assert "torch.distributed.run" not in script and "trap" not in script
     assert "--gpus-per-node=1" in sbatch_flags(scripts["sample"])
-    assert "--gpus-per-node" not in " ".join(sbatch_flags(scripts["wikitext"]))
+    cpu_only = sbatch_flags(scripts["wikitext"])  # tokenizing: no GPU node asked for
+    assert not [f for f in cpu_only if f.startswith(("--gpus", "--exclusive", "--mem=0"))]
+    assert "--partition=cpu" in cpu_only and "--partition=gpu" in sbatch_flags(scripts["cpt"])
 
 
 def test_70b_dependency_chain(rendered_70b):
