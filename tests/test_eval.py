@@ -269,3 +269,30 @@ def test_perplexity_equals_direct_nll(world, tmp_path):
         perplexity(loaded, [text_file], seq_len=8, stride=9)
     with pytest.raises(DataError, match="no such file"):
         perplexity(loaded, [tmp_path / "missing.txt"], seq_len=8)
+
+
+def test_preference_margins_equal_the_full_forward(world):
+    """The preference evaluator scores responses with the shared scorer; its margins equal
+    log-probabilities summed from a plain full forward over the labelled positions."""
+    from lmforge.data.preference import PreferenceDataSection, load_preference_data
+    from lmforge.eval.preference import preference_accuracy
+
+    artifact, data_file = world["artifacts"][0], world["data"]["dpo_heldout"]
+    result = preference_accuracy(artifact, data_file, batch_size=3, max_seq_len=64)
+    loaded = load(artifact)
+    pairs = load_preference_data(
+        PreferenceDataSection(path=[str(data_file)], max_seq_len=64), loaded.tokenizer
+    ).samples
+
+    def full(inputs, labels) -> float:
+        with torch.no_grad():
+            logits = loaded.model(torch.as_tensor(inputs)[None]).log_softmax(-1)[0]
+        return sum(logits[p, t].item() for p, t in enumerate(labels) if t >= 0)
+
+    margins = [
+        full(p.chosen_inputs, p.chosen_labels) - full(p.rejected_inputs, p.rejected_labels)
+        for p in pairs
+    ]
+    assert result["num_pairs"] == len(pairs)
+    assert result["mean_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-5)
+    assert result["accuracy"] == sum(m > 0 for m in margins) / len(margins)

@@ -31,74 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 
 from lmforge.api import LoadedModel, load, resolve_device
 from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
+from lmforge.generate.logprobs import sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
-
-
-# ----------------------------------------------------------------------------------------------
-# Scoring token sequences
-
-
-@torch.inference_mode()
-def score_sequences(
-    model: torch.nn.Module,
-    sequences: Sequence[tuple[Sequence[int], int]],
-    *,
-    batch_size: int,
-    device: torch.device | str,
-) -> list[tuple[float, bool]]:
-    """Log-probability of the last `n` tokens of each sequence given the tokens before them.
-
-    Args:
-        sequences: (tokens, n) pairs with 0 <= n < len(tokens).
-    Returns:
-        per sequence, (sum of the n tokens' log-probabilities, whether each of them is the
-        argmax), in the input order.
-    """
-    results: list[tuple[float, bool] | None] = [None] * len(sequences)
-    order = sorted(
-        (i for i, (tokens, n) in enumerate(sequences) if n > 0),
-        key=lambda i: -len(sequences[i][0]),
-    )
-    for i, (_, n) in enumerate(sequences):
-        if n == 0:
-            results[i] = (0.0, True)
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        width = len(sequences[batch[0]][0]) - 1  # the longest input of the batch
-        inputs = torch.zeros(len(batch), width, dtype=torch.long)  # right-padded; causal
-        for row, i in enumerate(batch):
-            tokens = sequences[i][0]
-            inputs[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-        hidden = model(inputs.to(device), return_hidden=True)  # [b, width, dim]
-        # Input position p predicts token p + 1, so the last n tokens of a sequence with
-        # input length L are predicted at positions L - n .. L - 1.
-        picked, targets = [], []
-        for row, i in enumerate(batch):
-            tokens, n = sequences[i]
-            length = len(tokens) - 1
-            picked.append(hidden[row, length - n : length])
-            targets.extend(tokens[-n:])
-        logits = model.output(torch.cat(picked))  # [sum n, vocab]
-        logprobs = F.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(targets, device=logprobs.device)
-        chosen = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
-        greedy = (logprobs.argmax(-1) == target).tolist()
-        offset = 0
-        for i in batch:
-            n = sequences[i][1]
-            results[i] = (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n]))
-            offset += n
-    return results  # type: ignore[return-value]
 
 
 class _GrowingKVCache:
@@ -251,7 +194,7 @@ class LmforgeLM(LM):
             # Longer than the model takes: drop context from the left.
             tokens = (context_ids + continuation_ids)[-(self.max_length + 1) :]
             sequences.append((tokens, min(len(continuation_ids), len(tokens) - 1)))
-        results = score_sequences(
+        results = sequence_logprobs(
             self.model, sequences, batch_size=self.batch_size, device=self.device
         )
         for request, result in zip(requests, results):
@@ -277,7 +220,7 @@ class LmforgeLM(LM):
                 windows.append((full[start:end], end - begin))
                 owners.append(index)
                 begin = end
-        scores = score_sequences(
+        scores = sequence_logprobs(
             self.model, windows, batch_size=self.batch_size, device=self.device
         )
         totals = [0.0] * len(requests)

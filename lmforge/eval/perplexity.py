@@ -16,7 +16,8 @@ from pathlib import Path
 
 from lmforge.api import LoadedModel
 from lmforge.errors import ConfigError, DataError
-from lmforge.eval.harness import LmforgeLM, model_record, score_sequences
+from lmforge.eval.harness import LmforgeLM, model_record
+from lmforge.generate.logprobs import sequence_logprobs
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -96,7 +97,7 @@ def perplexity(
             (tokens[start:end], num_scored)
             for start, end, num_scored in sliding_windows(len(tokens), seq_len, stride)
         ]
-        scores = score_sequences(lm.model, windows, batch_size=lm.batch_size, device=lm.device)
+        scores = sequence_logprobs(lm.model, windows, batch_size=lm.batch_size, device=lm.device)
         nll = -math.fsum(logprob for logprob, _ in scores)
         count = len(tokens) - 1
         per_file.append(

@@ -12,45 +12,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from lmforge.errors import ModelFormatError
+from lmforge.generate.logprobs import sequence_logprobs
 from lmforge.train.losses import IGNORE_INDEX
 
 
-@torch.inference_mode()
-def response_logprobs(
-    model: torch.nn.Module,
-    sequences: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    batch_size: int,
-    device: torch.device,
-    pad_id: int = 0,
-) -> list[float]:
-    """Sum of log p(label) over labelled positions, for (inputs [n], labels [n]) pairs."""
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
-    out = [0.0] * len(sequences)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        length = max(len(sequences[i][0]) for i in chunk)
-        inputs = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        labels = torch.full((len(chunk), length), IGNORE_INDEX, dtype=torch.long)
-        for row, i in enumerate(chunk):
-            ids, lab = sequences[i]
-            inputs[row, : len(ids)] = torch.as_tensor(ids)
-            labels[row, : len(lab)] = torch.as_tensor(lab)
-        # Right padding under a causal mask leaves the real positions' logits unchanged.
-        logits = model(inputs.to(device)).float()  # [b, s, vocab]
-        labels = labels.to(device)
-        mask = labels != IGNORE_INDEX
-        token_logp = torch.gather(
-            F.log_softmax(logits, dim=-1), -1, labels.clamp(min=0).unsqueeze(-1)
-        ).squeeze(-1)  # [b, s]
-        sums = (token_logp * mask).sum(dim=-1)
-        for row, i in enumerate(chunk):
-            out[i] = float(sums[row])
-    return out
+def response_tokens(inputs, labels) -> tuple[list[int], int]:
+    """(the whole token sequence, the number of response tokens at its end) of a DPO row's
+    shifted inputs / labels, for `sequence_logprobs`: the labelled positions are the response,
+    which ends the sequence."""
+    inputs, labels = list(map(int, inputs)), list(map(int, labels))
+    scored = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+    n = len(scored)
+    assert scored == list(range(len(labels) - n, len(labels))), "the response must end the row"
+    return inputs + labels[-1:], n
 
 
 def preference_accuracy(
@@ -85,16 +60,14 @@ def preference_accuracy(
     data = load_preference_data(cfg, loaded.tokenizer)
     sequences = []
     for sample in data.samples:
-        sequences.append(
-            (torch.from_numpy(sample.chosen_inputs), torch.from_numpy(sample.chosen_labels))
+        sequences.append(response_tokens(sample.chosen_inputs, sample.chosen_labels))
+        sequences.append(response_tokens(sample.rejected_inputs, sample.rejected_labels))
+    scores = [
+        logprob
+        for logprob, _ in sequence_logprobs(
+            loaded.model, sequences, batch_size=batch_size, device=device_
         )
-        sequences.append(
-            (torch.from_numpy(sample.rejected_inputs), torch.from_numpy(sample.rejected_labels))
-        )
-    pad_id = loaded.tokenizer.pad_id if loaded.tokenizer.pad_id is not None else 0
-    scores = response_logprobs(
-        loaded.model, sequences, batch_size=batch_size, device=device_, pad_id=pad_id
-    )
+    ]
     margins = [scores[2 * i] - scores[2 * i + 1] for i in range(len(data.samples))]
     return {
         "accuracy": sum(m > 0 for m in margins) / len(margins),
