@@ -4,7 +4,7 @@
 quantized artifact, HF directory, preset): batched `loglikelihood` (requests sorted by length,
 longest first, right-padded; only the continuation positions go through the output projection),
 `loglikelihood_rolling` (disjoint windows of the maximum length, each with the fullest context),
-`generate_until` (prefill, then one token at a time against a growing KV cache; greedy or
+`generate_until` (through the inference engine, `lmforge.generate.Generator`; greedy or
 sampled), and `apply_chat_template` so that `--chat` evaluates in the model's chat format.
 Tokenization follows lm-eval's `hf` backend, so that scores equal it on the same artifact:
 context and continuation are encoded together and split at the context's length, trailing
@@ -37,46 +37,12 @@ from lm_eval.api.model import LM
 from lmforge.api import LoadedModel, load, resolve_device
 from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
+from lmforge.generate import Generator, SamplingParams
 from lmforge.generate.logprobs import sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
-
-
-class _GrowingKVCache:
-    """Keys and values of one layer, concatenated along the sequence as decoding proceeds."""
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [b, kv_heads, s, head_dim]
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = torch.cat([self.keys, k], dim=2)
-            self.values = torch.cat([self.values, v], dim=2)
-        return self.keys, self.values
-
-
-def _sample(
-    logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float | None, generator
-) -> torch.Tensor:
-    """One token per row from logits [b, vocab] (temperature, then top-k, then top-p)."""
-    logits = logits.float() / temperature
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
-        sorted_logits, sorted_index = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token crossing top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_index, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +99,8 @@ class LmforgeLM(LM):
         self.max_length = max_length or loaded.config.max_seq_len
         self.add_bos_token = self.tokenizer.adds_bos if add_bos_token is None else add_bos_token
         self.max_gen_toks = max_gen_toks
-        self._generator = torch.Generator().manual_seed(seed)
+        self._seeds = torch.Generator().manual_seed(seed)  # one sampling seed per batch
+        self._engines: dict[int, Generator] = {}
         specials = sorted(self.tokenizer.special_tokens, key=len, reverse=True)
         self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
 
@@ -269,7 +236,6 @@ class LmforgeLM(LM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return outputs  # type: ignore[return-value]
 
-    @torch.inference_mode()
     def _generate(
         self,
         prompts: list[list[int]],
@@ -281,69 +247,35 @@ class LmforgeLM(LM):
         top_k: int | None,
         top_p: float | None,
     ) -> list[str]:
-        """Continue a batch of prompts; the text of each, cut before its first stop string."""
-        device, batch = self.device, len(prompts)
-        width = max(len(p) for p in prompts)
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        valid = torch.zeros(batch, width, dtype=torch.bool)  # left padding is invalid
-        for row, prompt in enumerate(prompts):
-            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
-            valid[row, width - len(prompt) :] = True
-        tokens, valid = tokens.to(device), valid.to(device)
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [b, s]
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        # A padding query attends to itself only, so no row of the mask is empty (NaN).
-        mask = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
-        caches = [_GrowingKVCache() for _ in range(self.loaded.config.num_layers)]
-        logits = self.model(tokens, positions=positions, attn_mask=mask[:, None], kv_caches=caches)
-        logits = logits[:, -1]  # [b, vocab]
-        next_position = valid.sum(-1)  # [b]
-        key_valid = valid
-        stop_ids = self.tokenizer.stop_ids
-        generated: list[list[int]] = [[] for _ in range(batch)]
-        done = [False] * batch
-        for _ in range(max_new_tokens):
-            if do_sample and temperature > 0:
-                chosen = _sample(
-                    logits,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    generator=self._generator,
-                )
-            else:
-                chosen = logits.argmax(-1)
-            for row, token in enumerate(chosen.tolist()):
-                if done[row]:
-                    continue
-                if token in stop_ids:
-                    done[row] = True
-                    continue
-                generated[row].append(token)
-                if stop_strings and any(
-                    s in self.tokenizer.decode(generated[row]) for s in stop_strings
-                ):
-                    done[row] = True
-            if all(done):
-                break
-            key_valid = torch.cat(
-                [key_valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], 1
-            )
-            logits = self.model(
-                chosen[:, None],
-                positions=next_position[:, None],
-                attn_mask=key_valid[:, None, None, :],
-                kv_caches=caches,
-            )[:, -1]
-            next_position = next_position + 1
+        """Continue a batch of prompts with the inference engine; the text of each without
+        special tokens (as the `hf` backend decodes), cut before its first stop string."""
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature if do_sample else 0.0,
+            top_k=top_k,
+            top_p=top_p or 1.0,
+            stop=tuple(s for s in stop_strings if s),
+        )
+        engine = self._engine(max(map(len, prompts)) + max_new_tokens)
+        seed = int(torch.randint(2**62, (1,), generator=self._seeds))
         texts = []
-        for ids in generated:
+        for result in engine.generate(prompts, params, seed=seed).results:
+            ids = [t for t in result.token_ids if t not in self.tokenizer.stop_ids]
             text = self.tokenizer.decode(ids, skip_special=True)
-            for stop in stop_strings:
-                if stop:
-                    text = text.split(stop)[0]
+            for stop in params.stop:
+                text = text.split(stop)[0]
             texts.append(text)
         return texts
+
+    def _engine(self, length: int) -> Generator:
+        """A Generator whose cache holds `length` tokens per row (sizes rounded up to a power
+        of two and kept, so that a compiled decode step is reused across requests)."""
+        size = min(self.max_length, self.loaded.config.max_seq_len, 1 << (length - 1).bit_length())
+        if size not in self._engines:
+            self._engines[size] = Generator(
+                self.model, self.tokenizer, max_batch=self.batch_size, max_seq_len=size
+            )
+        return self._engines[size]
 
     # --- chat format -----------------------------------------------------------------------
 
