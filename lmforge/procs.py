@@ -17,12 +17,13 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
+def die_with_parent(sig: int = signal.SIGTERM, *, parent: int | None = None) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies (call it in the
-    child: a Popen `preexec_fn`, a pool initializer)."""
+    child: a Popen `preexec_fn`, a pool initializer). `parent`: the pid the parent had (a
+    child that starts slowly may find it already gone); default: the current parent."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request took effect

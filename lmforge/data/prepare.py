@@ -479,11 +479,11 @@ def _documents(sources: list[_Source], cfg: PrepareSection, bad: BadRows) -> Ite
 _worker_tokenizer = None
 
 
-def _init_worker(tokenizer_path: str) -> None:
+def _init_worker(tokenizer_path: str, parent_pid: int) -> None:
     from lmforge.data.tokenizer import load_tokenizer
 
     global _worker_tokenizer
-    die_with_parent(signal.SIGKILL)  # a killed prepare leaves no worker behind
+    die_with_parent(signal.SIGKILL, parent=parent_pid)  # a killed prepare leaves no worker
     # One process per core already; the Rust thread pool inside each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = load_tokenizer(tokenizer_path)
@@ -522,7 +522,7 @@ def _encoded_chunks(
         num_workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer_path,),
+        initargs=(tokenizer_path, os.getpid()),
     )
     pending: deque[Future] = deque()
     try:
