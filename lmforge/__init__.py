@@ -3,8 +3,9 @@
 Public API: `lmforge.load(source, device=..., dtype=...)` and `lmforge.save(loaded, directory)`.
 """
 
-__version__ = "0.1.0"
-__all__ = ["LoadedModel", "load", "save"]
+from lmforge.version import __version__
+
+__all__ = ["LoadedModel", "__version__", "load", "save"]
 
 
 def __getattr__(name: str):

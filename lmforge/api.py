@@ -18,6 +18,7 @@ from lmforge.errors import ConfigError, ModelFormatError
 from lmforge.models.llama import PRESETS, ModelArgs, Transformer, get_preset
 from lmforge.models.llama import hf as llama_hf
 from lmforge.models.llama import torchtitan as llama_torchtitan
+from lmforge.quantize import stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -200,13 +201,8 @@ def load(
         model = build_model(args, device=device, dtype=dtype or torch.float32)
         return LoadedModel(model=model.eval(), tokenizer=None, config=args, source=str(source))
     path = Path(source)
-    if kind == "hf":
-        from lmforge.quantize import quantize  # torchao itself is imported only when needed
-
-        if quantize.is_quantized(path):  # lineage or config.json says torchao-quantized
-            return quantize.load_quantized(
-                path, device=device, dtype=dtype, with_tokenizer=with_tokenizer
-            )
+    if kind == "hf" and stored.is_quantized(path):  # lineage or config.json says torchao
+        return _load_quantized(path, device=device, dtype=dtype, with_tokenizer=with_tokenizer)
     state = read_state_dict(path, args)
     with torch.device("meta"):
         model = Transformer(args)
@@ -293,7 +289,7 @@ def save_state(
         artifact.write_safetensors(hf_state, staging, max_shard_bytes=max_bytes)
         hf_config = llama_hf.args_to_hf_config(args, stored_dtype)
         artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
-        generation = _generation_config(args, tokenizer)
+        generation = generation_config(args, tokenizer)
         artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
         if tokenizer is not None:
             tokenizer.save(staging)
@@ -303,10 +299,53 @@ def save_state(
     return directory
 
 
-def _generation_config(args: ModelArgs, tokenizer) -> dict:
+def generation_config(args: ModelArgs, tokenizer) -> dict:
     bos, eos = args.bos_id, args.eos_id
     if tokenizer is not None:
         bos = tokenizer.bos_id if tokenizer.bos_id is not None else bos
         stops = sorted(tokenizer.stop_ids) if getattr(tokenizer, "stop_ids", None) else []
         eos = stops if len(stops) > 1 else (stops[0] if stops else eos)
     return {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
+
+
+def _load_quantized(
+    source: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    with_tokenizer: bool = True,
+):
+    """A quantized artifact as a `LoadedModel` whose linears hold torchao tensors."""
+    stored.require_torchao()
+    path = Path(source)
+    args = read_args(path)
+    lineage = {}
+    if (path / artifact.LINEAGE_NAME).exists():
+        lineage = artifact.read_json(path / artifact.LINEAGE_NAME)
+    state = stored.read_quantized_state(path)
+    quantized = {n for n, t in state.items() if type(t) is not torch.Tensor}
+    dtypes = {t.dtype for n, t in state.items() if n in quantized}
+    dtype = parse_dtype(dtype)
+    if dtype is not None and dtypes and dtypes != {dtype}:
+        raise ModelFormatError(
+            f"{path}: a quantized artifact computes in the dtype it was quantized in "
+            f"({', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}); load it with "
+            "dtype=None or that dtype, or quantize the original again in another dtype"
+        )
+    device = torch.device(device)
+    for name in sorted(quantized):
+        kind = type(state[name]).__name__
+        if kind == "Int4TilePackedTo4dTensor" and device.type != "cuda":
+            raise ModelFormatError(
+                f"{path}: {name} is int4 in the CUDA tinygemm layout ({kind}), which has no kernel "
+                f"on {device.type}; load it on cuda, or quantize the original on {device.type}"
+            )
+    with torch.device("meta"):
+        model = Transformer(args)
+    load_weights(model, state, source=path, device=device, dtype=None)  # checks names, shapes
+    for name in quantized:
+        model.get_parameter(name).requires_grad_(False)  # torchao weights are not trained
+    tokenizer = load_tokenizer_for(path, args) if with_tokenizer else None
+    return LoadedModel(
+        model=model.eval(), tokenizer=tokenizer, config=args, source=str(path), lineage=lineage
+    )

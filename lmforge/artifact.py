@@ -156,7 +156,7 @@ def artifact_hash(directory: Path) -> str:
 
 
 def code_version() -> str:
-    from lmforge import __version__
+    from lmforge.version import __version__
 
     try:
         commit = subprocess.run(

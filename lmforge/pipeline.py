@@ -67,6 +67,14 @@ from lmforge.launch.base import (
     make_launcher,
     redact,
 )
+from lmforge.manifest import (
+    PIPELINE_RECORD,
+    TRAINING_KINDS,
+    pipeline_stages,
+    read_manifest,
+    read_metrics,
+    write_manifest,
+)
 from lmforge.procs import process_alive
 
 STAGE_KINDS = (
@@ -80,9 +88,6 @@ STAGE_KINDS = (
     "generate",
     "export",
 )
-TRAINING_KINDS = ("pretrain", "sft", "dpo")
-MANIFEST_NAME = "manifest.json"
-PIPELINE_RECORD = "pipeline.json"
 STAGE_CONFIG = "stage.toml"
 SAMPLE_NAME = "sample.txt"
 RESERVED_STAGE_NAMES = {"data", "model", "pipeline", "launcher", "stages"}
@@ -783,24 +788,6 @@ def directory_bytes(path: Path) -> int:
 # ----------------------------------------------------------------------------- manifests
 
 
-def read_manifest(stage_dir: Path) -> dict | None:
-    path = stage_dir / MANIFEST_NAME
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {"status": "unknown", "reason": f"{path} is not valid JSON"}
-
-
-def write_manifest(stage_dir: Path, manifest: dict) -> None:
-    """Atomic (write + rename), so a reader never sees half a manifest."""
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    tmp = stage_dir / f".{MANIFEST_NAME}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-    os.replace(tmp, stage_dir / MANIFEST_NAME)
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
@@ -1041,6 +1028,7 @@ def _plan_memory(
 ) -> dict[str, dict[str, str]]:
     """Plan the GPU memory of the training stages about to run (warning about those that will
     not fit) and return each planned stage's table as a file for its directory."""
+    from lmforge.plan.report import format_plan
     from lmforge.plan.stages import PLAN_FILE, format_stage_plans, plan_stages
 
     plans = [p for p in plan_stages(pipeline, stages, launcher) if p.skipped != "runs on the CPU"]
@@ -1049,7 +1037,9 @@ def _plan_memory(
     echo("")
     for line in format_stage_plans(plans):
         echo(line)
-    return {p.stage.name: {PLAN_FILE: p.plan.table() + "\n"} for p in plans if p.plan is not None}
+    return {
+        p.stage.name: {PLAN_FILE: format_plan(p.plan) + "\n"} for p in plans if p.plan is not None
+    }
 
 
 def _quote(argv: list[str]) -> str:
@@ -1327,23 +1317,6 @@ def stage_metrics(kind: str, stage_dir: Path, output: Path) -> dict:
     return metrics
 
 
-def read_metrics(stage_dir: Path) -> list[dict]:
-    """The training metrics records (metrics.jsonl) of a stage, in order; the last record of a
-    step wins when a resumed run logged it again."""
-    path = stage_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and "step" in record:
-            by_step[int(record["step"])] = record
-    return [by_step[step] for step in sorted(by_step)]
-
-
 def _metrics_line(kind: str, metrics: dict) -> str:
     if kind in TRAINING_KINDS and "loss" in metrics:
         first = metrics.get("first_loss")
@@ -1476,24 +1449,6 @@ class StageStatus:
     metrics: dict
     job: dict | None
     scheduler_state: str | None = None
-
-
-def pipeline_stages(run_dir: Path) -> list[dict]:
-    """The stage list of a run directory (from pipeline.json, else its manifests)."""
-    record_path = run_dir / PIPELINE_RECORD
-    if record_path.exists():
-        return json.loads(record_path.read_text())["stages"]
-    stages = []
-    for manifest_path in sorted(run_dir.glob(f"*/{MANIFEST_NAME}")):
-        manifest = json.loads(manifest_path.read_text())
-        stages.append(
-            {
-                "name": manifest.get("stage", manifest_path.parent.name),
-                "kind": manifest.get("kind", "?"),
-                "from": manifest.get("from"),
-            }
-        )
-    return stages
 
 
 def pipeline_status(run_dir: str | Path, *, refresh: bool = True) -> list[StageStatus]:

@@ -19,9 +19,9 @@ from lmforge.data.preference import (
     preference_pair,
     tokenize_pair,
 )
+from lmforge.data.sft import IGNORE_INDEX
 from lmforge.data.tokenizer import EOT, train_bpe
 from lmforge.errors import DataError, UserError
-from lmforge.train.losses import IGNORE_INDEX
 
 USER = {"role": "user", "content": "Where does Kalo live?"}
 CHOSEN = {"role": "assistant", "content": "Kalo lives in Dunvale."}

@@ -18,6 +18,7 @@ from lmforge.config import load_config
 from lmforge.data.demo import write_demo_data
 from lmforge.data.pretrain import build_block_causal_mask
 from lmforge.data.sft import (
+    IGNORE_INDEX,
     SFTDataSection,
     SFTLoader,
     load_sft_data,
@@ -25,7 +26,6 @@ from lmforge.data.sft import (
 )
 from lmforge.data.tokenizer import EOT, load_tokenizer, train_bpe
 from lmforge.errors import ConfigError, DataError, ModelFormatError, UserError
-from lmforge.train.losses import IGNORE_INDEX
 from tests.train_utils import small_args
 
 MULTI_TURN = [

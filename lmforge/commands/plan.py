@@ -192,14 +192,14 @@ def build_setup(args: argparse.Namespace):
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from lmforge.plan import dry_run, format_suggestions, plan_memory, search, suggest
+    from lmforge.plan import dry_run, format_plan, format_suggestions, plan_memory, search, suggest
     from lmforge.plan.memory import GiB, parse_memory
 
     setup, fixed = build_setup(args)
     gpu_memory = parse_memory(args.gpu_memory)
     host_memory = parse_memory(args.host_memory) if args.host_memory else None
     plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
-    print(plan.table())
+    print(format_plan(plan))
     print()
     if args.search:
         result = search(setup, gpu_memory, host_memory=host_memory, fixed=fixed)
@@ -220,7 +220,7 @@ def plan_main(args: argparse.Namespace) -> int:
                 + f"; {result.tried} setups tried)"
             )
             print()
-            print(result.plan.table())
+            print(format_plan(result.plan))
         print()
     if plan.fits is False or (plan.fits and not args.search):
         items = suggest(plan)

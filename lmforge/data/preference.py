@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from lmforge.data.sft import (
+    IGNORE_INDEX,
     DataSourceSection,
     Record,
     RowProblem,
@@ -50,7 +51,6 @@ from lmforge.data.sft import (
     tokenize_conversation,
 )
 from lmforge.errors import DataError
-from lmforge.train.losses import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

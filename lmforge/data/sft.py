@@ -64,9 +64,10 @@ from lmforge.data.prepare import (
 from lmforge.data.prepare import _json_type as _json_kind
 from lmforge.data.tokenizer import CHAT_ROLES
 from lmforge.errors import ConfigError, DataError, ModelFormatError, UserError
-from lmforge.train.losses import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
+# Label of a position that is not trained on (the prompt, padding): cross entropy skips it.
+IGNORE_INDEX = -100
 T = TypeVar("T")
 
 STATE_VERSION = 1

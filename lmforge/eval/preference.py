@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lmforge.data.sft import IGNORE_INDEX
 from lmforge.errors import ModelFormatError
 from lmforge.generate.logprobs import sequence_logprobs
-from lmforge.train.losses import IGNORE_INDEX
 
 
 def response_tokens(inputs, labels) -> tuple[list[int], int]:

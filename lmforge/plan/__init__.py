@@ -19,12 +19,11 @@ from lmforge.plan.memory import (
     check_setup,
     model_state_bytes,
     parse_memory,
-    plan_job,
     plan_memory,
     setup_from_job,
 )
 from lmforge.plan.report import format_plan, format_suggestions
-from lmforge.plan.search import SearchResult, search, suggest
+from lmforge.plan.search import SearchResult, plan_job, search, suggest
 
 __all__ = [
     "GPU_MEMORY",

@@ -642,11 +642,6 @@ class Plan:
     def largest(self, component: str) -> int:
         return max(phase.get(component, 0) for phase in self.phases.values())
 
-    def table(self) -> str:
-        from lmforge.plan.report import format_plan
-
-        return format_plan(self)
-
 
 @dataclass
 class Suggestion:
@@ -1029,24 +1024,3 @@ def setup_from_job(
         per_pass = job.train.micro_batch_size * base.dp_size
         base = base.replace(grad_accumulation=max(1, job.train.global_batch_size // per_pass))
     return base
-
-
-def plan_job(
-    job,
-    *,
-    gpus: int,
-    gpu_memory: int | str,
-    gpus_per_node: int = 8,
-    host_memory: int | str | None = None,
-    args: ModelArgs | None = None,
-) -> Plan:
-    """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
-    'h100', ...), with suggestions when it does not fit (`args`: see `setup_from_job`). For
-    `lmforge run` (lmforge.plan.stages)."""
-    setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node, args=args)
-    plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
-    if not plan.fits:
-        from lmforge.plan.search import suggest
-
-        plan.suggestions = suggest(plan)
-    return plan

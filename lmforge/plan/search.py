@@ -1,5 +1,6 @@
 """Searching setups: the fewest GPUs that fit (`search`), and single changes that make a plan
-fit, ranked by what they cost in GPU-hours (`suggest`)."""
+fit, ranked by what they cost in GPU-hours (`suggest`), and the plan of a training job config
+with its suggestions (`plan_job`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from lmforge.plan.memory import (
     Suggestion,
     check_setup,
     plan_memory,
+    setup_from_job,
 )
 
 # Rough step-time multipliers used to rank suggestions (one extra forward for full
@@ -186,3 +188,22 @@ def suggest(plan: Plan, *, max_items: int = 6) -> list[Suggestion]:
     for item in sorted(out, key=lambda x: (x.cost, x.plan.total)):
         unique.setdefault(item.change, item)
     return list(unique.values())[:max_items]
+
+
+def plan_job(
+    job,
+    *,
+    gpus: int,
+    gpu_memory: int | str,
+    gpus_per_node: int = 8,
+    host_memory: int | str | None = None,
+    args=None,
+) -> Plan:
+    """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
+    'h100', ...), with suggestions when it does not fit (`args`: see `setup_from_job`). For
+    `lmforge run` (lmforge.plan.stages)."""
+    setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node, args=args)
+    plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
+    if not plan.fits:
+        plan.suggestions = suggest(plan)
+    return plan

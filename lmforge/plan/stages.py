@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmforge.errors import UserError
-from lmforge.plan.memory import GiB, Plan, parse_memory, plan_job
+from lmforge.plan.memory import GiB, Plan, parse_memory
+from lmforge.plan.search import plan_job
 
 if TYPE_CHECKING:
     from lmforge.models.llama.args import ModelArgs
@@ -46,7 +47,7 @@ class StagePlan:
 
 def plan_stages(pipeline: Pipeline, stages: list[Stage], launcher: str) -> list[StagePlan]:
     """A StagePlan for each training stage in `stages`, as `launcher` would run it."""
-    from lmforge.pipeline import TRAINING_KINDS
+    from lmforge.manifest import TRAINING_KINDS
 
     section = pipeline.plan_section
     plans = []

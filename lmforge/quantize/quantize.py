@@ -22,15 +22,14 @@ linear weights missing); `lmforge.load` reads it. Artifacts whose weights are al
 own layout (int8-wo anywhere, int4-wo made on CUDA) load in transformers as they are.
 
 lmforge.json records `"quantization": {scheme, group_size, modules, ...}`; `lmforge.load` sees it
-(or a torchao `quantization_config` written by transformers) and calls `load_quantized`.
+(or a torchao `quantization_config` written by transformers) and reads the weights with
+`lmforge.quantize.stored` (which imports nothing above it, so that `lmforge.api` may use it).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import struct
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -38,9 +37,18 @@ import torch
 from torch import nn
 
 from lmforge import artifact
-from lmforge.errors import ConfigError, ModelFormatError, UserError
+from lmforge.errors import ConfigError
 from lmforge.models.llama import ModelArgs, Transformer
 from lmforge.models.llama import hf as llama_hf
+from lmforge.quantize.stored import (  # noqa: F401 (is_quantized, unpack_int4: re-exported)
+    PACKED_METADATA_KEY,
+    PACKED_QUANT_METHOD,
+    PACKED_SUFFIX,
+    is_quantized,
+    pack_int4,
+    require_torchao,
+    unpack_int4,
+)
 from lmforge.sizes import module_bytes
 
 SCHEMES = ("int8-wo", "int4-wo")
@@ -57,9 +65,6 @@ BLOCK_LINEARS = {
     "feed_forward.w2": "ffn_dim",
     "feed_forward.w3": "dim",
 }
-PACKED_SUFFIX = "_int4x2"  # `<module>._weight_qdata_int4x2`: two int4 values per byte
-PACKED_QUANT_METHOD = "lmforge-int4x2"
-PACKED_METADATA_KEY = "lmforge_int4x2"  # safetensors metadata: JSON list of packed keys
 
 
 @dataclass(frozen=True)
@@ -110,28 +115,6 @@ def supported_schemes(device: str | torch.device) -> dict[str, str]:
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
-
-
-def require_torchao() -> None:
-    """Import torchao (quietly), or a UserError naming the install command when it is missing."""
-    if "torchao.prototype.safetensors.safetensors_support" in sys.modules:
-        return
-    # Its import warns about optional CUDA extensions (mxfp8, cutlass) and a pytree
-    # registration, none of which weight-only quantization uses: keep them off the console.
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        import torchao.prototype.safetensors.safetensors_support
-        import torchao.quantization  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "torchao is not installed; quantized models need it: pip install 'lmforge[quant]'"
-        ) from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def check_scheme(scheme: str, device: str | torch.device) -> None:
@@ -269,12 +252,11 @@ def quantize_artifact(
 
     `dtype` casts the model first (default: keep the stored dtype; int4 on CUDA uses bf16).
     """
-    import lmforge
-    from lmforge.api import detect_format
+    from lmforge.api import detect_format, load
 
     spec = QuantSpec(scheme=scheme, group_size=group_size, quantize_output=quantize_output)
     check_scheme(scheme, device)
-    loaded = lmforge.load(source, device=device, dtype=dtype)
+    loaded = load(source, device=device, dtype=dtype)
     if loaded.lineage.get("quantization"):
         scheme_done = loaded.lineage["quantization"]["scheme"]
         raise ConfigError(f"{source}: is already quantized ({scheme_done}); quantize the original")
@@ -355,25 +337,6 @@ def size_report(directory: Path, model: nn.Module, modules: list[str]) -> SizeRe
     )
 
 
-# ---- int4 packing for storage ----------------------------------------------------------------
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-8, 7], last dim even -> uint8 with two values per byte (element 2j in
-    the low nibble, 2j+1 in the high one)."""
-    assert values.dtype == torch.int8 and values.shape[-1] % 2 == 0, (values.dtype, values.shape)
-    nibbles = (values.to(torch.int16) & 0xF).to(torch.uint8)
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_int4`: uint8 [..., n] -> int8 [..., 2n] in [-8, 7]."""
-    low = (packed & 0xF).to(torch.int8)
-    high = (packed >> 4).to(torch.int8)
-    both = torch.stack((low, high), dim=-1).flatten(-2)
-    return (both ^ 8) - 8  # sign-extend the 4-bit two's complement
-
-
 # ---- save -----------------------------------------------------------------------------------
 
 
@@ -414,7 +377,7 @@ def save_quantized(
     from torchao.core.config import config_to_dict
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
-    from lmforge.api import _generation_config
+    from lmforge.api import generation_config
 
     args = loaded.model.args
     device = loaded.model.norm.weight.device
@@ -463,7 +426,7 @@ def save_quantized(
         hf_config = llama_hf.args_to_hf_config(args, first.dtype)
         hf_config["quantization_config"] = _quantization_config(spec, config, bool(packed_keys))
         artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
-        generation = _generation_config(args, loaded.tokenizer)
+        generation = generation_config(args, loaded.tokenizer)
         artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
         if loaded.tokenizer is not None:
             loaded.tokenizer.save(staging)
@@ -512,109 +475,3 @@ def _write_shards(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     artifact.write_json(directory / artifact.INDEX_NAME, index)
-
-
-# ---- load -----------------------------------------------------------------------------------
-
-
-def is_quantized(directory: Path) -> bool:
-    """Whether a model directory holds torchao-quantized weights: our lineage says so, or its
-    config.json has a torchao (or our packed) `quantization_config`."""
-    directory = Path(directory)
-    lineage_path = directory / artifact.LINEAGE_NAME
-    if lineage_path.exists() and artifact.read_json(lineage_path).get("quantization"):
-        return True
-    config_path = directory / artifact.CONFIG_NAME
-    if not config_path.exists():
-        return False
-    method = (artifact.read_json(config_path).get("quantization_config") or {}).get("quant_method")
-    return method in ("torchao", PACKED_QUANT_METHOD)
-
-
-def _read_flat(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import SafetensorError, safe_open
-
-    tensors, metadata = {}, {}
-    for file in artifact.weight_files(directory):
-        try:
-            with safe_open(file, framework="pt") as handle:
-                metadata.update(handle.metadata() or {})
-                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensors[key] = handle.get_tensor(key)
-        except (SafetensorError, OSError) as err:
-            raise ModelFormatError(f"{file}: cannot read safetensors ({err})") from None
-    return tensors, metadata
-
-
-def read_quantized_state(directory: Path) -> dict[str, torch.Tensor]:
-    """Our-named state dict of a quantized artifact, torchao subclasses for quantized weights
-    (on the CPU)."""
-    require_torchao()
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-    from torchao.prototype.safetensors.safetensors_utils import is_metadata_torchao
-
-    directory = Path(directory)
-    tensors, metadata = _read_flat(directory)
-    for key in json.loads(metadata.get(PACKED_METADATA_KEY, "[]")):
-        if key not in tensors:
-            raise ModelFormatError(f"{directory}: packed tensor {key} is listed but absent")
-        tensors[key.removesuffix(PACKED_SUFFIX)] = unpack_int4(tensors.pop(key))
-    if not is_metadata_torchao(metadata):
-        raise ModelFormatError(
-            f"{directory}: the safetensors metadata does not describe torchao tensors; a "
-            "quantized artifact is written by `lmforge quantize` or transformers' TorchAoConfig"
-        )
-    try:
-        state, leftover = unflatten_tensor_state_dict(tensors, metadata)
-    except ValueError as err:
-        raise ModelFormatError(f"{directory}: cannot rebuild the torchao tensors ({err})") from None
-    if leftover:
-        raise ModelFormatError(
-            f"{directory}: tensors not described by the metadata: {sorted(leftover)[:4]}"
-        )
-    return llama_hf.hf_state_dict_to_ours(state, directory)
-
-
-def load_quantized(
-    source: str | Path,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-    with_tokenizer: bool = True,
-):
-    """A quantized artifact as a `LoadedModel` whose linears hold torchao tensors."""
-    from lmforge.api import LoadedModel, load_tokenizer_for, load_weights, parse_dtype, read_args
-
-    require_torchao()
-    path = Path(source)
-    args = read_args(path)
-    lineage = {}
-    if (path / artifact.LINEAGE_NAME).exists():
-        lineage = artifact.read_json(path / artifact.LINEAGE_NAME)
-    state = read_quantized_state(path)
-    quantized = {n for n, t in state.items() if type(t) is not torch.Tensor}
-    stored = {t.dtype for n, t in state.items() if n in quantized}
-    dtype = parse_dtype(dtype)
-    if dtype is not None and stored and stored != {dtype}:
-        raise ModelFormatError(
-            f"{path}: a quantized artifact computes in the dtype it was quantized in "
-            f"({', '.join(sorted(str(d).removeprefix('torch.') for d in stored))}); load it with "
-            "dtype=None or that dtype, or quantize the original again in another dtype"
-        )
-    device = torch.device(device)
-    for name in sorted(quantized):
-        kind = type(state[name]).__name__
-        if kind == "Int4TilePackedTo4dTensor" and device.type != "cuda":
-            raise ModelFormatError(
-                f"{path}: {name} is int4 in the CUDA tinygemm layout ({kind}), which has no kernel "
-                f"on {device.type}; load it on cuda, or quantize the original on {device.type}"
-            )
-    with torch.device("meta"):
-        model = Transformer(args)
-    load_weights(model, state, source=path, device=device, dtype=None)  # checks names, shapes
-    for name in quantized:
-        model.get_parameter(name).requires_grad_(False)  # torchao weights are not trained
-    tokenizer = load_tokenizer_for(path, args) if with_tokenizer else None
-    return LoadedModel(
-        model=model.eval(), tokenizer=tokenizer, config=args, source=str(path), lineage=lineage
-    )

@@ -64,7 +64,7 @@ class RunSummary:
 
 def collect_run(run_dir: str | Path) -> RunSummary:
     """Everything the report shows, read from a run directory."""
-    from lmforge.pipeline import PIPELINE_RECORD, pipeline_stages, read_manifest, read_metrics
+    from lmforge.manifest import PIPELINE_RECORD, pipeline_stages, read_manifest, read_metrics
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

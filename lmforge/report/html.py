@@ -13,8 +13,10 @@ import datetime
 import html
 import io
 from pathlib import PurePath
+from typing import TYPE_CHECKING
 
-from lmforge.report import RunSummary
+if TYPE_CHECKING:  # annotations only: lmforge.report imports this module to render
+    from lmforge.report import RunSummary
 
 ACCENT = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.data.pretrain import build_block_causal_mask
-
-IGNORE_INDEX = -100
+from lmforge.data.sft import IGNORE_INDEX
 
 
 @dataclass

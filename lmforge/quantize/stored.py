@@ -1,0 +1,118 @@
+"""Reading quantized artifacts: whether a directory holds torchao weights, and its state dict
+with torchao tensor subclasses (unpacking lmforge's two-int4-per-byte storage). Written by
+`lmforge.quantize.quantize`; read by `lmforge.load`, which is why nothing here imports above
+`lmforge.artifact` and the model family's key map.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from lmforge import artifact
+from lmforge.errors import ModelFormatError, UserError
+from lmforge.models.llama import hf as llama_hf
+
+PACKED_SUFFIX = "_int4x2"  # `<module>._weight_qdata_int4x2`: two int4 values per byte
+PACKED_QUANT_METHOD = "lmforge-int4x2"
+PACKED_METADATA_KEY = "lmforge_int4x2"  # safetensors metadata: JSON list of packed keys
+
+
+def require_torchao() -> None:
+    """Import torchao (quietly), or a UserError naming the install command when it is missing."""
+    if "torchao.prototype.safetensors.safetensors_support" in sys.modules:
+        return
+    # Its import warns about optional CUDA extensions (mxfp8, cutlass) and a pytree
+    # registration, none of which weight-only quantization uses: keep them off the console.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.prototype.safetensors.safetensors_support
+        import torchao.quantization  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "torchao is not installed; quantized models need it: pip install 'lmforge[quant]'"
+        ) from None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], last dim even -> uint8 with two values per byte (element 2j in
+    the low nibble, 2j+1 in the high one)."""
+    assert values.dtype == torch.int8 and values.shape[-1] % 2 == 0, (values.dtype, values.shape)
+    nibbles = (values.to(torch.int16) & 0xF).to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: uint8 [..., n] -> int8 [..., 2n] in [-8, 7]."""
+    low = (packed & 0xF).to(torch.int8)
+    high = (packed >> 4).to(torch.int8)
+    both = torch.stack((low, high), dim=-1).flatten(-2)
+    return (both ^ 8) - 8  # sign-extend the 4-bit two's complement
+
+
+def is_quantized(directory: Path) -> bool:
+    """Whether a model directory holds torchao-quantized weights: our lineage says so, or its
+    config.json has a torchao (or our packed) `quantization_config`."""
+    directory = Path(directory)
+    lineage_path = directory / artifact.LINEAGE_NAME
+    if lineage_path.exists() and artifact.read_json(lineage_path).get("quantization"):
+        return True
+    config_path = directory / artifact.CONFIG_NAME
+    if not config_path.exists():
+        return False
+    method = (artifact.read_json(config_path).get("quantization_config") or {}).get("quant_method")
+    return method in ("torchao", PACKED_QUANT_METHOD)
+
+
+def _read_flat(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors, metadata = {}, {}
+    for file in artifact.weight_files(directory):
+        try:
+            with safe_open(file, framework="pt") as handle:
+                metadata.update(handle.metadata() or {})
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise ModelFormatError(f"{file}: cannot read safetensors ({err})") from None
+    return tensors, metadata
+
+
+def read_quantized_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Our-named state dict of a quantized artifact, torchao subclasses for quantized weights
+    (on the CPU)."""
+    require_torchao()
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+    from torchao.prototype.safetensors.safetensors_utils import is_metadata_torchao
+
+    directory = Path(directory)
+    tensors, metadata = _read_flat(directory)
+    for key in json.loads(metadata.get(PACKED_METADATA_KEY, "[]")):
+        if key not in tensors:
+            raise ModelFormatError(f"{directory}: packed tensor {key} is listed but absent")
+        tensors[key.removesuffix(PACKED_SUFFIX)] = unpack_int4(tensors.pop(key))
+    if not is_metadata_torchao(metadata):
+        raise ModelFormatError(
+            f"{directory}: the safetensors metadata does not describe torchao tensors; a "
+            "quantized artifact is written by `lmforge quantize` or transformers' TorchAoConfig"
+        )
+    try:
+        state, leftover = unflatten_tensor_state_dict(tensors, metadata)
+    except ValueError as err:
+        raise ModelFormatError(f"{directory}: cannot rebuild the torchao tensors ({err})") from None
+    if leftover:
+        raise ModelFormatError(
+            f"{directory}: tensors not described by the metadata: {sorted(leftover)[:4]}"
+        )
+    return llama_hf.hf_state_dict_to_ours(state, directory)
