@@ -15,6 +15,7 @@ from lmforge.train.config import DPOJob
 from lmforge.train.losses import DPOLossStep, count_pairs
 from lmforge.train.stage import (
     build_and_load_model,
+    computes_in_bf16,
     data_loader_factory,
     lora_section,
     run_stage,
@@ -34,7 +35,7 @@ def dpo(job: DPOJob) -> Path:
     def make_loss_step(model, spec, layout) -> DPOLossStep:
         reference = None
         if reference_kind == "frozen_copy":
-            bf16 = layout.device.type == "cuda" and job.train.mixed_precision != "fp32"
+            bf16 = computes_in_bf16(job, layout)
             reference = build_and_load_model(spec, layout, job, bf16=bf16).eval()
             reference.requires_grad_(False)
         return DPOLossStep(

@@ -305,6 +305,13 @@ def _merge_adapters(
     return model.state_dict()
 
 
+def computes_in_bf16(job: TrainJob, layout: distributed.Layout) -> bool:
+    """train.mixed_precision: bf16 always, fp32 never, auto on CUDA (the one rule for every
+    model a stage builds: the policy and DPO's frozen reference)."""
+    precision = job.train.mixed_precision
+    return precision == "bf16" or (precision == "auto" and layout.device.type == "cuda")
+
+
 def check_job(job: TrainJob, spec: ModelSpec, layout: distributed.Layout, seq_len: int) -> None:
     """Refuse, before anything is written, what would only fail later (or lose the run)."""
     if seq_len > spec.args.max_seq_len:
@@ -422,9 +429,7 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Pat
     run_dir = Path(job.run_dir)
     spec = resolve_model(job.model)
     lora = lora_section(job)
-    bf16 = job.train.mixed_precision == "bf16" or (
-        job.train.mixed_precision == "auto" and layout.device.type == "cuda"
-    )
+    bf16 = computes_in_bf16(job, layout)
     seq_len = getattr(job.data, "seq_len", None) or getattr(job.data, "max_seq_len", 2048)
     check_job(job, spec, layout, seq_len)
     if layout.is_main:
