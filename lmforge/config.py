@@ -124,7 +124,8 @@ def load_config(
 
 
 def dump_config(cfg: Section, fmt: Literal["toml", "yaml", "json"] = "toml") -> str:
-    """Print a resolved config as TOML, YAML or JSON text; TOML omits keys whose value is None.
+    """Print a resolved config as TOML, YAML or JSON text; TOML lists keys whose value is None
+    as comments (`# key = (unset)`), as it has no null.
 
     TOML and YAML output load back (with `load_config`) to an equal config.
     """
@@ -134,8 +135,42 @@ def dump_config(cfg: Section, fmt: Literal["toml", "yaml", "json"] = "toml") -> 
     if fmt == "yaml":
         return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
     if fmt == "toml":
-        return tomli_w.dumps(drop_none(plain))
+        return _mark_unset(tomli_w.dumps(drop_none(plain)), _unset_keys(plain))
     raise ValueError(f"unknown config format {fmt!r}; expected toml, yaml or json")
+
+
+def _unset_keys(value: dict, prefix: str = "") -> dict[str, list[str]]:
+    """table (dotted, "" for the top) -> its keys whose value is None."""
+    found: dict[str, list[str]] = {}
+    for key, item in value.items():
+        if item is None:
+            found.setdefault(prefix, []).append(key)
+        elif isinstance(item, dict):
+            for table, keys in _unset_keys(item, f"{prefix}.{key}" if prefix else key).items():
+                found.setdefault(table, []).extend(keys)
+    return found
+
+
+def _mark_unset(text: str, unset: dict[str, list[str]]) -> str:
+    """TOML has no null: list each unset key as a comment at the end of its table, so that the
+    output shows every key and still loads back to the same config."""
+    lines, out, table = text.splitlines(), [], ""
+
+    def close(name: str) -> None:
+        out.extend(f"# {key} = (unset)" for key in unset.pop(name, []))
+
+    for line in lines:
+        if line.startswith("[") and line.endswith("]"):
+            while out and not out[-1]:
+                out.pop()
+            close(table)
+            out.append("")
+            table = line.strip("[]")
+        out.append(line)
+    close(table)
+    for name, keys in unset.items():  # tables with nothing set at all
+        out += ["", f"[{name}]", *(f"# {key} = (unset)" for key in keys)]
+    return "\n".join(out).lstrip("\n") + "\n"
 
 
 def config_hash(cfg: Section) -> str:

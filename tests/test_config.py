@@ -236,7 +236,7 @@ def test_dump_then_load_round_trip(tmp_path, fmt):
     )
     text = dump_config(cfg, fmt)
     if fmt == "toml":
-        assert "tokenizer" not in text  # None is omitted
+        assert "# tokenizer = (unset)" in text  # TOML has no null: a comment says so
     again = load_config(JobSection, write(tmp_path, f"cfg.{fmt}", text))
     assert again == cfg
     assert config_hash(again) == config_hash(cfg)
@@ -331,3 +331,15 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(f"lmforge {__version__}")
+
+
+def test_config_show_lists_unset_keys_and_loads_back(tmp_path, capsys):
+    from lmforge.cli import main
+    from lmforge.train.config import PretrainJob
+
+    assert main(["config", "show", "pretrain"]) == 0
+    shown = capsys.readouterr().out
+    for key in ("tokenizer", "fused", "global_batch_size"):
+        assert f"# {key} = (unset)" in shown
+    (tmp_path / "job.toml").write_text(shown)
+    assert load_config(PretrainJob, tmp_path / "job.toml") == PretrainJob()
