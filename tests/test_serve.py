@@ -735,3 +735,15 @@ def test_api_key_from_a_file_or_the_environment_never_both_ways(tmp_path, monkey
         key("--api-key-file", str(tmp_path / "empty"))
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert "--api-key-file" in help_text and "ps" in help_text
+
+
+def test_served_model_name_comes_from_the_pipeline_stage(tmp_path):
+    from lmforge.cli import build_parser
+    from lmforge.commands.serve import model_name
+
+    def name(path, *flags):
+        return model_name(build_parser().parse_args(["serve", str(path), *flags]))
+
+    assert name(tmp_path / "runs" / "tiny" / "dpo" / "artifact") == "tiny/dpo"
+    assert name(tmp_path / "my-model") == "my-model"
+    assert name(tmp_path / "my-model", "--served-model-name", "x") == "x"

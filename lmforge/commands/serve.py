@@ -53,7 +53,8 @@ def register(subparsers) -> None:
         "--served-model-name",
         default=None,
         metavar="NAME",
-        help="the model name clients send (default: the artifact directory's name)",
+        help="the model name clients send (default: PIPELINE/STAGE for a pipeline stage's "
+        "artifact, else the directory's name)",
     )
     parser.add_argument(
         "--max-concurrency",
@@ -168,7 +169,14 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def model_name(args: argparse.Namespace) -> str:
-    return args.served_model_name or Path(args.artifact).resolve().name
+    """--served-model-name, else the artifact's name: a stage's output directory (`runs/PIPELINE/
+    STAGE/artifact`) is called PIPELINE/STAGE, any other directory by its own name."""
+    if args.served_model_name:
+        return args.served_model_name
+    path = Path(args.artifact).resolve()
+    if path.name == "artifact" and path.parent.parent.name:
+        return f"{path.parent.parent.name}/{path.parent.name}"
+    return path.name
 
 
 def vllm_command(args: argparse.Namespace) -> list[str]:
