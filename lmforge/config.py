@@ -50,6 +50,9 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tokenizer: str | None = None
     """Path to a tokenizer; None means the model's own."""
+    chat_template: str | None = None
+    """A chat template (jinja text, or a path to a .jinja file) replacing the tokenizer's; the
+    output artifact carries it."""
     overrides: dict[str, int | float | bool] = Field(default_factory=dict)
     """Model-args overrides for tiny experiments, e.g. num_layers=2."""
 

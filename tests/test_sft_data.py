@@ -117,6 +117,21 @@ def test_alpaca_with_and_without_input(tmp_path, tokenizer, row, user):
     assert label_runs(tokenizer, sample.labels) == ["Dunvale." + EOT]
 
 
+def test_sharegpt_conversations_equal_the_same_chat_messages(tmp_path, tokenizer):
+    turns = [("system", "Be brief."), ("human", "Name a town."), ("gpt", "Dunvale."),
+             ("human", "Another?"), ("gpt", "Penwick.")]  # fmt: skip
+    roles = {"system": "system", "human": "user", "gpt": "assistant"}
+    sharegpt = {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    chat = {"messages": [{"role": roles[f], "content": v} for f, v in turns]}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ours = load(tmp_path / "a", tokenizer, [sharegpt]).samples[0]
+    reference = load(tmp_path / "b", tokenizer, [chat]).samples[0]
+    assert ours.inputs.tolist() == reference.inputs.tolist()
+    assert ours.labels.tolist() == reference.labels.tolist()
+    assert label_runs(tokenizer, ours.labels) == ["Dunvale." + EOT, "Penwick." + EOT]
+
+
 def test_alpaca_custom_fields_and_forced_format(tmp_path, tokenizer):
     rows = [{"q": "Say hi.", "a": "Hi.", "messages": "ignored in alpaca format"}]
     data = load(tmp_path, tokenizer, rows, format="alpaca", instruction_field="q", output_field="a")
@@ -157,7 +172,9 @@ def test_directory_input_reads_its_files_in_order(tmp_path, tokenizer):
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 BAD_ROWS = [
     ('{"messages": [', "invalid JSON"),
-    ({"text": "no usable field"}, "neither a 'messages' field"),
+    ({"text": "no usable field"}, "no 'messages' field (chat), 'conversations' field"),
+    ({"conversations": [{"from": "robot", "value": "x"}]}, "unknown 'from' 'robot'"),
+    ({"conversations": [{"value": "x"}]}, "not a ShareGPT turn"),
     ({"messages": []}, "empty list of messages"),
     ({"messages": "hello"}, "field 'messages' is a string"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown role 'wizard'"),
@@ -165,7 +182,7 @@ BAD_ROWS = [
     ({"messages": [{"role": "user", "content": "only a question"}]}, "must end with an assistant"),
     ({"instruction": "x"}, "missing field 'output'"),
     ({"instruction": ["x"], "output": "y"}, "field 'instruction' is an array"),
-    ([1, 2], "neither a 'messages' field"),
+    ([1, 2], "no 'messages' field (chat)"),
 ]
 
 
@@ -236,7 +253,7 @@ def test_config_section_loads_from_a_file(tmp_path):
     path.write_text('path = "train.jsonl"\nformat = "chat"\nmax_seq_len = 512\npack = true\n')
     cfg = load_config(SFTDataSection, path)
     assert (cfg.path, cfg.format, cfg.max_seq_len, cfg.pack) == (["train.jsonl"], "chat", 512, True)
-    path.write_text('format = "sharegpt"\n')
+    path.write_text('format = "xml"\n')
     with pytest.raises(ConfigError, match="format"):
         load_config(SFTDataSection, path)
 
@@ -431,3 +448,33 @@ def test_loader_from_section_uses_its_settings(demo_data, tokenizer):
     padding = batch["labels"] == IGNORE_INDEX
     padding[:, :-1] &= padding[:, 1:].clone()  # trailing runs only
     assert (batch["inputs"][:, -1:][padding[:, -1:]] == tokenizer.pad_id).all()
+
+
+def test_a_chat_template_from_the_config_replaces_the_tokenizers(tmp_path, demo):
+    from lmforge.config import ModelSection
+    from lmforge.data.tokenizer import train_bpe
+    from lmforge.errors import ConfigError
+    from lmforge.train.stage import resolve_model
+
+    tokenizer_dir = tmp_path / "tok"
+    train_bpe([demo["corpus"]], vocab_size=400, out_dir=tokenizer_dir)
+    template = (
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}"
+        "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+        "<|end_header_id|>{% endif %}"
+    )
+    (tmp_path / "plain.jinja").write_text(template)
+    section = ModelSection(
+        tokenizer=str(tokenizer_dir), chat_template=str(tmp_path / "plain.jinja")
+    )
+    tokenizer = resolve_model(section).tokenizer
+    assert tokenizer.chat_template == template
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}])
+    assert rendered == "<|start_header_id|>user<|end_header_id|>Hi.<|eot_id|>"
+    rows = [{"conversations": [{"from": "human", "value": "Hi."}, {"from": "gpt", "value": "Yo."}]}]
+    sample = load(tmp_path, tokenizer, rows).samples[0]
+    assert label_runs(tokenizer, sample.labels) == ["Yo." + EOT]
+    tokenizer.save(tmp_path / "saved")
+    assert (tmp_path / "saved" / "chat_template.jinja").read_text() == template
+    with pytest.raises(ConfigError, match="does not parse"):
+        resolve_model(ModelSection(tokenizer=str(tokenizer_dir), chat_template="{% for %}"))

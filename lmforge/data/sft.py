@@ -7,6 +7,8 @@ may be gzipped) or a Hugging Face dataset name (through `datasets`). Two row for
   (`instruction`, plus `"\\n\\n" + input` when the input is non-empty) and one assistant message.
 * Chat: `{"messages": [{"role", "content"}, ...]}` with system / user / assistant turns, as many as
   wanted; the conversation must end with an assistant message.
+* ShareGPT: `{"conversations": [{"from", "value"}, ...]}`, `from` being system, human (or user)
+  and gpt (or assistant): the same conversation in ShareGPT's names.
 
 Rendering uses the tokenizer's chat template (`Tokenizer.encode_chat`; a Llama 3 vocabulary
 without a template gets Llama 3's). Which tokens are trained is found by rendering prefixes, so it
@@ -107,12 +109,14 @@ class DataSourceSection(Section):
 class SFTDataSection(DataSourceSection):
     """Instruction data for `lmforge sft` (Alpaca rows or chat messages)."""
 
-    format: Literal["auto", "alpaca", "chat"] = "auto"
-    """`auto` decides per row: a `messages_field` means chat, an `instruction_field` Alpaca."""
+    format: Literal["auto", "alpaca", "chat", "sharegpt"] = "auto"
+    """`auto` decides per row: a `messages_field` means chat, a `conversations_field` ShareGPT,
+    an `instruction_field` Alpaca."""
     instruction_field: str = "instruction"
     input_field: str = "input"
     output_field: str = "output"
     messages_field: str = "messages"
+    conversations_field: str = "conversations"
     train_on_input: bool = False
     """Also train on system/user tokens and chat-template tokens (default: assistant only)."""
     pack: bool = False
@@ -395,6 +399,34 @@ def check_messages(value: Any, name: str) -> list[dict[str, str]]:
     return messages
 
 
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+
+
+def _from_sharegpt(value: Any, name: str) -> Any:
+    """ShareGPT turns ({"from", "value"}) as chat messages; anything else is left for
+    `check_messages` to name."""
+    if not isinstance(value, list):
+        return value
+    messages = []
+    for index, turn in enumerate(value):
+        if not isinstance(turn, Mapping) or "from" not in turn:
+            raise RowProblem(f"{name}[{index}] is not a ShareGPT turn with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            raise RowProblem(
+                f"{name}[{index}] has unknown 'from' {turn['from']!r}; allowed: "
+                f"{', '.join(SHAREGPT_ROLES)}"
+            )
+        messages.append({"role": role, "content": turn.get("value")})
+    return messages
+
+
 def _text_field(record: Mapping[str, Any], name: str, *, required: bool = True) -> str | None:
     value = _field(record, name, required=required)
     if value is None and not required:
@@ -410,17 +442,22 @@ def sft_messages(record: Any, cfg: SFTDataSection) -> list[dict[str, str]]:
     if fmt == "auto":
         if isinstance(record, Mapping) and cfg.messages_field in record:
             fmt = "chat"
+        elif isinstance(record, Mapping) and cfg.conversations_field in record:
+            fmt = "sharegpt"
         elif isinstance(record, Mapping) and cfg.instruction_field in record:
             fmt = "alpaca"
         else:
             keys = ", ".join(map(str, list(record)[:10])) if isinstance(record, Mapping) else ""
             raise RowProblem(
-                f"neither a {cfg.messages_field!r} field (chat) nor an {cfg.instruction_field!r} "
-                f"field (alpaca)" + (f"; fields: {keys}" if keys else f"; got {_json_type(record)}")
+                f"no {cfg.messages_field!r} field (chat), {cfg.conversations_field!r} field "
+                f"(ShareGPT) or {cfg.instruction_field!r} field (alpaca)"
+                + (f"; fields: {keys}" if keys else f"; got {_json_type(record)}")
             )
-    if fmt == "chat":
-        record = _as_object(record, f"a {cfg.messages_field!r} field")
-        messages = check_messages(_field(record, cfg.messages_field), cfg.messages_field)
+    if fmt in ("chat", "sharegpt"):
+        name = cfg.messages_field if fmt == "chat" else cfg.conversations_field
+        record = _as_object(record, f"a {name!r} field")
+        value = _field(record, name)
+        messages = check_messages(_from_sharegpt(value, name) if fmt == "sharegpt" else value, name)
         if messages[-1]["role"] != "assistant":
             raise RowProblem(
                 f"the conversation ends with a {messages[-1]['role']} message; "

@@ -433,6 +433,14 @@ class Tokenizer:
         except jinja2.TemplateError as err:
             raise DataError(f"chat template failed on the messages: {err}") from None
 
+    def use_chat_template(self, template: str) -> None:
+        """Replace the chat template (jinja text); raises ConfigError when it does not parse."""
+        try:
+            compiled = _compile_chat_template(template)
+        except jinja2.TemplateError as err:
+            raise ConfigError(f"the chat template does not parse: {err}") from None
+        self.chat_template, self._compiled_template = template, compiled
+
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
     ) -> list[int]:

@@ -85,6 +85,10 @@ def resolve_model(section: ModelSection) -> ModelSpec:
         tokenizer = load_tokenizer(section.tokenizer)
     elif not from_scratch:
         tokenizer = api.load_tokenizer_for(Path(section.source), args)
+    if section.chat_template:
+        if tokenizer is None:
+            raise ConfigError("model.chat_template needs a tokenizer (model.tokenizer)")
+        tokenizer.use_chat_template(_template_text(section.chat_template))
     if section.overrides:
         if not from_scratch:
             raise ConfigError(
@@ -103,6 +107,17 @@ def resolve_model(section: ModelSection) -> ModelSpec:
     return ModelSpec(
         args=args, tokenizer=tokenizer, source=section.source, from_scratch=from_scratch
     )
+
+
+def _template_text(value: str) -> str:
+    """model.chat_template: the text of a .jinja file, or the template itself."""
+    if value.endswith((".jinja", ".j2")) or ("{" not in value and "\n" not in value):
+        path = Path(value).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"model.chat_template = {value!r}: {err.strerror}") from None
+    return value
 
 
 def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
