@@ -248,6 +248,7 @@ def test_dump_json():
         "source": "runs/a",
         "dtype": "float32",
         "tokenizer": None,
+        "chat_template": None,
         "overrides": {"num_layers": 2},
     }
 
