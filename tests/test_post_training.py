@@ -4,6 +4,7 @@ hand-computed values, and the PEFT adapter written next to the merged artifact."
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -243,3 +244,27 @@ def test_peft_adapter_names_its_base_by_absolute_path(tmp_path, base, monkeypatc
     monkeypatch.chdir(tmp_path)
     model = peft.AutoPeftModelForCausalLM.from_pretrained(adapter)
     assert model.peft_config["default"].r == 4
+
+
+@pytest.mark.parametrize(
+    "stage, make_args, heldout",
+    [("sft", sft_args, "sft_heldout"), ("dpo", dpo_args, "dpo_heldout")],
+)
+def test_held_out_loss_every_n_steps_equal_on_two_ranks(tmp_path, base, stage, make_args, heldout):
+    _, paths = base
+    extra = ["train.eval_every=2", f"data.heldout={paths[heldout]}"]
+    assert run_inprocess(stage, make_args(tmp_path / "one", base, *extra)) == 0
+    run_torchrun(2, stage, make_args(tmp_path / "two", base, "train.micro_batch_size=2", *extra))
+    logged = {}
+    for name in ("one", "two"):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        logged[name] = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(logged["one"]) == [2, 4, 5]  # every 2 steps and the last one
+    for step, value in logged["one"].items():
+        assert math.isfinite(value) and abs(logged["two"][step] - value) <= 1e-5, (step, logged)
+    assert logged["one"][5] != logged["one"][2]  # the model changed in between
+
+
+def test_eval_every_needs_held_out_data(tmp_path, base, capsys):
+    assert run_inprocess("sft", sft_args(tmp_path / "run", base, "train.eval_every=2")) == 2
+    assert "set data.heldout" in capsys.readouterr().err

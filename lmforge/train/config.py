@@ -65,6 +65,9 @@ class TrainSection(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 compute with fp32 master weights and reductions; auto = bf16 on GPU, fp32 on CPU."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out loss (`val_loss`) every N steps and at the last one; 0: never. SFT and DPO read
+    data.heldout, in whole batches, on every rank."""
     preempt_signal: Literal["SIGUSR1", "SIGUSR2", "SIGTERM"] = "SIGUSR2"
     """Signal that asks for save-and-exit (besides SIGTERM); Slurm: --signal=B:USR2@120."""
 

@@ -17,6 +17,7 @@ from lmforge.train.stage import (
     build_and_load_model,
     computes_in_bf16,
     data_loader_factory,
+    heldout_factory,
     lora_section,
     run_stage,
 )
@@ -49,6 +50,7 @@ def dpo(job: DPOJob) -> Path:
         job,
         stage="dpo",
         make_batches=data_loader_factory(job, "dpo", load_preference_data, PreferenceLoader),
+        make_heldout=heldout_factory(job, load_preference_data, PreferenceLoader),
         make_loss_step=make_loss_step,
         count_targets=count_pairs,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +78,7 @@ class Trainer:
         export: Callable[[int, bool], None] | None = None,
         job_config: dict | None = None,
         count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
+        heldout: Callable[[], Iterable[dict]] | None = None,
     ) -> None:
         self.model, self.loss_step, self.batches = model, loss_step, batches
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -93,6 +94,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.job_config = job_config
         self.count_targets = count_targets
+        self.heldout = heldout  # () -> one pass over the held-out batches (this rank's)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.last_metrics: dict[str, float] = {}  # the latest logged values
 
@@ -170,6 +172,26 @@ class Trainer:
         values["preempt"] = stats[2] > 0
         return values
 
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The loss over one pass of the held-out batches, normalized like training's, in eval
+        mode (no dropout); every rank takes part."""
+        device = self.layout.device
+        totals = torch.zeros(2, device=device)  # loss sum, targets
+        self.model.eval()
+        try:
+            for batch in self.heldout():
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    out = self.loss_step(self.model, batch)
+                totals += torch.stack(
+                    [out.loss_sum.detach().float(), self.count_targets(batch).float()]
+                )
+        finally:
+            self.model.train()
+        totals = self._all_reduce(totals)  # TP ranks count twice in both: the ratio holds
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
     # ---- checkpoints --------------------------------------------------------------------
     def _state(self) -> dict:
         return {**self.checkpoint_state, "train": _TrainProgress(self)}
@@ -220,10 +242,16 @@ class Trainer:
                     values = self.train_step(watch.requested)
                     profiler.step(self.step)
                     throughput.add(values["input_tokens"])
+                    evaluate = self.heldout is not None and (
+                        self.step % cfg.train.eval_every == 0 or self.step == total
+                    )
+                    if evaluate:
+                        values["val_loss"] = self.evaluate()
                     if (
                         self.step % cfg.metrics.log_every == 0
                         or self.step == total
                         or values["preempt"]
+                        or evaluate
                     ):
                         self.last_metrics = self._log_values(values, throughput)
                         logger.log(self.step, self.last_metrics)

@@ -191,4 +191,5 @@ def _console_line(record: dict) -> str:
         f"lr {record.get('lr', 0):.2e}, grad_norm {record.get('grad_norm', 0):.3f}, "
         f"{record.get('tokens_per_s', 0):,.0f} tok/s, mfu {100 * record.get('mfu', 0):.1f}%, "
         f"peak mem {record.get('peak_mem_gb', 0):.2f} GB, eta {record.get('eta_s', 0):.0f}s"
+        + (f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
     )

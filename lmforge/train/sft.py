@@ -11,7 +11,7 @@ from pathlib import Path
 from lmforge.data.sft import SFTLoader, load_sft_data
 from lmforge.train.config import SFTJob
 from lmforge.train.losses import CausalLMLoss
-from lmforge.train.stage import data_loader_factory, run_stage
+from lmforge.train.stage import data_loader_factory, heldout_factory, run_stage
 
 
 def sft(job: SFTJob) -> Path:
@@ -21,5 +21,6 @@ def sft(job: SFTJob) -> Path:
         job,
         stage="sft",
         make_batches=data_loader_factory(job, "sft", load_sft_data, SFTLoader),
+        make_heldout=heldout_factory(job, load_sft_data, SFTLoader),
         make_loss_step=lambda model, spec, layout: CausalLMLoss(compile=job.parallel.compile),
     )

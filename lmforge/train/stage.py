@@ -10,6 +10,7 @@ Run directory layout:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -408,6 +409,42 @@ def data_loader_factory(job, stage: str, load_data: Callable, loader_cls: type) 
     return make
 
 
+def heldout_factory(job, load_data: Callable, loader_cls: type) -> Callable | None:
+    """The `make_heldout` of a post-training stage when `train.eval_every` is set: (layout,
+    spec) -> a function giving one pass over `data.heldout`, in whole batches of this rank's
+    slice (every rank gets as many). None when evaluation is off."""
+    if not job.train.eval_every:
+        return None
+    if not job.data.heldout:
+        raise ConfigError("train.eval_every needs held-out rows: set data.heldout")
+
+    def make(layout: distributed.Layout, spec: ModelSpec):
+        samples = load_data(job.data, spec.tokenizer, heldout=True).samples
+        per_batch = job.train.micro_batch_size * layout.dp_size
+        num_batches = len(samples) // per_batch
+        if num_batches == 0:
+            raise ConfigError(
+                f"data.heldout has {len(samples)} samples, fewer than one batch of "
+                f"train.micro_batch_size × data-parallel size = {per_batch}"
+            )
+
+        def one_pass() -> Iterable[dict]:
+            loader = loader_cls.from_section(
+                samples,
+                job.data,
+                spec.tokenizer,
+                micro_batch_size=job.train.micro_batch_size,
+                dp_rank=layout.dp_rank,
+                dp_size=layout.dp_size,
+                seed=job.train.seed,
+            )
+            return itertools.islice(iter(loader), num_batches)
+
+        return one_pass
+
+    return make
+
+
 def run_stage(
     job: TrainJob,
     *,
@@ -415,6 +452,7 @@ def run_stage(
     make_batches: Callable[[distributed.Layout, ModelSpec], Iterable[dict]],
     make_loss_step: Callable[[torch.nn.Module, ModelSpec, distributed.Layout], LossStep],
     count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
+    make_heldout: Callable | None = None,
 ) -> Path:
     """Run a training stage to its last step (resuming when the run dir has checkpoints) and
     return the path of the artifact it wrote.
@@ -423,13 +461,17 @@ def run_stage(
         make_batches: (layout, spec) -> the stage's loader (resumable when it has state_dict).
         make_loss_step: (model, spec, layout) -> loss_step(model, batch) -> LossOutput.
         count_targets: batch -> the number of targets the loss is averaged over.
+        make_heldout: (layout, spec) -> () -> one pass over held-out batches (`heldout_factory`),
+            for `train.eval_every`.
     """
     layout = distributed.setup(job.parallel, job.train.device)
     together = (
         False  # whether every rank leaves from the same point (then they wait for each other)
     )
     try:
-        artifact = _run(job, layout, stage, make_batches, make_loss_step, count_targets)
+        artifact = _run(
+            job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout
+        )
         together = True
         return artifact
     except PreemptedError:
@@ -439,7 +481,9 @@ def run_stage(
         distributed.teardown(wait_for_all=together)
 
 
-def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Path:
+def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout) -> Path:
+    if job.train.eval_every and make_heldout is None:
+        raise ConfigError(f"train.eval_every: {stage} has no held-out data to evaluate on")
     seed_everything(job.train.seed, layout.rank, job.train.deterministic)
     run_dir = Path(job.run_dir)
     spec = resolve_model(job.model)
@@ -454,6 +498,7 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Pat
     optimizer = build_optimizer(model, job.optim, layout.device)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.steps)
     loader = make_batches(layout, spec)
+    heldout = make_heldout(layout, spec) if make_heldout is not None else None
     checkpoint_state = {
         # With LoRA only the adapters (and their optimizer state) are checkpointed: the frozen
         # base is read again from its source on resume.
@@ -500,6 +545,7 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets) -> Pat
         export=export,
         job_config=config,
         count_targets=count_targets,
+        heldout=heldout,
     )
     trainer.run()
     return run_dir / ARTIFACT_DIR
