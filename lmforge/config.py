@@ -176,6 +176,26 @@ def _mark_unset(text: str, unset: dict[str, list[str]]) -> str:
     return "\n".join(out).lstrip("\n") + "\n"
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The data of a TOML or YAML file (errors name the file and line), not yet validated."""
+    return _read_file(Path(path))[0]
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`key.sub=value` items set into raw config data that is validated afterwards (a pipeline
+    file): each value is read as TOML when it parses as one, else as text."""
+    for item in overrides:
+        key_path, raw = _split_override(item)
+        clash = _non_table_above(data, key_path)
+        if clash is not None:
+            raise ConfigError(
+                f"{_dotted(clash)} is a value, not a section: it cannot take "
+                f"{_dotted(key_path)} from the command line"
+            )
+        _deep_set(data, key_path, _parse_override_value(raw, Any))
+    return data
+
+
 def config_hash(cfg: Section) -> str:
     """sha256 (hex) of the config's canonical JSON: sorted keys, no whitespace."""
     text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

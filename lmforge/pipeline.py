@@ -45,15 +45,22 @@ import shutil
 import socket
 import tempfile
 import time
-import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
 from pydantic import Field, PositiveInt, field_validator
 
-from lmforge.config import ModelSection, Section, drop_none, dump_config, load_config
+from lmforge.config import (
+    ModelSection,
+    Section,
+    apply_overrides,
+    drop_none,
+    dump_config,
+    load_config,
+    read_config_file,
+)
 from lmforge.data.prepare import PrepareSection
 from lmforge.errors import ConfigError, UserError
 from lmforge.launch.base import (
@@ -300,8 +307,12 @@ class Pipeline:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_pipeline(path: str | Path, *, workdir: str | Path | None = None) -> Pipeline:
-    """Read and validate a pipeline file; every stage's config is resolved and checked.
+def load_pipeline(
+    path: str | Path, *, workdir: str | Path | None = None, overrides: Sequence[str] = ()
+) -> Pipeline:
+    """Read and validate a pipeline file (TOML or YAML); every stage's config is resolved and
+    checked. `overrides` are `key.sub=value` items applied to the file's data first
+    (`stages.sft.train.steps=10`).
 
     Relative paths (run_dir, data sets, settings) resolve against `workdir` (default: the
     current directory), where the stage commands also run.
@@ -312,12 +323,7 @@ def load_pipeline(path: str | Path, *, workdir: str | Path | None = None) -> Pip
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"pipeline file not found: {file}")
-    try:
-        raw = tomllib.loads(file.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{file}: not valid TOML ({err})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{file}: not UTF-8 text") from None
+    raw = apply_overrides(read_config_file(file), overrides)
     _refuse_secrets(raw, file)
     spec = _validate(PipelineFile, raw, f"{file}")
     workdir = Path(workdir or Path.cwd()).resolve()
@@ -928,6 +934,7 @@ def run_pipeline(
     secrets_file: str | Path | None = None,
     wait: bool = True,
     echo: Callable[[str], None] | None = None,
+    overrides: Sequence[str] = (),
 ) -> RunResult:
     """Plan and run a pipeline (see the module docstring).
 
@@ -940,10 +947,11 @@ def run_pipeline(
         secrets_file: NAME=VALUE lines (else pipeline.secrets_file); the environment wins.
         wait: wait for a launcher that returns at once (slurm, k8s) to finish.
         echo: where console lines go (default: print).
+        overrides: `key.sub=value` items for the pipeline file (see `load_pipeline`).
     """
     echo = echo or (lambda line: print(line, flush=True))
     if not isinstance(pipeline, Pipeline):
-        pipeline = load_pipeline(pipeline)
+        pipeline = load_pipeline(pipeline, overrides=overrides)
     if isinstance(launcher, str):
         launcher = make_launcher(launcher)
     secrets_file = secrets_file or pipeline.section.secrets_file

@@ -391,3 +391,30 @@ def test_local_launcher_stops_at_the_first_failure(tmp_path):
     rendered = LocalLauncher().render(jobs[0])["command.sh"]
     assert rendered.startswith("#!/bin/sh") and "-m lmforge tokenizer --help" in rendered
     assert json.loads(json.dumps(handles["bad"].to_dict()))["state"] == "failed"
+
+
+def test_yaml_pipeline_files_and_command_line_overrides(tmp_path, capsys):
+    import tomllib
+
+    import yaml
+
+    data = tomllib.loads(CHEAP.format(vocab_size=300))
+    (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    from_yaml = load_pipeline(tmp_path / "pipe.yaml", workdir=tmp_path)
+    from_toml = load_pipeline(write(tmp_path), workdir=tmp_path)
+    assert [s.argv for s in from_yaml.stages] == [s.argv for s in from_toml.stages]
+
+    changed = load_pipeline(
+        tmp_path / "pipe.yaml", workdir=tmp_path, overrides=["stages.tok.vocab_size=280"]
+    )
+    assert "280" in changed.stage("tok").argv and "300" not in changed.stage("tok").argv
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        args = ["run", "pipe.yaml", "--dry-run", "stages.world.demo.num_people=7"]
+        assert cli_main(args) == 0
+        assert "--num-people 7" in capsys.readouterr().out
+        assert cli_main(["run", "pipe.yaml", "--dry-run", "pipeline.name.x=1"]) == 2
+        assert "pipeline.name is a value, not a section" in capsys.readouterr().err
+    finally:
+        os.chdir(cwd)

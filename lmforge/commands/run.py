@@ -37,7 +37,13 @@ def register(subparsers) -> None:
         epilog=RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("pipeline", type=Path, metavar="PIPELINE.toml")
+    run.add_argument("pipeline", type=Path, metavar="PIPELINE.toml|yaml")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="changes to the pipeline file, e.g. stages.sft.train.steps=10",
+    )
     run.add_argument(
         "--launcher",
         choices=["local", "slurm", "k8s"],
@@ -112,6 +118,7 @@ def run_main(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         secrets_file=args.secrets_file,
         wait=not args.no_wait,
+        overrides=args.overrides,
     )
     return 0 if result.ok or (args.no_wait and not result.handles) else 1
 
