@@ -345,7 +345,7 @@ def check_job(job: TrainJob, spec: ModelSpec, layout: distributed.Layout, seq_le
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir = {str(run_dir)!r} is a file; name a directory")
     saved = run_dir / MODEL_DIR / artifact.CONFIG_NAME
-    if saved.is_file() and Checkpointer(run_dir).latest() is not None:
+    if saved.is_file() and Checkpointer(run_dir).committed():  # quiet: restore warns later
         before = llama_hf.args_from_hf_config(artifact.read_json(saved), saved)
         changed = {
             name: (getattr(before, name), getattr(spec.args, name))
@@ -396,17 +396,22 @@ def data_loader_factory(job, stage: str, load_data: Callable, loader_cls: type) 
         dataset = load_data(job.data, spec.tokenizer)
         if layout.is_main:
             log.warning("%s data: %s", stage, dataset.summary())
-        return loader_cls.from_section(
-            dataset.samples,
-            job.data,
-            spec.tokenizer,
-            micro_batch_size=job.train.micro_batch_size,
-            dp_rank=layout.dp_rank,
-            dp_size=layout.dp_size,
-            seed=job.train.seed,
-        )
+        return _rank_loader(loader_cls, dataset.samples, job, spec, layout)
 
     return make
+
+
+def _rank_loader(loader_cls: type, samples, job, spec: ModelSpec, layout: distributed.Layout):
+    """A loader over `samples` giving this data-parallel rank its slice of each batch."""
+    return loader_cls.from_section(
+        samples,
+        job.data,
+        spec.tokenizer,
+        micro_batch_size=job.train.micro_batch_size,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp_size,
+        seed=job.train.seed,
+    )
 
 
 def heldout_factory(job, load_data: Callable, loader_cls: type) -> Callable | None:
@@ -429,15 +434,7 @@ def heldout_factory(job, load_data: Callable, loader_cls: type) -> Callable | No
             )
 
         def one_pass() -> Iterable[dict]:
-            loader = loader_cls.from_section(
-                samples,
-                job.data,
-                spec.tokenizer,
-                micro_batch_size=job.train.micro_batch_size,
-                dp_rank=layout.dp_rank,
-                dp_size=layout.dp_size,
-                seed=job.train.seed,
-            )
+            loader = _rank_loader(loader_cls, samples, job, spec, layout)
             return itertools.islice(iter(loader), num_batches)
 
         return one_pass
