@@ -12,10 +12,10 @@ import lmforge
 from lmforge.api import build_model
 from lmforge.cli import main as cli_main
 from lmforge.errors import ConfigError
-from lmforge.generate import Generator, Sampler, SamplingParams
+from lmforge.generate import Engine, Generator, Sampler, SamplingParams
 from lmforge.generate.generate import weight_bytes
 from tests.conftest import make_hf_llama
-from tests.train_utils import demo_world
+from tests.train_utils import demo_world, small_args
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
 
@@ -83,28 +83,59 @@ def test_greedy_matches_transformers_generate(hf_pair):
     assert batched.tolist() == [r.token_ids for r in results]
 
 
-def test_cache_logits_equal_full_forward(hf_pair):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_logprobs_equal_full_forward(hf_pair, overlap):
+    """Chunked prefill (4 tokens a step), prompts joining a running batch in freed rows over
+    stale slots, buckets of 1..4 rows: every token's log-probabilities equal a plain forward's
+    over the whole sequence."""
     _, loaded = hf_pair
     model = loaded.model
-    prompts = _random_prompts([3, 9, 6], seed=1)
-    continuations = _random_prompts([12, 12, 12], seed=2)
-    generator = Generator(model, max_batch=4, max_seq_len=32)  # one idle row
+    engine = Engine(model, max_batch=4, max_seq_len=40, prefill_chunk=4)
+    engine.overlap = overlap  # the CUDA schedule (collect a step after the next launch)
+    prompts = _random_prompts([3, 9, 6, 13, 2, 7], seed=1)
+    lengths = [5, 12, 3, 8, 12, 6]
+    sequences = [
+        engine.sequence(
+            prompt, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=()),
+            index=i, num_logprobs=3,
+        )
+        for i, (prompt, n) in enumerate(zip(prompts, lengths))
+    ]  # fmt: skip
+    engine.add(sequences)
+    events = {i: [] for i in range(len(prompts))}
+    while engine.has_work:
+        for sequence, event in engine.step():
+            events[sequence.index].append(event)
     with torch.no_grad():
-        full = [model(torch.tensor([p + c]))[0] for p, c in zip(prompts, continuations)]
-        logits = generator.prefill(prompts)
-        for row, prompt in enumerate(prompts):
-            assert (logits[row] - full[row][len(prompt) - 1]).abs().max() <= 1e-5
-        positions = torch.tensor([len(p) for p in prompts] + [0])
-        for step in range(12):
-            tokens = torch.tensor([c[step] for c in continuations] + [0])
-            logits = generator.decode(tokens, positions + step)
-            for row, prompt in enumerate(prompts):
-                expected = full[row][len(prompt) + step]
-                assert (logits[row] - expected).abs().max() <= 1e-5, (row, step)
-        # A second, shorter batch reuses the cache: stale slots stay hidden.
-        logits = generator.prefill([continuations[0][:4]])
-        expected = model(torch.tensor([continuations[0][:4]]))[0, -1]
-        assert (logits[0] - expected).abs().max() <= 1e-5
+        for sequence in sequences:
+            assert len(sequence.token_ids) == lengths[sequence.index]
+            tokens = sequence.prompt_ids + sequence.token_ids
+            logprobs = model(torch.tensor([tokens]))[0].float().log_softmax(-1)
+            for step, event in enumerate(events[sequence.index]):
+                expected = logprobs[len(sequence.prompt_ids) - 1 + step]
+                assert abs(event.logprob - expected[event.token_id].item()) <= 1e-5
+                assert event.token_id == expected.argmax().item()
+                best = expected.topk(3)
+                assert [i for i, _ in event.top_logprobs] == best.indices.tolist()
+                values = torch.tensor([v for _, v in event.top_logprobs])
+                torch.testing.assert_close(values, best.values, rtol=0, atol=1e-5)
+
+
+def test_sequence_alone_equals_it_in_a_batch_of_32(hf_pair):
+    """Greedy tokens of each sequence are the same alone (bucket 1) and among 31 others of
+    other lengths (buckets up to 32, rows joining and leaving)."""
+    _, loaded = hf_pair
+    generator = Generator(loaded.model, max_batch=32, max_seq_len=64, prefill_chunk=64)
+    lengths = [1 + (7 * i) % 23 for i in range(40)]
+    prompts = _random_prompts(lengths, seed=4)
+    params = [
+        SamplingParams(max_new_tokens=4 + (5 * i) % 17, temperature=0, stop_token_ids=())
+        for i in range(40)
+    ]
+    together = generator.generate(prompts, params).results
+    for i in (0, 5, 17, 31, 39):
+        alone = generator.generate([prompts[i]], params[i]).results[0]
+        assert alone.token_ids == together[i].token_ids, i
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(hf_pair):
@@ -123,13 +154,13 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(hf_pair):
     tiny_p = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=1e-6, stop_token_ids=())
     assert [r.token_ids for r in generator.generate(prompts, tiny_p, seed=5).results] == greedy
     # The CUDA loop (next step started before this one's tokens are read) gives the same.
-    generator._overlap = True
+    generator.engine.overlap = True
     assert [r.token_ids for r in generator.generate(prompts, sampled, seed=1).results] == first
     stop_id = greedy[0][3]
     stopped = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=(stop_id,))
     cut = greedy[0].index(stop_id) + 1
     assert generator.generate(prompts, stopped).results[0].token_ids == greedy[0][:cut]
-    generator._overlap = False
+    generator.engine.overlap = False
     # Per-row settings: a greedy row beside a sampled one stays greedy.
     mixed = generator.generate(prompts, [GREEDY, sampled], seed=7).results
     assert mixed[0].token_ids == greedy[0]
@@ -189,7 +220,9 @@ def test_stop_tokens_and_strings_end_each_row_on_its_own(tiny_with_tokenizer):
             assert after.text == before.text and after.finish_reason == "length"
 
     # Default stop ids are the tokenizer's (EOS, end of turn).
-    assert generator._make_row(0, "x", SamplingParams()).stop_ids == frozenset(tokenizer.stop_ids)
+    assert generator.engine.sequence("x", SamplingParams()).stop_ids == frozenset(
+        tokenizer.stop_ids
+    )
 
 
 def test_stream_yields_text_per_step_and_holds_back_stop_prefixes(tiny_with_tokenizer):
@@ -272,11 +305,11 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
     prompts = _random_prompts([4, 9], seed=4)
     eager = Generator(loaded.model, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
     compiled_generator = Generator(loaded.model, max_batch=2, max_seq_len=40, compile=True)
+    compiled_generator.warmup()  # one graph per bucket: 1 and 2 rows
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled_generator.warmup()
         compiled = compiled_generator.generate(prompts, GREEDY)
-        again = compiled_generator.generate(prompts[:1], GREEDY)  # fewer rows: same shapes
-    assert compile_calls == [{"mode": None, "fullgraph": True}]
+        again = compiled_generator.generate(prompts[:1], GREEDY)  # bucket 1: compiled already
+    assert compile_calls == [{"mode": None, "fullgraph": True, "dynamic": False}]
     assert [r.token_ids for r in compiled.results] == [r.token_ids for r in eager.results]
     assert again.results[0].token_ids == eager.results[0].token_ids
     torch._dynamo.reset()
@@ -346,3 +379,50 @@ def test_cli_prints_text_and_report(tiny_with_tokenizer, tmp_path, capsys):
     assert f"{prompts_file}:1" in capsys.readouterr().err
     code = cli_main(["generate", str(artifact), "--prompt", "x", "--max-seq-len", "1"])
     assert code == 2 and "max-seq-len" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 4])
+def test_fused_projections_keep_logits_and_state_dict(num_kv_heads, tmp_path):
+    args = small_args(num_kv_heads=num_kv_heads)
+    model = build_model(args, seed=0).eval()
+    tokens = torch.tensor(_random_prompts([12, 12]))
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        reference = model(tokens)
+        assert model.fuse_projections()
+        assert {"wqkv.weight", "wo.weight"} == {
+            name for name, _ in model.layers["0"].attention.named_parameters()
+        }
+        torch.testing.assert_close(model(tokens), reference, rtol=0, atol=1e-5)
+        fused_state = model.state_dict()  # Meta's names, split back
+        assert sorted(fused_state) == sorted(state)
+        assert all(torch.equal(fused_state[name], state[name]) for name in state)
+        other = build_model(args, seed=1).eval()
+        assert other.fuse_projections()
+        other.load_state_dict(state)  # joined on load
+        torch.testing.assert_close(other(tokens), reference, rtol=0, atol=1e-5)
+        saved = lmforge.save(
+            lmforge.api.LoadedModel(model=model, tokenizer=None, config=args, source="t"),
+            tmp_path / "artifact",
+        )
+        torch.testing.assert_close(lmforge.load(saved).model(tokens), reference, rtol=0, atol=1e-5)
+
+
+def test_only_plain_weights_fuse(hf_pair):
+    from lmforge.modules.lora import apply_lora
+
+    lora = apply_lora(build_model(small_args(), seed=0), targets=["q"], rank=2, alpha=4)
+    names = [name for name, _ in lora.named_parameters()]
+    assert not lora.fuse_projections()
+    assert [name for name, _ in lora.named_parameters()] == names
+    _, loaded = hf_pair
+    prompts = _random_prompts([7, 3])
+    unfused = build_model(loaded.config, seed=0)
+    unfused.load_state_dict(loaded.model.state_dict())
+    plain = Generator(unfused, max_batch=2, max_seq_len=64, fuse=False)
+    assert not plain.fused and "wq" in dict(unfused.layers["0"].attention.named_children())
+    fused = Generator(loaded.model, max_batch=2, max_seq_len=64)
+    assert fused.fused
+    assert [r.token_ids for r in fused.generate(prompts, GREEDY).results] == [
+        r.token_ids for r in plain.generate(prompts, GREEDY).results
+    ]

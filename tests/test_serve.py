@@ -676,23 +676,6 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(servers):
 # ---- pieces ---------------------------------------------------------------------------------
 
 
-def test_prefill_into_given_rows_leaves_the_others(artifact):
-    loaded = lmforge.load(artifact)
-    generator = Generator(loaded.model, loaded.tokenizer, max_batch=3, max_seq_len=32)
-    prompts = [[1, 5, 9, 2], [7, 7, 3]]
-    generator.prefill(prompts)  # rows 0 and 1
-    expected = generator.prefill(prompts[:1])  # row 0 again, alone
-    before = [(c.k[:2].clone(), c.v[:2].clone()) for c in generator.caches.layers]
-    logits = generator.prefill(prompts[:1], rows=[2])
-    assert torch.equal(logits, expected)
-    for cache, (k, v) in zip(generator.caches.layers, before):
-        assert torch.equal(cache.k[:2], k) and torch.equal(cache.v[:2], v)  # untouched
-        assert torch.equal(cache.k[2, :, :4], k[0, :, :4])
-        assert torch.equal(cache.v[2, :, :4], v[0, :, :4])
-    with pytest.raises(lmforge.errors.ConfigError):
-        generator.prefill(prompts, rows=[1, 1])
-
-
 def test_engine_vllm_needs_vllm(artifact, capsys):
     from lmforge.cli import build_parser
     from lmforge.commands.serve import vllm_command

@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     import lmforge
     from lmforge.api import resolve_device
     from lmforge.generate import Generator, SamplingParams
-    from lmforge.generate.generate import encode_prompt
+    from lmforge.generate.sequence import encode_prompt
 
     if args.prompts_file is not None:
         prompts = read_prompts_file(args.prompts_file)

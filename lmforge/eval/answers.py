@@ -66,7 +66,7 @@ def answer_accuracy(
     from lmforge.api import load
     from lmforge.eval.harness import resolve_device
     from lmforge.generate import Generator, SamplingParams
-    from lmforge.generate.generate import encode_prompt
+    from lmforge.generate.sequence import encode_prompt
 
     device_ = resolve_device(device)
     loaded = load(source, device=device_, dtype=dtype)

@@ -1,18 +1,21 @@
-"""Text generation: a static KV cache, prefill then compiled token-by-token decode, sampling,
-stop conditions, streaming, and a speed report (generate.py, sampling.py)."""
+"""Text generation: the inference engine (engine.py: a slot KV cache, continuous batching,
+chunked prefill, decode steps compiled per batch bucket), sequences and their stops
+(sequence.py), sampling (sampling.py), `Generator` for prompts in and texts out (generate.py),
+and log-probabilities of given continuations (logprobs.py)."""
 
+from lmforge.generate.engine import Engine
 from lmforge.generate.generate import (
     GenerationOutput,
-    GenerationResult,
     GenerationStats,
     GenerationStream,
     Generator,
-    TokenEvent,
     weight_bytes,
 )
 from lmforge.generate.sampling import Sampler, SamplingParams
+from lmforge.generate.sequence import GenerationResult, Sequence, TokenEvent
 
 __all__ = [
+    "Engine",
     "GenerationOutput",
     "GenerationResult",
     "GenerationStats",
@@ -20,6 +23,7 @@ __all__ = [
     "Generator",
     "Sampler",
     "SamplingParams",
+    "Sequence",
     "TokenEvent",
     "weight_bytes",
 ]

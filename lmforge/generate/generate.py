@@ -1,28 +1,12 @@
-"""The generation engine: prefill, then token-by-token decode against a static KV cache.
+"""`Generator`: prompts in, texts out, through the inference engine (engine.py).
 
-`Generator` owns a model, its tokenizer and one set of preallocated caches (`KVCaches`) for
-`max_batch` rows of `max_seq_len` tokens. A batch of prompts is run in three parts:
-
-- prefill: the prompts, right-padded to the longest, go through the model in one forward that
-  fills cache slots 0..len-1 of each row; each row's first new token comes from the logits at
-  its own last prompt position.
-- decode: one token per row per step. Rows keep their own positions (row r's next token sits at
-  position len_r + i, and slot = position), so prompts of different lengths need no left
-  padding and a row can be reset on its own. The step always runs on all `max_batch` rows (idle
-  rows decode a dummy token at position 0), which keeps its shapes static: on CUDA it is
-  compiled with torch.compile's "reduce-overhead" mode (CUDA graphs), separately from the
-  prefill, as in gpt-fast.
-- stop: per row, at a stop token (EOS / end of turn), a stop string, `max_new_tokens` or the end
-  of the cache; the batch ends when every row has stopped.
-
-On CUDA the loop overlaps the host with the device: it starts step i+1 before it reads step i's
-tokens to check stops and stream text, so the device never waits for Python; a row that just
-stopped costs one wasted step at the end.
-
-`stream()` yields, after each step, one `TokenEvent` per row that produced a token (its id and
-the new text, held back while it could be the start of a stop string); `generate()` runs it to
-the end and returns the texts and a `GenerationStats` speed report (time, tokens/s, achieved
-memory bandwidth, peak memory). Prompts longer than `max_batch` are run in consecutive batches.
+`Generator` owns one `Engine` (a model, its tokenizer and a KV cache of `max_batch` rows of
+`max_seq_len` tokens). `stream(prompts)` adds every prompt to the engine at once and steps it
+until all are done: `max_batch` run together and the rest take rows as earlier ones finish
+(continuous batching). It yields, after each step, one `TokenEvent` per sequence that produced a
+token (its id and the new text, held back while it could be the start of a stop string);
+`generate()` runs it to the end and returns the texts and a `GenerationStats` speed report
+(time, tokens/s, achieved memory bandwidth, peak memory).
 """
 
 from __future__ import annotations
@@ -30,41 +14,19 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError
-from lmforge.generate.sampling import Sampler, SamplingParams
-from lmforge.modules.kv_cache import KVCaches, attention_mask
+from lmforge.generate.engine import Engine
+from lmforge.generate.sampling import SamplingParams
+from lmforge.generate.sequence import GenerationResult, Prompt, TokenEvent
+from lmforge.generate.sequence import Sequence as EngineSequence
 from lmforge.sizes import tensor_bytes
 
-# A prompt: text (encoded with BOS), a chat (a list of {"role", "content"} messages, encoded
-# with the chat template and the assistant header), or token ids as they are.
-Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
-
-
-@dataclass
-class TokenEvent:
-    """One new token of one prompt, as streamed."""
-
-    index: int  # which prompt of the call
-    token_id: int
-    text: str  # text that became final with this token (may be "")
-    finish_reason: str | None = None  # "stop" or "length" on the prompt's last event
-
-
-@dataclass
-class GenerationResult:
-    index: int
-    prompt_ids: list[int]
-    token_ids: list[int]  # everything generated, including a final stop token
-    text: str  # the new text, without the stop token and cut before a stop string
-    finish_reason: str  # "stop" (stop token or string) or "length" (max_new_tokens / context)
-    stop: int | str | None = None  # the stop token id or stop string that ended it
+__all__ = ["GenerationResult", "Prompt", "TokenEvent"]
 
 
 @dataclass
@@ -159,151 +121,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def encode_prompt(prompt: Prompt, tokenizer, *, vocab_size: int) -> list[int]:
-    """Token ids of a prompt: text gets BOS (when the tokenizer has one), a chat (a list of
-    {"role", "content"} messages) is rendered with the chat template and the assistant header,
-    token ids are checked against the vocabulary and kept."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ConfigError("a text prompt needs a tokenizer; this model has none")
-        return tokenizer.encode(prompt, bos=tokenizer.bos_id is not None)
-    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
-        if tokenizer is None:
-            raise ConfigError("a chat prompt needs a tokenizer; this model has none")
-        return tokenizer.encode_chat(prompt, add_generation_prompt=True)
-    if isinstance(prompt, Sequence | torch.Tensor):
-        ids = [int(i) for i in prompt]
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise ConfigError(
-                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
-            )
-        return ids
-    raise ConfigError(
-        "a prompt is a string, a list of chat messages or a list of token ids, not "
-        f"{type(prompt).__name__}"
-    )
-
-
-def decode_step(
-    model: nn.Module, caches: KVCaches, tokens: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """One token per row: tokens and positions [max_batch, 1] -> float32 logits [max_batch,
-    vocab]. Static shapes: this is the function compiled (CUDA graphs) on CUDA."""
-    caches.set_positions(positions)
-    mask = attention_mask(positions, caches.max_seq_len)  # [b, 1, 1, max_seq_len]
-    logits = model(tokens, positions=positions, attn_mask=mask, kv_caches=caches)
-    return logits[:, -1].float()
-
-
-class _IncrementalText:
-    """Text of a growing token list, released only once its UTF-8 is complete.
-
-    Decodes a short window (from the last complete cut) instead of the whole list each step.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # window start
-        self.read = 0  # end of what has been released
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        new_text = self.tokenizer.decode(self.ids[self.prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return new_text[len(prefix_text) :]
-        return ""
-
-    def flush(self) -> str:
-        """What is left (incomplete bytes become U+FFFD)."""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        new_text = self.tokenizer.decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return new_text[len(prefix_text) :]
-
-
-@dataclass
-class _Row:
-    """One prompt's progress through a batch."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int  # params' limit, cut to what fits in the cache
-    stop_ids: frozenset[int]
-    text_decoder: _IncrementalText | None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    num_emitted: int = 0  # characters of `text` already streamed
-    finish_reason: str | None = None
-    stop: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def push(self, token: int) -> TokenEvent:
-        """Take one generated token; check stops; return what to stream."""
-        self.token_ids.append(token)
-        is_stop_token = token in self.stop_ids
-        if self.text_decoder is not None:
-            old_length = len(self.text)
-            if not is_stop_token:
-                self.text += self.text_decoder.push(token)
-            if is_stop_token or len(self.token_ids) >= self.max_new_tokens:
-                self.text += self.text_decoder.flush()  # bytes of an incomplete character
-            self._check_stop_strings(old_length)
-        if not self.finished and is_stop_token:
-            self.finish_reason, self.stop = "stop", token
-        elif not self.finished and len(self.token_ids) >= self.max_new_tokens:
-            self.finish_reason = "length"
-        final = len(self.text) if self.finished else len(self.text) - self._held_back()
-        delta = self.text[self.num_emitted : final]
-        self.num_emitted = max(self.num_emitted, final)
-        return TokenEvent(self.index, token, delta, self.finish_reason)
-
-    def _check_stop_strings(self, old_length: int) -> None:
-        if not self.params.stop:
-            return
-        # A stop string found now must end in the new text.
-        start = max(0, old_length - max(map(len, self.params.stop)) + 1)
-        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
-        if found:
-            cut, string = min(found)
-            self.text = self.text[:cut]
-            self.finish_reason, self.stop = "stop", string
-
-    def _held_back(self) -> int:
-        """Length of the longest end of the text that could begin a stop string."""
-        longest = 0
-        for string in self.params.stop:
-            for length in range(min(len(string) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(string[:length]):
-                    longest = length
-                    break
-        return longest
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(
-            index=self.index,
-            prompt_ids=self.prompt_ids,
-            token_ids=self.token_ids,
-            text=self.text,
-            finish_reason=self.finish_reason or "length",
-            stop=self.stop,
-        )
-
-
 class GenerationStream:
-    """Iterate for one list of `TokenEvent`s per decode step; afterwards `results` and `stats`
+    """Iterate for one list of `TokenEvent`s per engine step; afterwards `results` and `stats`
     are complete (`output()` runs it to the end)."""
 
-    def __init__(self, events: Iterator[list[TokenEvent]], rows: list[_Row], stats) -> None:
+    def __init__(self, events: Iterator[list[TokenEvent]], sequences, stats) -> None:
         self._events = events
-        self._rows = rows
+        self._sequences: list[EngineSequence] = sequences
         self.stats: GenerationStats = stats
 
     def __iter__(self) -> Iterator[list[TokenEvent]]:
@@ -311,7 +135,7 @@ class GenerationStream:
 
     @property
     def results(self) -> list[GenerationResult]:
-        return [row.result() for row in self._rows]
+        return [sequence.result() for sequence in self._sequences]
 
     def output(self) -> GenerationOutput:
         for _ in self._events:
@@ -320,17 +144,7 @@ class GenerationStream:
 
 
 class Generator:
-    """Generation engine over one model with preallocated caches.
-
-    Args:
-        model: a `lmforge.models.llama.Transformer` (any dtype; quantized weights work).
-        tokenizer: a `lmforge.data.tokenizer.Tokenizer`, or None for token-id prompts only.
-        max_batch: rows decoded together (more prompts run in consecutive batches).
-        max_seq_len: cache length: prompt plus new tokens of any row must fit (default: the
-            model's, at most 4096).
-        device: where to run (default: where the model is); the model is moved there.
-        compile: torch.compile the decode step (default: on CUDA only, with CUDA graphs).
-    """
+    """Generation over one model with one engine (see `Engine` for the arguments)."""
 
     def __init__(
         self,
@@ -341,144 +155,40 @@ class Generator:
         max_seq_len: int | None = None,
         device: str | torch.device | None = None,
         compile: bool | None = None,
+        prefill_chunk: int | None = None,
+        fuse: bool = True,
     ) -> None:
-        args = model.args
-        if max_batch < 1:
-            raise ConfigError(f"max_batch={max_batch} must be >= 1")
-        max_seq_len = max_seq_len or min(args.max_seq_len, 4096)
-        if not 2 <= max_seq_len <= args.max_seq_len:
-            raise ConfigError(
-                f"max_seq_len={max_seq_len} must be in 2..{args.max_seq_len} (the model's "
-                "max_seq_len)"
-            )
-        device = torch.device(device) if device is not None else model.tok_embeddings.weight.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.model = model.to(device).eval()
-        self.tokenizer = tokenizer
-        self.args = args
-        self.device = device
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
-        self.dtype = model.tok_embeddings.weight.dtype
-        self.caches = KVCaches.for_model(
-            args, max_batch=max_batch, max_seq_len=max_seq_len, dtype=self.dtype, device=device
+        self.engine = Engine(
+            model,
+            tokenizer,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            device=device,
+            compile=compile,
+            prefill_chunk=prefill_chunk,
+            fuse=fuse,
         )
-        self.weight_bytes = weight_bytes(model)
-        self.compiled = device.type == "cuda" if compile is None else compile
-        self._on_cuda = device.type == "cuda"
-        # Start step i+1 before reading step i's tokens (pointless where nothing is async).
-        self._overlap = self._on_cuda
-        self._decode = decode_step
-        if self.compiled:
-            if self._on_cuda:
-                # CUDA graphs may only write into inputs whose address never changes.
-                for tensor in self.caches.tensors():
-                    torch._dynamo.mark_static_address(tensor)
-            mode = "reduce-overhead" if self._on_cuda else None
-            self._decode = torch.compile(decode_step, mode=mode, fullgraph=True)
-        self._host_tokens = torch.zeros(max_batch, dtype=torch.long, pin_memory=self._on_cuda)
+        self.weight_bytes = weight_bytes(self.engine.model)
 
-    # ---- prompts --------------------------------------------------------------------------
+    # The engine's settings, read through.
+    model = property(lambda self: self.engine.model)
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    args = property(lambda self: self.engine.args)
+    device = property(lambda self: self.engine.device)
+    max_batch = property(lambda self: self.engine.max_batch)
+    max_seq_len = property(lambda self: self.engine.max_seq_len)
+    dtype = property(lambda self: self.engine.dtype)
+    compiled = property(lambda self: self.engine.compiled)
+    fused = property(lambda self: self.engine.fused)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (see `encode_prompt`)."""
-        return encode_prompt(prompt, self.tokenizer, vocab_size=self.args.vocab_size)
+        return self.engine.encode_prompt(prompt)
 
-    def _default_stop_ids(self) -> frozenset[int]:
-        if self.tokenizer is not None:
-            return frozenset(self.tokenizer.stop_ids)
-        eos = self.args.eos_id
-        return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-
-    def _make_row(self, index: int, prompt: Prompt, params: SamplingParams) -> _Row:
-        ids = self.encode_prompt(prompt)
-        if not ids:
-            raise ConfigError(f"prompt {index} is empty")
-        if len(ids) >= self.max_seq_len:
-            raise ConfigError(
-                f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves no "
-                "room for new tokens (raise max_seq_len or shorten the prompt)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer; this model has none")
-        stop_ids = params.stop_token_ids
-        return _Row(
-            index=index,
-            prompt_ids=ids,
-            params=params,
-            max_new_tokens=min(params.max_new_tokens, self.max_seq_len - len(ids)),
-            stop_ids=self._default_stop_ids() if stop_ids is None else frozenset(stop_ids),
-            text_decoder=_IncrementalText(self.tokenizer) if self.tokenizer else None,
-        )
-
-    # ---- the engine's two steps -----------------------------------------------------------
-
-    @torch.no_grad()
-    def prefill(
-        self, prompt_ids: Sequence[Sequence[int]], *, rows: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        """Run prompts [b <= max_batch] through the model into cache rows 0..b-1 (or the
-        distinct cache `rows` given, one per prompt: a server's sequences join a running batch
-        this way), slots 0..len-1; returns float32 logits [b, vocab] at each prompt's last
-        token. Other rows' caches are left as they are."""
-        batch = len(prompt_ids)
-        if not 1 <= batch <= self.max_batch:
-            raise ConfigError(f"{batch} prompts do not fit max_batch={self.max_batch}")
-        row_index = None
-        if rows is not None:
-            rows = [int(r) for r in rows]
-            if len(rows) != batch or len(set(rows)) != batch:
-                raise ConfigError(f"rows {rows} must be {batch} distinct cache rows")
-            if not all(0 <= r < self.max_batch for r in rows):
-                raise ConfigError(f"rows {rows} must be in 0..{self.max_batch - 1}")
-            row_index = torch.tensor(rows, device=self.device)
-        lengths = torch.tensor([len(ids) for ids in prompt_ids], device=self.device)
-        seq_len = max(len(ids) for ids in prompt_ids)
-        if seq_len > self.max_seq_len:
-            raise ConfigError(
-                f"a prompt of {seq_len} tokens exceeds max_seq_len={self.max_seq_len}"
-            )
-        tokens = torch.zeros(batch, seq_len, dtype=torch.long)  # right-padded with id 0
-        for row, ids in enumerate(prompt_ids):
-            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        tokens = tokens.to(self.device, non_blocking=True)
-        positions = torch.arange(seq_len, device=self.device)[None]  # [1, s]: every row
-        # Slots 0..s-1 only: plain causal attention, and no stale slot is in view. Padding
-        # writes slots past a row's prompt; decoding overwrites them before they are seen.
-        self.caches.set_positions(positions)
-        hidden = self.model(
-            tokens,
-            positions=positions,
-            kv_caches=_Prefix(self.caches, seq_len, row_index),
-            return_hidden=True,
-        )  # [b, s, dim]
-        last = hidden[torch.arange(batch, device=self.device), lengths - 1]  # [b, dim]
-        return self.model.output(last).float()
-
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step over all max_batch rows: tokens [max_batch] at positions
-        [max_batch] -> float32 logits [max_batch, vocab]. Rows not in use take any token at
-        position 0 (their cache row is rewritten by the next prefill)."""
-        if self.compiled and self._on_cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        return self._decode(self.model, self.caches, tokens[:, None], positions[:, None])
-
-    def warmup(self, steps: int = 3) -> float:
-        """Compile (and record the CUDA graph of) the decode step now; returns seconds taken."""
+    def warmup(self) -> float:
+        """Compile (and record the CUDA graphs of) the decode steps now; returns seconds."""
         start = time.perf_counter()
-        zeros = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
-        for _ in range(steps if self.compiled else 1):
-            self.decode(zeros, zeros).argmax(-1)
-        self._synchronize()
+        self.engine.warmup()
         return time.perf_counter() - start
-
-    def _synchronize(self) -> None:
-        if self._on_cuda:
-            torch.cuda.synchronize(self.device)
-
-    # ---- generation -----------------------------------------------------------------------
 
     def stream(
         self,
@@ -489,8 +199,9 @@ class Generator:
     ) -> GenerationStream:
         """Generate for `prompts`, yielding one list of `TokenEvent`s per step.
 
-        `params` is one `SamplingParams` for all prompts or one per prompt (default: greedy is
-        not assumed; `SamplingParams()`). `seed` makes sampling reproducible.
+        `params` is one `SamplingParams` for all prompts or one per prompt (default:
+        `SamplingParams()`). `seed` makes sampling reproducible: prompt i draws from seed + i,
+        whatever else runs beside it.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Mapping)
@@ -507,11 +218,14 @@ class Generator:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        rows = [self._make_row(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))]
+        sequences = [
+            self.engine.sequence(prompt, settings, index=i, seed=None if seed is None else seed + i)
+            for i, (prompt, settings) in enumerate(zip(prompts, params))
+        ]
         stats = GenerationStats(
             device=str(self.device), compiled=self.compiled, weight_bytes=self.weight_bytes
         )
-        return GenerationStream(self._run(rows, stats, seed), rows, stats)
+        return GenerationStream(self._run(sequences, stats), sequences, stats)
 
     def generate(
         self,
@@ -525,106 +239,30 @@ class Generator:
         return self.stream(prompts, params, seed=seed).output()
 
     def _run(
-        self, rows: list[_Row], stats: GenerationStats, seed: int | None
+        self, sequences: list[EngineSequence], stats: GenerationStats
     ) -> Iterator[list[TokenEvent]]:
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        if self._on_cuda:
+        engine = self.engine
+        engine.clear()  # what an abandoned earlier stream left
+        if engine.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        stats.num_prompts = len(sequences)
+        stats.num_prompt_tokens = sum(len(s.prompt_ids) for s in sequences)
         start = time.perf_counter()
-        for first in range(0, len(rows), self.max_batch):
-            yield from self._run_batch(rows[first : first + self.max_batch], stats, generator)
-        stats.total_s = time.perf_counter() - start
-        stats.peak_memory_bytes = peak_memory_bytes(self.device)
-
-    def _run_batch(
-        self, rows: list[_Row], stats: GenerationStats, generator: torch.Generator
-    ) -> Iterator[list[TokenEvent]]:
-        batch, device = len(rows), self.device
-        sampler = Sampler([row.params for row in rows], device=device)
-        stats.num_prompts += batch
-        stats.num_prompt_tokens += sum(len(row.prompt_ids) for row in rows)
-
-        def sample(logits: torch.Tensor) -> torch.Tensor:  # [>= batch, vocab] -> [max_batch]
-            tokens = sampler(logits[:batch], generator)
-            return F.pad(tokens, (0, self.max_batch - batch)) if batch < self.max_batch else tokens
-
-        # No `torch.no_grad()` around the yields (it would leak into the caller between steps):
-        # prefill and decode disable gradients themselves.
-        start = time.perf_counter()
-        tokens = sample(self.prefill([row.prompt_ids for row in rows]))
-        positions = torch.zeros(self.max_batch, dtype=torch.long)
-        positions[:batch] = torch.tensor([len(row.prompt_ids) for row in rows])
-        positions = positions.to(device)
-        decode_start, num_steps = None, 0
-        while True:
-            # Read this step's tokens; on CUDA, start the next step before looking at them.
-            host = self._host_tokens
-            host.copy_(tokens, non_blocking=self._on_cuda)
-            copied = torch.cuda.Event() if self._on_cuda else None
-            if copied is not None:
-                copied.record()
-            may_continue = any(
-                not row.finished and len(row.token_ids) + 1 < row.max_new_tokens for row in rows
-            )
-            next_tokens = None
-            if self._overlap and may_continue:
-                next_tokens = sample(self.decode(tokens, positions))
-            if copied is not None:
-                copied.synchronize()
-            if decode_start is None:
+        first_steps = engine.num_decode_steps
+        decode_start = None
+        engine.add(sequences)
+        while engine.has_work:
+            events = [event for _, event in engine.step()]
+            if not events:
+                continue
+            if decode_start is None:  # the first prompt's first token: its prefill is done
                 decode_start = time.perf_counter()
-                stats.prefill_s += decode_start - start
-            else:
-                num_steps += 1
-            events = [
-                row.push(int(token))
-                for row, token in zip(rows, host[:batch].tolist())
-                if not row.finished
-            ]
-            if num_steps:
-                stats.num_decode_tokens += len(events)
+                stats.prefill_s = decode_start - start
             stats.num_new_tokens += len(events)
             yield events
-            if all(row.finished for row in rows):
-                break
-            if next_tokens is None:
-                next_tokens = sample(self.decode(tokens, positions))
-            # A finished row keeps decoding garbage; keep its slot index in range.
-            positions = (positions + 1).clamp_(max=self.max_seq_len - 1)
-            tokens = next_tokens
-        stats.num_decode_steps += num_steps
-        stats.decode_s += time.perf_counter() - decode_start
-
-
-class _Prefix:
-    """The caches seen through their first `kv_len` slots (for prefill from position 0), in
-    rows 0..b-1 or in the cache rows `rows` [b]."""
-
-    def __init__(self, caches: KVCaches, kv_len: int, rows: torch.Tensor | None = None) -> None:
-        self.caches = caches
-        self.kv_len = kv_len
-        self.rows = rows
-
-    def __getitem__(self, layer: int) -> _PrefixLayer:
-        return _PrefixLayer(self.caches[layer], self.kv_len, self.rows)
-
-
-class _PrefixLayer:
-    def __init__(self, cache, kv_len: int, rows: torch.Tensor | None = None) -> None:
-        self.cache = cache
-        self.kv_len = kv_len
-        self.rows = rows
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rows is None:
-            k_all, v_all = self.cache.update(k, v)
-            return k_all[:, :, : self.kv_len], v_all[:, :, : self.kv_len]
-        # As StaticKVCache.update, into the given rows: the target is [b, s, kv_heads, head_dim].
-        cache, rows = self.cache, self.rows[:, None]  # [b, 1], broadcast over the slots [1, s]
-        cache.k[rows, :, cache.positions] = k.transpose(1, 2).to(cache.k.dtype)
-        cache.v[rows, :, cache.positions] = v.transpose(1, 2).to(cache.v.dtype)
-        return cache.k[self.rows, :, : self.kv_len], cache.v[self.rows, :, : self.kv_len]
+        end = time.perf_counter()
+        stats.total_s = end - start
+        stats.decode_s = end - (decode_start or end)
+        stats.num_decode_steps = engine.num_decode_steps - first_steps
+        stats.num_decode_tokens = stats.num_new_tokens - len(sequences)
+        stats.peak_memory_bytes = peak_memory_bytes(self.device)

@@ -13,6 +13,11 @@ of those rows, [b, kv_heads, max_seq_len, head_dim]. The attention mask must the
 slots: `attention_mask(positions, max_seq_len)` lets the query at position p see slots <= p.
 Slots beyond a row's position may hold stale values from an earlier, longer sequence or from
 padding; the mask hides them until they are overwritten.
+
+A prefill writes chosen rows instead (the engine's sequences join a running batch in any free
+row, a long prompt in chunks): `KVCaches.rows(rows, positions, kv_len)` is the view it passes as
+`kv_caches`; each layer then writes rows `rows` [b] at `positions` [b, s] and returns their first
+`kv_len` slots.
 """
 
 from __future__ import annotations
@@ -48,6 +53,35 @@ class StaticKVCache:
         self.k[rows, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)
         self.v[rows, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
         return self.k[:batch], self.v[:batch]
+
+    def update_rows(
+        self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int, k, v
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `update`, into cache rows `rows` [b] at slots `positions` [b, s]; returns those
+        rows' slots 0..kv_len-1, [b, kv_heads, kv_len, head_dim] each."""
+        index = rows[:, None]  # [b, 1], broadcast over the slots
+        self.k[index, :, positions] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[index, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+
+
+class _RowsView:
+    """The caches as a prefill of some rows sees them (see the module docstring)."""
+
+    def __init__(self, caches: KVCaches, rows, positions, kv_len: int) -> None:
+        self.caches, self.rows, self.positions, self.kv_len = caches, rows, positions, kv_len
+
+    def __getitem__(self, layer: int) -> _RowsLayer:
+        return _RowsLayer(self, self.caches[layer])
+
+
+class _RowsLayer:
+    def __init__(self, view: _RowsView, cache: StaticKVCache) -> None:
+        self.view, self.cache = view, cache
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        view = self.view
+        return self.cache.update_rows(view.rows, view.positions, view.kv_len, k, v)
 
 
 class KVCaches:
@@ -109,6 +143,11 @@ class KVCaches:
         """Slots [b, s] that the next forward writes (its tokens' positions)."""
         for layer in self.layers:
             layer.positions = positions
+
+    def rows(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> _RowsView:
+        """The view a prefill of cache rows `rows` [b] at `positions` [b, s] passes as the
+        model's `kv_caches`; attention then sees slots 0..kv_len-1 of those rows."""
+        return _RowsView(self, rows, positions, kv_len)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer (for marking static addresses before compiling)."""

@@ -665,7 +665,7 @@ class _Session:
     @property
     def usage(self) -> dict:
         prompt_tokens = sum(self.plan.prompt_lengths)
-        completion_tokens = sum(len(s.row.token_ids) for s in self.submission.sequences)
+        completion_tokens = sum(len(s.token_ids) for s in self.submission.sequences)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

@@ -63,6 +63,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def fusable(module: nn.Module, names: list[str]) -> bool:
+    """Whether the linears `names` of `module` are plain, bias-free and materialized (not
+    quantized, sharded or LoRA-wrapped), so that `fuse_linears` can join them."""
+    linears = [getattr(module, name, None) for name in names]
+    return all(
+        type(linear) is nn.Linear
+        and linear.bias is None
+        and type(linear.weight.data) is torch.Tensor
+        and not linear.weight.is_meta
+        for linear in linears
+    )
+
+
+def fuse_linears(module: nn.Module, names: list[str], fused_name: str) -> None:
+    """Replace the linears `names` of `module` (`fusable`) by one, `fused_name`, whose output
+    is theirs concatenated (for inference: one matmul instead of several). The state dict keeps
+    the original names: split on `state_dict()`, joined on `load_state_dict()`."""
+    linears = [getattr(module, name) for name in names]
+    sizes = [linear.out_features for linear in linears]
+    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(sizes), in]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=linears[0].weight.requires_grad)
+    for name in names:
+        delattr(module, name)
+    setattr(module, fused_name, fused)
+    module.fused_sizes = sizes
+
+    def split(_, state_dict, prefix, local_metadata) -> None:
+        parts = state_dict.pop(f"{prefix}{fused_name}.weight").split(sizes)
+        for name, part in zip(names, parts, strict=True):
+            state_dict[f"{prefix}{name}.weight"] = part.clone()  # files refuse shared storage
+
+    def join(_, state_dict, prefix, *args) -> None:
+        keys = [f"{prefix}{name}.weight" for name in names]
+        if all(key in state_dict for key in keys):
+            state_dict[f"{prefix}{fused_name}.weight"] = torch.cat(
+                [state_dict.pop(k) for k in keys]
+            )
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich, 2019), computed in fp32."""
 
@@ -92,6 +135,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv: nn.Linear | None = None  # wq, wk, wv as one (fuse_projections)
 
     def forward(
         self,
@@ -102,9 +146,13 @@ class Attention(nn.Module):
         kv_cache=None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # [b, s, heads, hd]
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)  # [b, s, kv_heads, hd]
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.wqkv is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            q, k, v = self.wqkv(x).split(self.fused_sizes, dim=-1)
+        q = q.view(batch, seq, -1, self.head_dim)  # [b, s, heads, hd]
+        k = k.view(batch, seq, -1, self.head_dim)  # [b, s, kv_heads, hd]
+        v = v.view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         if kv_cache is not None:
@@ -132,9 +180,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w13: nn.Linear | None = None  # w1 and w3 as one (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            gate, up = self.w1(x), self.w3(x)
+        else:
+            gate, up = self.w13(x).split(self.fused_sizes, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.w1, self.w3):
@@ -180,6 +233,26 @@ class Transformer(nn.Module):
         """Share the input table with the output projection (again: `to_empty` unties them)."""
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def fuse_projections(self) -> bool:
+        """For inference: wq/wk/wv and w1/w3 of every block become one matmul each (batch-1
+        decoding is a chain of small matmuls; fewer, larger ones run faster). The state dict
+        keeps Meta's names. Returns whether the model is fused: False (nothing changed) unless
+        every block's weights are plain tensors; quantized, sharded and LoRA models stay as
+        they are."""
+        blocks = list(self.layers.values())
+        if all(b.attention.wqkv is not None and b.feed_forward.w13 is not None for b in blocks):
+            return True  # already fused
+        if not all(
+            fusable(block.attention, ["wq", "wk", "wv"])
+            and fusable(block.feed_forward, ["w1", "w3"])
+            for block in blocks
+        ):
+            return False
+        for block in blocks:
+            fuse_linears(block.attention, ["wq", "wk", "wv"], "wqkv")
+            fuse_linears(block.feed_forward, ["w1", "w3"], "w13")
+        return True
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute non-persistent buffers (needed after `to_empty` from the meta device)."""

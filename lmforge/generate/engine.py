@@ -1,0 +1,433 @@
+"""The inference engine: the one place in lmforge that runs prefill and decode.
+
+`Engine` holds a model and one static KV cache of `max_batch` rows by `max_seq_len` slots
+(lmforge/modules/kv_cache.py; slot = position). Sequences are added at any time (`add`) and
+advanced by `step()`, which returns the tokens it produced. `lmforge generate` (`Generator`), the
+server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Each step:
+
+1. admit: waiting sequences take free cache rows, the lowest first, so that running rows stay
+   packed at the top of the cache.
+2. decode: one token for every running sequence whose prompt is in the cache, in one forward
+   over cache rows 0..B-1, B the smallest bucket (1, 2, 4, ..., max_batch) that holds them. A
+   row in the bucket that is not decoding (free, or still prefilling) feeds a dummy token at
+   the last slot, which every sequence writes before it reads it. Shapes are static per
+   bucket: on CUDA each bucket's step is compiled with torch.compile's "reduce-overhead" mode
+   (one CUDA graph per bucket, as in gpt-fast), recorded once.
+3. prefill: up to `prefill_chunk` prompt tokens of admitted sequences in one right-padded
+   forward: several short prompts together, a long one over several steps (chunked prefill),
+   so that running sequences keep decoding meanwhile. A chunk writes its rows' slots
+   start..end-1 and attends to slots 0..end-1; a sequence whose prompt is complete samples its
+   first token from the logits at its last prompt position.
+4. collect: the step's tokens are copied to the host and pushed to their sequences (stop
+   tokens, stop strings, length, text).
+
+The last token and position of every row live on the device, so a decode step needs nothing
+from the host. On CUDA the engine collects step t's tokens only after it launched step t+1, so
+the device never waits for Python; a sequence that stopped at step t costs one wasted row in
+step t+1 (a length limit costs nothing: the engine counts the tokens it launched).
+
+Sampling: greedy sequences take one argmax over the batch; sampled ones each draw with their own
+`torch.Generator`, so a seeded sequence draws the same tokens whatever runs beside it. Orca (Yu
+et al., OSDI 2022) calls this iteration-level scheduling; Sarathi (Agrawal et al., 2023) the
+chunked prefill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmforge.errors import ConfigError
+from lmforge.generate.sampling import Sampler, SamplingParams
+from lmforge.generate.sequence import (
+    IncrementalText,
+    Prompt,
+    Sequence,
+    TokenEvent,
+    encode_prompt,
+)
+from lmforge.modules.kv_cache import KVCaches, attention_mask
+
+# Decode batch sizes with a compiled step of their own (at most 8: torch.compile's default
+# recompile limit per function).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    return (*(b for b in BUCKETS if b < max_batch), max_batch)
+
+
+def decode_step(
+    model: nn.Module, caches: KVCaches, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One token for cache rows 0..b-1: tokens and positions [b, 1] -> float32 logits
+    [b, vocab]. Static shapes per b: the function compiled (CUDA graphs) on CUDA."""
+    caches.set_positions(positions)
+    mask = attention_mask(positions, caches.max_seq_len)  # [b, 1, 1, max_seq_len]
+    logits = model(tokens, positions=positions, attn_mask=mask, kv_caches=caches)
+    return logits[:, -1].float()
+
+
+@dataclass
+class _Launch:
+    """One step's tokens, on their way to the host."""
+
+    sequences: list[Sequence]
+    tokens: torch.Tensor  # [n] on the host (pinned on CUDA), filled when `ready` fires
+    ready: torch.cuda.Event | None
+
+
+class Engine:
+    """Continuous batching over one model and one KV cache (see the module docstring).
+
+    Args:
+        model: a `lmforge.models.llama.Transformer` (any dtype; quantized weights work).
+        tokenizer: a `lmforge.data.tokenizer.Tokenizer`, or None for token-id prompts only.
+        max_batch: sequences that run at once (cache rows); more wait for a free row.
+        max_seq_len: cache length: prompt plus new tokens of a sequence must fit (default: the
+            model's, at most 4096).
+        device: where to run (default: where the model is); the model is moved there.
+        compile: torch.compile the decode step (default: on CUDA only, with CUDA graphs).
+        prefill_chunk: prompt tokens prefilled per step at most (default 2048 on CUDA, 512
+            elsewhere).
+        fuse: join each block's q/k/v and gate/up projections into one matmul each (plain
+            weights only; the state dict keeps Meta's names).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        *,
+        max_batch: int = 1,
+        max_seq_len: int | None = None,
+        device: str | torch.device | None = None,
+        compile: bool | None = None,
+        prefill_chunk: int | None = None,
+        fuse: bool = True,
+    ) -> None:
+        args = model.args
+        if max_batch < 1:
+            raise ConfigError(f"max_batch={max_batch} must be >= 1")
+        max_seq_len = max_seq_len or min(args.max_seq_len, 4096)
+        if not 2 <= max_seq_len <= args.max_seq_len:
+            raise ConfigError(
+                f"max_seq_len={max_seq_len} must be in 2..{args.max_seq_len} (the model's "
+                "max_seq_len)"
+            )
+        device = torch.device(device) if device is not None else model.tok_embeddings.weight.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.model = model.to(device).eval()
+        self.fused = fuse and hasattr(model, "fuse_projections") and model.fuse_projections()
+        self.tokenizer = tokenizer
+        self.args = args
+        self.device = device
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.on_cuda = device.type == "cuda"
+        self.prefill_chunk = prefill_chunk or (2048 if self.on_cuda else 512)
+        self.buckets = decode_buckets(max_batch)
+        self.dtype = model.tok_embeddings.weight.dtype
+        self.caches = KVCaches.for_model(
+            args, max_batch=max_batch, max_seq_len=max_seq_len, dtype=self.dtype, device=device
+        )
+        self.compiled = self.on_cuda if compile is None else compile
+        # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
+        self.overlap = self.on_cuda
+        self._decode_fn = decode_step
+        if self.compiled:
+            if self.on_cuda:
+                # CUDA graphs may only write into inputs whose address never changes.
+                for tensor in self.caches.tensors():
+                    torch._dynamo.mark_static_address(tensor)
+            mode = "reduce-overhead" if self.on_cuda else None
+            self._decode_fn = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
+        self._last_slot = max_seq_len - 1
+        # Each row's next input token and its position; rows not decoding sit at the last slot.
+        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._positions = torch.full((max_batch,), self._last_slot, device=device)
+        self._rows: list[Sequence | None] = [None] * max_batch
+        self._waiting: deque[Sequence] = deque()
+        self._prefilling: deque[Sequence] = deque()  # admitted, prompt not all in the cache
+        self._pending: deque[_Launch] = deque()
+        self.num_decode_steps = 0
+
+    # ---- sequences ------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (see `lmforge.generate.sequence.encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, vocab_size=self.args.vocab_size)
+
+    def default_stop_ids(self) -> frozenset[int]:
+        if self.tokenizer is not None:
+            return frozenset(self.tokenizer.stop_ids)
+        eos = self.args.eos_id
+        return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+    def sequence(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        seed: int | None = None,
+        num_logprobs: int | None = None,
+    ) -> Sequence:
+        """A checked, not yet added sequence (a ConfigError names what is wrong)."""
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ConfigError(f"prompt {index} is empty")
+        if len(ids) >= self.max_seq_len:
+            raise ConfigError(
+                f"prompt {index} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves no "
+                "room for new tokens (raise max_seq_len or shorten the prompt)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer; this model has none")
+        sampler = generator = None
+        if not params.greedy:
+            sampler = Sampler([params], device=self.device)
+            generator = torch.Generator(device=self.device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed % 2**64)
+        stop_ids = params.stop_token_ids
+        return Sequence(
+            index=index,
+            prompt_ids=ids,
+            params=params,
+            max_new_tokens=min(params.max_new_tokens, self.max_seq_len - len(ids)),
+            stop_ids=self.default_stop_ids() if stop_ids is None else frozenset(stop_ids),
+            text_decoder=IncrementalText(self.tokenizer) if self.tokenizer else None,
+            num_logprobs=num_logprobs,
+            sampler=sampler,
+            generator=generator,
+        )
+
+    def add(self, sequences: Iterable[Sequence]) -> None:
+        """Queue sequences; they start as cache rows free up."""
+        self._waiting.extend(sequences)
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop a sequence now: it produces nothing more and its row is free for the next step."""
+        if sequence.done:
+            return
+        sequence.cancelled = True
+        if sequence in self._waiting:
+            self._waiting.remove(sequence)
+        self._release(sequence)
+
+    def clear(self) -> None:
+        """Cancel everything (a caller that stopped iterating); the engine is then idle."""
+        for sequence in [*self._waiting, *(s for s in self._rows if s is not None)]:
+            self.cancel(sequence)
+        self._pending.clear()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._rows)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._pending or self.num_running)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Sequence, TokenEvent]]:
+        """Admit, decode, prefill, and return the tokens that reached the host: (sequence,
+        event) pairs, in no particular order across sequences."""
+        launch = self._launch()
+        if launch is not None:
+            self._pending.append(launch)
+        keep = 1 if self.overlap and launch is not None else 0
+        events = []
+        while len(self._pending) > keep:
+            events += self._collect(self._pending.popleft())
+        return events
+
+    def warmup(self) -> None:
+        """Compile (and record the CUDA graph of) every bucket's decode step now."""
+        with torch.no_grad():
+            for bucket in self.buckets if self.compiled else self.buckets[:1]:
+                for _ in range(3 if self.compiled else 1):
+                    self._decode(bucket).argmax(-1)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _launch(self) -> _Launch | None:
+        self._admit()
+        sequences, tokens = [], []
+        decoding = [
+            s
+            for s in self._rows
+            if s is not None and s.prefilled and s.num_scheduled < s.max_new_tokens
+        ]
+        if decoding:
+            tokens.append(self._decode_running(decoding))
+            sequences += decoding
+        chunks = self._prefill_chunks()
+        if chunks:
+            completed, first_tokens = self._prefill(chunks)
+            if completed:
+                sequences += completed
+                tokens.append(first_tokens)
+        if not sequences:
+            return None
+        for sequence in sequences:
+            sequence.num_scheduled += 1
+        return self._to_host(sequences, torch.cat(tokens) if len(tokens) > 1 else tokens[0])
+
+    def _admit(self) -> None:
+        for slot, held in enumerate(self._rows):
+            if not self._waiting:
+                return
+            if held is None:
+                sequence = self._waiting.popleft()
+                sequence.slot = slot
+                self._rows[slot] = sequence
+                self._prefilling.append(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence in self._prefilling:
+            self._prefilling.remove(sequence)
+        if sequence.slot is not None:
+            self._rows[sequence.slot] = None
+            self._positions[sequence.slot] = self._last_slot
+            sequence.slot = None
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def _decode(self, bucket: int) -> torch.Tensor:
+        """The compiled step over rows 0..bucket-1 -> float32 logits [bucket, vocab]."""
+        if self.compiled and self.on_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        tokens, positions = self._tokens[:bucket, None], self._positions[:bucket, None]
+        return self._decode_fn(self.model, self.caches, tokens, positions)
+
+    def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
+        """One token for each decoding sequence -> their tokens [n] (on the device)."""
+        slots = [s.slot for s in decoding]
+        bucket = next(b for b in self.buckets if b > max(slots))
+        logits = self._decode(bucket)
+        self.num_decode_steps += 1
+        if slots != list(range(bucket)):
+            logits = logits[torch.tensor(slots, device=self.device)]
+        tokens = self._sample(decoding, logits)
+        self._tokens[slots] = tokens
+        positions = self._positions[:bucket]
+        positions.add_(1).clamp_(max=self._last_slot)  # rows not decoding stay at the last slot
+        return tokens
+
+    # ---- prefill --------------------------------------------------------------------------
+
+    def _prefill_chunks(self) -> list[tuple[Sequence, int, int]]:
+        """(sequence, start, length) of the prompt pieces this step prefills, oldest first."""
+        budget, chunks = self.prefill_chunk, []
+        for sequence in self._prefilling:
+            if budget <= 0:
+                break
+            start = sequence.num_cached
+            length = min(len(sequence.prompt_ids) - start, budget)
+            chunks.append((sequence, start, length))
+            budget -= length
+        return chunks
+
+    def _prefill(
+        self, chunks: list[tuple[Sequence, int, int]]
+    ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run prompt pieces into their rows; returns the sequences whose prompt is now
+        complete and their first tokens [n] (on the device)."""
+        width = max(length for _, _, length in chunks)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # right-padded with id 0
+        positions = torch.arange(width).repeat(len(chunks), 1)  # [b, width]
+        for row, (sequence, start, length) in enumerate(chunks):
+            tokens[row, :length] = torch.tensor(sequence.prompt_ids[start : start + length])
+            positions[row] += start
+        # Padding writes slots past a row's piece (its own future slots, rewritten before they
+        # are read) or, clamped, the last slot.
+        positions.clamp_(max=self._last_slot)
+        kv_len = max(start + length for _, start, length in chunks)
+        rows = torch.tensor([sequence.slot for sequence, _, _ in chunks])
+        tokens, positions, rows = (
+            t.to(self.device, non_blocking=True) for t in (tokens, positions, rows)
+        )
+        hidden = self.model(
+            tokens,
+            positions=positions,
+            attn_mask=attention_mask(positions, kv_len),  # [b, 1, width, kv_len]
+            kv_caches=self.caches.rows(rows, positions, kv_len),
+            return_hidden=True,
+        )  # [b, width, dim]
+        completed, last = [], []
+        for row, (sequence, start, length) in enumerate(chunks):
+            sequence.num_cached = start + length
+            if sequence.prefilled:
+                self._prefilling.remove(sequence)
+                completed.append(sequence)
+                last.append((row, length - 1))
+        if not completed:
+            return [], None
+        index = torch.tensor(last, device=self.device)  # [n, 2]: (row, last position)
+        logits = self.model.output(hidden[index[:, 0], index[:, 1]]).float()  # [n, vocab]
+        first = self._sample(completed, logits)
+        slots = [s.slot for s in completed]
+        self._tokens[slots] = first
+        lengths = [len(s.prompt_ids) for s in completed]
+        self._positions[slots] = torch.tensor(lengths, device=self.device)
+        return completed, first
+
+    # ---- sampling and collecting ----------------------------------------------------------
+
+    def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """logits [n, vocab] -> each sequence's next token [n] (on the device); queues the
+        log-probabilities of the sequences that ask for them."""
+        chosen = logits.argmax(dim=-1)  # greedy rows; sampled rows are replaced below
+        for index, sequence in enumerate(sequences):
+            if sequence.sampler is not None:
+                chosen[index] = sequence.sampler(logits[index : index + 1], sequence.generator)[0]
+        wanted = [i for i, s in enumerate(sequences) if s.num_logprobs is not None]
+        if wanted:  # rare (an API option): read them now, at the cost of a sync
+            logprobs = logits[wanted].log_softmax(dim=-1)  # [w, vocab]
+            chosen_logprobs = logprobs.gather(-1, chosen[wanted, None]).squeeze(-1).tolist()
+            k = max(sequences[i].num_logprobs for i in wanted)
+            top_values, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+            for row, i in enumerate(wanted):
+                n = sequences[i].num_logprobs
+                top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
+                sequences[i].logprobs.append((chosen_logprobs[row], top if n else None))
+        return chosen
+
+    def _to_host(self, sequences: list[Sequence], tokens: torch.Tensor) -> _Launch:
+        host = torch.empty(len(sequences), dtype=torch.long, pin_memory=self.on_cuda)
+        host.copy_(tokens, non_blocking=self.on_cuda)
+        ready = None
+        if self.on_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Launch(sequences, host, ready)
+
+    def _collect(self, launch: _Launch) -> list[tuple[Sequence, TokenEvent]]:
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        events = []
+        for sequence, token in zip(launch.sequences, launch.tokens.tolist()):
+            if sequence.done:  # stopped in an earlier step, or cancelled
+                continue
+            event = sequence.push(token)
+            if sequence.num_logprobs is not None:
+                event.logprob, event.top_logprobs = sequence.logprobs.popleft()
+            events.append((sequence, event))
+            if sequence.finished:
+                self._release(sequence)
+        return events

@@ -1,0 +1,199 @@
+"""One sequence's progress through the engine: its prompt, settings, the tokens and text it has
+produced, and its stop conditions (stop token, stop string, length).
+
+`Sequence.push(token)` takes one generated token and returns the `TokenEvent` to stream: the text
+that became final with it (text that could still be the start of a stop string is held back,
+and so are the bytes of an incomplete UTF-8 character).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceType
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmforge.errors import ConfigError
+from lmforge.generate.sampling import Sampler, SamplingParams
+
+# A prompt: text (encoded with BOS), a chat (a list of {"role", "content"} messages, encoded
+# with the chat template and the assistant header), or token ids as they are.
+Prompt = str | SequenceType[Mapping[str, Any]] | SequenceType[int]
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one sequence, as streamed."""
+
+    index: int  # which prompt (or choice) of the call
+    token_id: int
+    text: str  # text that became final with this token (may be "")
+    finish_reason: str | None = None  # "stop" or "length" on the sequence's last event
+    logprob: float | None = None  # of the chosen token, when asked for
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    is_stop_token: bool = False  # the token ended the sequence and is not part of the text
+
+
+@dataclass
+class GenerationResult:
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]  # everything generated, including a final stop token
+    text: str  # the new text, without the stop token and cut before a stop string
+    finish_reason: str  # "stop" (stop token or string) or "length" (max_new_tokens / context)
+    stop: int | str | None = None  # the stop token id or stop string that ended it
+
+
+def encode_prompt(prompt: Prompt, tokenizer, *, vocab_size: int) -> list[int]:
+    """Token ids of a prompt: text gets BOS (when the tokenizer has one), a chat (a list of
+    {"role", "content"} messages) is rendered with the chat template and the assistant header,
+    token ids are checked against the vocabulary and kept."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ConfigError("a text prompt needs a tokenizer; this model has none")
+        return tokenizer.encode(prompt, bos=tokenizer.bos_id is not None)
+    if isinstance(prompt, SequenceType) and prompt and isinstance(prompt[0], Mapping):
+        if tokenizer is None:
+            raise ConfigError("a chat prompt needs a tokenizer; this model has none")
+        return tokenizer.encode_chat(prompt, add_generation_prompt=True)
+    if isinstance(prompt, SequenceType | torch.Tensor):
+        ids = [int(i) for i in prompt]
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ConfigError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+        return ids
+    raise ConfigError(
+        "a prompt is a string, a list of chat messages or a list of token ids, not "
+        f"{type(prompt).__name__}"
+    )
+
+
+class IncrementalText:
+    """Text of a growing token list, released only once its UTF-8 is complete.
+
+    Decodes a short window (from the last complete cut) instead of the whole list each step.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # end of what has been released
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        new_text = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """What is left (incomplete bytes become U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        new_text = self.tokenizer.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+
+@dataclass(eq=False)  # compared by identity
+class Sequence:
+    """One prompt's continuation, from the waiting queue to its last token."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params' limit, cut to what fits in the cache
+    stop_ids: frozenset[int]
+    text_decoder: IncrementalText | None
+    num_logprobs: int | None = None  # None: none; k: the chosen token's and the k best
+    sampler: Sampler | None = None  # None: greedy (argmax)
+    generator: torch.Generator | None = None  # this sequence's own draws
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_emitted: int = 0  # characters of `text` already streamed
+    finish_reason: str | None = None
+    stop: int | str | None = None
+    # Engine state: the cache row while it runs, how much of the prompt is in it, the tokens
+    # launched (some may not have reached the host yet) and their log-probabilities.
+    slot: int | None = None
+    num_cached: int = 0
+    num_scheduled: int = 0
+    cancelled: bool = False
+    logprobs: deque = field(default_factory=deque)  # (logprob, top) per launched token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def done(self) -> bool:
+        """Finished or cancelled: nothing more will be produced."""
+        return self.finished or self.cancelled
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_cached == len(self.prompt_ids)
+
+    def push(self, token: int) -> TokenEvent:
+        """Take one generated token; check stops; return what to stream."""
+        self.token_ids.append(token)
+        is_stop_token = token in self.stop_ids
+        if self.text_decoder is not None:
+            old_length = len(self.text)
+            if not is_stop_token:
+                self.text += self.text_decoder.push(token)
+            if is_stop_token or len(self.token_ids) >= self.max_new_tokens:
+                self.text += self.text_decoder.flush()  # bytes of an incomplete character
+            self._check_stop_strings(old_length)
+        if not self.finished and is_stop_token:
+            self.finish_reason, self.stop = "stop", token
+        elif not self.finished and len(self.token_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        final = len(self.text) if self.finished else len(self.text) - self._held_back()
+        delta = self.text[self.num_emitted : final]
+        self.num_emitted = max(self.num_emitted, final)
+        return TokenEvent(
+            self.index,
+            token,
+            delta,
+            self.finish_reason,
+            is_stop_token=self.finish_reason == "stop" and self.stop == token,
+        )
+
+    def _check_stop_strings(self, old_length: int) -> None:
+        if not self.params.stop:
+            return
+        # A stop string found now must end in the new text.
+        start = max(0, old_length - max(map(len, self.params.stop)) + 1)
+        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        if found:
+            cut, string = min(found)
+            self.text = self.text[:cut]
+            self.finish_reason, self.stop = "stop", string
+
+    def _held_back(self) -> int:
+        """Length of the longest end of the text that could begin a stop string."""
+        longest = 0
+        for string in self.params.stop:
+            for length in range(min(len(string) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(string[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            index=self.index,
+            prompt_ids=self.prompt_ids,
+            token_ids=self.token_ids,
+            text=self.text,
+            finish_reason=self.finish_reason or "length",
+            stop=self.stop,
+        )
