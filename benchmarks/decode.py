@@ -63,7 +63,7 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-wo": _quantized("int4-wo", 128),
 }
 
-VARIANTS = ("lmforge", "lmforge-eager", "hf", "hf-static")
+VARIANTS = ("lmforge", "lmforge-unfused", "lmforge-eager", "hf", "hf-static")
 DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
 DEVICE = "cuda"  # --device
 
@@ -101,13 +101,16 @@ def make_model(preset: str, scheme: str) -> nn.Module:
     return SCHEMES[scheme](model.eval())
 
 
-def bench_lmforge(model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool):
+def bench_lmforge(
+    model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool, fuse: bool = True
+):
     generator = Generator(
         model,
         max_batch=1,
         max_seq_len=len(prompt) + new_tokens,
         device=DEVICE,
         compile=compile,
+        fuse=fuse,
     )
     generator.warmup()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
@@ -207,6 +210,8 @@ def main() -> None:
         reference = None  # lmforge bf16 tokens, to compare with transformers'
         for scheme in args.schemes:
             for variant in [v for v in args.variants if v.startswith("lmforge")]:
+                if variant == "lmforge-unfused" and scheme.startswith("int"):
+                    continue  # quantized weights are never fused
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:
                     model = make_model(preset, scheme)
@@ -217,6 +222,7 @@ def main() -> None:
                         args.new_tokens,
                         args.repeats,
                         compile=variant != "lmforge-eager" and DEVICE == "cuda",
+                        fuse=variant != "lmforge-unfused",
                     )
                     if scheme == "bf16":
                         bf16_bytes, reference = num_bytes, reference or tokens

@@ -10,6 +10,10 @@ and of time to first token. Against a running server (`--url`), or one it starts
     python benchmarks/serve_load.py --artifact runs/demo/sft/artifact          # CPU, tiny model
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY
     python benchmarks/serve_load.py --artifact ART --device cuda --concurrency 1 8 32 64
+    python benchmarks/serve_load.py --preset llama3.2-1b --device cuda --max-concurrency 64
+
+`--preset` serves random bf16 weights of a preset shape with a small BPE tokenizer trained on
+this script's words (the model keeps the preset's vocabulary).
 
 Writes serve_load.json to --out ($OUT if set). Only the standard library on the client side.
 """
@@ -145,6 +149,24 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
     }
 
 
+def preset_artifact(preset: str, root: Path) -> Path:
+    """Random bf16 weights of `preset` with a BPE tokenizer of this script's words."""
+    import torch
+
+    import lmforge
+    from lmforge.api import LoadedModel, build_model
+    from lmforge.data.tokenizer import train_bpe
+    from lmforge.models.llama import get_preset
+
+    corpus = root / "words.txt"
+    corpus.write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
+    tokenizer = train_bpe([corpus], vocab_size=300, out_dir=root / "tokenizer")
+    args = get_preset(preset)
+    model = build_model(args, dtype=torch.bfloat16, seed=0)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, config=args, source=preset)
+    return lmforge.save(loaded, root / "artifact")
+
+
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
     command = [sys.executable, "-m", "lmforge", "serve", str(args.artifact), "--port", "0"]
@@ -180,6 +202,7 @@ def main() -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--artifact", type=Path, help="start `lmforge serve` on this artifact")
+    target.add_argument("--preset", help="start `lmforge serve` on random weights of a preset")
     parser.add_argument("--api-key", default=os.environ.get("LMFORGE_API_KEY"))
     parser.add_argument("--model", default=None, help="model name (default: the server's)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -196,6 +219,8 @@ def main() -> None:
     args = parser.parse_args()
 
     process = None
+    if args.preset is not None:
+        args.artifact = preset_artifact(args.preset, Path(tempfile.mkdtemp(prefix="serve_load_")))
     if args.artifact is not None:
         process, url, log = start_server(args)
         print(f"started lmforge serve on {url} (log: {log})", file=sys.stderr)

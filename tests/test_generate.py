@@ -305,11 +305,14 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
     prompts = _random_prompts([4, 9], seed=4)
     eager = Generator(loaded.model, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
     compiled_generator = Generator(loaded.model, max_batch=2, max_seq_len=40, compile=True)
-    compiled_generator.warmup()  # one graph per bucket: 1 and 2 rows
+    compiled_generator.warmup()  # batch 1, and batch 2 (dynamic: 2..max_batch)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = compiled_generator.generate(prompts, GREEDY)
         again = compiled_generator.generate(prompts[:1], GREEDY)  # bucket 1: compiled already
-    assert compile_calls == [{"mode": None, "fullgraph": True, "dynamic": False}]
+    assert compile_calls == [
+        {"fullgraph": True, "dynamic": False, "options": None},  # batch 1
+        {"fullgraph": True, "options": None},  # other buckets, one dynamic compile
+    ]
     assert [r.token_ids for r in compiled.results] == [r.token_ids for r in eager.results]
     assert again.results[0].token_ids == eager.results[0].token_ids
     torch._dynamo.reset()

@@ -72,6 +72,12 @@ def decode_step(
     return logits[:, -1].float()
 
 
+def batched_decode_step(model, caches, tokens, positions) -> torch.Tensor:
+    """`decode_step` under another name: compiled once for every batch size > 1 (a dynamic
+    batch dimension), apart from the batch-1 step and its specialized kernels."""
+    return decode_step(model, caches, tokens, positions)
+
+
 @dataclass
 class _Launch:
     """One step's tokens, on their way to the host."""
@@ -139,14 +145,9 @@ class Engine:
         self.compiled = self.on_cuda if compile is None else compile
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
         self.overlap = self.on_cuda
-        self._decode_fn = decode_step
+        self._decode_one, self._decode_many = decode_step, batched_decode_step
         if self.compiled:
-            if self.on_cuda:
-                # CUDA graphs may only write into inputs whose address never changes.
-                for tensor in self.caches.tensors():
-                    torch._dynamo.mark_static_address(tensor)
-            mode = "reduce-overhead" if self.on_cuda else None
-            self._decode_fn = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
+            self._compile_decode()
         self._last_slot = max_seq_len - 1
         # Each row's next input token and its position; rows not decoding sit at the last slot.
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -156,6 +157,23 @@ class Engine:
         self._prefilling: deque[Sequence] = deque()  # admitted, prompt not all in the cache
         self._pending: deque[_Launch] = deque()
         self.num_decode_steps = 0
+
+    def _compile_decode(self) -> None:
+        """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile; on
+        CUDA a graph is still recorded per bucket). On CUDA, batch 1 turns on inductor's
+        coordinate descent tuning, under which each matrix-vector product becomes one tuned
+        reduction kernel, with an int8 weight's conversion fused into it (gpt-fast's setting):
+        without it inductor hands int8 weight-only matmuls to aten's slow
+        `_weight_int8pack_mm`."""
+        one = many = None  # the CPU: inductor's defaults
+        if self.on_cuda:
+            # CUDA graphs may only write into inputs whose address never changes.
+            for tensor in self.caches.tensors():
+                torch._dynamo.mark_static_address(tensor)
+            many = {"triton.cudagraphs": True}  # mode="reduce-overhead"
+            one = {**many, "coordinate_descent_tuning": True}
+        self._decode_one = torch.compile(decode_step, fullgraph=True, dynamic=False, options=one)
+        self._decode_many = torch.compile(batched_decode_step, fullgraph=True, options=many)
 
     # ---- sequences ------------------------------------------------------------------------
 
@@ -313,7 +331,12 @@ class Engine:
         if self.compiled and self.on_cuda:
             torch.compiler.cudagraph_mark_step_begin()
         tokens, positions = self._tokens[:bucket, None], self._positions[:bucket, None]
-        return self._decode_fn(self.model, self.caches, tokens, positions)
+        if bucket == 1:
+            return self._decode_one(self.model, self.caches, tokens, positions)
+        if self.compiled:  # one compile for every bucket > 1
+            for tensor in (tokens, positions):
+                torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.max_batch)
+        return self._decode_many(self.model, self.caches, tokens, positions)
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
         """One token for each decoding sequence -> their tokens [n] (on the device)."""
