@@ -17,14 +17,12 @@ from lmforge.generate import Generator, SamplingParams
 
 
 def step_ms(generator: Generator, iterations: int = 50) -> float:
-    tokens = torch.zeros(generator.max_batch, dtype=torch.long, device="cuda")
-    positions = torch.full_like(tokens, 8)
     for _ in range(5):
-        generator.decode(tokens, positions)
+        generator.engine.decode_rows(1)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iterations):
-        generator.decode(tokens, positions)
+        generator.engine.decode_rows(1)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iterations

@@ -279,7 +279,7 @@ class Engine:
         with torch.no_grad():
             for bucket in self.buckets if self.compiled else self.buckets[:1]:
                 for _ in range(3 if self.compiled else 1):
-                    self._decode(bucket).argmax(-1)
+                    self.decode_rows(bucket).argmax(-1)
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
 
@@ -326,8 +326,10 @@ class Engine:
 
     # ---- decode ---------------------------------------------------------------------------
 
-    def _decode(self, bucket: int) -> torch.Tensor:
-        """The compiled step over rows 0..bucket-1 -> float32 logits [bucket, vocab]."""
+    def decode_rows(self, bucket: int) -> torch.Tensor:
+        """One compiled decode step over cache rows 0..bucket-1 (a bucket size) with the tokens
+        and positions they hold -> float32 logits [bucket, vocab]; changes no state but the
+        caches' slots at those positions (warm-up, benchmarks)."""
         if self.compiled and self.on_cuda:
             torch.compiler.cudagraph_mark_step_begin()
         tokens, positions = self._tokens[:bucket, None], self._positions[:bucket, None]
@@ -342,7 +344,7 @@ class Engine:
         """One token for each decoding sequence -> their tokens [n] (on the device)."""
         slots = [s.slot for s in decoding]
         bucket = next(b for b in self.buckets if b > max(slots))
-        logits = self._decode(bucket)
+        logits = self.decode_rows(bucket)
         self.num_decode_steps += 1
         if slots != list(range(bucket)):
             logits = logits[torch.tensor(slots, device=self.device)]
