@@ -100,6 +100,13 @@ def register(subparsers) -> None:
 
 
 def eval_main(args: argparse.Namespace) -> int:
+    from lmforge.generate.parallel import main_process_output
+
+    with main_process_output():  # tensor parallel (`lmforge launch --nproc N eval`): rank 0
+        return _eval(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
     if args.offline:  # before datasets / huggingface_hub are imported: they read it then
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -159,6 +166,7 @@ def _run_tasks(args: argparse.Namespace, tasks: list[str], include_path: list[Pa
 def _run_perplexity(args: argparse.Namespace) -> None:
     from lmforge.eval.harness import results_path, write_results
     from lmforge.eval.perplexity import perplexity
+    from lmforge.generate import parallel
 
     print("\n== perplexity")
     for source in args.sources:
@@ -171,6 +179,8 @@ def _run_perplexity(args: argparse.Namespace) -> None:
             device=args.device,
             dtype=args.dtype,
         )
+        if not parallel.is_main():
+            continue  # tensor parallel: rank 0 writes
         path = write_results(results_path(source, args.out, kind="perplexity"), report)
         print(
             f"{source}: perplexity {report['perplexity']:.4f} over {report['num_tokens']} tokens "

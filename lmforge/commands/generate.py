@@ -26,7 +26,8 @@ def register(subparsers) -> None:
         "the end of turn). Prints the texts and a speed report.",
         epilog="--prompts-file: plain text holds one prompt per non-empty line; a .jsonl file "
         'holds one JSON object per line, {"prompt": "..."} or {"messages": [{"role": ..., '
-        '"content": ...}, ...]}.',
+        '"content": ...}, ...]}. A model larger than one GPU: `lmforge launch --nproc N generate '
+        "...` splits it over N GPUs (tensor parallel; rank 0 prints).",
     )
     parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact or HF Llama directory")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -104,9 +105,14 @@ def _label(prompt) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    import lmforge
-    from lmforge.api import resolve_device
-    from lmforge.generate import Generator, SamplingParams
+    from lmforge.generate.parallel import main_process_output
+
+    with main_process_output():  # tensor parallel: rank 0 prints
+        return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from lmforge.generate import Generator, SamplingParams, parallel
     from lmforge.generate.sequence import encode_prompt
 
     if args.prompts_file is not None:
@@ -128,9 +134,9 @@ def main(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
 
-    device = resolve_device(args.device)
     start = time.perf_counter()
-    loaded = lmforge.load(args.artifact, device=device, dtype=args.dtype)
+    loaded = parallel.load_model(args.artifact, device=args.device, dtype=args.dtype)
+    device = loaded.model.tok_embeddings.weight.device
     if loaded.tokenizer is None:
         raise ModelFormatError(
             f"{args.artifact}: has no tokenizer (tokenizer.json or tokenizer.model); "
@@ -164,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
         print("compiling the decode step...", file=sys.stderr, flush=True)
         print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
 
-    stream = generator.stream(prompt_ids, params, seed=args.seed)
+    stream = generator.stream(prompt_ids, params, seed=parallel.shared_seed(args.seed))
     if len(prompts) == 1:  # print as it comes
         print(f"=== {_label(prompts[0])}")
         for events in stream:

@@ -34,10 +34,10 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 
-from lmforge.api import LoadedModel, load, resolve_device
+from lmforge.api import LoadedModel, resolve_device
 from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
-from lmforge.generate import Generator, SamplingParams
+from lmforge.generate import Generator, SamplingParams, parallel
 from lmforge.generate.logprobs import sequence_logprobs
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ class LmforgeLM(LM):
         if isinstance(source, LoadedModel):
             loaded = source
             self._device = next(loaded.model.parameters()).device
-        else:
-            self._device = resolve_device(device)
-            loaded = load(source, device=self._device, dtype=dtype)
+        else:  # split over the processes under torchrun (tensor parallel), else whole
+            loaded = parallel.load_model(source, device=str(device), dtype=dtype)
+            self._device = loaded.model.tok_embeddings.weight.device
         if loaded.tokenizer is None:
             raise ModelFormatError(
                 f"{loaded.source}: has no tokenizer (tokenizer.json or tokenizer.model); "
@@ -504,6 +504,8 @@ def run_eval(
             torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
+        if raw is None:  # tensor parallel: lm-eval reports on rank 0 only
+            continue
         keys = [
             "results",
             "groups",

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.errors import ConfigError
 from lmforge.generate.sampling import Sampler, SamplingParams
@@ -76,6 +77,16 @@ def batched_decode_step(model, caches, tokens, positions) -> torch.Tensor:
     """`decode_step` under another name: compiled once for every batch size > 1 (a dynamic
     batch dimension), apart from the batch-1 step and its specialized kernels."""
     return decode_step(model, caches, tokens, positions)
+
+
+def local_kv_heads(model: nn.Module) -> int:
+    """Key/value heads this process holds: all, or its share under tensor parallelism (the
+    heads of a DTensor-sharded `wk`)."""
+    attention = next(iter(model.layers.values())).attention
+    weight = getattr(getattr(attention, "wk", None), "weight", None)
+    if isinstance(weight, DTensor):
+        return model.args.num_kv_heads // weight.device_mesh.size()
+    return model.args.num_kv_heads
 
 
 @dataclass
@@ -140,7 +151,12 @@ class Engine:
         self.buckets = decode_buckets(max_batch)
         self.dtype = model.tok_embeddings.weight.dtype
         self.caches = KVCaches.for_model(
-            args, max_batch=max_batch, max_seq_len=max_seq_len, dtype=self.dtype, device=device
+            args,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            dtype=self.dtype,
+            device=device,
+            num_kv_heads=local_kv_heads(model),
         )
         self.compiled = self.on_cuda if compile is None else compile
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).

@@ -121,12 +121,14 @@ class KVCaches:
         max_seq_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_kv_heads: int | None = None,
     ) -> KVCaches:
-        """Caches shaped for a model's `ModelArgs` (num_layers, num_kv_heads, head_dim)."""
+        """Caches shaped for a model's `ModelArgs` (num_layers, num_kv_heads, head_dim), with
+        `num_kv_heads` this process's share under tensor parallelism."""
         return cls(
             num_layers=args.num_layers,
             max_batch=max_batch,
-            num_kv_heads=args.num_kv_heads,
+            num_kv_heads=num_kv_heads or args.num_kv_heads,
             max_seq_len=max_seq_len,
             head_dim=args.head_dim,
             dtype=dtype,

@@ -81,42 +81,45 @@ def convert_to_float8(model: Transformer, layout: Layout) -> None:
     convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=wanted)
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
-    """Megatron-style TP: attention heads and MLP columns split across the tp axis; norms and the
-    residual stream sharded along the sequence (sequence parallel)."""
+def apply_tensor_parallel(model: Transformer, tp_mesh, *, sequence_parallel: bool = True) -> None:
+    """Megatron-style TP: attention heads and MLP columns split across the tp axis. With
+    `sequence_parallel` (training) the norms and the residual stream are sharded along the
+    sequence; without it (inference: a decode step has one token) they are replicated and each
+    block ends in an all-reduce."""
     if model.args.num_kv_heads % tp_mesh.size():
         raise ConfigError(
             f"parallel.tp = {tp_mesh.size()} must divide the model's num_kv_heads "
             f"({model.args.num_kv_heads})"
         )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    norm = SequenceParallel() if sequence_parallel else None
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, root | ({"norm": norm} if norm else {}))
     for block in model.layers.values():
         plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None, None),
-            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
             "feed_forward.w3": ColwiseParallel(),
         }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None, None),
+                ),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
         parallelize_module(block, tp_mesh, plan)
     # Both tables are sharded by vocabulary rows (Shard(0)): one DTensor serves as both, so a
     # tied model stays tied (parallelize_module gave each module its own copy).

@@ -1,0 +1,112 @@
+"""Tensor-parallel inference: one model split over the GPUs of a node, one process per GPU.
+
+Under torchrun (`lmforge launch --nproc N generate|eval ...`), `load_model` builds the model on
+the meta device, applies the trainer's tensor-parallel plan without sequence parallelism
+(`apply_tensor_parallel(..., sequence_parallel=False)`: a decode step has one token),
+materializes each process's shards and fills them from rank 0's copy of the weights
+(broadcast). Attention heads, KV-cache heads and MLP columns are split N ways; the output
+projection all-gathers the logits, so every process holds the same logits and makes the same
+greedy choice. Each process then runs the same engine on the same prompts (sampled sequences
+draw from one seed, `shared_seed`), and only rank 0 writes output. Without torchrun (or with one
+process) `load_model` is `lmforge.load`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lmforge.api import (
+    LoadedModel,
+    detect_format,
+    load,
+    load_tokenizer_for,
+    parse_dtype,
+    read_args,
+    read_state_dict,
+)
+from lmforge.errors import ConfigError
+from lmforge.models.llama import Transformer
+from lmforge.quantize import stored
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def load_model(
+    source: str | Path, *, device: str = "auto", dtype: str | torch.dtype | None = None
+) -> LoadedModel:
+    """The model of `source`, split over the torchrun processes (tensor parallel), or whole."""
+    from lmforge.api import resolve_device
+
+    if world_size() == 1:
+        return load(source, device=resolve_device(device), dtype=dtype)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from lmforge.train import distributed
+    from lmforge.train.config import ParallelSection
+    from lmforge.train.parallelize import apply_tensor_parallel
+
+    path = Path(source)
+    if detect_format(source) not in ("hf", "artifact") or stored.is_quantized(path):
+        raise ConfigError(
+            f"{source}: tensor-parallel inference takes a bf16/fp32 artifact or Hugging Face "
+            "directory (not a preset, checkpoint or quantized artifact)"
+        )
+    layout = distributed.setup(ParallelSection(tp=world_size(), dp_shard=1), device)
+    args = read_args(path)
+    state = read_state_dict(path, args) if layout.is_main else {}
+    stored_dtype = next(iter(state.values())).dtype if state else None
+    dtype = parse_dtype(dtype) or _broadcast(stored_dtype, layout.is_main)
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    apply_tensor_parallel(model, layout.mesh["tp"], sequence_parallel=False)
+    model.to_empty(device=layout.device)
+    model.tie_weights()
+    model.init_buffers(layout.device)
+    state = {name: tensor.to(dtype) for name, tensor in state.items()}
+    if args.tie_embeddings and state:  # one parameter under two names
+        state["output.weight"] = state["tok_embeddings.weight"]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+    tokenizer = load_tokenizer_for(path, args)
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=args, source=str(source))
+
+
+@contextlib.contextmanager
+def main_process_output() -> Iterator[None]:
+    """Under torchrun, silence stdout and stderr of every process but rank 0."""
+    if is_main():
+        yield
+        return
+    with (
+        open(os.devnull, "w") as quiet,
+        contextlib.redirect_stdout(quiet),
+        contextlib.redirect_stderr(quiet),
+    ):
+        yield
+
+
+def shared_seed(seed: int | None) -> int | None:
+    """`seed`, or under torchrun one random seed that every process uses (sampling must agree)."""
+    if seed is not None or world_size() == 1:
+        return seed
+    return _broadcast(random.randrange(2**62), is_main())
+
+
+def _broadcast(value, is_source: bool):
+    """Rank 0's `value`, on every process."""
+    box = [value if is_source else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
