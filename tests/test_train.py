@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.train import loop
 from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
 from lmforge.train.distributed import Layout
-from lmforge.train.loop import LoopSections, Trainer, TrainingDivergedError
+from lmforge.train.loop import (
+    LoopSections,
+    Trainer,
+    TrainingDivergedError,
+    skips_diverged_step_on_device,
+)
 from lmforge.train.losses import LossOutput
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 from tests.train_utils import (
@@ -205,9 +211,18 @@ class _Linear(torch.nn.Module):
         return (self.weight * x).sum()
 
 
-def test_nan_loss_stops_naming_the_step(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adamw"])
+def test_nan_loss_stops_naming_the_step(tmp_path, fused):
+    """SGD checks on the host before its update; fused AdamW is launched before the host sync
+    and skips the diverged update on the device (weights, moments and step count)."""
+
+    def make_optimizer(params):
+        if fused:
+            return torch.optim.AdamW(params, lr=0.1, fused=True)
+        return torch.optim.SGD(params, lr=0.1)
+
     model = _Linear()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = make_optimizer(model.parameters())
     calls = {"n": 0}
 
     def loss_step(model, batch):
@@ -258,13 +273,50 @@ def test_nan_loss_stops_naming_the_step(tmp_path):
         flops_per_token=1.0,
         bf16=False,
     )
-    before = model.weight.detach().clone()
+    assert trainer.skips_on_device == fused
     with pytest.raises(TrainingDivergedError, match="step 3: loss is nan"):
         trainer.run()
     assert trainer.step == 2
-    assert torch.allclose(
-        model.weight.detach(), before - 0.2
-    )  # two good updates, the bad one skipped
+    # Two good updates (the gradient is all ones), the bad one skipped.
+    expected = _Linear()
+    reference = make_optimizer(expected.parameters())
+    for _ in range(2):
+        expected.weight.grad = torch.ones(3)
+        reference.step()
+    assert torch.equal(model.weight.detach(), expected.weight.detach())
+    if fused:
+        got, want = optimizer.state[model.weight], reference.state[expected.weight]
+        assert got["step"].item() == 2
+        assert torch.equal(got["exp_avg"], want["exp_avg"])
+        assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+
+
+def test_which_optimizers_skip_a_diverged_step_on_device():
+    param = torch.nn.Parameter(torch.ones(2))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    fused = torch.optim.AdamW([param], fused=True)
+    assert skips_diverged_step_on_device(fused, cpu)
+    assert not skips_diverged_step_on_device(fused, cuda)  # CPU offload: parameters off device
+    assert not skips_diverged_step_on_device(torch.optim.AdamW([param], foreach=True), cpu)
+    assert not skips_diverged_step_on_device(torch.optim.SGD([param], lr=0.1), cpu)
+
+
+def test_fused_adamw_before_the_sync_matches_after_and_two_ranks(tmp_path, data, monkeypatch):
+    """The update launched before the host sync gives the losses of the old order bit for bit;
+    on 2 ranks (FSDP2 DTensor parameters, found_inf handed to the fused kernel) those of one."""
+    tokenizer, shards = data
+
+    def args(run_dir, *extra):
+        return pretrain_args(run_dir, tokenizer, shards, "optim.fused=true", *extra)
+
+    run_inprocess("pretrain", args(tmp_path / "before", "train.micro_batch_size=8"))
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "skips_diverged_step_on_device", lambda optimizer, device: False)
+        run_inprocess("pretrain", args(tmp_path / "after", "train.micro_batch_size=8"))
+    reference = losses(tmp_path / "after")
+    assert losses(tmp_path / "before") == reference
+    run_torchrun(2, "pretrain", args(tmp_path / "fsdp", "train.micro_batch_size=4"))
+    _assert_close(losses(tmp_path / "fsdp"), reference, 1e-5)
 
 
 def test_golden_losses(tmp_path):

@@ -59,6 +59,18 @@ def grad_accumulation_steps(cfg: TrainSection, dp_size: int) -> int:
     return cfg.global_batch_size // per_pass
 
 
+def skips_diverged_step_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether `optimizer` can be launched before the step's host sync: fused Adam/AdamW skip
+    the whole update on the device when handed `found_inf` = 1. Other optimizers, and parameters
+    off the compute device (FSDP2 CPU offload), wait for the host's finiteness check."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    groups = optimizer.param_groups
+    return all(group["fused"] for group in groups) and all(
+        param.device.type == device.type for group in groups for param in group["params"]
+    )
+
+
 class Trainer:
     def __init__(
         self,
@@ -96,6 +108,7 @@ class Trainer:
         self.count_targets = count_targets
         self.heldout = heldout  # () -> one pass over the held-out batches (this rank's)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.skips_on_device = skips_diverged_step_on_device(optimizer, layout.device)
         self.last_metrics: dict[str, float] = {}  # the latest logged values
 
     # ---- one optimizer step -------------------------------------------------------------
@@ -143,7 +156,15 @@ class Trainer:
             + [metric_sums[k] for k in keys]
         )
         grad_norm = grad_norm.reshape(1).float().to(device)  # on the CPU under FSDP offload
-        stats = torch.cat([self._all_reduce(stats), grad_norm]).tolist()
+        stats = torch.cat([self._all_reduce(stats), grad_norm])
+        lr = self.scheduler.get_last_lr()[0]
+        if self.skips_on_device:
+            # Launched before the host sync: the host dispatches the update (DTensor dispatch
+            # over every parameter) while the device still computes, rather than the device
+            # idling after the sync. A diverged step (loss sum or norm not finite: the same
+            # on every rank) is skipped by the fused kernel, its step count included.
+            self._optimizer_step(found_inf=(~torch.isfinite(stats[[0, -1]])).any().float())
+        stats = stats.tolist()
         grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm_value)):
@@ -152,8 +173,8 @@ class Trainer:
                 f"step {self.step + 1}: loss is {loss}, grad norm {grad_norm_value}; stopped "
                 f"before the update. Last good checkpoint: {self.checkpointer.last_verified or 'none'}"
             )
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        if not self.skips_on_device:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -171,6 +192,15 @@ class Trainer:
         values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
         return values
+
+    def _optimizer_step(self, *, found_inf: torch.Tensor) -> None:
+        """The update, skipped on the device where `found_inf` is 1 (the attribute
+        torch.amp.GradScaler hands fused Adam/AdamW; no grad_scale: gradients are unscaled)."""
+        self.optimizer.found_inf = found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
 
     @torch.no_grad()
     def evaluate(self) -> float:
