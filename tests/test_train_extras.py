@@ -4,10 +4,22 @@ checkpoints, a resume on a different number of processes, and config errors."""
 from __future__ import annotations
 
 import json
+import logging
+import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lmforge.cli import main as cli_main
+from lmforge.config import load_config
+from lmforge.errors import ConfigError
+from lmforge.models.llama import get_preset
+from lmforge.plan import plan_job, plan_memory, setup_from_job
+from lmforge.train import stage
+from lmforge.train.config import ParallelSection, PretrainJob
+from lmforge.train.distributed import Layout
+from lmforge.train.parallelize import resolve_reshard_after_forward
 from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess, run_torchrun
 
 
@@ -105,3 +117,91 @@ def test_config_errors_exit_2_with_one_line(tmp_path, data, capsys):
     )
     assert code == 2
     assert "global_batch_size (6) must be a multiple" in capsys.readouterr().err
+    code = cli_main(
+        [
+            "pretrain",
+            *pretrain_args(tmp_path, tokenizer, shards, "parallel.reshard_after_forward=yes"),
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert (
+        'parallel.reshard_after_forward = "yes" (command line): must be true, false or "auto"'
+        in err
+    )
+
+
+# ---- parallel.reshard_after_forward = "auto" --------------------------------------------------
+
+
+def test_reshard_after_forward_values():
+    assert ParallelSection().reshard_after_forward == "auto"
+    for raw, value in (("true", True), ("false", False), ("auto", "auto"), ('"auto"', "auto")):
+        job = load_config(PretrainJob, overrides=[f"parallel.reshard_after_forward={raw}"])
+        assert job.parallel.reshard_after_forward == value
+    for raw in ("1", '"true"', "sometimes"):
+        with pytest.raises(ConfigError, match='must be true, false or "auto"'):
+            load_config(PretrainJob, overrides=[f"parallel.reshard_after_forward={raw}"])
+
+
+ONE_B_JOB = {"model": {"source": "llama3.2-1b"}, "train": {"micro_batch_size": 8}}
+
+
+def _memory_where_kept_weights_fit(job: PretrainJob, gpus: int, *, fits: bool) -> int:
+    """Device memory just above (fits) or below what "auto" needs to keep the gathered weights:
+    the planner's total with reshard_after_forward = false, over 85%."""
+    setup = setup_from_job(job, gpus=gpus).replace(reshard_after_forward=False)
+    needed = plan_memory(setup).total / 0.85
+    return math.ceil(needed + 2**30) if fits else math.floor(needed - 2**30)
+
+
+def test_reshard_auto_rule_against_device_memory():
+    job = PretrainJob.model_validate(ONE_B_JOB)
+    setup = setup_from_job(job, gpus=2)
+    assert setup.reshard_after_forward == "auto"
+    roomy = _memory_where_kept_weights_fit(job, 2, fits=True)
+    tight = _memory_where_kept_weights_fit(job, 2, fits=False)
+    assert resolve_reshard_after_forward(setup, roomy) is False
+    assert resolve_reshard_after_forward(setup, tight) is True
+    assert resolve_reshard_after_forward(setup, None) is True  # the CPU
+    assert resolve_reshard_after_forward(setup.replace(gpus=1), roomy) is True  # no FSDP
+    for value in (True, False):  # set by the user: kept whatever the memory
+        assert resolve_reshard_after_forward(setup.replace(reshard_after_forward=value), tight) is (
+            value
+        )
+    # lmforge plan / lmforge run --dry-run model the same choice for the GPU they plan for.
+    assert plan_job(job, gpus=2, gpu_memory=roomy).setup.reshard_after_forward is False
+    assert plan_job(job, gpus=2, gpu_memory=tight).setup.reshard_after_forward is True
+
+
+def _layout(device: str, world_size: int = 2) -> Layout:
+    return Layout(
+        rank=0,
+        world_size=world_size,
+        device=torch.device(device),
+        mesh=None,
+        dp_rank=0,
+        dp_size=world_size,
+        tp_size=1,
+    )
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_reshard_auto_at_start_up_reads_the_gpu_and_logs(monkeypatch, caplog, fits):
+    job = PretrainJob.model_validate(ONE_B_JOB)
+    spec = stage.ModelSpec(
+        args=get_preset("llama3.2-1b"), tokenizer=None, source="llama3.2-1b", from_scratch=True
+    )
+    memory = _memory_where_kept_weights_fit(job, 2, fits=fits)
+    properties = SimpleNamespace(total_memory=memory)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    assert stage.resolved_parallel(job, spec, _layout("cuda")).reshard_after_forward is not fits
+    assert job.parallel.reshard_after_forward == "auto"  # the job itself is left as written
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.stage"):
+        stage._log_reshard_choice(job, spec, _layout("cuda"))
+    assert len(caplog.messages) == 1
+    assert caplog.messages[0].startswith(
+        f"parallel.reshard_after_forward = auto -> {str(not fits).lower()} (the planner says"
+    )
+    assert stage.resolved_parallel(job, spec, _layout("cpu")).reshard_after_forward is True

@@ -152,6 +152,7 @@ def build_setup(args: argparse.Namespace):
             method="full",
             gpus=total,
             gpus_per_node=per_node,
+            reshard_after_forward="auto",  # the trainer's default (resolved in plan_main)
             from_scratch=api.detect_format(source) == "preset",
         )
     changes = {
@@ -194,9 +195,12 @@ def build_setup(args: argparse.Namespace):
 def plan_main(args: argparse.Namespace) -> int:
     from lmforge.plan import dry_run, format_plan, format_suggestions, plan_memory, search, suggest
     from lmforge.plan.memory import GiB, parse_memory
+    from lmforge.train.parallelize import resolve_reshard_after_forward
 
     setup, fixed = build_setup(args)
     gpu_memory = parse_memory(args.gpu_memory)
+    # parallel.reshard_after_forward = "auto" decided as the trainer decides it on this GPU.
+    setup = setup.replace(reshard_after_forward=resolve_reshard_after_forward(setup, gpu_memory))
     host_memory = parse_memory(args.host_memory) if args.host_memory else None
     plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
     print(format_plan(plan))

@@ -15,6 +15,7 @@ from lmforge.plan.memory import (
     Setup,
     Suggestion,
     check_setup,
+    parse_memory,
     plan_memory,
     setup_from_job,
 )
@@ -202,7 +203,12 @@ def plan_job(
     """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
     'h100', ...), with suggestions when it does not fit (`args`: see `setup_from_job`). For
     `lmforge run` (lmforge.plan.stages)."""
+    from lmforge.train.parallelize import resolve_reshard_after_forward
+
     setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node, args=args)
+    gpu_memory = parse_memory(gpu_memory)
+    # parallel.reshard_after_forward = "auto" decided as the trainer decides it on this GPU.
+    setup = setup.replace(reshard_after_forward=resolve_reshard_after_forward(setup, gpu_memory))
     plan = plan_memory(setup, gpu_memory, host_memory=host_memory)
     if not plan.fits:
         plan.suggestions = suggest(plan)

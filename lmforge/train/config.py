@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from lmforge.config import ModelSection, Section
 from lmforge.data.preference import PreferenceDataSection
@@ -85,7 +85,18 @@ class ParallelSection(Section):
     """Float8 linear layers through torchao (GPUs with float8 support only)."""
     cpu_offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer states."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | Literal["auto"] = "auto"
+    """FSDP2: free each block's gathered weights after its forward (true: gathered again for
+    backward) or keep them until backward (false: less communication, more memory). "auto":
+    false on CUDA when the planner (`lmforge plan`) puts the job that way within 85% of the
+    GPU's memory, else true; true on the CPU. Allowed: true, false, "auto"."""
+
+    @field_validator("reshard_after_forward", mode="before")
+    @classmethod
+    def _check_reshard(cls, value):
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ValueError('must be true, false or "auto"')
+        return value
 
     @model_validator(mode="after")
     def _check_shard(self):

@@ -34,6 +34,29 @@ from lmforge.models.llama import Transformer
 from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
 
+# parallel.reshard_after_forward = "auto" keeps the gathered weights when the planner puts the
+# job within this share of the device's memory (the rest: fragmentation and the planner's error).
+AUTO_KEEP_GATHERED_MEMORY_FRACTION = 0.85
+
+
+def resolve_reshard_after_forward(setup, device_memory: int | None) -> bool:
+    """parallel.reshard_after_forward for the planner's `setup` (lmforge.plan.Setup of the job).
+
+    true / false as set. "auto": false (each block's gathered weights kept from forward to
+    backward: one all-gather per block and step instead of two) when the planner predicts that
+    the job still fits in AUTO_KEEP_GATHERED_MEMORY_FRACTION of `device_memory` (bytes) that
+    way, else true; true without a device memory (the CPU) or without FSDP.
+    """
+    if setup.reshard_after_forward != "auto":
+        return bool(setup.reshard_after_forward)
+    if device_memory is None or not setup.fsdp:
+        return True
+    from lmforge.plan import plan_memory
+
+    budget = int(AUTO_KEEP_GATHERED_MEMORY_FRACTION * device_memory)
+    kept = plan_memory(setup.replace(reshard_after_forward=False), budget)
+    return not kept.gpu_fits
+
 
 def parallelize(
     model: Transformer, layout: Layout, cfg: ParallelSection, *, bf16: bool
@@ -42,6 +65,7 @@ def parallelize(
 
     Args:
         layout: process layout with the device mesh (None mesh: one process).
+        cfg: its reshard_after_forward resolved to a bool (`resolve_reshard_after_forward`).
         bf16: compute in bf16 (FSDP2 mixed precision: bf16 params in compute, fp32 reductions).
     """
     if cfg.float8:
@@ -173,6 +197,7 @@ def apply_fsdp(model: Transformer, layout: Layout, cfg: ParallelSection, *, bf16
         else MixedPrecisionPolicy()
     )
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    assert isinstance(cfg.reshard_after_forward, bool), "resolve_reshard_after_forward first"
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.

@@ -54,7 +54,11 @@ from lmforge.train.config import TrainJob
 from lmforge.train.loop import LoopSections, LossStep, Trainer
 from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler
-from lmforge.train.parallelize import parallelize
+from lmforge.train.parallelize import (
+    AUTO_KEEP_GATHERED_MEMORY_FRACTION,
+    parallelize,
+    resolve_reshard_after_forward,
+)
 from lmforge.train.preempt import PreemptedError
 
 log = logging.getLogger(__name__)
@@ -198,7 +202,7 @@ def build_and_load_model(
     sharded_nf4 = lora is not None and lora.quantize_base == "nf4" and layout.dp_size > 1
     if sharded_nf4:  # FSDP2 shards the packed NF4 bases (QLoRA across processes)
         nf4_placeholders(model, num_shards=layout.mesh["dp_shard"].size())
-    parallelize(model, layout, job.parallel, bf16=bf16)
+    parallelize(model, layout, resolved_parallel(job, spec, layout), bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
     # FSDP2 swaps tensors in place (the tie survives); a plain module gets new ones (re-tie).
     model.tie_weights()
@@ -236,6 +240,38 @@ def build_and_load_model(
     elif layout.is_main:
         log.warning("LoRA: frozen linear weights in %s: model memory %.1f MB", stored, before / 1e6)
     return model
+
+
+def resolved_parallel(job: TrainJob, spec: ModelSpec, layout: distributed.Layout):
+    """job.parallel with reshard_after_forward = "auto" decided for this job on this device
+    (`resolve_reshard_after_forward`: the planner's prediction against the GPU's memory)."""
+    if job.parallel.reshard_after_forward != "auto":
+        return job.parallel
+    from lmforge.plan import setup_from_job
+
+    device_memory = None
+    if layout.device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(layout.device).total_memory
+    setup = setup_from_job(job, gpus=layout.world_size, args=spec.args)
+    reshard = resolve_reshard_after_forward(setup, device_memory)
+    return job.parallel.model_copy(update={"reshard_after_forward": reshard})
+
+
+def _log_reshard_choice(job: TrainJob, spec: ModelSpec, layout: distributed.Layout) -> None:
+    uses_fsdp = layout.dp_size > 1 or job.parallel.cpu_offload
+    if job.parallel.reshard_after_forward != "auto" or not uses_fsdp or not layout.is_main:
+        return
+    reshard = resolved_parallel(job, spec, layout).reshard_after_forward
+    if layout.device.type != "cuda":
+        why = "on the CPU"
+    else:
+        memory = torch.cuda.get_device_properties(layout.device).total_memory
+        fits = "does not fit" if reshard else "fits"
+        why = (
+            f"the planner says the job with gathered weights kept {fits} in "
+            f"{AUTO_KEEP_GATHERED_MEMORY_FRACTION:.0%} of {memory / 2**30:.1f} GiB"
+        )
+    log.warning("parallel.reshard_after_forward = auto -> %s (%s)", str(reshard).lower(), why)
 
 
 def _lora_base_names(model: torch.nn.Module) -> list[str]:
@@ -490,6 +526,7 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_h
     check_job(job, spec, layout, seq_len)
     if layout.is_main:
         write_run_files(run_dir, job, spec)
+    _log_reshard_choice(job, spec, layout)
     model = build_and_load_model(spec, layout, job, bf16=bf16, lora=lora)
     model.train()
     optimizer = build_optimizer(model, job.optim, layout.device)
