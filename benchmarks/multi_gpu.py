@@ -6,10 +6,11 @@ context/slack line, so both count allocated bytes).
 
     python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
 
-Rows are PRESET-LAYOUT[-KIND][+nrs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
+Rows are PRESET-LAYOUT[-KIND][+nrs|+rs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
 (default), sft-lora or dpo-lora; +nrs keeps the gathered parameters between forward and backward
-(parallel.reshard_after_forward = false). Presets are as shipped (1B and 3B tie their embeddings); pass
-`--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
+(parallel.reshard_after_forward = false), +rs frees them after forward (true); without either,
+the default "auto" decides (the row's result names its choice). Presets are as shipped (1B and
+3B tie their embeddings); pass `--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
 (vocab 8192; the model keeps its 128256-row table).
 """
 
@@ -68,7 +69,10 @@ def write_data(root: Path, seq_len: int) -> dict[str, Path]:
     return paths
 
 
-OPTIONS = {"nrs": "parallel.reshard_after_forward=false"}  # row suffixes: +nrs
+OPTIONS = {  # row suffixes: +nrs, +rs
+    "nrs": "parallel.reshard_after_forward=false",
+    "rs": "parallel.reshard_after_forward=true",
+}
 
 
 def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[str]]:
@@ -164,6 +168,9 @@ def main() -> None:
             results[row] = {"error": f"exit {code}: " + log.read_text()[-600:]}
         else:
             results[row] = {**measured(run_dir, args.warmup), **planned(run_dir, nproc)}
+            choice = re.search(r"reshard_after_forward = auto -> (\w+)", log.read_text())
+            if choice:
+                results[row]["reshard_after_forward"] = choice.group(1)
         print(row, json.dumps(results[row]), flush=True)
         for trace in sorted((run_dir / "profile").glob("rank0*.json*")):
             print(summarize(trace), flush=True)
