@@ -139,7 +139,10 @@ def build_model(cfg: Config, args, layout: Layout, device: torch.device, *, lora
             base_dtype=torch.bfloat16 if device.type == "cuda" else None,
         )
     parallel = ParallelSection(
-        activation_checkpointing=cfg.ac, cpu_offload=cfg.offload, compile=cfg.compile
+        activation_checkpointing=cfg.ac,
+        cpu_offload=cfg.offload,
+        compile=cfg.compile,
+        reshard_after_forward=True,  # what predict()'s Setup models
     )
     parallelize(model, layout, parallel, bf16=True)
     if cfg.fsdp1 and not cfg.offload:
