@@ -150,9 +150,11 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         # One all-reduce and one host sync per step carry the loss, the extra metrics and the
         # preemption flag (TP ranks hold the same loss: numerator and denominator both count it).
+        # The flag is filled on the device: torch.tensor(..., device=cuda) would copy it from
+        # the host with a blocking copy, which waits for the whole step (a host sync).
         keys = sorted(metric_sums)
         stats = torch.stack(
-            [loss_sum, num_tokens.float(), torch.tensor(float(preempt_flag), device=device)]
+            [loss_sum, num_tokens.float(), torch.full((), float(preempt_flag), device=device)]
             + [metric_sums[k] for k in keys]
         )
         grad_norm = grad_norm.reshape(1).float().to(device)  # on the CPU under FSDP offload
@@ -163,7 +165,8 @@ class Trainer:
             # over every parameter) while the device still computes, rather than the device
             # idling after the sync. A diverged step (loss sum or norm not finite: the same
             # on every rank) is skipped by the fused kernel, its step count included.
-            self._optimizer_step(found_inf=(~torch.isfinite(stats[[0, -1]])).any().float())
+            finite = torch.isfinite(stats[0]) & torch.isfinite(stats[-1])
+            self._optimizer_step(found_inf=(~finite).float())
         stats = stats.tolist()
         grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
