@@ -71,7 +71,8 @@ def count_label_tokens(batch: dict) -> torch.Tensor:
 
 def count_pairs(batch: dict) -> torch.Tensor:
     """Target count of a preference batch: DPO's loss is a mean over pairs."""
-    return torch.tensor(batch["chosen_inputs"].shape[0], device=batch["chosen_inputs"].device)
+    # torch.full, not torch.tensor(..., device=cuda): that copies from the host and syncs.
+    return torch.full((), batch["chosen_inputs"].shape[0], device=batch["chosen_inputs"].device)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -161,7 +162,7 @@ class DPOLossStep:
         )
         return LossOutput(
             loss_sum=losses.sum(),
-            num_tokens=torch.tensor(half, device=inputs.device),
+            num_tokens=torch.full((), half, device=inputs.device),  # no host sync
             metrics={  # sums over pairs; the loop divides by the step's pair count
                 "rewards_chosen": chosen_rewards.sum(),
                 "rewards_rejected": rejected_rewards.sum(),
