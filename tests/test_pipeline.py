@@ -255,6 +255,8 @@ def test_config_errors_name_the_stage_and_key(tmp_path):
         'kind = "pretrain"\nlauncher.nodes = 0\n': "launcher: nodes = 0: must be greater than 0",
         'kind = "pretrain"\n': "stage 's': data.shards is not set",
         'kind = "sft"\n': "stage 's': data.path (or data.dataset) is not set",
+        'kind = "quantize"\nsource = "x"\n': "stage 's': 'source' is set by the pipeline",
+        'kind = "eval"\nmodels = ["m"]\n': "nothing to evaluate: set tasks",
     }
     for body, message in cases.items():
         file.write_text('[pipeline]\nname = "p"\n[stages.s]\n' + body)
@@ -279,15 +281,25 @@ def test_training_stage_config_is_a_validated_job_config(tmp_path):
         '[stages.pre]\nkind = "pretrain"\ndata.shards = "s/"\ntrain.steps = 7\n'
         "launcher.nproc_per_node = 2\n"
         '[stages.ft]\nkind = "sft"\nfrom = "pre"\ndata.path = ["a.jsonl"]\nlora.enabled = true\n'
+        '[stages.ex]\nkind = "export"\nfrom = "ft"\ndtype = "float32"\n'
+        '[stages.q]\nkind = "quantize"\nfrom = "ex"\nscheme = "int4-wo"\ngroup_size = 32\n'
     )
     pipeline = load_pipeline(file, workdir=tmp_path)
-    pre, ft = pipeline.stages
+    pre, ft, ex, q = pipeline.stages
     assert pre.argv == ["pretrain", "--config", "runs/p/pre/stage.toml"]
     assert pre.config.train.steps == 7 and pre.config.run_dir == "runs/p/pre"
     assert pre.config.model.source == "tiny" and pre.config.model.tokenizer == "tok/"
     assert pre.resources.nproc_per_node == 2 and pre.resources.partition == "gpu"
     assert ft.config.model.source == "runs/p/pre/artifact" and ft.config.lora.enabled
     assert ft.depends_on == ["pre"] and ft.distributed
+    # export reads the training run's checkpoints; each command gets its input and output
+    assert ex.argv == ["export", "--config", "runs/p/ex/stage.toml"] and not ex.distributed
+    assert (ex.config.source, ex.config.out) == ("runs/p/ft", "runs/p/ex/artifact")
+    assert (q.config.source, q.config.out, q.config.group_size) == (
+        "runs/p/ex/artifact",
+        "runs/p/q/artifact",
+        32,
+    )
     # a local job with 2 processes runs under torchrun, standalone
     job = StageJob("pre", "pretrain", pre.argv, tmp_path, pre.resources, distributed=True)
     command = LocalLauncher().command(job)
