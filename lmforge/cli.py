@@ -1,36 +1,53 @@
 """The one `lmforge` entry point.
 
-Each subcommand lives in its own module, which exposes `register(subparsers)` to add its parser
-and sets `func` (a thin `main(args)`) as the parser default. This file only collects them and
+Each subcommand lives in its own module under lmforge/commands/, which exposes
+`register(subparsers)` to add its parser and sets `func` (a thin `main(args)`) as the parser
+default; the modules import what their commands need when they run, so importing them all is
+cheap. This file only collects them and
 turns a `UserError` into one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 
+from lmforge.commands import (
+    config,
+    demo,
+    download,
+    generate,
+    merge,
+    model,
+    plan,
+    prepare,
+    quantize,
+    run,
+    serve,
+    tokenizer,
+    train,
+)
+from lmforge.commands import eval as eval_command
 from lmforge.errors import UserError
 
-# Modules that register subcommands, in the order `--help` lists them.
+# The modules that register subcommands, in the order `--help` lists them.
 COMMAND_MODULES = [
-    "lmforge.commands.model",
-    "lmforge.commands.train",
-    "lmforge.commands.tokenizer",
-    "lmforge.commands.download",
-    "lmforge.commands.prepare",
-    "lmforge.commands.config",
-    "lmforge.commands.demo",
-    "lmforge.commands.merge",
-    "lmforge.commands.quantize",
-    "lmforge.commands.eval",
-    "lmforge.commands.generate",
-    "lmforge.commands.serve",
-    "lmforge.commands.run",
-    "lmforge.commands.plan",
+    model,
+    train,
+    tokenizer,
+    download,
+    prepare,
+    config,
+    demo,
+    merge,
+    quantize,
+    eval_command,
+    generate,
+    serve,
+    run,
+    plan,
 ]
 
 
@@ -57,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction, help="print lmforge's version")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in COMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
     return parser
 
 

@@ -295,9 +295,9 @@ def test_cli_config_show(capsys, tmp_path):
 
 def test_cli_main_exit_code_2(capsys, monkeypatch):
     from lmforge import cli
+    from lmforge.commands import config
 
-    # Only this module: sibling command modules are written in parallel and may not import yet.
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["lmforge.commands.config"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", [config])
     assert cli.main(["config", "show", "model", "--format", "yaml"]) == 0
     assert "dtype: float32" in capsys.readouterr().out
     assert cli.main(["config", "show", "model", "dtype=bf16", "sorce=x"]) == 2

@@ -44,7 +44,7 @@ REPO_FILES = {
 
 # Run the real CLI entry point with only this command registered.
 CLI = (
-    "import sys, lmforge.cli as cli; cli.COMMAND_MODULES = ['lmforge.commands.download']; "
+    "import sys, lmforge.cli as cli; import lmforge.commands.download as d; cli.COMMAND_MODULES = [d]; "
     "sys.exit(cli.main(['download', *sys.argv[1:]]))"
 )
 

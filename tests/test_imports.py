@@ -118,3 +118,35 @@ def test_data_does_not_import_train():
 def test_a_planted_circle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_by_string():
+    """`importlib.import_module("lmforge.x")` hides an arrow from the walk above (and from a
+    reader who wants to jump to it): components are imported by name."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = node.func if isinstance(node, ast.Call) else None
+            text = ast.unparse(called) if called is not None else ""
+            if text in ("importlib.import_module", "import_module", "__import__"):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []
+
+
+def test_arrows_point_down():
+    """The command line sits on top: no library module imports it. The run-directory records
+    (lmforge.manifest) sit at the bottom, so that the report and `status` read them without
+    the pipeline: they import nothing of lmforge's, and report/ never imports pipeline/."""
+    graph = import_graph()
+    entry = ("lmforge.cli", "lmforge.commands", "lmforge.__main__")
+    upward = {
+        (module, target)
+        for module, targets in graph.items()
+        if not module.startswith(entry)
+        for target in targets
+        if target.startswith(entry)
+    }
+    assert upward == set()
+    assert graph["lmforge.manifest"] == set()
+    report = {t for m, ts in graph.items() if m.startswith("lmforge.report") for t in ts}
+    assert not {t for t in report if t.startswith("lmforge.pipeline")}

@@ -106,7 +106,13 @@ def test_run_skip_when_unchanged_and_rerun_downstream_of_a_change(done, tmp_path
     tok = first["tok"]
     assert tok["status"] == "succeeded" and tok["kind"] == "tokenizer"
     assert tok["config"]["vocab_size"] == 300 and len(tok["config_hash"]) == 64
-    assert tok["command"][:3] == ["lmforge", "tokenizer", "train"]
+    assert tok["command"] == [
+        "lmforge",
+        "tokenizer",
+        "train",
+        "--config",
+        "runs/cheap/tok/stage.toml",
+    ]
     assert set(tok["inputs"]) == {"stage:world"} and tok["inputs"]["stage:world"]
     assert tok["input"] is None  # no `from`: its inputs are references
     assert tok["output"]["path"] == "runs/cheap/tok/out" and len(tok["output"]["hash"]) == 64
@@ -217,8 +223,11 @@ def test_dry_run_prints_the_plan_and_commands_and_runs_nothing(tmp_path, capsys)
         os.chdir(cwd)
     out = capsys.readouterr().out
     assert "world          prepare   run (no previous run)" in out
-    assert "$ lmforge demo --write-data runs/cheap/world/out --seed 0 --num-people 12" in out
-    assert "$ lmforge tokenizer train --input runs/cheap/world/out/corpus.txt" in out
+    # every stage runs as `lmforge COMMAND --config stage.toml`, the config printed below it
+    assert "$ lmforge demo --config runs/cheap/world/stage.toml" in out
+    assert 'out = "runs/cheap/world/out"\nseed = 0\nnum_people = 12' in out
+    assert "$ lmforge tokenizer train --config runs/cheap/tok/stage.toml" in out
+    assert 'input = [\n    "runs/cheap/world/out/corpus.txt",\n]' in out
     assert "$ lmforge prepare --config runs/cheap/shards/stage.toml" in out
     assert 'tokenizer = "runs/cheap/tok/out"' in out  # the resolved config is printed
     assert "command.sh" in out
@@ -246,6 +255,8 @@ def test_config_errors_name_the_stage_and_key(tmp_path):
         'kind = "pretrain"\nlauncher.nodes = 0\n': "launcher: nodes = 0: must be greater than 0",
         'kind = "pretrain"\n': "stage 's': data.shards is not set",
         'kind = "sft"\n': "stage 's': data.path (or data.dataset) is not set",
+        'kind = "quantize"\nsource = "x"\n': "stage 's': 'source' is set by the pipeline",
+        'kind = "eval"\nmodels = ["m"]\n': "nothing to evaluate: set tasks",
     }
     for body, message in cases.items():
         file.write_text('[pipeline]\nname = "p"\n[stages.s]\n' + body)
@@ -270,15 +281,25 @@ def test_training_stage_config_is_a_validated_job_config(tmp_path):
         '[stages.pre]\nkind = "pretrain"\ndata.shards = "s/"\ntrain.steps = 7\n'
         "launcher.nproc_per_node = 2\n"
         '[stages.ft]\nkind = "sft"\nfrom = "pre"\ndata.path = ["a.jsonl"]\nlora.enabled = true\n'
+        '[stages.ex]\nkind = "export"\nfrom = "ft"\ndtype = "float32"\n'
+        '[stages.q]\nkind = "quantize"\nfrom = "ex"\nscheme = "int4-wo"\ngroup_size = 32\n'
     )
     pipeline = load_pipeline(file, workdir=tmp_path)
-    pre, ft = pipeline.stages
+    pre, ft, ex, q = pipeline.stages
     assert pre.argv == ["pretrain", "--config", "runs/p/pre/stage.toml"]
     assert pre.config.train.steps == 7 and pre.config.run_dir == "runs/p/pre"
     assert pre.config.model.source == "tiny" and pre.config.model.tokenizer == "tok/"
     assert pre.resources.nproc_per_node == 2 and pre.resources.partition == "gpu"
     assert ft.config.model.source == "runs/p/pre/artifact" and ft.config.lora.enabled
     assert ft.depends_on == ["pre"] and ft.distributed
+    # export reads the training run's checkpoints; each command gets its input and output
+    assert ex.argv == ["export", "--config", "runs/p/ex/stage.toml"] and not ex.distributed
+    assert (ex.config.source, ex.config.out) == ("runs/p/ft", "runs/p/ex/artifact")
+    assert (q.config.source, q.config.out, q.config.group_size) == (
+        "runs/p/ex/artifact",
+        "runs/p/q/artifact",
+        32,
+    )
     # a local job with 2 processes runs under torchrun, standalone
     job = StageJob("pre", "pretrain", pre.argv, tmp_path, pre.resources, distributed=True)
     command = LocalLauncher().command(job)
@@ -402,19 +423,48 @@ def test_yaml_pipeline_files_and_command_line_overrides(tmp_path, capsys):
     (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     from_yaml = load_pipeline(tmp_path / "pipe.yaml", workdir=tmp_path)
     from_toml = load_pipeline(write(tmp_path), workdir=tmp_path)
-    assert [s.argv for s in from_yaml.stages] == [s.argv for s in from_toml.stages]
+    assert [s.config for s in from_yaml.stages] == [s.config for s in from_toml.stages]
 
     changed = load_pipeline(
         tmp_path / "pipe.yaml", workdir=tmp_path, overrides=["stages.tok.vocab_size=280"]
     )
-    assert "280" in changed.stage("tok").argv and "300" not in changed.stage("tok").argv
+    assert changed.stage("tok").config.vocab_size == 280
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
         args = ["run", "pipe.yaml", "--dry-run", "stages.world.demo.num_people=7"]
         assert cli_main(args) == 0
-        assert "--num-people 7" in capsys.readouterr().out
+        assert "num_people = 7" in capsys.readouterr().out
         assert cli_main(["run", "pipe.yaml", "--dry-run", "pipeline.name.x=1"]) == 2
         assert "pipeline.name is a value, not a section" in capsys.readouterr().err
     finally:
         os.chdir(cwd)
+
+
+def test_every_stage_runs_its_command_with_config_the_only_argument(tmp_path):
+    from lmforge.cli import build_parser
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "pipeline.toml"
+    pipeline = load_pipeline(example, workdir=tmp_path)
+    assert {stage.kind for stage in pipeline.stages} >= {"prepare", "tokenizer", "eval"}
+    parser = build_parser()
+    for stage in pipeline.stages:
+        assert stage.argv[-2:] == ["--config", f"runs/tiny/{stage.name}/stage.toml"]
+        assert str(parser.parse_args(stage.argv).config) == stage.argv[-1], stage.name
+    help_text = parser.format_help()
+    assert "pipeline-eval" not in help_text
+
+
+def test_a_stage_command_takes_its_settings_from_one_place(tmp_path, capsys):
+    config = tmp_path / "q.toml"
+    config.write_text('source = "tiny"\nout = "q"\nscheme = "int8-wo"\n')
+    assert cli_main(["quantize", "--config", str(config), "other", "--scheme", "int4-wo"]) == 2
+    assert "do not also give ARTIFACT, --scheme" in capsys.readouterr().err
+    assert cli_main(["quantize", "tiny"]) == 2
+    assert "required: OUT, --scheme (or --config FILE)" in capsys.readouterr().err
+    config.write_text('source = "tiny"\nout = "q"\nscheme = "int2"\n')
+    assert cli_main(["quantize", "--config", str(config)]) == 2
+    assert "scheme" in capsys.readouterr().err
+    config.write_text('models = ["a", "b"]\nlabels = ["a"]\ntasks = ["x"]\nout = "o"\n')
+    assert cli_main(["eval", "--config", str(config)]) == 2
+    assert "labels has 1 names for 2 models" in capsys.readouterr().err

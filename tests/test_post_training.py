@@ -268,3 +268,45 @@ def test_held_out_loss_every_n_steps_equal_on_two_ranks(tmp_path, base, stage, m
 def test_eval_every_needs_held_out_data(tmp_path, base, capsys):
     assert run_inprocess("sft", sft_args(tmp_path / "run", base, "train.eval_every=2")) == 2
     assert "set data.heldout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "precision, device, expected",
+    [
+        ("bf16", "cpu", True),
+        ("auto", "cpu", False),
+        ("fp32", "cpu", False),
+        ("bf16", "cuda", True),
+        ("auto", "cuda", True),
+        ("fp32", "cuda", False),
+    ],
+)
+def test_one_rule_decides_bf16_compute(precision, device, expected):
+    from types import SimpleNamespace
+
+    from lmforge.config import load_config
+    from lmforge.train.config import DPOJob
+    from lmforge.train.stage import computes_in_bf16
+
+    job = load_config(DPOJob, None, [f"train.mixed_precision={precision}"])
+    layout = SimpleNamespace(device=torch.device(device))
+    assert computes_in_bf16(job, layout) is expected
+
+
+def test_dpo_frozen_reference_computes_in_the_policys_precision(tmp_path, base, monkeypatch):
+    """On the CPU with mixed_precision = "bf16", DPO's frozen reference copy is built for bf16
+    as the policy is (train/stage.py and train/dpo.py once decided this each on their own)."""
+    from lmforge.train import dpo, stage
+
+    built = []
+    build = stage.build_and_load_model
+
+    def recording(spec, layout, job, *, bf16, **options):
+        built.append(bf16)
+        return build(spec, layout, job, bf16=bf16, **options)
+
+    monkeypatch.setattr(stage, "build_and_load_model", recording)
+    monkeypatch.setattr(dpo, "build_and_load_model", recording)
+    args = full_dpo_args(tmp_path / "run", base, "train.mixed_precision=bf16", "train.steps=1")
+    assert run_inprocess("dpo", args) == 0
+    assert built == [True, True]  # the policy, then its frozen reference

@@ -436,8 +436,9 @@ def test_cli_help_texts(capsys):
 
 def test_cli_main_turns_user_error_into_exit_code_2(tmp_path, monkeypatch, capsys):
     from lmforge import cli
+    from lmforge.commands import tokenizer
 
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["lmforge.commands.tokenizer"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", [tokenizer])
     assert cli.main(["tokenizer", "encode", str(tmp_path / "missing"), "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "missing" in err and "\n" not in err

@@ -164,7 +164,9 @@ def _torchtitan_forward(state: dict[str, torch.Tensor], args, tokens) -> torch.T
 
 
 def _convert(monkeypatch, *argv) -> int:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["lmforge.commands.model"])
+    from lmforge.commands import model
+
+    monkeypatch.setattr(cli, "COMMAND_MODULES", [model])
     return cli.main(["convert", *map(str, argv)])
 
 

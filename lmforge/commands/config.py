@@ -1,31 +1,50 @@
 """`lmforge config show SCHEMA`: print a config resolved from defaults < file < key=value.
 
-`SCHEMAS` maps each name to a function returning its Section class; entries import lazily so
-that listing them costs nothing (add yours as `"name": lambda: _import("lmforge.x", "XConfig")`).
+`SCHEMAS` maps each name to a function that imports and returns its Section class: listing them
+costs nothing (the training jobs import torch), and each is plain code one can jump to.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import sys
 from collections.abc import Callable
 
-from lmforge.config import Section, dump_config, load_config
+from lmforge.config import ModelSection, Section, dump_config, load_config
 from lmforge.errors import ConfigError
 
 
-def _import(module: str, name: str) -> type[Section]:
-    return getattr(importlib.import_module(module), name)
+def _prepare() -> type[Section]:
+    from lmforge.data.prepare import PrepareSection
+
+    return PrepareSection
+
+
+def _pretrain() -> type[Section]:
+    from lmforge.train.config import PretrainJob
+
+    return PretrainJob
+
+
+def _sft() -> type[Section]:
+    from lmforge.train.config import SFTJob
+
+    return SFTJob
+
+
+def _dpo() -> type[Section]:
+    from lmforge.train.config import DPOJob
+
+    return DPOJob
 
 
 SCHEMAS: dict[str, Callable[[], type[Section]]] = {
-    "model": lambda: _import("lmforge.config", "ModelSection"),
-    "prepare": lambda: _import("lmforge.data.prepare", "PrepareSection"),
-    "pretrain": lambda: _import("lmforge.train.config", "PretrainJob"),
-    "sft": lambda: _import("lmforge.train.config", "SFTJob"),
-    "dpo": lambda: _import("lmforge.train.config", "DPOJob"),
+    "model": lambda: ModelSection,
+    "prepare": _prepare,
+    "pretrain": _pretrain,
+    "sft": _sft,
+    "dpo": _dpo,
 }
 
 

@@ -1,9 +1,9 @@
 """`lmforge demo`: the embedded default pipeline, `lmforge run examples/tiny/pipeline.toml`.
 
 From nothing to a pretrained, finetuned, aligned, evaluated and quantized tiny model on the CPU
-(a few minutes on two cores), ending with the report's location. `--write-data DIR` is what the
-pipeline's first stage runs: it writes the demo world's data files
-(`lmforge.data.demo.write_demo_data`).
+(a few minutes on two cores), ending with the report's location. `--write-data DIR` writes the
+demo world's data files (`lmforge.data.demo.write_demo_data`); `--config FILE` does the same
+with the settings in FILE, which is what the pipeline's first stage runs.
 """
 
 from __future__ import annotations
@@ -38,10 +38,30 @@ def register(subparsers) -> None:
     demo.add_argument("--seed", type=int, default=0, help="with --write-data")
     demo.add_argument("--num-people", type=int, default=None, help="with --write-data")
     demo.add_argument("--repeats", type=int, default=None, help="with --write-data")
+    demo.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="write the demo world's data files as FILE says (keys: out, seed, num_people, "
+        "repeats), as a pipeline's prepare stage with demo = {...} does",
+    )
     demo.set_defaults(func=demo_main)
 
 
 def demo_main(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        from lmforge.config import load_config
+        from lmforge.pipeline.kinds import DemoDataSection
+
+        given = (args.write_data, args.num_people, args.repeats, args.seed or None)
+        if any(value is not None for value in given):
+            raise UserError(
+                f"--config {args.config} gives the settings; do not also give --write-data, "
+                "--seed, --num-people or --repeats"
+            )
+        cfg = load_config(DemoDataSection, args.config)
+        args.write_data, args.seed = Path(cfg.out), cfg.seed
+        args.num_people, args.repeats = cfg.num_people, cfg.repeats
     if args.write_data is not None:
         from lmforge.data.demo import write_demo_data
 

@@ -1,4 +1,8 @@
-"""`lmforge eval ARTIFACT... --tasks ...`: lm-eval tasks and perplexity on one or more models."""
+"""`lmforge eval ARTIFACT... --tasks ...`: lm-eval tasks and perplexity on one or more models.
+
+`lmforge eval --config FILE` scores the models FILE names side by side into one results.json
+(`lmforge.eval.stage`): what a pipeline's eval stage runs.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,10 @@ EPILOG = (
     "network). --demo-data FILE adds the demo's tasks demo_mc (plain prompt) and demo_mc_chat "
     "(for --chat) over that mc_heldout.jsonl. Results go to <artifact>/eval/results-<time>.json "
     "(or --out DIR); with several artifacts a side-by-side table shows each one's value +- "
-    "standard error and the deltas against the first."
+    "standard error and the deltas against the first. --config FILE instead takes the models "
+    "and everything to score from FILE (models, labels, tasks, chat_tasks, demo_data, "
+    "preference_data, answer_data, perplexity, out, ...: a pipeline eval stage's settings) and "
+    "writes one results.json with a side-by-side table; it runs offline unless HF_HUB_OFFLINE=0."
 )
 
 
@@ -36,7 +43,13 @@ def register(subparsers) -> None:
         "quantized artifacts, HF directories) and/or their perplexity on held-out text.",
         epilog=EPILOG,
     )
-    parser.add_argument("sources", nargs="+", metavar="ARTIFACT", help="models to evaluate")
+    parser.add_argument("sources", nargs="*", metavar="ARTIFACT", help="models to evaluate")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="score the models and data that FILE names side by side (see below)",
+    )
     parser.add_argument(
         "--tasks",
         action="append",
@@ -107,6 +120,10 @@ def eval_main(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        return _eval_config(args)
+    if not args.sources:
+        raise ConfigError("give the models to evaluate (ARTIFACT...) or --config FILE")
     if args.offline:  # before datasets / huggingface_hub are imported: they read it then
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -186,3 +203,29 @@ def _run_perplexity(args: argparse.Namespace) -> None:
             f"{source}: perplexity {report['perplexity']:.4f} over {report['num_tokens']} tokens "
             f"(seq_len {report['seq_len']}, stride {report['stride']}) -> {path}"
         )
+
+
+def _eval_config(args: argparse.Namespace) -> int:
+    """`--config FILE`: the side-by-side evaluation a pipeline's eval stage runs."""
+    import sys
+
+    if args.sources or args.tasks or args.perplexity or args.include_path or args.demo_data:
+        raise ConfigError(
+            f"--config {args.config} names the models and what to score; do not also give "
+            "ARTIFACT, --tasks, --perplexity, --include-path or --demo-data"
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's progress bars, in a stage log
+    from lmforge.config import load_config
+    from lmforge.eval.stage import run_eval_stage
+    from lmforge.pipeline.kinds import EvalStageSection
+
+    cfg = load_config(EvalStageSection, args.config)
+    problem = cfg.problem()
+    if problem:
+        raise ConfigError(f"{args.config}: {problem}")
+    results = run_eval_stage(cfg)
+    print(results["table"])
+    print(f"results: {Path(cfg.out) / 'results.json'}", file=sys.stderr)
+    return 0

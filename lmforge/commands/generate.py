@@ -2,6 +2,8 @@
 
 Prints each prompt's new text (streamed as it comes when there is one prompt), then the report:
 time, tokens/s (decode alone and overall), achieved weight bandwidth and peak memory.
+`--config FILE` gives the model, prompts and sampling settings instead (what a pipeline's
+generate stage runs).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.commands.common import add_runtime_arguments
+from lmforge.commands.common import add_config_file, add_runtime_arguments, apply_config_file
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 
 
@@ -29,8 +31,10 @@ def register(subparsers) -> None:
         '"content": ...}, ...]}. A model larger than one GPU: `lmforge launch --nproc N generate '
         "...` splits it over N GPUs (tensor parallel; rank 0 prints).",
     )
-    parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact or HF Llama directory")
-    source = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument(
+        "artifact", nargs="?", metavar="ARTIFACT", help="an artifact or HF Llama directory"
+    )
+    source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--prompt", nargs="+", metavar="TEXT", help="text prompts to continue (one each)"
     )
@@ -63,7 +67,24 @@ def register(subparsers) -> None:
         metavar="N",
         help="KV cache length (default: longest prompt + max-new-tokens)",
     )
+    add_config_file(parser, _CONFIG_ARGUMENTS, what="ARTIFACT, the prompts and sampling")
     parser.set_defaults(func=main)
+
+
+# The settings `--config FILE` may give, as the command line spells them.
+_CONFIG_ARGUMENTS = {
+    "artifact": "ARTIFACT",
+    "prompt": "--prompt",
+    "chat": "--chat",
+    "system": "--system",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "device": "--device",
+    "dtype": "--dtype",
+}
 
 
 def read_prompts_file(path: Path) -> list:
@@ -114,7 +135,14 @@ def main(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from lmforge.generate import Generator, SamplingParams, parallel
     from lmforge.generate.sequence import encode_prompt
+    from lmforge.pipeline.kinds import GenerateStageSection
 
+    apply_config_file(args, GenerateStageSection)
+    if args.artifact is None:
+        raise ConfigError("the following arguments are required: ARTIFACT (or --config FILE)")
+    sources = [args.prompt, args.chat, args.prompts_file]
+    if sum(source is not None for source in sources) != 1:
+        raise ConfigError("give one of --prompt, --chat or --prompts-file (or --config FILE)")
     if args.prompts_file is not None:
         prompts = read_prompts_file(args.prompts_file)
     elif args.chat is not None:

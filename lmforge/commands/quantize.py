@@ -1,9 +1,12 @@
-"""`lmforge quantize ARTIFACT OUT --scheme int8-wo|int4-wo [--group-size N]` (torchao)."""
+"""`lmforge quantize ARTIFACT OUT --scheme int8-wo|int4-wo [--group-size N]` (torchao), or
+`lmforge quantize --config FILE` (what a pipeline's quantize stage runs)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from lmforge.commands.common import add_config_file, apply_config_file, require_arguments
 
 SCHEMES = ("int8-wo", "int4-wo")  # lmforge.quantize.SCHEMES, without importing torch for --help
 
@@ -21,9 +24,11 @@ def register(subparsers) -> None:
         epilog="Kernels: cpu runs int8-wo and int4-wo; cuda runs int8-wo, and int4-wo on compute "
         "capability 8.0+ (tinygemm, group size 32/64/128/256).",
     )
-    quantize.add_argument("source", metavar="ARTIFACT", help="artifact, HF directory or preset")
-    quantize.add_argument("out", metavar="OUT", type=Path)
-    quantize.add_argument("--scheme", required=True, choices=SCHEMES)
+    quantize.add_argument(
+        "source", nargs="?", metavar="ARTIFACT", help="artifact, HF directory or preset"
+    )
+    quantize.add_argument("out", nargs="?", metavar="OUT", type=Path)
+    quantize.add_argument("--scheme", choices=SCHEMES, help="required")
     quantize.add_argument(
         "--group-size",
         type=int,
@@ -48,7 +53,20 @@ def register(subparsers) -> None:
         default=None,
         help="cast the model before quantizing (default: the stored dtype)",
     )
+    add_config_file(quantize, _ARGUMENTS, what="ARTIFACT, OUT and the options")
     quantize.set_defaults(func=quantize_main)
+
+
+# The settings --config FILE may give, as the command line spells them.
+_ARGUMENTS = {
+    "source": "ARTIFACT",
+    "out": "OUT",
+    "scheme": "--scheme",
+    "group_size": "--group-size",
+    "quantize_output": "--quantize-output",
+    "device": "--device",
+    "dtype": "--dtype",
+}
 
 
 def _size(num_bytes: int | None) -> str:
@@ -66,6 +84,11 @@ def _ratio(new: int | None, old: int | None) -> str:
 
 def quantize_main(args: argparse.Namespace) -> int:
     import time
+
+    from lmforge.pipeline.kinds import QuantizeStageSection
+
+    apply_config_file(args, QuantizeStageSection)
+    require_arguments(args, {"source": "ARTIFACT", "out": "OUT", "scheme": "--scheme"})
 
     import torch
 

@@ -1,16 +1,12 @@
 """`lmforge run PIPELINE.toml`, `lmforge status RUN_DIR` and `lmforge report RUN_DIR`.
 
-Also the stage helper `lmforge pipeline-eval --config stage.toml` (not listed in --help): the
-command an `eval` stage runs, which scores several models side by side (lm-eval tasks, plain
-and in the chat format, preference accuracy, perplexity) and writes one results.json.
+Each stage of a pipeline runs as `lmforge COMMAND --config stage.toml` (lmforge.pipeline.kinds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 RUN_EPILOG = """\
@@ -101,11 +97,6 @@ def register(subparsers) -> None:
     report.add_argument("--out", type=Path, help="directory to write to (default: RUN_DIR)")
     report.set_defaults(func=report_main)
 
-    # Not listed in --help: the command an eval stage runs.
-    helper = subparsers.add_parser("pipeline-eval")
-    helper.add_argument("--config", type=Path, required=True)
-    helper.set_defaults(func=pipeline_eval_main)
-
 
 def run_main(args: argparse.Namespace) -> int:
     from lmforge.pipeline import run_pipeline
@@ -142,18 +133,4 @@ def report_main(args: argparse.Namespace) -> int:
     paths = write_report(args.run_dir, out=args.out)
     print(f"report: {paths['html']}")
     print(f"summary: {paths['markdown']}")
-    return 0
-
-
-def pipeline_eval_main(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's progress bars, in a stage log
-    from lmforge.config import load_config
-    from lmforge.pipeline import EvalStageSection, run_eval_stage
-
-    cfg = load_config(EvalStageSection, args.config)
-    results = run_eval_stage(cfg)
-    print(results["table"])
-    print(f"results: {Path(cfg.out) / 'results.json'}", file=sys.stderr)
     return 0

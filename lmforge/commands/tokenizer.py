@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from lmforge.commands.common import add_config_file, apply_config_file, require_arguments
 from lmforge.data.tokenizer import load_tokenizer, train_bpe
 
 SOURCE_HELP = (
@@ -48,20 +49,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--input",
         nargs="+",
-        required=True,
         type=Path,
         metavar="FILE",
-        help="UTF-8 text files to learn the merges from",
+        help="UTF-8 text files to learn the merges from (required)",
     )
     train.add_argument(
         "--vocab-size",
         type=int,
-        required=True,
         metavar="N",
-        help="total number of ids, special tokens included (at least 262)",
+        help="total number of ids, special tokens included (at least 262; required)",
     )
     train.add_argument(
-        "--out", required=True, type=Path, metavar="DIR", help="directory to write the files to"
+        "--out", type=Path, metavar="DIR", help="directory to write the files to (required)"
     )
     train.add_argument(
         "--min-frequency",
@@ -69,6 +68,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=2,
         metavar="N",
         help="merge only pairs seen at least N times (default: %(default)s)",
+    )
+    add_config_file(
+        train,
+        {
+            "input": "--input",
+            "vocab_size": "--vocab-size",
+            "min_frequency": "--min-frequency",
+            "out": "--out",
+        },
+        what="the options",
     )
     train.set_defaults(func=main_train)
 
@@ -104,6 +113,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main_train(args: argparse.Namespace) -> int:
+    from lmforge.pipeline.kinds import TokenizerStageSection
+
+    apply_config_file(args, TokenizerStageSection)
+    require_arguments(args, {"input": "--input", "vocab_size": "--vocab-size", "out": "--out"})
     start = time.perf_counter()
     tokenizer = train_bpe(
         args.input, vocab_size=args.vocab_size, out_dir=args.out, min_frequency=args.min_frequency

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lmforge.commands.common import add_config_file, apply_config_file, require_arguments
 from lmforge.errors import UserError
 
 CONFIG_HELP = (
@@ -21,6 +22,10 @@ CONFIG_HELP = (
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML or YAML job config")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+# The settings `export --config FILE` may give, as the command line spells them.
+_EXPORT_ARGUMENTS = {"source": "RUN_DIR_OR_CHECKPOINT", "out": "OUT", "dtype": "--dtype"}
 
 
 def register(subparsers) -> None:
@@ -64,9 +69,10 @@ def register(subparsers) -> None:
         description="Write an artifact (HF layout + lmforge.json) from a run directory's newest "
         "committed checkpoint, or from one checkpoint directory.",
     )
-    export.add_argument("source", type=Path, metavar="RUN_DIR_OR_CHECKPOINT")
-    export.add_argument("out", type=Path, metavar="OUT")
+    export.add_argument("source", nargs="?", type=Path, metavar="RUN_DIR_OR_CHECKPOINT")
+    export.add_argument("out", nargs="?", type=Path, metavar="OUT")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    add_config_file(export, _EXPORT_ARGUMENTS, what="the source, OUT and --dtype")
     export.set_defaults(func=export_main)
 
     launch = subparsers.add_parser(
@@ -125,8 +131,11 @@ def run_training(fn, job) -> int:
 
 
 def export_main(args: argparse.Namespace) -> int:
+    from lmforge.pipeline.kinds import ExportStageSection
     from lmforge.train.export import export_checkpoint
 
+    apply_config_file(args, ExportStageSection)
+    require_arguments(args, {"source": "RUN_DIR_OR_CHECKPOINT", "out": "OUT"})
     out = export_checkpoint(args.source, args.out, dtype=args.dtype)
     print(f"wrote {out}")
     return 0

@@ -5,7 +5,7 @@ line (`argv`, e.g. `["sft", "--config", "runs/p/sft/stage.toml"]`), the stage's 
 its resources (`LauncherSection`) and the stages it depends on. A `Launcher` runs those jobs:
 `LocalLauncher` (lmforge.launch.local) in subprocesses on this machine, `SlurmLauncher`
 (lmforge.launch.slurm) as sbatch jobs chained with `--dependency=afterok`, `K8sLauncher`
-(lmforge.launch.k8s) as PyTorchJob manifests. `make_launcher(name)` picks one by name.
+(lmforge.launch.k8s) as PyTorchJob manifests. `lmforge.launch.make_launcher(name)` picks one by name.
 
 Secrets (`SECRET_NAMES`: HF_TOKEN, WANDB_API_KEY, LMFORGE_API_KEY) reach jobs only through the
 environment: `load_secrets` reads them from the environment or a `KEY=VALUE` file, the runner
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -215,27 +214,6 @@ class Launcher(Protocol):
     def status(self, handle: JobHandle) -> JobHandle:
         """The handle refreshed from the scheduler (state, reason, exit code)."""
         ...
-
-
-LAUNCHERS = {
-    "local": "lmforge.launch.local:LocalLauncher",
-    "slurm": "lmforge.launch.slurm:SlurmLauncher",
-    "k8s": "lmforge.launch.k8s:K8sLauncher",
-}
-
-
-def make_launcher(name: str, **options: Any) -> Launcher:
-    """The launcher called `name` (local, slurm, k8s), built with keyword `options`."""
-    if name not in LAUNCHERS:
-        raise ConfigError(f"unknown launcher {name!r}; expected one of {', '.join(LAUNCHERS)}")
-    module_name, class_name = LAUNCHERS[name].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name == module_name:
-            raise ConfigError(f"launcher {name!r} is not available in this build") from None
-        raise
-    return getattr(module, class_name)(**options)
 
 
 def torchrun_command(

@@ -1,8 +1,14 @@
-"""Serving: an OpenAI-compatible HTTP API (app.py) over a continuous-batching engine
-(engine.py) that runs the `Generator`'s prefill and decode steps for all active sequences."""
+"""Serving: an OpenAI-compatible HTTP API over a continuous-batching engine (engine.py) that runs
+the `Generator`'s prefill and decode steps for all active sequences.
 
-from lmforge.serve.app import ApiError, ServeSettings, bind, create_app, serve
+By layer: protocol.py (limits, request bodies, the error envelope), middleware.py (metrics, API
+key, body limit), session.py (a request's run through the engine, JSON and server-sent events),
+app.py (the FastAPI app and its routes), server.py (uvicorn with a SIGTERM drain)."""
+
+from lmforge.serve.app import create_app
 from lmforge.serve.engine import Engine, QueueFull, SequenceRequest, Submission, TokenOutput
+from lmforge.serve.protocol import ApiError, ServeSettings
+from lmforge.serve.server import bind, serve
 
 __all__ = [
     "ApiError",

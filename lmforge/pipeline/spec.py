@@ -1,0 +1,241 @@
+"""A pipeline file read into `Pipeline`: its stages in order, each resolved to the command it
+runs (`lmforge COMMAND --config stage.toml`, kinds.py), the config written for it, where its
+output goes and which stages and files it reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import Section, apply_overrides, dump_config, read_config_file
+from lmforge.errors import ConfigError
+from lmforge.launch.base import LauncherSection
+from lmforge.pipeline.kinds import STAGE_KINDS, StageContext
+from lmforge.pipeline.references import References, external_inputs, sha256_text
+from lmforge.pipeline.schema import (
+    STAGE_CONFIG,
+    PipelineFile,
+    PipelineSection,
+    PlanSection,
+    deep_merge,
+    refuse_secrets,
+    validate_section,
+)
+
+RESERVED_STAGE_NAMES = {"data", "model", "pipeline", "launcher", "stages"}
+STAGE_KEYS = {"name", "kind", "from", "launcher"}  # the rest of a stage table is its settings
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+@dataclasses.dataclass
+class Stage:
+    """One resolved stage: its config, its command and where its output goes."""
+
+    name: str
+    kind: str
+    index: int
+    from_stage: str | None
+    config: Section
+    argv: list[str]  # `COMMAND --config <stage_dir>/stage.toml`, after `lmforge`
+    stage_dir: Path  # relative to the pipeline's workdir
+    output: Path  # relative to the workdir: what `${name}` and `from = name` mean
+    resources: LauncherSection
+    depends_on: list[str]
+    external_inputs: list[str]  # paths outside the pipeline that the stage reads
+
+    @property
+    def distributed(self) -> bool:
+        return STAGE_KINDS[self.kind].distributed
+
+    @property
+    def config_text(self) -> str:
+        return dump_config(self.config)
+
+    @property
+    def config_hash(self) -> str:
+        payload = {
+            "kind": self.kind,
+            "config": self.config.model_dump(mode="json"),
+            "argv": self.argv,
+        }
+        return sha256_text(json.dumps(payload, sort_keys=True, separators=(",", ":")))
+
+
+@dataclasses.dataclass
+class Pipeline:
+    name: str
+    file: Path
+    workdir: Path
+    run_dir: Path  # relative to workdir: <run_dir>/<name>
+    stages: list[Stage]
+    section: PipelineSection
+    plan_section: PlanSection = dataclasses.field(default_factory=PlanSection)
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise ConfigError(
+            f"{self.file}: no stage named {name!r}; stages: "
+            f"{', '.join(s.name for s in self.stages)}"
+        )
+
+    def path(self, relative: Path) -> Path:
+        return relative if relative.is_absolute() else self.workdir / relative
+
+    def downstream(self, name: str) -> set[str]:
+        found = {name}
+        for stage in self.stages:
+            if found & set(stage.depends_on):
+                found.add(stage.name)
+        return found - {name}
+
+
+def load_pipeline(
+    path: str | Path, *, workdir: str | Path | None = None, overrides: Sequence[str] = ()
+) -> Pipeline:
+    """Read and validate a pipeline file (TOML or YAML); every stage's config is resolved and
+    checked. `overrides` are `key.sub=value` items applied to the file's data first
+    (`stages.sft.train.steps=10`).
+
+    Relative paths (run_dir, data sets, settings) resolve against `workdir` (default: the
+    current directory), where the stage commands also run.
+
+    Raises:
+        ConfigError: one line per problem, naming the file, the stage and the key.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"pipeline file not found: {file}")
+    raw = apply_overrides(read_config_file(file), overrides)
+    refuse_secrets(raw, file)
+    spec = validate_section(PipelineFile, raw, f"{file}")
+    workdir = Path(workdir or Path.cwd()).resolve()
+    name = spec.pipeline.name
+    if not _NAME.match(name):
+        raise ConfigError(f"{file}: pipeline.name {name!r}: use letters, digits, '-' and '_' only")
+    run_dir = Path(spec.pipeline.run_dir) / name
+    tables = _stage_tables(spec.stages, file)
+    all_names = [stage_name for stage_name, _ in tables]
+
+    stages: list[Stage] = []
+    problems: list[str] = []
+    for index, (stage_name, table) in enumerate(tables):
+        try:
+            stage = _resolve_stage(
+                stage_name,
+                index,
+                table,
+                spec=spec,
+                file=file,
+                run_dir=run_dir,
+                earlier=stages,
+                all_names=all_names,
+                workdir=workdir,
+            )
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        stages.append(stage)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return Pipeline(name, file, workdir, run_dir, stages, spec.pipeline, spec.plan)
+
+
+def _stage_tables(stages: Any, file: Path) -> list[tuple[str, dict]]:
+    tables: list[tuple[str, dict]] = []
+    if isinstance(stages, dict):
+        for name, table in stages.items():
+            if "name" in table and table["name"] != name:
+                raise ConfigError(f"{file}: [stages.{name}] has name = {table['name']!r}")
+            tables.append((name, {k: v for k, v in table.items() if k != "name"}))
+    else:
+        for number, table in enumerate(stages, 1):
+            if "name" not in table:
+                raise ConfigError(f"{file}: [[stages]] entry {number} has no name")
+            tables.append((str(table["name"]), {k: v for k, v in table.items() if k != "name"}))
+    if not tables:
+        raise ConfigError(f"{file}: no stages")
+    seen: set[str] = set()
+    for name, _ in tables:
+        if not _NAME.match(name) or name in RESERVED_STAGE_NAMES:
+            raise ConfigError(
+                f"{file}: stage name {name!r}: use letters, digits, '-' and '_' (not one of "
+                f"{', '.join(sorted(RESERVED_STAGE_NAMES))})"
+            )
+        if name in seen:
+            raise ConfigError(f"{file}: two stages are named {name!r}")
+        seen.add(name)
+    return tables
+
+
+def _resolve_stage(
+    name: str,
+    index: int,
+    table: dict,
+    *,
+    spec: PipelineFile,
+    file: Path,
+    run_dir: Path,
+    earlier: list[Stage],
+    all_names: list[str],
+    workdir: Path,
+) -> Stage:
+    """The stage's kind does the kind-specific part (kinds.py); the rest is the same for all."""
+    where = f"{file}: stage {name!r}"
+    kind = table.get("kind")
+    if kind not in STAGE_KINDS:
+        raise ConfigError(f"{where}: kind = {kind!r}; allowed: {', '.join(STAGE_KINDS)}")
+    outputs = {stage.name: stage.output for stage in earlier}
+    from_stage = table.get("from")
+    if from_stage is not None and from_stage not in outputs:
+        later = from_stage in all_names
+        raise ConfigError(
+            f"{where}: from = {from_stage!r} names "
+            + ("a stage that comes after it" if later else "no earlier stage")
+            + f"; earlier stages: {', '.join(outputs) or '(none)'}"
+        )
+    defaults = spec.launcher
+    resources = validate_section(
+        LauncherSection, deep_merge(defaults, table.get("launcher", {})), f"{where}: launcher"
+    )
+    refs = References(outputs, spec.data, where)
+    settings = refs.substitute({k: v for k, v in table.items() if k not in STAGE_KEYS})
+    stage_dir = run_dir / name
+    context = StageContext(
+        kind=kind,
+        where=where,
+        settings=settings,
+        from_stage=from_stage,
+        outputs=outputs,
+        kinds={stage.name: stage.kind for stage in earlier},
+        all_names=all_names,
+        spec=spec,
+        refs=refs,
+        stage_dir=stage_dir,
+        out_dir=stage_dir / "out",
+        artifact_dir=stage_dir / "artifact",
+    )
+    stage_kind = STAGE_KINDS[kind]
+    built = stage_kind.build(context)
+    output = context.artifact_dir if stage_kind.output == "artifact" else context.out_dir
+    depends = sorted(
+        refs.depends | ({from_stage} if from_stage else set()), key=list(outputs).index
+    )
+    return Stage(
+        name=name,
+        kind=kind,
+        index=index,
+        from_stage=from_stage,
+        config=built.config,
+        argv=[*built.command, "--config", str(stage_dir / STAGE_CONFIG)],
+        stage_dir=stage_dir,
+        output=output,
+        resources=resources,
+        depends_on=depends,
+        external_inputs=external_inputs(built.config.model_dump(mode="json"), workdir, run_dir),
+    )

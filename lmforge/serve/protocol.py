@@ -1,0 +1,235 @@
+"""The wire format of the OpenAI-compatible API: the server's limits, the request bodies
+(pydantic models) and the error envelope.
+
+The contract for bad input: every client mistake is a 4xx with OpenAI's envelope
+`{"error": {"message", "type", "param", "code"}}` naming the parameter at fault; never a 5xx.
+Request bodies are validated strictly (wrong types are not coerced, unknown keys are refused,
+as OpenAI does); `validation_error` turns FastAPI's validation errors into one 400 that names the
+deepest parameter at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_CHAT_TOP_LOGPROBS = 20  # and for /v1/chat/completions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """How the server behaves (the model and its cache are the `Generator`'s).
+
+    Args:
+        model_name: the name clients pass as "model" (and /v1/models lists).
+        api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+        max_queue: sequences that may wait for a free row (beyond the generator's max_batch,
+            which run at once); more get a 429.
+        max_n: the most choices one request may ask for (`n`, times the prompts of a
+            completion request).
+        request_timeout: seconds from arrival to the last token (queueing included); None or 0
+            for no limit.
+        retry_after: seconds a 429 asks the client to wait.
+        max_request_bytes: larger request bodies get a 413 before they are read.
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 64
+    max_n: int = 8
+    request_timeout: float | None = 600.0
+    retry_after: int = 1
+    max_request_bytes: int = 8 << 20
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+        self.headers = headers
+
+
+def error_body(message: str, *, type: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    body = error_body(err.message, type=err.type, param=err.param, code=err.code)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+def _param_name(loc: tuple) -> str | None:
+    """'messages[0].content' from pydantic's ('body', 'messages', 0, 'content', 'str')."""
+    name = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif _FIELD_NAME.match(part) and part not in _TYPE_NAMES:  # not a union member's tag
+            name += f".{part}" if name else part
+    return name or None
+
+
+def _is_type_error(error: dict) -> bool:
+    return error.get("type", "").endswith(("_type", "_parsing"))
+
+
+def validation_error(errors: list[dict], *, json_body: bool = True) -> ApiError:
+    """One 400 from FastAPI's validation errors: the deepest error names the parameter."""
+    if not errors:
+        return ApiError(400, "invalid request body", code="invalid_request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ApiError(
+            400,
+            f"the request body is not valid JSON ({detail})" if detail else "invalid JSON body",
+            code="invalid_json",
+        )
+
+    # Of a union's errors, the deepest names the parameter, and a wrong value says more than a
+    # wrong type (it comes from the member whose type matched).
+    def rank(error: dict) -> tuple[int, bool]:
+        depth = len([p for p in error["loc"] if _param_name((p,))])
+        return depth, not _is_type_error(error)
+
+    deepest = max(errors, key=rank)
+    param = _param_name(deepest["loc"])
+    if param is None:
+        message = "the request body must be a JSON object"
+        if not json_body:
+            message += " sent with the header 'Content-Type: application/json'"
+        return ApiError(400, message, code="invalid_request")
+    kind = deepest.get("type", "")
+    if kind == "missing":
+        return ApiError(400, f"missing required parameter '{param}'", param=param, code="missing")
+    if kind == "extra_forbidden":
+        return ApiError(
+            400,
+            f"unrecognized request argument '{param}' (not supported by this server)",
+            param=param,
+            code="unknown_parameter",
+        )
+    same = [deepest]
+    if _is_type_error(deepest):  # every member's type was wrong: list them all
+        same = [e for e in errors if _param_name(e["loc"]) == param and _is_type_error(e)]
+    messages = [e.get("msg", "invalid").removeprefix("Value error, ") for e in same]
+    messages = list(dict.fromkeys(messages))
+    got = json.dumps(deepest.get("input"), default=str)
+    got = got if len(got) <= 60 else got[:57] + "..."
+    code = "invalid_type" if _is_type_error(deepest) else "invalid_value"
+    return ApiError(
+        400, f"invalid '{param}': {'; or '.join(messages)} (got {got})", param=param, code=code
+    )
+
+
+# ---- request models -------------------------------------------------------------------------
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+StopStrings = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class _Strict(BaseModel):
+    # Wrong types are errors, not coerced; unknown keys are refused (as OpenAI does).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: Text
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension; -1 or 0: no limit
+    n: Annotated[int, Field(ge=1)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: StopStrings | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Float] | None = None
+    user: Text | None = None
+    ignore_eos: bool | None = None  # vLLM's extension: generate exactly max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: Text | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None

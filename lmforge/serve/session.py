@@ -1,0 +1,459 @@
+"""One generation request's way through the engine: checked against the model and the limits
+and turned into engine sequences (`plan_request`), then answered as one JSON body or as a stream of
+server-sent events (`Session`, `EventStream`) with OpenAI's completion and chat shapes.
+
+A request past its timeout is a 408, a full queue a 429 with `Retry-After`, a request still
+running when the drain's grace period ends a 503 (a last error event for streams). A client
+that disconnects frees its rows at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lmforge.errors import UserError
+from lmforge.generate import Generator, SamplingParams
+from lmforge.serve.engine import QueueFull, SequenceRequest, TokenOutput
+from lmforge.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ServeSettings,
+    error_body,
+)
+
+# ---- turning requests into sequences --------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """What one generation request asks of the engine."""
+
+    sequences: list[SequenceRequest]
+    prompt_lengths: list[int]  # per distinct prompt
+
+
+def _check_unsupported(body: GenerationRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(
+                400,
+                f"'{name}' other than 0 is not supported by this server",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if body.logit_bias:
+        raise ApiError(
+            400,
+            "'logit_bias' is not supported by this server",
+            param="logit_bias",
+            code="unsupported_parameter",
+        )
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise ApiError(
+                400, "'echo' is not supported", param="echo", code="unsupported_parameter"
+            )
+        if body.suffix:
+            raise ApiError(
+                400, "'suffix' is not supported", param="suffix", code="unsupported_parameter"
+            )
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise ApiError(
+                400,
+                "'best_of' other than n is not supported by this server",
+                param="best_of",
+                code="unsupported_parameter",
+            )
+
+
+def _encode_prompts(body: GenerationRequest, generator: Generator) -> tuple[list, str]:
+    """The prompts' token ids and the parameter that holds them."""
+    tokenizer = generator.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        messages = []
+        for message in body.messages:
+            content = message.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            role = "system" if message.role == "developer" else message.role
+            messages.append({"role": role, "content": content or ""})
+        if tokenizer.chat_template is None:
+            raise ApiError(
+                400,
+                "this model has no chat template; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        try:
+            return [tokenizer.encode_chat(messages, add_generation_prompt=True)], "messages"
+        except UserError as err:
+            raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+    prompt = body.prompt
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    ids = []
+    for prompt in prompts:
+        try:
+            ids.append(generator.encode_prompt(prompt))
+        except UserError as err:
+            raise ApiError(400, str(err), param="prompt", code="invalid_value") from None
+    for prompt_ids in ids:
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    return ids, "prompt"
+
+
+def plan_request(body: GenerationRequest, generator: Generator, settings: ServeSettings) -> _Plan:
+    """Check a validated request against the model and the limits; build its sequences."""
+    _check_unsupported(body)
+    n = body.n or 1
+    num_prompts = 1
+    if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
+        # A list (never empty) of texts or of token-id lists, or one prompt's token ids.
+        num_prompts = 1 if isinstance(body.prompt[0], int) else len(body.prompt)
+    limit = min(settings.max_n, generator.max_batch + settings.max_queue)
+    if n * num_prompts > limit:
+        what = f"n={n}" if num_prompts == 1 else f"n={n} for {num_prompts} prompts"
+        raise ApiError(
+            400,
+            f"{what} asks for {n * num_prompts} choices; at most {limit}",
+            param="n",
+            code="invalid_value",
+        )
+    prompts, prompt_param = _encode_prompts(body, generator)
+    context = generator.max_seq_len
+    max_tokens = body.max_tokens
+    max_tokens_param = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
+    longest = max(len(ids) for ids in prompts)
+    if longest >= context:
+        raise ApiError(
+            400,
+            f"this model's context is {context} tokens; the prompt has {longest} tokens, which "
+            "leaves no room for new ones",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and longest + max_tokens > context:
+        raise ApiError(
+            400,
+            f"this model's context is {context} tokens; the prompt ({longest} tokens) plus "
+            f"{max_tokens_param}={max_tokens} exceeds it",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
+    if isinstance(body, ChatCompletionRequest):
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(
+                400,
+                "'top_logprobs' needs 'logprobs': true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+    else:
+        num_logprobs = body.logprobs
+    top_k = body.top_k if body.top_k and body.top_k > 0 else None
+    sequences = []
+    for ids in prompts:
+        if max_tokens is not None:
+            limit_tokens = max_tokens
+        elif isinstance(body, CompletionRequest):
+            limit_tokens = min(16, context - len(ids))  # OpenAI's default for completions
+        else:
+            limit_tokens = context - len(ids)
+        params = SamplingParams(
+            max_new_tokens=limit_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=None if top_k is None else min(top_k, generator.args.vocab_size),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+            stop_token_ids=() if body.ignore_eos else None,
+        )
+        for choice in range(n):
+            seed = None if body.seed is None else body.seed + choice
+            sequences.append(SequenceRequest(ids, params, seed, num_logprobs))
+    return _Plan(sequences, [len(ids) for ids in prompts])
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenOutput] | None = None
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _completion_logprobs(tokenizer, outputs: list[TokenOutput]) -> dict:
+    tokens, offsets, offset = [], [], 0
+    for output in outputs:
+        token = _token_text(tokenizer, output.token_id)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [o.logprob for o in outputs],
+        "top_logprobs": [_top_by_text(tokenizer, o.top_logprobs) for o in outputs],
+        "text_offset": offsets,
+    }
+
+
+def _top_by_text(tokenizer, top: list[tuple[int, float]] | None) -> dict[str, float] | None:
+    """{token text: logprob}, best first; of tokens with the same text the likelier counts."""
+    if top is None:
+        return None
+    by_text: dict[str, float] = {}
+    for token_id, logprob in top:
+        by_text.setdefault(_token_text(tokenizer, token_id), logprob)
+    return by_text
+
+
+def _chat_logprobs(tokenizer, outputs: list[TokenOutput]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        token = _token_text(tokenizer, token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(o.token_id, o.logprob),
+                "top_logprobs": [entry(i, lp) for i, lp in o.top_logprobs or []],
+            }
+            for o in outputs
+        ]
+    }
+
+
+class Session:
+    """One generation request's run through the engine (admitted on creation, or a 429)."""
+
+    def __init__(self, state, request: Request, body: GenerationRequest, plan: _Plan) -> None:
+        self.state = state
+        self.request = request
+        self.body = body
+        self.plan = plan
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.want_logprobs = plan.sequences[0].num_logprobs is not None
+        timeout = state.settings.request_timeout
+        self.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
+        try:
+            self.submission = state.engine.submit(plan.sequences)
+        except QueueFull as err:
+            raise ApiError(
+                429,
+                f"the server is busy: {err}; retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(state.settings.retry_after)},
+            ) from None
+        state.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in plan.sequences))
+        self._first_token_seen = False
+
+    @property
+    def usage(self) -> dict:
+        prompt_tokens = sum(self.plan.prompt_lengths)
+        completion_tokens = sum(len(s.token_ids) for s in self.submission.sequences)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    async def events(self) -> AsyncIterator[TokenOutput]:
+        """The engine's outputs until every choice has finished; TimeoutError past the
+        deadline, RuntimeError if the engine failed."""
+        async for output in self.submission.events(deadline=self.deadline):
+            if output.finish_reason == "error":
+                raise RuntimeError("generation failed (see the server log)")
+            if output.finish_reason == "shutdown":
+                raise _ShuttingDown
+            if not self._first_token_seen:
+                self._first_token_seen = True
+                self.state.metrics.first_token.observe(time.perf_counter() - self.arrival)
+            yield output
+
+    @staticmethod
+    def shutdown_error() -> ApiError:
+        return ApiError(
+            503,
+            "the server is shutting down and this request did not finish within its grace "
+            "period; retry on another server",
+            type="server_error",
+            code="server_shutting_down",
+        )
+
+    def timeout_error(self) -> ApiError:
+        timeout = self.state.settings.request_timeout
+        return ApiError(
+            408,
+            f"the request took longer than the server's timeout of {timeout:g} s",
+            type="timeout_error",
+            code="request_timeout",
+        )
+
+    def _logprobs(self, outputs: list[TokenOutput]) -> dict:
+        tokenizer = self.state.generator.tokenizer
+        if self.chat:
+            return _chat_logprobs(tokenizer, outputs)
+        return _completion_logprobs(tokenizer, outputs)
+
+    def _header(self, object_name: str) -> dict:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.state.settings.model_name,
+        }
+
+    # -- a whole response --
+
+    async def _collect(self) -> list[_Choice]:
+        choices = [
+            _Choice(logprobs=[] if self.want_logprobs else None) for _ in self.plan.sequences
+        ]
+        async for output in self.events():
+            choice = choices[output.choice]
+            choice.text += output.text
+            if choice.logprobs is not None and not output.is_stop_token:
+                choice.logprobs.append(output)
+            if output.finish_reason is not None:
+                choice.finish_reason = output.finish_reason
+        return choices
+
+    async def respond(self) -> JSONResponse:
+        """Wait for every choice (or the client leaving, or the timeout)."""
+        collect = asyncio.create_task(self._collect())
+        gone = asyncio.create_task(_wait_for_disconnect(self.request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client left: nobody reads what we answer
+                self.submission.cancel("cancelled")
+                return JSONResponse({}, status_code=499)
+            choices = collect.result()
+        except TimeoutError:
+            self.submission.cancel("timeout")
+            raise self.timeout_error() from None
+        except _ShuttingDown:
+            raise self.shutdown_error() from None
+        finally:
+            gone.cancel()
+            collect.cancel()
+            self.submission.cancel("cancelled")  # a no-op when everything finished
+        body = self._header("chat.completion" if self.chat else "text_completion")
+        body["choices"] = [self._choice_body(i, c) for i, c in enumerate(choices)]
+        body["usage"] = self.usage
+        if self.chat:
+            body["system_fingerprint"] = None
+        return JSONResponse(body)
+
+    def _choice_body(self, index: int, choice: _Choice) -> dict:
+        logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs)
+        if self.chat:
+            message = {"role": "assistant", "content": choice.text}
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+            }
+        return {
+            "index": index,
+            "text": choice.text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+    # -- a stream of server-sent events --
+
+    async def stream(self) -> AsyncIterator[str]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        header = self._header("chat.completion.chunk" if self.chat else "text_completion")
+        extra = {"usage": None} if include_usage else {}
+        try:
+            if self.chat:
+                for index in range(len(self.plan.sequences)):
+                    delta = {"role": "assistant", "content": ""}
+                    choice = {"index": index, "delta": delta, "logprobs": None}
+                    yield _sse({**header, "choices": [{**choice, "finish_reason": None}], **extra})
+            async for output in self.events():
+                logprobs = None
+                if self.want_logprobs and output.token_id >= 0 and not output.is_stop_token:
+                    logprobs = self._logprobs([output])
+                if not output.text and output.finish_reason is None and logprobs is None:
+                    continue
+                choice = {"index": output.choice}
+                if self.chat:
+                    choice["delta"] = {"content": output.text} if output.text else {}
+                else:
+                    choice["text"] = output.text
+                choice["logprobs"] = logprobs
+                choice["finish_reason"] = output.finish_reason
+                yield _sse({**header, "choices": [choice], **extra})
+            if include_usage:
+                yield _sse({**header, "choices": [], "usage": self.usage})
+        except TimeoutError:
+            self.submission.cancel("timeout")
+            err = self.timeout_error()
+            yield _sse(error_body(err.message, type=err.type, param=None, code=err.code))
+        except _ShuttingDown:
+            err = self.shutdown_error()
+            yield _sse(error_body(err.message, type=err.type, param=None, code=err.code))
+        except RuntimeError as err:
+            yield _sse(error_body(str(err), type="server_error", param=None, code=None))
+        yield "data: [DONE]\n\n"
+
+
+class _ShuttingDown(Exception):
+    """The drain's grace period ran out before the request finished."""
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of one session; whatever ends it (the client leaving, the drain's
+    grace period running out) frees the session's rows."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(
+            session.stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.session = session
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.session.submission.cancel("cancelled")  # a no-op when everything finished
