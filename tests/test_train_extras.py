@@ -16,10 +16,10 @@ from lmforge.config import load_config
 from lmforge.errors import ConfigError
 from lmforge.models.llama import get_preset
 from lmforge.plan import plan_job, plan_memory, setup_from_job
+from lmforge.plan.search import resolve_reshard_after_forward
 from lmforge.train import stage
 from lmforge.train.config import ParallelSection, PretrainJob
 from lmforge.train.distributed import Layout
-from lmforge.train.parallelize import resolve_reshard_after_forward
 from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess, run_torchrun
 
 

@@ -195,7 +195,7 @@ def build_setup(args: argparse.Namespace):
 def plan_main(args: argparse.Namespace) -> int:
     from lmforge.plan import dry_run, format_plan, format_suggestions, plan_memory, search, suggest
     from lmforge.plan.memory import GiB, parse_memory
-    from lmforge.train.parallelize import resolve_reshard_after_forward
+    from lmforge.plan.search import resolve_reshard_after_forward
 
     setup, fixed = build_setup(args)
     gpu_memory = parse_memory(args.gpu_memory)

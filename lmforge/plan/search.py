@@ -191,6 +191,28 @@ def suggest(plan: Plan, *, max_items: int = 6) -> list[Suggestion]:
     return list(unique.values())[:max_items]
 
 
+# parallel.reshard_after_forward = "auto" keeps the gathered weights when the planner puts the
+# job within this share of the device's memory (the rest: fragmentation and the planner's error).
+AUTO_KEEP_GATHERED_MEMORY_FRACTION = 0.85
+
+
+def resolve_reshard_after_forward(setup, device_memory: int | None) -> bool:
+    """parallel.reshard_after_forward for the planner's `setup` (lmforge.plan.Setup of the job).
+
+    true / false as set. "auto": false (each block's gathered weights kept from forward to
+    backward: one all-gather per block and step instead of two) when the planner predicts that
+    the job still fits in AUTO_KEEP_GATHERED_MEMORY_FRACTION of `device_memory` (bytes) that
+    way, else true; true without a device memory (the CPU) or without FSDP.
+    """
+    if setup.reshard_after_forward != "auto":
+        return bool(setup.reshard_after_forward)
+    if device_memory is None or not setup.fsdp:
+        return True
+    budget = int(AUTO_KEEP_GATHERED_MEMORY_FRACTION * device_memory)
+    kept = plan_memory(setup.replace(reshard_after_forward=False), budget)
+    return not kept.gpu_fits
+
+
 def plan_job(
     job,
     *,
@@ -203,8 +225,6 @@ def plan_job(
     """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
     'h100', ...), with suggestions when it does not fit (`args`: see `setup_from_job`). For
     `lmforge run` (lmforge.plan.stages)."""
-    from lmforge.train.parallelize import resolve_reshard_after_forward
-
     setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node, args=args)
     gpu_memory = parse_memory(gpu_memory)
     # parallel.reshard_after_forward = "auto" decided as the trainer decides it on this GPU.

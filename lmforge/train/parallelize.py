@@ -34,29 +34,6 @@ from lmforge.models.llama import Transformer
 from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
 
-# parallel.reshard_after_forward = "auto" keeps the gathered weights when the planner puts the
-# job within this share of the device's memory (the rest: fragmentation and the planner's error).
-AUTO_KEEP_GATHERED_MEMORY_FRACTION = 0.85
-
-
-def resolve_reshard_after_forward(setup, device_memory: int | None) -> bool:
-    """parallel.reshard_after_forward for the planner's `setup` (lmforge.plan.Setup of the job).
-
-    true / false as set. "auto": false (each block's gathered weights kept from forward to
-    backward: one all-gather per block and step instead of two) when the planner predicts that
-    the job still fits in AUTO_KEEP_GATHERED_MEMORY_FRACTION of `device_memory` (bytes) that
-    way, else true; true without a device memory (the CPU) or without FSDP.
-    """
-    if setup.reshard_after_forward != "auto":
-        return bool(setup.reshard_after_forward)
-    if device_memory is None or not setup.fsdp:
-        return True
-    from lmforge.plan import plan_memory
-
-    budget = int(AUTO_KEEP_GATHERED_MEMORY_FRACTION * device_memory)
-    kept = plan_memory(setup.replace(reshard_after_forward=False), budget)
-    return not kept.gpu_fits
-
 
 def parallelize(
     model: Transformer, layout: Layout, cfg: ParallelSection, *, bf16: bool

@@ -54,11 +54,7 @@ from lmforge.train.config import TrainJob
 from lmforge.train.loop import LoopSections, LossStep, Trainer
 from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler
-from lmforge.train.parallelize import (
-    AUTO_KEEP_GATHERED_MEMORY_FRACTION,
-    parallelize,
-    resolve_reshard_after_forward,
-)
+from lmforge.train.parallelize import parallelize
 from lmforge.train.preempt import PreemptedError
 
 log = logging.getLogger(__name__)
@@ -248,6 +244,7 @@ def resolved_parallel(job: TrainJob, spec: ModelSpec, layout: distributed.Layout
     if job.parallel.reshard_after_forward != "auto":
         return job.parallel
     from lmforge.plan import setup_from_job
+    from lmforge.plan.search import resolve_reshard_after_forward
 
     device_memory = None
     if layout.device.type == "cuda":
@@ -261,6 +258,8 @@ def _log_reshard_choice(job: TrainJob, spec: ModelSpec, layout: distributed.Layo
     uses_fsdp = layout.dp_size > 1 or job.parallel.cpu_offload
     if job.parallel.reshard_after_forward != "auto" or not uses_fsdp or not layout.is_main:
         return
+    from lmforge.plan.search import AUTO_KEEP_GATHERED_MEMORY_FRACTION
+
     reshard = resolved_parallel(job, spec, layout).reshard_after_forward
     if layout.device.type != "cuda":
         why = "on the CPU"
