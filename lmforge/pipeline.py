@@ -83,6 +83,7 @@ from lmforge.manifest import (
     write_manifest,
 )
 from lmforge.procs import process_alive
+from lmforge.quantize.schemes import SCHEMES
 
 STAGE_KINDS = (
     "prepare",
@@ -207,7 +208,7 @@ class EvalStageSection(Section):
 
 
 class QuantizeStageSection(Section):
-    scheme: Literal["int8-wo", "int4-wo"]
+    scheme: Literal[SCHEMES]
     group_size: PositiveInt | None = None
     quantize_output: bool = False
     device: str | None = None
