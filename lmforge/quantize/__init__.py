@@ -1,6 +1,7 @@
 """Weight-only int8 / int4 quantization through torchao, as an artifact-to-artifact stage.
 
-See `lmforge.quantize.quantize` for the schemes, the on-disk format and what loads it. The names
+See `lmforge.quantize.quantize` for the schemes, the on-disk format and what loads it, and
+`lmforge.quantize.stage` for the stage (streamed from safetensors, or the whole model). The names
 below are imported on first use, so `lmforge.quantize.schemes` stays free of torch.
 """
 
@@ -22,6 +23,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "quantize_artifact":
+        from lmforge.quantize import stage
+
+        return stage.quantize_artifact
     if name in __all__:
         from lmforge.quantize import quantize
 

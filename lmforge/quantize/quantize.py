@@ -28,11 +28,12 @@ LmforgePackedInt4...") instead of loading random weights. Artifacts written befo
 carry `quant_method: "lmforge-int4x2"` (which transformers skips with a warning); `lmforge.load`
 reads both.
 
-`quantize_artifact` streams a safetensors source (an artifact or HF directory): it plans the
-output on the meta device (names, shapes, shards, metadata: the same code as the whole-model
-path), then reads, quantizes and writes one tensor at a time, so the host holds one weight plus
-the shard being written (at most `max_shard_size`), never the whole model; other sources (a
-preset, Meta or torchtitan checkpoints) are loaded whole. Both give the same tensors.
+The stage (`lmforge.quantize.stage.quantize_artifact`) streams a safetensors source: it plans
+the output on the meta device (names, shapes, shards, metadata: this module's code, as the
+whole-model path runs it), then reads, quantizes and writes one tensor at a time, so the host
+holds one weight plus the shard being written (at most `max_shard_size`), never the whole model
+(`lmforge.quantize.streaming`); other sources (a preset, Meta or torchtitan checkpoints) are
+loaded whole. Both give the same tensors.
 
 lmforge.json records `"quantization": {scheme, group_size, modules, ...}`; `lmforge.load` sees it
 (or a torchao `quantization_config` written by transformers) and reads the weights with
@@ -300,71 +301,6 @@ def quantize_weight(weight: torch.Tensor, config) -> torch.Tensor:
     quantized = linear.weight
     assert type(quantized) is not nn.Parameter and type(quantized) is not torch.Tensor
     return quantized.detach()
-
-
-def quantize_artifact(
-    source: str | Path,
-    out: str | Path,
-    *,
-    scheme: str,
-    group_size: int | None = None,
-    quantize_output: bool = False,
-    pack_int4: bool = False,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: str | int = artifact.DEFAULT_MAX_SHARD_BYTES,
-    stream: bool = True,
-) -> QuantizeResult:
-    """Quantize `source` on `device` and write the quantized artifact to `out`.
-
-    A safetensors source (artifact or HF directory) is streamed one tensor at a time unless
-    `stream=False`; other sources are loaded whole. `dtype` casts the weights first (default:
-    keep the stored dtype; int4 on CUDA uses bf16).
-    """
-    from lmforge.api import detect_format
-
-    spec = QuantSpec(scheme, group_size, quantize_output, pack_int4)
-    check_scheme(scheme, device)
-    check_packing(spec, device)
-    artifact.parse_size(max_shard_size)  # a bad size fails before any work
-    if stream and detect_format(source) == "hf":
-        from lmforge.quantize.streaming import quantize_streaming
-
-        result = quantize_streaming(
-            Path(source), Path(out), spec, device=device, dtype=dtype, max_shard_size=max_shard_size
-        )
-    else:
-        result = _quantize_whole(source, out, spec, device, dtype, max_shard_size)
-        if detect_format(source) != "hf":
-            result.notes.append(
-                f"loaded the whole model: only safetensors directories are streamed, not a "
-                f"{detect_format(source)} source"
-            )
-    if pack_int4:
-        result.warnings.append(PACKED_WARNING.format(type=PACKED_CONFIG_TYPE))
-    return result
-
-
-def _quantize_whole(source, out, spec: QuantSpec, device, dtype, max_shard_size) -> QuantizeResult:
-    """Load the whole model on `device`, quantize it there and save it."""
-    from lmforge.api import detect_format, load
-
-    loaded = load(source, device=device, dtype=dtype)
-    if loaded.lineage.get("quantization"):
-        scheme_done = loaded.lineage["quantization"]["scheme"]
-        raise ConfigError(f"{source}: is already quantized ({scheme_done}); quantize the original")
-    spec = replace(spec, group_size=check_group_size(spec, loaded.config, device))
-    source_dir = Path(source) if detect_format(source) == "hf" else None  # has safetensors
-    original = SizeReport(
-        disk_bytes=weight_file_bytes(source_dir) if source_dir else None,
-        memory_bytes=module_bytes(loaded.model),
-    )
-    start_dtype = next(loaded.model.parameters()).dtype
-    modules = quantize_model(loaded.model, spec)
-    notes = quantize_notes(loaded.config, loaded.model, spec, device, start_dtype)
-    loaded.config = loaded.model.args
-    path = save_quantized(loaded, out, spec=spec, modules=modules, max_shard_size=max_shard_size)
-    return finish_result(path, spec, modules, original, loaded.model, source_dir, notes)
 
 
 def quantize_notes(
