@@ -169,6 +169,26 @@ def test_artifact_loads_in_transformers_and_generates_what_lmforge_generates(qua
     assert ours.results[0].token_ids == hf_ids
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_quantization_config_is_what_transformers_and_vllm_rebuild(quantized, name):
+    """Both rebuild config.json's `quant_type` with torchao's `config_from_dict` (vLLM's
+    TorchAOConfig.from_config too; vLLM itself is not installed here): loadable artifacts give
+    back the config they were made with, packed ones an error."""
+    from torchao.core.config import config_from_dict, config_to_dict
+
+    path, _ = quantized[name]
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "torchao" and list(config["quant_type"]) == ["default"]
+    spec = SPECS[name]
+    if spec.pack_int4:
+        with pytest.raises(ValueError, match=stored.PACKED_CONFIG_TYPE):
+            config_from_dict(config["quant_type"]["default"])
+        return
+    rebuilt = config_from_dict(config["quant_type"]["default"])
+    made_with = quantize_lib.torchao_config(spec.scheme, spec.group_size, "cpu")
+    assert config_to_dict(rebuilt) == config_to_dict(made_with)
+
+
 def test_packed_int4_is_refused_elsewhere_and_legacy_packed_still_loads(quantized, tmp_path):
     transformers = pytest.importorskip("transformers")
     path, model = quantized["int4-packed"]
