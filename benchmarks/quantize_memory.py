@@ -99,6 +99,7 @@ def main() -> None:
             print(json.dumps(quantize_child(source, out, scheme, stream == "stream", shard)))
         return
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="quantize_memory_"))
+    workdir.mkdir(parents=True, exist_ok=True)
     source = workdir / f"{args.preset}-bf16"
     if not source.exists():
         _run_child("source", args.preset, str(source))

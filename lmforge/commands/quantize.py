@@ -49,6 +49,13 @@ def register(subparsers) -> None:
         help="largest safetensors shard written (default 5GB); also bounds the memory used",
     )
     quantize.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="load the whole model before quantizing it (the artifact is the same; streaming "
+        "holds one weight at a time)",
+    )
+    quantize.add_argument(
         "--device",
         default=None,
         help="where to quantize (and which kernels the artifact targets); default cuda if "
@@ -95,6 +102,7 @@ def quantize_main(args: argparse.Namespace) -> int:
         device=device,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
+        stream=args.stream,
     )
     spec, old, new = result.spec, result.original, result.quantized
     group = f"group size {spec.group_size}" if spec.group_size else "per output row"

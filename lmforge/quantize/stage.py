@@ -57,16 +57,17 @@ def quantize_artifact(
     check_scheme(scheme, device)
     check_packing(spec, device)
     artifact.parse_size(max_shard_size)  # a bad size fails before any work
-    if stream and detect_format(source) == "hf":
+    kind = detect_format(source)
+    if stream and kind == "hf":
         result = quantize_streaming(
             Path(source), Path(out), spec, device=device, dtype=dtype, max_shard_size=max_shard_size
         )
     else:
         result = _quantize_whole(source, out, spec, device, dtype, max_shard_size)
-        if detect_format(source) != "hf":
+        if kind != "hf":
             result.notes.append(
                 f"loaded the whole model: only safetensors directories are streamed, not a "
-                f"{detect_format(source)} source"
+                f"{kind} source"
             )
     if pack_int4:
         result.warnings.append(PACKED_WARNING.format(type=PACKED_CONFIG_TYPE))

@@ -160,7 +160,8 @@ class _TensorMaker:
         ):
             raise RuntimeError(
                 f"streaming quantization: {name} came out unlike its meta-device plan "
-                f"({sorted(tensors)} vs {sorted(planned)}); quantize with stream=False"
+                f"({sorted(tensors)} vs {sorted(planned)}); quantize with --no-stream "
+                "(stream=False)"
             )
 
 
