@@ -20,7 +20,8 @@ def register(subparsers) -> None:
         "and modules are recorded in lmforge.json. A safetensors source is read, quantized and "
         "written one tensor at a time (memory: one weight plus one output shard), any size.",
         epilog="Kernels: cpu runs int8-wo and int4-wo; cuda runs int8-wo, and int4-wo on compute "
-        "capability 8.0+ (tinygemm, group size 32/64/128/256).",
+        "capability 8.0+ (tinygemm, group size 32/64/128/256; such an artifact loads on cuda "
+        "only, in transformers too).",
     )
     quantize.add_argument("source", metavar="ARTIFACT", help="artifact, HF directory or preset")
     quantize.add_argument("out", metavar="OUT", type=Path)
