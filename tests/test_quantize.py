@@ -384,3 +384,15 @@ def test_scheme_list_is_one():
 
     assert quantize_lib.SCHEMES is SCHEMES and quantize_command.SCHEMES is SCHEMES
     assert typing.get_args(QuantizeStageSection.model_fields["scheme"].annotation) == SCHEMES
+
+
+def test_streaming_reads_a_transformers_directory(tmp_path):
+    from tests.conftest import make_hf_llama
+
+    source = tmp_path / "hf"  # float32, tied, written by transformers' save_pretrained
+    make_hf_llama(source, hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
+    options = dict(scheme="int8-wo", quantize_output=True, dtype="bfloat16")
+    whole = quantize_artifact(source, tmp_path / "whole", stream=False, **options)
+    streamed = quantize_artifact(source, tmp_path / "streamed", **options)
+    assert streamed.streamed and "untied" in " ".join(streamed.notes)
+    _assert_same_contents(_artifact_contents(streamed.path), _artifact_contents(whole.path))
