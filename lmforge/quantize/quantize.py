@@ -11,15 +11,29 @@
 
 The artifact stores the state dict flattened by torchao's own safetensors helpers
 (`torchao.prototype.safetensors`: `<module>._weight_qdata`, `_weight_scale`, ... plus a JSON
-description of each tensor in the safetensors metadata), which is the layout transformers'
-`TorchAoConfig` integration reads; config.json then carries a torchao `quantization_config`.
-One exception: torchao's CPU int4 tensor holds one int4 value per int8 byte, so its `qdata` is
-packed two values per byte on disk (`_weight_qdata_int4x2`) and unpacked on load, which makes
-the file really ~1/4 of bf16. transformers and vLLM cannot read that packing: such an artifact
-says so in lmforge.json (`quantization.hf_loadable: false`) and its config.json carries
-`quant_method: "lmforge-int4x2"` (transformers warns that it does not know it and reports the
-linear weights missing); `lmforge.load` reads it. Artifacts whose weights are all in torchao's
-own layout (int8-wo anywhere, int4-wo made on CUDA) load in transformers as they are.
+description of each tensor in the safetensors metadata, repeated in every shard), and config.json
+carries a torchao `quantization_config` (transformers' `TorchAoConfig.to_dict()` layout): this is
+what transformers' `TorchAoHfQuantizer` reads (safetensors only; it rebuilds each subclass from
+the metadata), and what vLLM's torchao integration reads. Every scheme loads there as it is:
+int8-wo anywhere, int4-wo made on the CPU anywhere (torchao's CPU int4 tensor keeps one value
+per int8 byte, so its file is ~1/2 of bf16, like int8), int4-wo made on CUDA on CUDA only
+(tinygemm packs two values per byte).
+
+`pack_int4` (`--pack-int4`) stores the CPU int4 values two per byte (`_weight_qdata_int4x2`),
+which makes the file really ~1/4 of bf16, but neither transformers nor vLLM can read that packing:
+such an artifact says so in lmforge.json (`quantization.hf_loadable: false`), `lmforge quantize`
+warns on the console, and config.json's `quantization_config` names a torchao config type that
+does not exist, so transformers and vLLM stop with an error ("Failed to find class
+LmforgePackedInt4...") instead of loading random weights. Artifacts written before this change
+carry `quant_method: "lmforge-int4x2"` (which transformers skips with a warning); `lmforge.load`
+reads both.
+
+The stage (`lmforge.quantize.stage.quantize_artifact`) streams a safetensors source: it plans
+the output on the meta device (names, shapes, shards, metadata: this module's code, as the
+whole-model path runs it), then reads, quantizes and writes one tensor at a time, so the host
+holds one weight plus the shard being written (at most `max_shard_size`), never the whole model
+(`lmforge.quantize.streaming`); other sources (a preset, Meta or torchtitan checkpoints) are
+loaded whole. Both give the same tensors.
 
 lmforge.json records `"quantization": {scheme, group_size, modules, ...}`; `lmforge.load` sees it
 (or a torchao `quantization_config` written by transformers) and reads the weights with
@@ -30,6 +44,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -40,9 +55,10 @@ from lmforge import artifact
 from lmforge.errors import ConfigError
 from lmforge.models.llama import ModelArgs, Transformer
 from lmforge.models.llama import hf as llama_hf
+from lmforge.quantize.schemes import SCHEMES
 from lmforge.quantize.stored import (  # noqa: F401 (is_quantized, unpack_int4: re-exported)
+    PACKED_CONFIG_TYPE,
     PACKED_METADATA_KEY,
-    PACKED_QUANT_METHOD,
     PACKED_SUFFIX,
     is_quantized,
     pack_int4,
@@ -51,7 +67,6 @@ from lmforge.quantize.stored import (  # noqa: F401 (is_quantized, unpack_int4: 
 )
 from lmforge.sizes import module_bytes
 
-SCHEMES = ("int8-wo", "int4-wo")
 DEFAULT_INT4_GROUP_SIZE = 256
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA int4 kernel accepts
 TINYGEMM_PAD_TO = 1024  # ...and it pads in_features to a multiple of this
@@ -65,6 +80,10 @@ BLOCK_LINEARS = {
     "feed_forward.w2": "ffn_dim",
     "feed_forward.w3": "dim",
 }
+PACKED_WARNING = (
+    "int4 values packed two per byte (--pack-int4): transformers and vLLM cannot load this "
+    "artifact (they stop with an error naming {type}); only lmforge.load reads it"
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,7 @@ class QuantSpec:
     scheme: str
     group_size: int | None = None  # None: one scale per output row (int8-wo only)
     quantize_output: bool = False  # the output projection; embeddings are never quantized
+    pack_int4: bool = False  # CPU int4: two values per byte on disk (lmforge-only artifact)
 
 
 @dataclass
@@ -95,6 +115,20 @@ class QuantizeResult:
     original: SizeReport
     quantized: SizeReport
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what the console must shout
+    streamed: bool = False  # read and written one tensor at a time
+
+
+@dataclass
+class FlatState:
+    """A quantized state dict flattened for safetensors, in the order it is written:
+    `sizes` (bytes) of every stored key, the HF tensor each key belongs to (`owner`), and the
+    safetensors metadata every shard carries (torchao's description of each tensor)."""
+
+    sizes: dict[str, int]
+    owner: dict[str, str]
+    metadata: dict[str, str]
+    packed_keys: list[str]
 
 
 # ---- which schemes run where ----------------------------------------------------------------
@@ -178,6 +212,15 @@ def check_group_size(spec: QuantSpec, args: ModelArgs, device: str | torch.devic
     return group_size
 
 
+def check_packing(spec: QuantSpec, device: str | torch.device) -> None:
+    """`pack_int4` packs the CPU int4 tensor's values; a ConfigError for anything else."""
+    if spec.pack_int4 and (spec.scheme != "int4-wo" or torch.device(device).type != "cpu"):
+        raise ConfigError(
+            f"pack_int4 (--pack-int4) packs int4-wo made on the cpu; not {spec.scheme} on "
+            f"{torch.device(device).type} (CUDA int4 is packed two per byte already)"
+        )
+
+
 def torchao_config(scheme: str, group_size: int | None, device: str | torch.device):
     """The torchao `AOBaseConfig` of a scheme on a device (see the module table)."""
     require_torchao()
@@ -214,17 +257,24 @@ def _untie_output(model: Transformer) -> None:
     model.args = model.args.replace(tie_embeddings=False)
 
 
+def casts_to_bfloat16(spec: QuantSpec, device: str | torch.device) -> bool:
+    """int4 on CUDA computes in bfloat16 (tinygemm needs it): the whole model is cast first."""
+    return spec.scheme == "int4-wo" and torch.device(device).type == "cuda"
+
+
 @torch.no_grad()
-def quantize_model(model: Transformer, spec: QuantSpec) -> list[str]:
-    """Quantize `model` in place with torchao, with the kernels of the device its weights are
-    on; returns the quantized module names. int4 on CUDA casts the model to bfloat16 (tinygemm
-    needs it)."""
-    device = model.norm.weight.device
+def quantize_model(
+    model: Transformer, spec: QuantSpec, *, device: str | torch.device | None = None
+) -> list[str]:
+    """Quantize `model` in place with torchao, with the kernels of `device` (default: the
+    device its weights are on; a meta-device model takes the device it plans for); returns
+    the quantized module names. int4 on CUDA casts the model to bfloat16 (tinygemm needs it)."""
+    device = device if device is not None else model.norm.weight.device
     check_scheme(spec.scheme, device)  # imports torchao
     from torchao.quantization import quantize_
 
     group_size = check_group_size(spec, model.args, device)
-    if spec.scheme == "int4-wo" and torch.device(device).type == "cuda":
+    if casts_to_bfloat16(spec, device):
         model.to(torch.bfloat16)
     if spec.quantize_output and model.args.tie_embeddings:
         _untie_output(model)
@@ -238,56 +288,57 @@ def quantize_model(model: Transformer, spec: QuantSpec) -> list[str]:
     return names
 
 
-def quantize_artifact(
-    source: str | Path,
-    out: str | Path,
-    *,
-    scheme: str,
-    group_size: int | None = None,
-    quantize_output: bool = False,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-) -> QuantizeResult:
-    """Load `source`, quantize it on `device` and write the quantized artifact to `out`.
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor, config) -> torch.Tensor:
+    """One linear's weight [out, in] quantized with a torchao config, as `quantize_model` does
+    it inside the model (the same `quantize_` handler, on a bias-free linear of that shape)."""
+    from torchao.quantization import quantize_
 
-    `dtype` casts the model first (default: keep the stored dtype; int4 on CUDA uses bf16).
-    """
-    from lmforge.api import detect_format, load
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight)
+    quantize_(linear, config)
+    quantized = linear.weight
+    assert type(quantized) is not nn.Parameter and type(quantized) is not torch.Tensor
+    return quantized.detach()
 
-    spec = QuantSpec(scheme=scheme, group_size=group_size, quantize_output=quantize_output)
-    check_scheme(scheme, device)
-    loaded = load(source, device=device, dtype=dtype)
-    if loaded.lineage.get("quantization"):
-        scheme_done = loaded.lineage["quantization"]["scheme"]
-        raise ConfigError(f"{source}: is already quantized ({scheme_done}); quantize the original")
-    group = check_group_size(spec, loaded.config, device)
-    spec = QuantSpec(scheme=scheme, group_size=group, quantize_output=quantize_output)
-    source_dir = Path(source) if detect_format(source) == "hf" else None  # has safetensors
-    original = SizeReport(
-        disk_bytes=weight_file_bytes(source_dir) if source_dir else None,
-        memory_bytes=module_bytes(loaded.model),
-    )
+
+def quantize_notes(
+    args: ModelArgs, model: Transformer, spec: QuantSpec, device, start_dtype: torch.dtype
+) -> list[str]:
+    """What the quantization changed besides the linears (casts, untying, padding)."""
     notes = []
-    start_dtype = next(loaded.model.parameters()).dtype
-    modules = quantize_model(loaded.model, spec)
-    end_dtype = next(loaded.model.norm.parameters()).dtype
+    end_dtype = model.norm.weight.dtype
     if end_dtype != start_dtype:
         notes.append(f"cast {start_dtype} -> {end_dtype} (the CUDA int4 kernel needs bfloat16)")
-    if spec.scheme == "int4-wo" and torch.device(device).type == "cuda":
-        sizes = {
-            loaded.config.dim,
-            loaded.config.ffn_dim,
-            loaded.config.num_heads * loaded.config.head_dim,
-        }
+    if casts_to_bfloat16(spec, device):
+        sizes = {args.dim, args.ffn_dim, args.num_heads * args.head_dim}
         if any(size % TINYGEMM_PAD_TO for size in sizes):
             notes.append(
                 f"the CUDA int4 layout pads input sizes to a multiple of {TINYGEMM_PAD_TO} "
                 f"({sorted(sizes)} here), so these weights shrink less than 4x"
             )
-    if loaded.config.tie_embeddings != loaded.model.args.tie_embeddings:
+    if args.tie_embeddings != model.args.tie_embeddings:
         notes.append("untied the output projection from the embeddings to quantize it alone")
-    loaded.config = loaded.model.args
-    path = save_quantized(loaded, out, spec=spec, modules=modules)
+    if spec.scheme == "int4-wo" and torch.device(device).type == "cpu" and not spec.pack_int4:
+        notes.append(
+            "int4 values are stored one per byte (torchao's CPU int4 tensor, which transformers "
+            "and vLLM read), so the file is ~1/2 of bf16; --pack-int4 halves it again for "
+            "lmforge only"
+        )
+    return notes
+
+
+def finish_result(
+    path: Path,
+    spec: QuantSpec,
+    modules: list[str],
+    original: SizeReport,
+    model: Transformer,
+    source_dir: Path | None,
+    notes: list[str],
+) -> QuantizeResult:
+    """The sizes before and after; `model` is the quantized one (real or on the meta device)."""
     if source_dir is not None:
         hf_names = [llama_hf.ours_to_hf(f"{m}.weight").removesuffix(".weight") for m in modules]
         original.linear_bytes = sum(
@@ -295,7 +346,7 @@ def quantize_artifact(
             for key, size in stored_bytes(source_dir).items()
             if key.removesuffix(".weight") in hf_names
         )
-    quantized = size_report(path, loaded.model, modules)
+    quantized = size_report(path, model, modules)
     original.linear_bf16_bytes = quantized.linear_bf16_bytes
     return QuantizeResult(path, spec, modules, original, quantized, notes)
 
@@ -340,26 +391,46 @@ def size_report(directory: Path, model: nn.Module, modules: list[str]) -> SizeRe
 # ---- save -----------------------------------------------------------------------------------
 
 
-def _quantization_config(spec: QuantSpec, config, packed: bool) -> dict:
-    """config.json's `quantization_config`: transformers' TorchAoConfig layout, or a method name
-    that transformers and vLLM do not know when the int4 values are packed."""
-    if packed:
-        return {
-            "quant_method": PACKED_QUANT_METHOD,
-            "scheme": spec.scheme,
-            "group_size": spec.group_size,
-            "note": "int4 values packed two per byte by lmforge; load with lmforge.load "
-            "(transformers and vLLM cannot read this packing)",
-        }
-    from torchao.core.config import config_to_dict
+def hf_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's state dict with HF names (a tied output is not stored), on the CPU (a
+    meta-device model's stays on meta)."""
+    state = llama_hf.ours_state_dict_to_hf(model.state_dict(), model.args)
+    return {name: t.detach() if t.is_meta else t.detach().to("cpu") for name, t in state.items()}
 
-    return {
-        "quant_method": "torchao",
-        "quant_type": {"default": config_to_dict(config)},
-        "modules_to_not_convert": [] if spec.quantize_output else ["lm_head"],
-        "include_input_output_embeddings": False,
-        "untie_embedding_weights": False,
-    }
+
+def flatten_tensor(name: str, tensor: torch.Tensor, spec: QuantSpec):
+    """One HF tensor as the safetensors keys it is stored under (torchao's flattening, then
+    the optional int4 packing) -> (tensors, metadata)."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    tensors, metadata = flatten_tensor_state_dict({name: tensor})
+    del metadata["tensor_names"]  # the artifact's list names every tensor (see flatten_state)
+    if spec.pack_int4:
+        for key in list(tensors):
+            if key.endswith("._weight_qdata") and _is_intx_int4(metadata, key):
+                tensors[key + PACKED_SUFFIX] = pack_int4(tensors.pop(key))
+    return tensors, metadata
+
+
+def flatten_state(
+    state: dict[str, torch.Tensor], spec: QuantSpec
+) -> tuple[FlatState, dict[str, torch.Tensor]]:
+    """A quantized HF state dict flattened tensor by tensor (what torchao's
+    `flatten_tensor_state_dict` gives for the whole dict, in the same order)."""
+    flat, metadata, sizes, owner = {}, {}, {}, {}
+    for name, tensor in state.items():
+        tensors, described = flatten_tensor(name, tensor, spec)
+        metadata.update(described)
+        for key, value in tensors.items():
+            flat[key] = value
+            sizes[key] = value.numel() * value.element_size()
+            owner[key] = name
+    metadata["tensor_names"] = json.dumps(list(state))
+    metadata["format"] = "pt"
+    packed_keys = [key for key in flat if key.endswith(PACKED_SUFFIX)]
+    if packed_keys:
+        metadata[PACKED_METADATA_KEY] = json.dumps(packed_keys)
+    return FlatState(sizes, owner, metadata, packed_keys), flat
 
 
 def save_quantized(
@@ -373,72 +444,110 @@ def save_quantized(
     """Write a `LoadedModel` quantized by `quantize_model(model, spec)` (which returned
     `modules`) as an artifact, atomically; returns its path."""
     require_torchao()
+    device = loaded.model.norm.weight.device
+    spec = replace(spec, group_size=check_group_size(spec, loaded.model.args, device))
+    flat, tensors = flatten_state(hf_state(loaded.model), spec)
+    return write_quantized(
+        directory,
+        loaded.model,
+        loaded.tokenizer,
+        parent=loaded.source,
+        spec=spec,
+        device=device,
+        modules=modules,
+        flat=flat,
+        produce=tensors.pop,
+        max_shard_size=max_shard_size,
+    )
+
+
+def write_quantized(
+    directory: str | Path,
+    model: Transformer,
+    tokenizer,
+    *,
+    parent: str | Path,
+    spec: QuantSpec,
+    device: str | torch.device,
+    modules: list[str],
+    flat: FlatState,
+    produce: Callable[[str], torch.Tensor],
+    max_shard_size: str | int,
+) -> Path:
+    """Write a quantized artifact atomically: weights as planned by `flat`, each key's tensor
+    got from `produce(key)` shard by shard, in order; `model` (real, or quantized on the meta
+    device) gives the config and the description in lmforge.json."""
     import torchao
     from torchao.core.config import config_to_dict
-    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
     from lmforge.api import generation_config
 
-    args = loaded.model.args
-    device = loaded.model.norm.weight.device
-    spec = replace(spec, group_size=check_group_size(spec, args, device))  # int4 default
-    state = llama_hf.ours_state_dict_to_hf(loaded.model.state_dict(), args)
-    state = {name: tensor.detach().to("cpu") for name, tensor in state.items()}
-    tensors, metadata = flatten_tensor_state_dict(state)
-    packed_keys = []
-    for key in list(tensors):
-        tensor = tensors[key]
-        is_int4 = key.endswith("._weight_qdata") and tensor.dtype == torch.int8
-        if is_int4 and _is_intx_int4(metadata, key):
-            tensors[key + PACKED_SUFFIX] = pack_int4(tensors.pop(key))
-            packed_keys.append(key + PACKED_SUFFIX)
-    metadata["format"] = "pt"
-    if packed_keys:
-        metadata[PACKED_METADATA_KEY] = json.dumps(packed_keys)
+    args = model.args
     config = torchao_config(spec.scheme, spec.group_size, device)
-    first = state[llama_hf.ours_to_hf(f"{modules[0]}.weight")]
+    first = model.get_submodule(modules[0]).weight
     tensor_type = type(first).__name__
-    hf_names = [llama_hf.ours_to_hf(f"{m}.weight").removesuffix(".weight") for m in modules]
+    packed = bool(flat.packed_keys)
     record_quantization = {
         "scheme": spec.scheme,
         "group_size": spec.group_size,
         "quantize_output": spec.quantize_output,
-        "modules": hf_names,
+        "modules": [llama_hf.ours_to_hf(f"{m}.weight").removesuffix(".weight") for m in modules],
         "not_quantized": ["model.embed_tokens"] + ([] if spec.quantize_output else ["lm_head"]),
         "tensor_type": tensor_type,
         "compute_dtype": str(first.dtype).removeprefix("torch."),
         "torchao_version": torchao.__version__,
         "torchao_config": config_to_dict(config),
         "storage": "torchao flattened safetensors"
-        + (", int4 qdata packed two per byte (_weight_qdata_int4x2)" if packed_keys else ""),
-        "hf_loadable": not packed_keys,
+        + (", int4 qdata packed two per byte (_weight_qdata_int4x2)" if packed else ""),
+        "hf_loadable": not packed,
     }
-    if packed_keys:
-        record_quantization["note"] = (
-            "transformers and vLLM cannot load this artifact (int4 packed by lmforge); "
-            "lmforge.load reads it"
-        )
+    if packed:
+        record_quantization["note"] = PACKED_WARNING.format(type=PACKED_CONFIG_TYPE)
     if tensor_type == "Int4TilePackedTo4dTensor":
         record_quantization["note"] = "tinygemm layout: loads on CUDA only"
     directory = Path(directory)
     with artifact.atomic_directory(directory) as staging:
-        _write_shards(tensors, metadata, staging, artifact.parse_size(max_shard_size))
+        max_bytes = artifact.parse_size(max_shard_size)
+        _write_shards(flat, produce, staging, max_bytes)
         hf_config = llama_hf.args_to_hf_config(args, first.dtype)
-        hf_config["quantization_config"] = _quantization_config(spec, config, bool(packed_keys))
+        hf_config["quantization_config"] = _quantization_config(spec, config, packed)
         artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
-        generation = generation_config(args, loaded.tokenizer)
+        generation = generation_config(args, tokenizer)
         artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
-        if loaded.tokenizer is not None:
-            loaded.tokenizer.save(staging)
+        if tokenizer is not None:
+            tokenizer.save(staging)
         record = artifact.lineage_record(
             stage="quantize",
-            parent=loaded.source,
+            parent=parent,
             config={**asdict(spec), "device": str(torch.device(device))},
         )
         record["quantization"] = record_quantization
         record["hash"] = artifact.directory_hash(staging)
         artifact.write_json(staging / artifact.LINEAGE_NAME, record)
     return directory
+
+
+def _quantization_config(spec: QuantSpec, config, packed: bool) -> dict:
+    """config.json's `quantization_config`: transformers' TorchAoConfig layout. Packed int4
+    names a torchao config type that does not exist, so that transformers and vLLM (which
+    both rebuild it with torchao's `config_from_dict`) refuse the artifact with an error."""
+    from torchao.core.config import config_to_dict
+
+    quant_type = config_to_dict(config)
+    if packed:
+        quant_type = {
+            "_type": PACKED_CONFIG_TYPE,
+            "_version": 1,
+            "_data": {"scheme": spec.scheme, "group_size": spec.group_size},
+        }
+    return {
+        "quant_method": "torchao",
+        "quant_type": {"default": quant_type},
+        "modules_to_not_convert": [] if spec.quantize_output else ["lm_head"],
+        "include_input_output_embeddings": False,
+        "untie_embedding_weights": False,
+        **({"note": PACKED_WARNING.format(type=PACKED_CONFIG_TYPE)} if packed else {}),
+    }
 
 
 def _is_intx_int4(metadata: dict, key: str) -> bool:
@@ -448,30 +557,42 @@ def _is_intx_int4(metadata: dict, key: str) -> bool:
     return described.get("_type") == "IntxUnpackedToInt8Tensor" and target.get("_data") == "int4"
 
 
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Keys in order, cut into shards of at most `max_shard_bytes` (a larger tensor gets one of
+    its own)."""
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for key, size in sizes.items():
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(key)
+        shard_bytes += size
+    return shards
+
+
 def _write_shards(
-    tensors: dict[str, torch.Tensor], metadata: dict, directory: Path, max_shard_bytes: int
+    flat: FlatState,
+    produce: Callable[[str], torch.Tensor],
+    directory: Path,
+    max_shard_bytes: int,
 ) -> None:
     """Safetensors shards (+ index when more than one), each carrying the full torchao metadata
-    (transformers merges it from every shard)."""
+    (transformers merges it from every shard, and needs every tensor's name in each); only one
+    shard's tensors are held at a time."""
     from safetensors.torch import save_file
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor.contiguous()
-        shard_bytes += size
+    shards = plan_shards(flat.sizes, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], directory / artifact.WEIGHTS_NAME, metadata=metadata)
+        tensors = {key: produce(key).contiguous() for key in shards[0]}
+        save_file(tensors, directory / artifact.WEIGHTS_NAME, metadata=flat.metadata)
         return
     weight_map = {}
-    for number, shard in enumerate(shards, start=1):
+    for number, keys in enumerate(shards, start=1):
         name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / name, metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        tensors = {key: produce(key).contiguous() for key in keys}
+        save_file(tensors, directory / name, metadata=flat.metadata)
+        del tensors
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {"metadata": {"total_size": sum(flat.sizes.values())}, "weight_map": weight_map}
     artifact.write_json(directory / artifact.INDEX_NAME, index)

@@ -18,7 +18,11 @@ from lmforge.errors import ModelFormatError, UserError
 from lmforge.models.llama import hf as llama_hf
 
 PACKED_SUFFIX = "_int4x2"  # `<module>._weight_qdata_int4x2`: two int4 values per byte
-PACKED_QUANT_METHOD = "lmforge-int4x2"
+# config.json of a packed artifact: quant_method "torchao" with this config type, which torchao
+# does not have, so transformers and vLLM refuse it (older artifacts: the method below, which
+# transformers skipped with a warning and then loaded random weights).
+PACKED_CONFIG_TYPE = "LmforgePackedInt4_LoadWithLmforgeOnly"
+LEGACY_PACKED_QUANT_METHOD = "lmforge-int4x2"
 PACKED_METADATA_KEY = "lmforge_int4x2"  # safetensors metadata: JSON list of packed keys
 
 
@@ -71,7 +75,7 @@ def is_quantized(directory: Path) -> bool:
     if not config_path.exists():
         return False
     method = (artifact.read_json(config_path).get("quantization_config") or {}).get("quant_method")
-    return method in ("torchao", PACKED_QUANT_METHOD)
+    return method in ("torchao", LEGACY_PACKED_QUANT_METHOD)
 
 
 def _read_flat(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
