@@ -63,7 +63,7 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-wo": _quantized("int4-wo", 128),
 }
 
-VARIANTS = ("lmforge", "lmforge-unfused", "lmforge-eager", "hf", "hf-static")
+VARIANTS = ("lmforge", "lmforge-unfused", "lmforge-untuned", "lmforge-eager", "hf", "hf-static")
 DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
 DEVICE = "cuda"  # --device
 
@@ -102,7 +102,14 @@ def make_model(preset: str, scheme: str) -> nn.Module:
 
 
 def bench_lmforge(
-    model, prompt: list[int], new_tokens: int, repeats: int, *, compile: bool, fuse: bool = True
+    model,
+    prompt: list[int],
+    new_tokens: int,
+    repeats: int,
+    *,
+    compile: bool,
+    fuse: bool = True,
+    tune: bool = True,
 ):
     generator = Generator(
         model,
@@ -111,6 +118,7 @@ def bench_lmforge(
         device=DEVICE,
         compile=compile,
         fuse=fuse,
+        tune_decode=tune,
     )
     generator.warmup()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
@@ -223,6 +231,7 @@ def main() -> None:
                         args.repeats,
                         compile=variant != "lmforge-eager" and DEVICE == "cuda",
                         fuse=variant != "lmforge-unfused",
+                        tune=variant != "lmforge-untuned",
                     )
                     if scheme == "bf16":
                         bf16_bytes, reference = num_bytes, reference or tokens

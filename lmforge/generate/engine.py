@@ -113,6 +113,8 @@ class Engine:
             elsewhere).
         fuse: join each block's q/k/v and gate/up projections into one matmul each (plain
             weights only; the state dict keeps Meta's names).
+        tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
+            `_compile_decode`).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class Engine:
         compile: bool | None = None,
         prefill_chunk: int | None = None,
         fuse: bool = True,
+        tune_decode: bool = True,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -159,6 +162,7 @@ class Engine:
             num_kv_heads=local_kv_heads(model),
         )
         self.compiled = self.on_cuda if compile is None else compile
+        self.tune_decode = tune_decode
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
         self.overlap = self.on_cuda
         self._decode_one, self._decode_many = decode_step, batched_decode_step
@@ -187,7 +191,7 @@ class Engine:
             for tensor in self.caches.tensors():
                 torch._dynamo.mark_static_address(tensor)
             many = {"triton.cudagraphs": True}  # mode="reduce-overhead"
-            one = {**many, "coordinate_descent_tuning": True}
+            one = {**many, "coordinate_descent_tuning": self.tune_decode}
         self._decode_one = torch.compile(decode_step, fullgraph=True, dynamic=False, options=one)
         self._decode_many = torch.compile(batched_decode_step, fullgraph=True, options=many)
 
@@ -362,10 +366,13 @@ class Engine:
         bucket = next(b for b in self.buckets if b > max(slots))
         logits = self.decode_rows(bucket)
         self.num_decode_steps += 1
-        if slots != list(range(bucket)):
-            logits = logits[torch.tensor(slots, device=self.device)]
-        tokens = self._sample(decoding, logits)
-        self._tokens[slots] = tokens
+        if slots == list(range(len(slots))):  # rows 0..n-1: plain slices
+            tokens = self._sample(decoding, logits[: len(slots)])
+            self._tokens[: len(slots)] = tokens
+        else:
+            index = self._to_device(slots)
+            tokens = self._sample(decoding, logits[index])
+            self._tokens[index] = tokens
         positions = self._positions[:bucket]
         positions.add_(1).clamp_(max=self._last_slot)  # rows not decoding stay at the last slot
         return tokens
@@ -399,10 +406,8 @@ class Engine:
         # are read) or, clamped, the last slot.
         positions.clamp_(max=self._last_slot)
         kv_len = max(start + length for _, start, length in chunks)
-        rows = torch.tensor([sequence.slot for sequence, _, _ in chunks])
-        tokens, positions, rows = (
-            t.to(self.device, non_blocking=True) for t in (tokens, positions, rows)
-        )
+        rows = [sequence.slot for sequence, _, _ in chunks]
+        tokens, positions, rows = (self._to_device(t) for t in (tokens, positions, rows))
         hidden = self.model(
             tokens,
             positions=positions,
@@ -419,14 +424,21 @@ class Engine:
                 last.append((row, length - 1))
         if not completed:
             return [], None
-        index = torch.tensor(last, device=self.device)  # [n, 2]: (row, last position)
+        index = self._to_device(last)  # [n, 2]: (row, last position)
         logits = self.model.output(hidden[index[:, 0], index[:, 1]]).float()  # [n, vocab]
         first = self._sample(completed, logits)
-        slots = [s.slot for s in completed]
+        slots = self._to_device([s.slot for s in completed])
         self._tokens[slots] = first
-        lengths = [len(s.prompt_ids) for s in completed]
-        self._positions[slots] = torch.tensor(lengths, device=self.device)
+        self._positions[slots] = self._to_device([len(s.prompt_ids) for s in completed])
         return completed, first
+
+    def _to_device(self, values) -> torch.Tensor:
+        """A host list or tensor on the device without a sync: a copy from pageable host memory
+        would wait for the device to finish its queued work (through pinned memory on CUDA)."""
+        tensor = torch.as_tensor(values)
+        if not self.on_cuda:
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # ---- sampling and collecting ----------------------------------------------------------
 

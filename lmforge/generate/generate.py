@@ -157,6 +157,7 @@ class Generator:
         compile: bool | None = None,
         prefill_chunk: int | None = None,
         fuse: bool = True,
+        tune_decode: bool = True,
     ) -> None:
         self.engine = Engine(
             model,
@@ -167,6 +168,7 @@ class Generator:
             compile=compile,
             prefill_chunk=prefill_chunk,
             fuse=fuse,
+            tune_decode=tune_decode,
         )
         self.weight_bytes = weight_bytes(self.engine.model)
 
