@@ -144,32 +144,16 @@ class GenerationStream:
 
 
 class Generator:
-    """Generation over one model with one engine (see `Engine` for the arguments)."""
+    """Generation over one model with one engine.
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer=None,
-        *,
-        max_batch: int = 1,
-        max_seq_len: int | None = None,
-        device: str | torch.device | None = None,
-        compile: bool | None = None,
-        prefill_chunk: int | None = None,
-        fuse: bool = True,
-        tune_decode: bool = True,
-    ) -> None:
-        self.engine = Engine(
-            model,
-            tokenizer,
-            max_batch=max_batch,
-            max_seq_len=max_seq_len,
-            device=device,
-            compile=compile,
-            prefill_chunk=prefill_chunk,
-            fuse=fuse,
-            tune_decode=tune_decode,
-        )
+    Args:
+        model, tokenizer: as `Engine`'s.
+        options: the `Engine`'s keyword arguments (max_batch, max_seq_len, device, compile,
+            prefill_chunk, fuse, tune_decode).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, **options) -> None:
+        self.engine = Engine(model, tokenizer, **options)
         self.weight_bytes = weight_bytes(self.engine.model)
 
     # The engine's settings, read through.
