@@ -87,10 +87,8 @@ def answer_accuracy(
         compile=False,
     )
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    answers: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        answers += [r.text for r in generator.stream(chunk, params, seed=0).output().results]
+    # All at once: the engine runs batch_size of them and starts the next as rows free up.
+    answers = [r.text for r in generator.generate(prompts, params, seed=0).results]
     correct = [_normalize(a) == _normalize(ref) for a, (_, ref) in zip(answers, rows)]
     examples = [
         {"question": messages[-1].get("content", ""), "answer": answer.strip(), "reference": ref}
