@@ -90,3 +90,57 @@ def test_eval_tp2_loglikelihoods_equal_one_process(world):
             count += 1
     assert count >= 12
     assert ours["results"]["demo_mc"]["acc,none"] == theirs["results"]["demo_mc"]["acc,none"]
+
+
+def test_serve_tp2_answers_as_one_process(world, tmp_path):
+    """`lmforge launch --nproc 2 serve`: rank 0 serves HTTP, rank 1 replays its engine; greedy
+    answers equal one process's `lmforge generate`, seeded sampling repeats, and SIGTERM ends
+    both processes."""
+    import signal
+    import time
+
+    import openai
+
+    artifact = world["artifacts"][True]
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "lmforge", "launch", "--nproc", "2", "serve", str(artifact)]
+    command += [
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--max-concurrency",
+        "4",
+        "--log-level",
+        "warning",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (found := re.search(r"on (http://127\.0\.0\.1:\d+/v1)", log.read_text())):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=found.group(1), api_key="none", max_retries=20)
+        model = client.models.list().data[0].id
+        greedy = [
+            client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0)
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        sampled = [
+            [c.text for c in client.completions.create(
+                model=model, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=3, n=2
+            ).choices]
+            for _ in range(2)
+        ]  # fmt: skip
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    argv = ["generate", str(artifact), "--prompt", *PROMPTS, "--temperature", "0"]
+    one = _lmforge(*argv, "--max-new-tokens", "16")
+    for prompt, text in zip(PROMPTS, greedy):
+        assert f"=== {prompt}\n{text}\n" in one
+    assert sampled[0] == sampled[1] and sampled[0][0] != sampled[0][1]

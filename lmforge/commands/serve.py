@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -235,9 +236,7 @@ def main(args: argparse.Namespace) -> int:
 
     import torch
 
-    import lmforge
-    from lmforge.api import resolve_device
-    from lmforge.generate import Generator
+    from lmforge.generate import Generator, parallel
 
     try:
         from lmforge.serve import ServeSettings, bind, create_app, serve
@@ -249,10 +248,11 @@ def main(args: argparse.Namespace) -> int:
 
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    sock = bind(args.host, args.port)  # fail early on a taken port, before loading
-    device = resolve_device(args.device)
+    # fail early on a taken port, before loading (tensor parallel: rank 0 serves HTTP)
+    sock = bind(args.host, args.port) if parallel.is_main() else None
     start = time.perf_counter()
-    loaded = lmforge.load(args.artifact, device=device, dtype=args.dtype)
+    loaded = parallel.load_model(args.artifact, device=args.device, dtype=args.dtype)
+    device = loaded.model.tok_embeddings.weight.device
     if loaded.tokenizer is None:
         raise ModelFormatError(
             f"{args.artifact}: has no tokenizer (tokenizer.json or tokenizer.model); serving "
@@ -283,6 +283,13 @@ def main(args: argparse.Namespace) -> int:
     if generator.compiled:
         print("compiling the decode step...", file=sys.stderr, flush=True)
         print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
+    if not parallel.is_main():  # replay rank 0's engine until it stops
+        from lmforge.serve.engine import follow
+
+        for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then says stop
+            signal.signal(signum, signal.SIG_IGN)
+        follow(generator.engine, parallel.receive_from_main)
+        return 0
     settings = ServeSettings(
         model_name=model_name(args),
         api_key=api_key,
@@ -291,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None,
         max_request_bytes=args.max_request_bytes,
     )
-    app = create_app(generator, settings)
+    mirror = parallel.send_to_others if parallel.world_size() > 1 else None
+    app = create_app(generator, settings, mirror=mirror)
     host, port = sock.getsockname()[:2]
     print(
         f"serving {settings.model_name!r} on http://{host}:{port}/v1 (max concurrency "

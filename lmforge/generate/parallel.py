@@ -105,6 +105,16 @@ def shared_seed(seed: int | None) -> int | None:
     return _broadcast(random.randrange(2**62), is_main())
 
 
+def send_to_others(*value) -> None:
+    """Rank 0: broadcast `value` (a tuple) to the other processes (`receive_from_main`)."""
+    _broadcast(value, True)
+
+
+def receive_from_main():
+    """What rank 0 sent with `send_to_others`."""
+    return _broadcast(None, False)
+
+
 def _broadcast(value, is_source: bool):
     """Rank 0's `value`, on every process."""
     box = [value if is_source else None]

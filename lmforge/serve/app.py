@@ -39,9 +39,9 @@ from lmforge.serve.session import EventStream, Session, plan_request
 logger = logging.getLogger("lmforge.serve")
 
 
-def create_app(generator: Generator, settings: ServeSettings) -> FastAPI:
+def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) -> FastAPI:
     """The API over `generator` (its max_batch sequences run at once). The engine starts and
-    stops with the app's lifespan."""
+    stops with the app's lifespan; `mirror`: see `Engine` (tensor parallelism, rank 0)."""
     if generator.tokenizer is None:
         raise UserError("serving needs a model with a tokenizer (tokenizer.json)")
     metrics = Metrics()
@@ -50,6 +50,7 @@ def create_app(generator: Generator, settings: ServeSettings) -> FastAPI:
         max_queue=settings.max_queue,
         on_finish=metrics.on_finish,
         on_step=metrics.batch_size.observe,
+        mirror=mirror,
     )
 
     @contextlib.asynccontextmanager

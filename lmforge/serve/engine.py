@@ -6,6 +6,13 @@ task: each `step()` runs in a worker thread, so the event loop keeps serving HTT
 the tokens it returns go to their requests' queues. Everything that changes the core engine
 (adding sequences, cancelling them) happens on the event loop between steps.
 
+Under tensor parallelism (`lmforge launch --nproc N serve`) rank 0 serves HTTP and every other
+process replays its engine: the loop records each change to the core engine as an op (add,
+cancel, clear), and before each step `mirror` sends that step's ops to the other processes, which
+apply them and step too (`follow`); when idle it sends a heartbeat now and then, and a stop at
+shutdown. Ops are applied at the start of a step on every process alike, so all hold the same
+sequences in the same rows and run the same collectives.
+
 A request with n choices is one `Submission` of n sequences. Up to `max_batch` sequences run
 and `max_queue` more wait; beyond that `submit` raises `QueueFull` (HTTP 429). A sequence's
 greedy output does not depend on what runs beside it, and a seeded one draws the same tokens
@@ -18,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,6 +111,8 @@ class Engine:
     Args:
         generator: its engine's `max_batch` is the number of sequences that run at once.
         max_queue: sequences that may wait for a free row beyond those.
+        mirror: under tensor parallelism, on rank 0: sends (ops, action) to the other
+            processes (see the module docstring).
         on_finish: called on the event loop as `on_finish(reason, num_new_tokens)` when a
             sequence leaves ("stop", "length", "error" or a cancel reason), for metrics.
         on_step: called on the event loop with the number of sequences each step advanced.
@@ -115,11 +125,17 @@ class Engine:
         max_queue: int,
         on_finish: Callable[[str, int], None] | None = None,
         on_step: Callable[[int], None] | None = None,
+        mirror: Callable[[list[tuple], str], None] | None = None,
     ) -> None:
         if generator.tokenizer is None:
             raise ValueError("the serving engine needs a generator with a tokenizer")
         self.generator = generator
         self.core = generator.engine
+        self.mirror = mirror  # rank 0 under tensor parallelism: (ops, action) to the others
+        self._ops: list[tuple] = []  # changes for the next step (event loop side)
+        self._keys: dict[EngineSequence, int] = {}  # event loop side
+        self._sequences: dict[int, EngineSequence] = {}  # worker thread side
+        self._next_key = 0
         self.max_concurrency = generator.max_batch
         self.max_queue = max_queue
         self.on_finish = on_finish
@@ -138,7 +154,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.core.num_waiting
+        return self.core.num_waiting + sum(op[0] == "add" for op in self._ops)
 
     @property
     def capacity(self) -> int:
@@ -172,12 +188,18 @@ class Engine:
         if self._executor is not None:  # a step still running in it ends first
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.mirror is not None:
+            self.mirror([], "stop")
+            self.mirror = None
         self._fail_all()
 
     def _fail_all(self) -> None:
+        """End every sequence with "error" (the loop is not stepping: the core is cleared now)."""
         for sequence in list(self._submissions):
             self._finish(sequence, "error", notify=True)
+        self._ops.clear()
         self.core.clear()
+        self._sequences.clear()
 
     # ---- submitting -----------------------------------------------------------------------
 
@@ -192,18 +214,23 @@ class Engine:
                 f"(max_concurrency {self.max_concurrency} + max_queue {self.max_queue})"
             )
         submission = Submission(self)
+        ops = []
         for choice, request in enumerate(requests):
+            seed = request.seed
+            if seed is None and self.mirror is not None and not request.params.greedy:
+                seed = random.randrange(2**62)  # every process must draw the same tokens
+            ids = list(request.prompt_ids)
             sequence = self.core.sequence(
-                list(request.prompt_ids),
-                request.params,
-                index=choice,
-                seed=request.seed,
-                num_logprobs=request.num_logprobs,
+                ids, request.params, index=choice, seed=seed, num_logprobs=request.num_logprobs
             )
             submission.sequences.append(sequence)
-        for sequence in submission.sequences:
+            key, self._next_key = self._next_key, self._next_key + 1
+            ops.append(("add", key, ids, request.params, choice, seed, request.num_logprobs))
+            ops[-1] += (sequence,)  # this process's own object (not sent)
+        for sequence, op in zip(submission.sequences, ops):
             self._submissions[sequence] = submission
-        self.core.add(submission.sequences)
+            self._keys[sequence] = op[1]
+        self._ops += ops
         self._wake.set()
         return submission
 
@@ -213,13 +240,22 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             self._drop_cancelled()
-            if not self.core.has_work:
+            if not self.core.has_work and not self._ops:
                 self._wake.clear()
-                await self._wake.wait()
+                if self.mirror is None:
+                    await self._wake.wait()
+                    continue
+                try:  # the other processes wait in a collective that must not time out
+                    await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
+                except TimeoutError:
+                    await loop.run_in_executor(self._executor, self.mirror, [], "wait")
                 continue
+            ops, self._ops = self._ops, []
             try:
-                events = await loop.run_in_executor(self._executor, self.core.step)
+                events = await loop.run_in_executor(self._executor, self._step, ops)
             except Exception:
+                if self.mirror is not None:
+                    raise  # the processes are out of step: nothing to keep serving with
                 # A bug, not the client's doing: fail what runs now, keep serving.
                 logger.exception("generation step failed")
                 self._fail_all()
@@ -234,6 +270,14 @@ class Engine:
                 submission.queue.put_nowait(_output(event))
                 if event.finish_reason is not None:
                     self._finish(sequence, event.finish_reason, notify=False)
+
+    def _step(self, ops: list[tuple]) -> list:
+        """One step in the worker thread: the ops (sent to the other processes first), then
+        the core engine's step."""
+        if self.mirror is not None:
+            self.mirror([op[:-1] if op[0] == "add" else op for op in ops], "step")
+        events = apply_ops(self.core, ops, self._sequences)
+        return events
 
     def shut_down_sessions(self, reason: str = "shutdown") -> None:
         """End every sequence now (the drain's grace period ran out): each submission gets a
@@ -253,11 +297,49 @@ class Engine:
         submission = self._submissions.pop(sequence, None)
         if submission is None:
             return
-        self.core.cancel(sequence)  # a no-op for a sequence that finished
+        key = self._keys.pop(sequence)
+        if not sequence.finished:  # cancelled: its row is freed at the next step
+            self._ops.append(("cancel", key))
         if notify:
             submission.queue.put_nowait(TokenOutput(sequence.index, -1, "", reason))
         if self.on_finish is not None:
             self.on_finish(reason, len(sequence.token_ids))
+
+
+HEARTBEAT_S = 60.0  # idle rank 0 tells the other processes it is alive this often
+
+
+def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> list:
+    """Apply a step's ops to `core` and run the step; `sequences` maps op keys to this
+    process's sequences (rank 0 passes its own objects in "add" ops, others build them)."""
+    for op in ops:
+        if op[0] == "add":
+            key, ids, params, index, seed, num_logprobs = op[1:7]
+            sequence = op[7] if len(op) > 7 else None
+            if sequence is None:
+                sequence = core.sequence(
+                    ids, params, index=index, seed=seed, num_logprobs=num_logprobs
+                )
+            sequences[key] = sequence
+            core.add([sequence])
+        elif op[0] == "cancel" and op[1] in sequences:
+            core.cancel(sequences.pop(op[1]))
+    events = core.step()
+    for key in [key for key, sequence in sequences.items() if sequence.done]:
+        del sequences[key]
+    return events
+
+
+def follow(core, receive: Callable[[], tuple[list[tuple], str]]) -> None:
+    """A process other than rank 0 under tensor parallelism: replay rank 0's ops and steps
+    (`receive()` returns each (ops, action) that rank 0's `mirror` sent) until it stops."""
+    sequences: dict[int, EngineSequence] = {}
+    while True:
+        ops, action = receive()
+        if action == "stop":
+            return
+        if action == "step":
+            apply_ops(core, ops, sequences)
 
 
 def _output(event: TokenEvent) -> TokenOutput:
