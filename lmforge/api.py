@@ -1,6 +1,7 @@
 """Load any supported model source into a `LoadedModel`, and save one as an artifact.
 
-Sources: a preset name (random init), a Hugging Face Llama directory, an lmforge artifact (the
+Sources: a preset name (random init), a Hugging Face directory of a registered family (Llama,
+Qwen3), an lmforge artifact (the
 same, plus lmforge.json), or Meta's original download (`params.json` + `consolidated.NN.pth`,
 at the top level or under `original/`), or a torchtitan DCP checkpoint (with `model_config`
 naming the model). Pickle files are read with `weights_only=True` only.
@@ -13,11 +14,9 @@ from pathlib import Path
 
 import torch
 
-from lmforge import artifact
+from lmforge import artifact, models
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models.llama import PRESETS, ModelArgs, Transformer, get_preset
-from lmforge.models.llama import hf as llama_hf
-from lmforge.models.llama import torchtitan as llama_torchtitan
+from lmforge.models import PRESETS, ModelArgs, Transformer, get_preset
 from lmforge.quantize import stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,8 +80,8 @@ def detect_format(source: str | Path) -> str:
         return "hf"
     if _meta_dir(path) is not None:
         return "meta"
-    if llama_torchtitan.find_checkpoint(path) is not None:
-        llama_torchtitan.check_torchtitan_checkpoint(path)  # names what a foreign DCP dir lacks
+    if models.torchtitan.find_checkpoint(path) is not None:
+        models.torchtitan.check_torchtitan_checkpoint(path)  # names what a foreign DCP dir lacks
         return "torchtitan"
     raise ModelFormatError(
         f"{path}: not a model directory: expected config.json (Hugging Face / lmforge artifact), "
@@ -99,7 +98,7 @@ def read_args(source: str | Path, *, model_config: str | None = None) -> ModelAr
     """
     kind = detect_format(source)
     if kind == "torchtitan":
-        return llama_torchtitan.read_torchtitan_args(source, model_config)
+        return models.torchtitan.read_torchtitan_args(source, model_config)
     if model_config is not None:
         raise ModelFormatError(
             f"{source}: model_config (--model-config) is only for torchtitan checkpoints; "
@@ -110,9 +109,9 @@ def read_args(source: str | Path, *, model_config: str | None = None) -> ModelAr
     path = Path(source)
     if kind == "hf":
         config_path = path / artifact.CONFIG_NAME
-        return llama_hf.args_from_hf_config(artifact.read_json(config_path), config_path)
+        return models.args_from_hf_config(artifact.read_json(config_path), config_path)
     params_path = _meta_dir(path) / "params.json"
-    return llama_hf.args_from_meta_params(artifact.read_json(params_path), params_path)
+    return models.args_from_meta_params(artifact.read_json(params_path), params_path)
 
 
 def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -125,7 +124,7 @@ def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor
             raise ModelFormatError(
                 f"{file}: cannot load as a weights-only checkpoint ({err})"
             ) from None
-    return llama_hf.merge_meta_shards(shards, args, directory)
+    return models.merge_meta_shards(shards, args, directory)
 
 
 def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -134,10 +133,10 @@ def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tens
     path = Path(source)
     kind = detect_format(source)
     if kind == "torchtitan":
-        return llama_torchtitan.read_torchtitan_checkpoint(path, args)[1]
+        return models.torchtitan.read_torchtitan_checkpoint(path, args)[1]
     if kind == "meta":
         return _read_meta_state(_meta_dir(path), args)
-    return llama_hf.hf_state_dict_to_ours(artifact.read_safetensors(path), path)
+    return models.hf_state_dict_to_ours(artifact.read_safetensors(path), args, path)
 
 
 def build_model(
@@ -145,7 +144,7 @@ def build_model(
 ):
     """A freshly initialized model (meta-device build, then materialized and initialized)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = models.new_model(args)
     model.to_empty(device=device)
     model.tie_weights()
     with torch.random.fork_rng(devices=[]):
@@ -205,7 +204,7 @@ def load(
         return _load_quantized(path, device=device, dtype=dtype, with_tokenizer=with_tokenizer)
     state = read_state_dict(path, args)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = models.new_model(args)
     load_weights(model, state, source=path, device=device, dtype=dtype)
     tokenizer_dir = path
     if kind == "torchtitan" and model_config is not None and Path(model_config).is_dir():
@@ -281,13 +280,13 @@ def save_state(
     """Write a full (unsharded) state dict with our names as an artifact directory."""
     dtype = parse_dtype(dtype)
     state = {n: t.to(dtype or t.dtype) for n, t in state.items()}
-    hf_state = llama_hf.ours_state_dict_to_hf(state, args)
+    hf_state = models.ours_state_dict_to_hf(state, args)
     stored_dtype = next(iter(hf_state.values())).dtype
     directory = Path(directory)
     with artifact.atomic_directory(directory) as staging:
         max_bytes = artifact.parse_size(max_shard_size)
         artifact.write_safetensors(hf_state, staging, max_shard_bytes=max_bytes)
-        hf_config = llama_hf.args_to_hf_config(args, stored_dtype)
+        hf_config = models.args_to_hf_config(args, stored_dtype)
         artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
         generation = generation_config(args, tokenizer)
         artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
@@ -322,7 +321,7 @@ def _load_quantized(
     lineage = {}
     if (path / artifact.LINEAGE_NAME).exists():
         lineage = artifact.read_json(path / artifact.LINEAGE_NAME)
-    state = stored.read_quantized_state(path)
+    state = stored.read_quantized_state(path, args)
     quantized = {n for n, t in state.items() if type(t) is not torch.Tensor}
     dtypes = {t.dtype for n, t in state.items() if n in quantized}
     dtype = parse_dtype(dtype)
@@ -341,7 +340,7 @@ def _load_quantized(
                 f"on {device.type}; load it on cuda, or quantize the original on {device.type}"
             )
     with torch.device("meta"):
-        model = Transformer(args)
+        model = models.new_model(args)
     load_weights(model, state, source=path, device=device, dtype=None)  # checks names, shapes
     for name in quantized:
         model.get_parameter(name).requires_grad_(False)  # torchao weights are not trained

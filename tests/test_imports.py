@@ -150,3 +150,21 @@ def test_arrows_point_down():
     assert graph["lmforge.manifest"] == set()
     report = {t for m, ts in graph.items() if m.startswith("lmforge.report") for t in ts}
     assert not {t for t in report if t.startswith("lmforge.pipeline")}
+
+
+def _family_packages() -> set[str]:
+    models = PACKAGE / "models"
+    return {f"lmforge.models.{p.name}" for p in models.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_only_models_imports_a_family_by_name():
+    families = _family_packages()
+    assert "lmforge.models.llama" in families
+    by_name = {
+        (module, target)
+        for module, targets in import_graph().items()
+        if not module.startswith("lmforge.models")
+        for target in targets
+        if any(target == f or target.startswith(f + ".") for f in families)
+    }
+    assert by_name == set()

@@ -181,7 +181,7 @@ def test_bad_sources_name_the_path(tmp_path):
     (other / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     )
-    with pytest.raises(ModelFormatError, match="not a Llama model"):
+    with pytest.raises(ModelFormatError, match="model type 'gpt2' is not supported; lmforge reads"):
         lmforge.load(other)
 
 

@@ -66,12 +66,12 @@ def _human(count: float, unit: str = "") -> str:
 def info_main(args: argparse.Namespace) -> int:
     import torch
 
+    from lmforge import models
     from lmforge.api import detect_format, read_args
-    from lmforge.models.llama import Transformer
 
     model_args = read_args(args.source, model_config=args.model_config)
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = models.new_model(model_args)
     total = model_args.num_params()
     without_embedding = model_args.num_params(include_embedding=False)
     print(f"source:      {args.source} ({detect_format(args.source)})")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmforge import models
 from lmforge.api import (
     LoadedModel,
     detect_format,
@@ -32,7 +33,6 @@ from lmforge.api import (
     read_state_dict,
 )
 from lmforge.errors import ConfigError
-from lmforge.models.llama import Transformer
 from lmforge.quantize import stored
 
 
@@ -70,7 +70,7 @@ def load_model(
     stored_dtype = next(iter(state.values())).dtype if state else None
     dtype = parse_dtype(dtype) or _broadcast(stored_dtype, layout.is_main)
     with torch.device("meta"):
-        model = Transformer(args).to(dtype)
+        model = models.new_model(args).to(dtype)
     apply_tensor_parallel(model, layout.mesh["tp"], sequence_parallel=False)
     model.to_empty(device=layout.device)
     model.tie_weights()

@@ -40,9 +40,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lmforge import models
 from lmforge.config import Section
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models.llama import hf as llama_hf
 
 # Target name -> our module attribute (Meta names) and the Hugging Face module name.
 TARGET_MODULES = {
@@ -442,9 +442,11 @@ def quantize_like(weight: torch.Tensor, block_size: int = NF4_BLOCK_SIZE) -> tor
 # ---- PEFT-compatible adapter files ------------------------------------------------------------
 
 
-def _peft_module_name(our_module: str) -> str:
-    """'layers.0.attention.wq' -> 'base_model.model.model.layers.0.self_attn.q_proj'."""
-    return _PEFT_PREFIX + llama_hf.ours_to_hf(f"{our_module}.weight").removesuffix(".weight")
+def _peft_module_name(our_module: str, args) -> str:
+    """'layers.0.attention.wq' -> 'base_model.model.model.layers.0.self_attn.q_proj' (by the
+    key map of the family of `args`)."""
+    hf_name = models.ours_to_hf(f"{our_module}.weight", args)
+    return _PEFT_PREFIX + hf_name.removesuffix(".weight")
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -482,7 +484,7 @@ def save_peft_adapter(
     )
     tensors = {}
     for name, module in modules.items():
-        prefix = _peft_module_name(name)
+        prefix = _peft_module_name(name, args)
         tensors[f"{prefix}.lora_A.weight"] = module.lora_a.weight.detach().cpu().contiguous()
         tensors[f"{prefix}.lora_B.weight"] = module.lora_b.weight.detach().cpu().contiguous()
     alpha = lora_cfg.alpha
@@ -578,7 +580,7 @@ def read_peft_config(adapter_dir: str | Path) -> LoRASection:
 
 
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> LoRASection:
-    """Apply a PEFT LoRA adapter directory to a (materialized) Llama `Transformer`, in place:
+    """Apply a PEFT LoRA adapter directory to a (materialized) `Transformer`, in place:
     `apply_lora` with its config, then its tensors. Returns the adapter's settings."""
     adapter_dir = Path(adapter_dir)
     cfg = read_peft_config(adapter_dir)
@@ -601,7 +603,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> LoRASection:
         raise ModelFormatError(f"{weights_path}: cannot read safetensors ({err})") from None
     expected = {}
     for name, module in lora_modules(model).items():
-        prefix = _peft_module_name(name)
+        prefix = _peft_module_name(name, model.args)
         expected[f"{prefix}.lora_A.weight"] = module.lora_a.weight
         expected[f"{prefix}.lora_B.weight"] = module.lora_b.weight
     # PEFT also saves the full base weight of an adapted lm_head ("...lm_head.base_layer.weight")

@@ -119,12 +119,12 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _build(setup: Setup, layout, parallel, *, lora: bool):
-    from lmforge.models.llama import Transformer
+    from lmforge import models
     from lmforge.modules.lora import apply_lora
     from lmforge.train.parallelize import parallelize
 
     with torch.device("meta"), _default_dtype(_TORCH_DTYPES[setup.param_dtype]):
-        model = Transformer(setup.args)
+        model = models.new_model(setup.args)
     if lora:
         apply_lora(
             model,

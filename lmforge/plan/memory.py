@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from lmforge.errors import ConfigError
-from lmforge.models.llama import ModelArgs
+from lmforge.models import ModelArgs, family_of
 from lmforge.modules.lora import DEFAULT_TARGETS, TARGET_MODULES
 
 GiB = 2**30
@@ -283,7 +283,7 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
     """Every parameter of the (LoRA-swapped) model, with how parallelize() splits it
     (`num_layers`: only the first blocks; they are all alike)."""
     a = setup.args
-    d, hd, kvd = a.dim, a.head_dim, a.num_kv_heads * a.head_dim
+    d = a.dim
     adapted = setup.adapted
     full = not setup.uses_lora
     r = setup.lora_rank
@@ -319,23 +319,17 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
                 )
             )
 
+    block = family_of(a).block_params(a)  # the family's shapes, e.g. attention.wq.weight
     for i in range(a.num_layers if num_layers is None else num_layers):
         group = f"layers.{i}"
-        specs.append(ParamSpec(f"{group}.attention_norm.weight", (d,), group, None, full))
-        for attr, shape, tp_dim in (
-            ("wq", (a.num_heads * hd, d), 0),
-            ("wk", (kvd, d), 0),
-            ("wv", (kvd, d), 0),
-            ("wo", (d, a.num_heads * hd), 1),
-        ):
-            linear(f"{group}.attention.", attr, shape, tp_dim, group)
-        specs.append(ParamSpec(f"{group}.ffn_norm.weight", (d,), group, None, full))
-        for attr, shape, tp_dim in (
-            ("w1", (a.ffn_dim, d), 0),
-            ("w2", (d, a.ffn_dim), 1),
-            ("w3", (a.ffn_dim, d), 0),
-        ):
-            linear(f"{group}.feed_forward.", attr, shape, tp_dim, group)
+        for param in block:
+            if param.kind == "linear":
+                prefix = f"{group}.{param.name.removesuffix(param.attribute + '.weight')}"
+                linear(prefix, param.attribute, param.shape, param.tp_dim, group)
+            else:
+                specs.append(
+                    ParamSpec(f"{group}.{param.name}", param.shape, group, param.tp_dim, full)
+                )
     specs.append(ParamSpec("norm.weight", (d,), "root", None, full))
     if not a.tie_embeddings:  # tied: the output projection *is* tok_embeddings.weight
         linear("", "output", (a.vocab_size, d), 0, "root")
@@ -447,7 +441,7 @@ def layer_activations(setup: Setup) -> dict[str, float]:
     of the column-parallel projections are whole."""
     a = setup.args
     d, f, h = a.dim, a.ffn_dim, a.num_heads
-    kvd = a.num_kv_heads * a.head_dim
+    qd, kvd = a.q_dim, a.kv_dim
     c, rb = setup.compute_bytes, setup.residual_bytes
     _, _, tp = setup.mesh
     full = not setup.uses_lora
@@ -468,9 +462,9 @@ def layer_activations(setup: Setup) -> dict[str, float]:
         # SDPA (flash / memory-efficient) saves q, k, v (kv heads: GQA is native), the output
         # and the fp32 log-sum-exp; its output is laid out [b, s, h, hd], so wo's input is a
         # view of it.
-        "attention": (c * (2 * d + 2 * kvd) + 4 * h) / tp,
+        "attention": (c * (2 * qd + 2 * kvd) + 4 * h) / tp,
         "attention output input": _inputs_saved(
-            setup, width=d, x_bytes=c, consumers=consumers("wo"), already_saved=True
+            setup, width=qd, x_bytes=c, consumers=consumers("wo"), already_saved=True
         )
         / tp,
         "MLP inputs": _inputs_saved(
@@ -483,6 +477,9 @@ def layer_activations(setup: Setup) -> dict[str, float]:
         )
         / tp,
     }
+    head_norms = _head_norm_activations(setup)
+    if head_norms:
+        parts["q/k head norms"] = head_norms
     lora_outputs = sum(
         c * r for attr in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") if attr in adapted
     )
@@ -491,16 +488,33 @@ def layer_activations(setup: Setup) -> dict[str, float]:
     return parts
 
 
+def _head_norm_activations(setup: Setup) -> float:
+    """Bytes per token the RMSNorms over each query / key head save (Qwen3): like the block
+    norms, the fp32 input and 1/rms per head, and the normalized heads in the compute dtype
+    for the weight's gradient; their input is the projection's output [tokens, width]."""
+    a = setup.args
+    c = setup.compute_bytes
+    _, _, tp = setup.mesh
+    widths = {"wq": a.q_dim, "wk": a.kv_dim}
+    total = 0
+    for param in family_of(a).block_params(a):
+        if param.kind == "head_norm":
+            width = widths[param.reads]
+            heads = width // a.head_dim
+            total += 4 * width + 4 * heads + (c * width if not setup.uses_lora else 0)
+    return total / tp
+
+
 def compiled_layer_activations(setup: Setup) -> float:
     """Estimate for a torch.compile'd block (Inductor's partitioner recomputes pointwise ops):
     block input, the residual after attention, the projection inputs, q/k/v/out/lse, and the
     MLP's gate, up and product."""
     a = setup.args
     d, f, h = a.dim, a.ffn_dim, a.num_heads
-    kvd = a.num_kv_heads * a.head_dim
+    qd, kvd = a.q_dim, a.kv_dim
     c, rb = setup.compute_bytes, setup.residual_bytes
     _, _, tp = setup.mesh
-    return (2 * rb * d + 8) / tp + 2 * c * d + (c * (2 * d + 2 * kvd) + 4 * h + 3 * c * f) / tp
+    return (2 * rb * d + 8) / tp + 2 * c * d + (c * (2 * qd + 2 * kvd) + 4 * h + 3 * c * f) / tp
 
 
 def _mm_outputs(setup: Setup) -> list[float]:
@@ -537,7 +551,7 @@ def saved_per_layer(setup: Setup) -> float:
         return block_input  # checkpoint_wrapper keeps only the block's inputs
     if mode == "selective":
         kept = sum(size for i, size in enumerate(_mm_outputs(setup), start=1) if i % 2 == 0)
-        sdpa = (setup.compute_bytes * a.dim + 4 * a.num_heads) / tp
+        sdpa = (setup.compute_bytes * a.q_dim + 4 * a.num_heads) / tp
         return block_input + kept + sdpa
     if setup.compile:
         return compiled_layer_activations(setup)
@@ -739,11 +753,11 @@ def plan_memory(
         acts += setup.sequences * setup.seq_len**2  # the bool block-causal mask, shared by layers
     no_ac = setup.replace(activation_checkpointing="none")
     one_layer = int(tokens * sum(layer_activations(no_ac).values()))
-    d, f, kvd = a.dim, a.ffn_dim, a.num_kv_heads * a.head_dim
+    d, f, qd, kvd = a.dim, a.ffn_dim, a.q_dim, a.kv_dim
     c, rb = setup.compute_bytes, setup.residual_bytes
     _, _, tp = setup.mesh
     workspace_per_token = (
-        max(3 * c * f, 4 * d + c * (2 * d + 2 * kvd)) + 2 * rb * d
+        max(3 * c * f, 4 * qd + c * (2 * qd + 2 * kvd)) + 2 * rb * d
     ) / tp  # activation gradients of one block (MLP, or flash's fp32 dq accumulator)
     workspace = int(tokens * workspace_per_token)
     recompute = one_layer if setup.activation_checkpointing != "none" else 0
@@ -975,7 +989,7 @@ def setup_from_job(
     output, a download to come); the job's model overrides still apply.
     """
     from lmforge import api
-    from lmforge.models.llama.args import PRESETS
+    from lmforge.models import PRESETS
     from lmforge.train.config import DPOJob, PretrainJob
 
     source = job.model.source

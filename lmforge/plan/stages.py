@@ -18,7 +18,7 @@ from lmforge.plan.memory import GiB, Plan, parse_memory
 from lmforge.plan.search import plan_job
 
 if TYPE_CHECKING:
-    from lmforge.models.llama.args import ModelArgs
+    from lmforge.models import ModelArgs
     from lmforge.pipeline import Pipeline, Stage
 
 PLAN_FILE = "memory_plan.txt"  # the table, in the stage's directory
@@ -97,7 +97,7 @@ def source_args(pipeline: Pipeline, stage: Stage, fallback: str | None = None) -
     """The shape of the model `stage` starts from, read from disk when it is there, else from
     the stage that will make it, else from `fallback` (a preset or a config directory)."""
     from lmforge import api
-    from lmforge.models.llama.args import PRESETS
+    from lmforge.models import PRESETS
 
     model = getattr(stage.config, "model", None)
     source = getattr(model, "source", None)

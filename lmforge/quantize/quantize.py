@@ -51,10 +51,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmforge import artifact
+from lmforge import artifact, models
 from lmforge.errors import ConfigError
-from lmforge.models.llama import ModelArgs, Transformer
-from lmforge.models.llama import hf as llama_hf
+from lmforge.models import ModelArgs, Transformer
 from lmforge.quantize.schemes import SCHEMES
 from lmforge.quantize.stored import (  # noqa: F401 (is_quantized, unpack_int4: re-exported)
     PACKED_CONFIG_TYPE,
@@ -340,7 +339,9 @@ def finish_result(
 ) -> QuantizeResult:
     """The sizes before and after; `model` is the quantized one (real or on the meta device)."""
     if source_dir is not None:
-        hf_names = [llama_hf.ours_to_hf(f"{m}.weight").removesuffix(".weight") for m in modules]
+        hf_names = [
+            models.ours_to_hf(f"{m}.weight", model.args).removesuffix(".weight") for m in modules
+        ]
         original.linear_bytes = sum(
             size
             for key, size in stored_bytes(source_dir).items()
@@ -376,7 +377,7 @@ def stored_bytes(directory: Path) -> dict[str, int]:
 def size_report(directory: Path, model: nn.Module, modules: list[str]) -> SizeReport:
     """Sizes of a quantized artifact and its loaded model; `modules` are our linear names."""
     prefixes = tuple(
-        llama_hf.ours_to_hf(f"{m}.weight").removesuffix("weight") for m in modules
+        models.ours_to_hf(f"{m}.weight", model.args).removesuffix("weight") for m in modules
     )  # "model.layers.0.self_attn.q_proj." covers ._weight_qdata, ._weight_scale, ...
     linear = sum(size for key, size in stored_bytes(directory).items() if key.startswith(prefixes))
     bf16 = sum(model.get_submodule(m).weight.numel() * 2 for m in modules)
@@ -394,7 +395,7 @@ def size_report(directory: Path, model: nn.Module, modules: list[str]) -> SizeRe
 def hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's state dict with HF names (a tied output is not stored), on the CPU (a
     meta-device model's stays on meta)."""
-    state = llama_hf.ours_state_dict_to_hf(model.state_dict(), model.args)
+    state = models.ours_state_dict_to_hf(model.state_dict(), model.args)
     return {name: t.detach() if t.is_meta else t.detach().to("cpu") for name, t in state.items()}
 
 
@@ -491,7 +492,9 @@ def write_quantized(
         "scheme": spec.scheme,
         "group_size": spec.group_size,
         "quantize_output": spec.quantize_output,
-        "modules": [llama_hf.ours_to_hf(f"{m}.weight").removesuffix(".weight") for m in modules],
+        "modules": [
+            models.ours_to_hf(f"{m}.weight", args).removesuffix(".weight") for m in modules
+        ],
         "not_quantized": ["model.embed_tokens"] + ([] if spec.quantize_output else ["lm_head"]),
         "tensor_type": tensor_type,
         "compute_dtype": str(first.dtype).removeprefix("torch."),
@@ -509,7 +512,7 @@ def write_quantized(
     with artifact.atomic_directory(directory) as staging:
         max_bytes = artifact.parse_size(max_shard_size)
         _write_shards(flat, produce, staging, max_bytes)
-        hf_config = llama_hf.args_to_hf_config(args, first.dtype)
+        hf_config = models.args_to_hf_config(args, first.dtype)
         hf_config["quantization_config"] = _quantization_config(spec, config, packed)
         artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
         generation = generation_config(args, tokenizer)

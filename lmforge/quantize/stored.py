@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from lmforge import artifact
+from lmforge import artifact, models
 from lmforge.errors import ModelFormatError, UserError
-from lmforge.models.llama import hf as llama_hf
 
 PACKED_SUFFIX = "_int4x2"  # `<module>._weight_qdata_int4x2`: two int4 values per byte
 # config.json of a packed artifact: quant_method "torchao" with this config type, which torchao
@@ -93,7 +92,7 @@ def _read_flat(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, metadata
 
 
-def read_quantized_state(directory: Path) -> dict[str, torch.Tensor]:
+def read_quantized_state(directory: Path, args) -> dict[str, torch.Tensor]:
     """Our-named state dict of a quantized artifact, torchao subclasses for quantized weights
     (on the CPU)."""
     require_torchao()
@@ -119,4 +118,4 @@ def read_quantized_state(directory: Path) -> dict[str, torch.Tensor]:
         raise ModelFormatError(
             f"{directory}: tensors not described by the metadata: {sorted(leftover)[:4]}"
         )
-    return llama_hf.hf_state_dict_to_ours(state, directory)
+    return models.hf_state_dict_to_ours(state, args, directory)

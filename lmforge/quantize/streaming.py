@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-from lmforge import artifact
+from lmforge import artifact, models
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models.llama import ModelArgs, Transformer
-from lmforge.models.llama import hf as llama_hf
+from lmforge.models import ModelArgs
 from lmforge.quantize.quantize import (
     FlatState,
     QuantizeResult,
@@ -91,9 +90,9 @@ def _meta_model(source: SafetensorsSource, args: ModelArgs, dtype: torch.dtype |
     checked as `lmforge.load` checks them."""
     from lmforge.api import load_weights
 
-    state = llama_hf.hf_state_dict_to_ours(dict(source.shapes), source.directory)
+    state = models.hf_state_dict_to_ours(dict(source.shapes), args, source.directory)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = models.new_model(args)
     load_weights(model, state, source=source.directory, device="meta", dtype=dtype)
     return model.eval()
 
@@ -121,9 +120,10 @@ class _TensorMaker:
             dtype,
             flat,
         )
-        self.quantized = {llama_hf.ours_to_hf(f"{m}.weight") for m in modules}
+        self.quantized = {models.ours_to_hf(f"{m}.weight", source_args) for m in modules}
         self.config = torchao_config(spec.scheme, spec.group_size, device)
-        self.key_of = {llama_hf.hf_to_ours(key): key for key in source.shapes}
+        self.key_of = {models.hf_to_ours(key, source_args): key for key in source.shapes}
+        self.args = source_args
         # a tied source stores no separate output; quantizing it alone starts from the embedding
         self.untied = (
             {"output.weight": "tok_embeddings.weight"} if source_args.tie_embeddings else {}
@@ -137,7 +137,7 @@ class _TensorMaker:
         return self.pending.pop(key)
 
     def _make(self, name: str) -> dict[str, torch.Tensor]:
-        ours = llama_hf.hf_to_ours(name)
+        ours = models.hf_to_ours(name, self.args)
         tensor = self.source.read(self.key_of[self.untied.get(ours, ours)])
         tensor = tensor.to(device=self.device, dtype=self.dtype or tensor.dtype)
         if casts_to_bfloat16(self.spec, self.device):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge import api, artifact
+from lmforge import api, artifact, models
 from lmforge.errors import UserError
-from lmforge.models.llama import Transformer
-from lmforge.models.llama import hf as llama_hf
+from lmforge.models import Transformer
 from lmforge.train.checkpoint import (
     CHECKPOINTS_DIRNAME,
     Checkpointer,
@@ -50,9 +49,9 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "bflo
     config_path = model_dir / artifact.CONFIG_NAME
     if not config_path.exists():
         raise UserError(f"{run_dir}: lacks {MODEL_DIR}/config.json (not an lmforge run directory)")
-    args = llama_hf.args_from_hf_config(artifact.read_json(config_path), config_path)
+    args = models.args_from_hf_config(artifact.read_json(config_path), config_path)
     tokenizer = api.load_tokenizer_for(model_dir, args)
-    model = Transformer(args)  # fp32 on the CPU; every weight is overwritten below
+    model = models.new_model(args)  # fp32 on the CPU; every weight is overwritten below
     checkpoint_dir = _load_newest(source, run_dir, model)
     step = read_commit(checkpoint_dir)["step"]
     job_path = run_dir / "job.toml"

@@ -22,15 +22,15 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lmforge import models
 from lmforge.errors import ConfigError
-from lmforge.models.llama import Transformer
+from lmforge.models import Transformer
 from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
 
@@ -86,7 +86,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, *, sequence_parallel: boo
     """Megatron-style TP: attention heads and MLP columns split across the tp axis. With
     `sequence_parallel` (training) the norms and the residual stream are sharded along the
     sequence; without it (inference: a decode step has one token) they are replicated and each
-    block ends in an all-reduce."""
+    block ends in an all-reduce. The blocks' plan is the family's (models/<family>/plan.py)."""
     if model.args.num_kv_heads % tp_mesh.size():
         raise ConfigError(
             f"parallel.tp = {tp_mesh.size()} must divide the model's num_kv_heads "
@@ -99,29 +99,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, *, sequence_parallel: boo
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
     parallelize_module(model, tp_mesh, root | ({"norm": norm} if norm else {}))
+    block_plan = models.family_of(model.args).tp_plan  # the family's own module names
     for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        if sequence_parallel:
-            plan |= {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None, None, None),
-                    desired_input_layouts=(Replicate(), None, None, None, None),
-                ),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-            }
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel=sequence_parallel))
     # Both tables are sharded by vocabulary rows (Shard(0)): one DTensor serves as both, so a
     # tied model stays tied (parallelize_module gave each module its own copy).
     model.tie_weights()

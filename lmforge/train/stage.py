@@ -27,11 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from lmforge import api, artifact
+from lmforge import api, artifact, models
 from lmforge.config import ModelSection, dump_config
 from lmforge.errors import ConfigError, UserError
-from lmforge.models.llama import ModelArgs, Transformer
-from lmforge.models.llama import hf as llama_hf
+from lmforge.models import ModelArgs, Transformer
 from lmforge.modules.lora import (
     WRAPPER_PREFIX,
     LoRASection,
@@ -140,7 +139,7 @@ def _base_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 def _cpu_lora_model(args: ModelArgs, lora: LoRASection, seed: int) -> Transformer:
     """A CPU model with adapters initialized from `seed` (base weights left unset)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = models.new_model(args)
     apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     model.to_empty(device="cpu")
     model.tie_weights()
@@ -183,7 +182,7 @@ def build_and_load_model(
 ) -> Transformer:
     """Meta-device build → LoRA swap → parallelize → materialize → fill weights (→ NF4 base)."""
     with torch.device("meta"):
-        model = Transformer(spec.args)
+        model = models.new_model(spec.args)
     sharded_init = spec.from_scratch and spec.args.num_params() > FULL_INIT_MAX_PARAMS
     if lora is not None:
         _check_lora_layout(lora, layout, job)
@@ -381,7 +380,7 @@ def check_job(job: TrainJob, spec: ModelSpec, layout: distributed.Layout, seq_le
         raise ConfigError(f"run_dir = {str(run_dir)!r} is a file; name a directory")
     saved = run_dir / MODEL_DIR / artifact.CONFIG_NAME
     if saved.is_file() and Checkpointer(run_dir).committed():  # quiet: restore warns later
-        before = llama_hf.args_from_hf_config(artifact.read_json(saved), saved)
+        before = models.args_from_hf_config(artifact.read_json(saved), saved)
         changed = {
             name: (getattr(before, name), getattr(spec.args, name))
             for name in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size")
@@ -407,7 +406,7 @@ def write_run_files(run_dir: Path, job: TrainJob, spec: ModelSpec) -> None:
     model_dir = run_dir / MODEL_DIR
     model_dir.mkdir(exist_ok=True)
     artifact.write_json(
-        model_dir / artifact.CONFIG_NAME, llama_hf.args_to_hf_config(spec.args, torch.float32)
+        model_dir / artifact.CONFIG_NAME, models.args_to_hf_config(spec.args, torch.float32)
     )
     if spec.tokenizer is not None:
         spec.tokenizer.save(model_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from lmforge.errors import ConfigError
 
@@ -27,6 +28,10 @@ class RopeScaling:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelArgs:
+    """A Llama model's shape. Other families subclass it (see lmforge/models/qwen3/args.py)."""
+
+    family: ClassVar[str] = "llama"  # the registry's name for the family (lmforge.models)
+
     dim: int
     num_layers: int
     num_heads: int
@@ -48,24 +53,42 @@ class ModelArgs:
                 raise ConfigError(f"model {name}={value!r} must be an integer")
             if value <= 0:
                 raise ConfigError(f"model {name}={getattr(self, name)} must be > 0")
-        if self.dim % self.num_heads:
-            raise ConfigError(
-                f"model dim={self.dim} must be divisible by num_heads={self.num_heads}"
-            )
+        self._check_head_dim()
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if (self.dim // self.num_heads) % 2:
-            raise ConfigError(f"head_dim={self.dim // self.num_heads} must be even for RoPE")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         for name in ("norm_eps", "rope_theta", "max_seq_len"):
             if not getattr(self, name) > 0:  # 0 or less: NaN at the first step
                 raise ConfigError(f"model {name}={getattr(self, name)} must be > 0")
 
+    def _check_head_dim(self) -> None:
+        if self.dim % self.num_heads:
+            raise ConfigError(
+                f"model dim={self.dim} must be divisible by num_heads={self.num_heads}"
+            )
+
     @property
     def head_dim(self) -> int:
+        """Llama derives it: dim / num_heads (a family with its own head_dim makes it a field)."""
         return self.dim // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection's output (all heads)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and value) projection's output (all kv heads)."""
+        return self.num_kv_heads * self.head_dim
+
+    def layer_norm_params(self) -> int:
+        """Norm weights of one block: the attention and MLP norms."""
+        return 2 * self.dim
 
     def replace(self, **changes) -> ModelArgs:
         """A copy with some fields changed; unknown names are a ConfigError."""
@@ -81,11 +104,9 @@ class ModelArgs:
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Parameters; with include_embedding=False the input lookup table is left out
         (a tied table is still counted once, as the output projection)."""
-        kv_dim = self.num_kv_heads * self.head_dim
-        attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        attention = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
         mlp = 3 * self.dim * self.ffn_dim
-        norms = 2 * self.dim
-        per_layer = attention + mlp + norms
+        per_layer = attention + mlp + self.layer_norm_params()
         table = self.vocab_size * self.dim
         total = self.num_layers * per_layer + self.dim  # + final norm
         if self.tie_embeddings:
@@ -94,9 +115,10 @@ class ModelArgs:
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6·N (N = matmul parameters: all but the input lookup)
-        plus 12·layers·dim·seq_len for attention scores and values (PaLM appendix B)."""
+        plus 12·layers·q_dim·seq_len for attention scores and values (PaLM appendix B; q_dim =
+        heads·head_dim, which is dim for Llama)."""
         return 6 * self.num_params(include_embedding=False) + 12 * (
-            self.num_layers * self.dim * seq_len
+            self.num_layers * self.q_dim * seq_len
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,31 +35,43 @@ _KEY_MAP = [
 ]
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+class KeyMap:
+    """Parameter names both ways between HF and ours, from (HF, ours) templates where `{i}`
+    stands for the layer index."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self.pairs = pairs
+        self._to_ours = [(self._pattern(hf), ours) for hf, ours in pairs]
+        self._to_hf = [(self._pattern(ours), hf) for hf, ours in pairs]
+
+    @staticmethod
+    def _pattern(template: str) -> re.Pattern:
+        return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+    @staticmethod
+    def _translate(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
+        for pattern, template in table:
+            match = pattern.match(name)
+            if match:
+                return template.format(i=match.group(1)) if match.groups() else template
+        return None
+
+    def hf_to_ours(self, name: str) -> str | None:
+        """Our parameter name for a HF key; None for keys we do not keep."""
+        return self._translate(name, self._to_ours)
+
+    def ours_to_hf(self, name: str) -> str:
+        hf = self._translate(name, self._to_hf)
+        assert hf is not None, f"no HF name for {name}"
+        return hf
+
+    def knows_ours(self, name: str) -> bool:
+        return self._translate(name, self._to_hf) is not None
 
 
-_HF_TO_OURS = [(_pattern(hf), ours) for hf, ours in _KEY_MAP]
-_OURS_TO_HF = [(_pattern(ours), hf) for hf, ours in _KEY_MAP]
-
-
-def _translate(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
-    for pattern, template in table:
-        match = pattern.match(name)
-        if match:
-            return template.format(i=match.group(1)) if match.groups() else template
-    return None
-
-
-def hf_to_ours(name: str) -> str | None:
-    """Our parameter name for a HF key; None for keys we do not keep (e.g. rotary buffers)."""
-    return _translate(name, _HF_TO_OURS)
-
-
-def ours_to_hf(name: str) -> str:
-    hf = _translate(name, _OURS_TO_HF)
-    assert hf is not None, f"no HF name for {name}"
-    return hf
+KEY_MAP = KeyMap(_KEY_MAP)
+hf_to_ours = KEY_MAP.hf_to_ours
+ours_to_hf = KEY_MAP.ours_to_hf
 
 
 # ---- config.json --------------------------------------------------------------------------
@@ -85,42 +98,11 @@ def _rope_from_hf(cfg: dict, path: Path) -> tuple[float, RopeScaling | None]:
     )
 
 
-def args_from_hf_config(cfg: dict, path: Path) -> ModelArgs:
-    """ModelArgs from a HF config.json dict; `path` is named in errors."""
-    architectures = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
-        found = cfg.get("model_type") or architectures or "none"
-        raise ModelFormatError(
-            f"{path}: model type {found!r} is not a Llama model; lmforge reads model_type "
-            "'llama' (LlamaForCausalLM)"
-        )
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ModelFormatError(f"{path}: {flag}=true is not supported (Llama 3 has no biases)")
+@contextmanager
+def config_errors(path: Path):
+    """Turn what reading a config.json's values raises into one-line ModelFormatErrors."""
     try:
-        dim, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim")
-        if head_dim is not None and int(head_dim) != dim // num_heads:
-            raise ModelFormatError(
-                f"{path}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
-                f"{dim // num_heads}; not supported"
-            )
-        theta, scaling = _rope_from_hf(cfg, path)
-        return ModelArgs(
-            dim=dim,
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            ffn_dim=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_id=cfg.get("bos_token_id"),
-            eos_id=cfg.get("eos_token_id"),
-        )
+        yield
     except KeyError as err:
         raise ModelFormatError(f"{path}: config.json lacks the key {err.args[0]!r}") from None
     except (TypeError, ValueError) as err:  # "hidden_size": "big"
@@ -129,6 +111,78 @@ def args_from_hf_config(cfg: dict, path: Path) -> ModelArgs:
         ) from None
     except ConfigError as err:  # a shape the model cannot have
         raise ModelFormatError(f"{path}: {err}") from None
+
+
+def refuse_biases(cfg: dict, path: Path, title: str) -> None:
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ModelFormatError(f"{path}: {flag}=true is not supported ({title} has no biases)")
+
+
+def common_fields(cfg: dict) -> dict:
+    """The ModelArgs fields every Llama-like config.json spells the same way (raises KeyError,
+    TypeError, ValueError: wrap in `config_errors`)."""
+    num_heads = int(cfg["num_attention_heads"])
+    return dict(
+        dim=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        ffn_dim=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_id=cfg.get("bos_token_id"),
+        eos_id=cfg.get("eos_token_id"),
+    )
+
+
+def common_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """The config.json keys every Llama-like model writes the same way."""
+    return {
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.ffn_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": args.bos_id,
+        "eos_token_id": args.eos_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def args_from_hf_config(cfg: dict, path: Path) -> ModelArgs:
+    """ModelArgs from a HF Llama config.json dict; `path` is named in errors."""
+    architectures = cfg.get("architectures") or []
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
+        found = cfg.get("model_type") or architectures or "none"
+        raise ModelFormatError(
+            f"{path}: model type {found!r} is not a Llama model; lmforge reads model_type "
+            "'llama' (LlamaForCausalLM)"
+        )
+    refuse_biases(cfg, path, "Llama 3")
+    with config_errors(path):
+        fields = common_fields(cfg)
+        head_dim = cfg.get("head_dim")
+        if head_dim is not None and int(head_dim) != fields["dim"] // fields["num_heads"]:
+            raise ModelFormatError(
+                f"{path}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
+                f"{fields['dim'] // fields['num_heads']}; not supported"
+            )
+        theta, scaling = _rope_from_hf(cfg, path)
+        return ModelArgs(**fields, rope_theta=theta, rope_scaling=scaling)
 
 
 def args_to_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
@@ -145,50 +199,10 @@ def args_to_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.ffn_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        **common_hf_config(args, dtype),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "mlp_bias": False,
-        "initializer_range": 0.02,
         "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": args.bos_id,
-        "eos_token_id": args.eos_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def hf_state_dict_to_ours(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    ours = {}
-    for name, tensor in hf_state.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer some old exports carry; we recompute it
-        our_name = hf_to_ours(name)
-        if our_name is None:
-            raise ModelFormatError(f"{path}: unexpected tensor {name!r} for a Llama model")
-        ours[our_name] = tensor
-    return ours
-
-
-def ours_state_dict_to_hf(
-    state: dict[str, torch.Tensor], args: ModelArgs
-) -> dict[str, torch.Tensor]:
-    return {
-        ours_to_hf(name): tensor
-        for name, tensor in state.items()
-        if not (args.tie_embeddings and name == "output.weight")
     }
 
 
@@ -269,7 +283,7 @@ def merge_meta_shards(
             tensor = interleaved_to_half(tensor, args.num_heads)
         elif name.endswith("attention.wk.weight"):
             tensor = interleaved_to_half(tensor, args.num_kv_heads)
-        if _translate(name, _OURS_TO_HF) is None:
+        if not KEY_MAP.knows_ours(name):
             raise ModelFormatError(f"{path}: unexpected tensor {name!r} in a Meta checkpoint")
         merged[name] = tensor
     return merged

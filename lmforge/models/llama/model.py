@@ -14,6 +14,7 @@ once on import (hf.py).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -124,18 +125,22 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: num_kv_heads key/value heads shared by num_heads query heads."""
+    """Grouped-query attention: num_kv_heads key/value heads shared by num_heads query heads.
 
-    def __init__(self, args: ModelArgs) -> None:
+    qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3); Llama has none.
+    """
+
+    def __init__(self, args: ModelArgs, *, qk_norm: bool = False) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.num_groups = args.num_heads // args.num_kv_heads  # query heads per kv head
-        kv_dim = args.num_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_dim, bias=False)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
         self.wqkv: nn.Linear | None = None  # wq, wk, wv as one (fuse_projections)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -153,6 +158,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim)  # [b, s, heads, hd]
         k = k.view(batch, seq, -1, self.head_dim)  # [b, s, kv_heads, hd]
         v = v.view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:  # per head: the norm runs over head_dim
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         if kv_cache is not None:
@@ -170,6 +177,9 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
         nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        if self.q_norm is not None:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
 
 class FeedForward(nn.Module):
@@ -196,10 +206,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, *, qk_norm: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, qk_norm=qk_norm)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
@@ -217,12 +227,14 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """tokens [batch, seq] (int64) -> logits [batch, seq, vocab]."""
 
+    qk_norm: ClassVar[bool] = False  # a family whose attention norms q and k sets it
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(args) for i in range(args.num_layers)}
+            {str(i): TransformerBlock(args, qk_norm=self.qk_norm) for i in range(args.num_layers)}
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
