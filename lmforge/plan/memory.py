@@ -700,30 +700,34 @@ def _group_numels(specs: list[ParamSpec], setup: Setup) -> dict[str, dict[str, i
     return groups
 
 
-def plan_memory(
-    setup: Setup, gpu_memory: int | str | None = None, *, host_memory: int | str | None = None
-) -> Plan:
-    """Per-GPU memory of one training step of `setup` (see the module docstring).
+@dataclass(frozen=True)
+class _ModelState:
+    """Per-GPU persistent state (sharded when FSDP is on; moved to the host by CPU offload)."""
 
-    gpu_memory: bytes per GPU (or '80GB', 'h100', ...); None: no verdict.
-    host_memory: bytes per node; None: HOST_MEMORY_PER_GPU for each GPU of a node.
-    """
-    check_setup(setup)
-    gpu_memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
-    if host_memory is None:
-        host_memory = HOST_MEMORY_PER_GPU * min(setup.gpus, setup.gpus_per_node)
-    host_memory = parse_memory(host_memory)
-    a = setup.args
-    L = a.num_layers
-    specs = param_specs(setup, num_layers=1)  # the blocks are alike: one stands for all
-    groups = _group_numels(specs, setup)
-    root, block = groups["root"], groups["block"]
-    notes: list[str] = []
-    labels: dict[str, str] = {}
+    persistent: dict[str, int]  # parameters, optimizer states, reference model on the GPU
+    grads: int  # gradients on the GPU
+    host: dict[str, int]  # what CPU offload keeps on the host instead
 
-    # ---- persistent state (sharded when FSDP is on) ------------------------------------
+
+@dataclass(frozen=True)
+class _StepActivations:
+    """Bytes one micro-batch's forward and backward add to the persistent state."""
+
+    saved: int  # what the forward saves for backward, all blocks, outside them, RoPE, mask
+    one_block: int  # the last block's saved tensors (at the end of the backward)
+    recompute: int  # one block's forward again under activation checkpointing
+    workspace: int  # one block's activation gradients
+    loss_fwd: int
+    loss_bwd: int
+    nf4_transient: int  # QLoRA: one dequantized base weight at a time
+
+
+def _model_state(setup: Setup, specs: list[ParamSpec]) -> _ModelState:
+    """Parameters, gradients, optimizer states and DPO's frozen reference, per GPU."""
+    num_layers = setup.args.num_layers
+
     def per_model(values):  # root parameters once, block parameters num_layers times
-        return sum(v * (1 if spec.group == "root" else L) for spec, v in values)
+        return sum(v * (1 if spec.group == "root" else num_layers) for spec, v in values)
 
     params = per_model((s, parameter_bytes(s, setup)) for s in specs)
     trainable_local = per_model((s, math.prod(local_shape(s, setup))) for s in specs if s.trainable)
@@ -742,15 +746,18 @@ def plan_memory(
             host["reference model"] = reference
         params = grads = optim = reference = 0
     persistent = {"parameters": params, "optimizer states": optim, "reference model": reference}
+    return _ModelState(persistent=persistent, grads=grads, host=host)
 
-    # ---- activations -------------------------------------------------------------------
+
+def _step_activations(setup: Setup, specs: list[ParamSpec]) -> _StepActivations:
+    a = setup.args
     tokens = setup.tokens
     per_layer = saved_per_layer(setup)
     # + RoPE's cos and sin [1, s, head_dim], shared by the layers (the residual's dtype).
     rope = 2 * setup.seq_len * a.head_dim * setup.residual_bytes
-    acts = int(tokens * (L * per_layer + head_activations(setup))) + rope
+    saved = int(tokens * (a.num_layers * per_layer + head_activations(setup))) + rope
     if setup.document_masking:
-        acts += setup.sequences * setup.seq_len**2  # the bool block-causal mask, shared by layers
+        saved += setup.sequences * setup.seq_len**2  # the bool block-causal mask, shared by layers
     no_ac = setup.replace(activation_checkpointing="none")
     one_layer = int(tokens * sum(layer_activations(no_ac).values()))
     d, f, qd, kvd = a.dim, a.ffn_dim, a.q_dim, a.kv_dim
@@ -759,139 +766,166 @@ def plan_memory(
     workspace_per_token = (
         max(3 * c * f, 4 * qd + c * (2 * qd + 2 * kvd)) + 2 * rb * d
     ) / tp  # activation gradients of one block (MLP, or flash's fp32 dq accumulator)
-    workspace = int(tokens * workspace_per_token)
-    recompute = one_layer if setup.activation_checkpointing != "none" else 0
     loss_fwd, loss_bwd = loss_bytes(setup)
     nf4_transient = 0
     if setup.method == "qlora":
         largest = max((tp_local_numel(s, setup) for s in specs if s.nf4), default=0)
         nf4_transient = 6 * largest  # dequantized fp32 weight + its bf16 cast, one at a time
+    return _StepActivations(
+        saved=saved,
+        one_block=int(tokens * per_layer),
+        recompute=one_layer if setup.activation_checkpointing != "none" else 0,
+        workspace=int(tokens * workspace_per_token),
+        loss_fwd=loss_fwd,
+        loss_bwd=loss_bwd,
+        nf4_transient=nf4_transient,
+    )
 
-    # ---- weight copies and gradient buffers -----------------------------------------------
-    phases: dict[str, dict[str, int]] = {}
-    # Gradients of earlier micro-batches of the step. Under FSDP the loop reduce-scatters after
-    # every micro-batch, so these are the sharded gradients, accumulated in place.
+
+def _fsdp_phases(
+    setup: Setup, groups: dict[str, dict[str, int]], state: _ModelState, acts: _StepActivations
+) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """Phases under FSDP2: weights gathered a block at a time (in the compute dtype), gradients
+    reduce-scattered after every micro-batch, so earlier micro-batches' gradients are shards."""
+    root, block = groups["root"], groups["block"]
+    persistent, grads = state.persistent, state.grads
     grad_acc = grads if setup.grad_accumulation > 1 else 0
-    output_matmul = root["matmul_trainable"]  # the output projection (or the tied table)
-    output_frozen = root["matmul_frozen"]
-    if setup.fsdp:
-        gb, redb = setup.gather_bytes, setup.reduce_bytes
-        labels["weight copies"] = f"{dtype_name(gb)} weights gathered by FSDP (unsharded)"
-        labels["gradient buffers"] = "unsharded gradients + reduce-scatter buffers"
-        blk, rt = block["all"] * gb, root["all"] * gb
-        if setup.reshard_after_forward:
-            gathered_fwd = blk  # the last block stays gathered for backward
-            gathered_bwd = rt + 2 * blk  # root (re-gathered) + current + prefetched block
-        else:
-            gathered_fwd = gathered_bwd = rt + L * blk
-        if setup.reference == "frozen_copy":
-            gathered_fwd += blk  # the reference's last block stays gathered (no backward)
-            gathered_bwd += blk
-        grad_buffers_bwd = (
-            block["trainable"] * (gb + redb)  # this block's gradients + its reduce-scatter input
-            + root["trainable"] * gb  # the output projection's gradient, held to the end
-        )
-        grad_buffers_root = root["trainable"] * (gb + redb)
-        phases["output projection"] = {  # the root is gathered until the forward returns
+    gb, redb = setup.gather_bytes, setup.reduce_bytes
+    labels = {
+        "weight copies": f"{dtype_name(gb)} weights gathered by FSDP (unsharded)",
+        "gradient buffers": "unsharded gradients + reduce-scatter buffers",
+    }
+    blk, rt = block["all"] * gb, root["all"] * gb
+    if setup.reshard_after_forward:
+        gathered_fwd = blk  # the last block stays gathered for backward
+        gathered_bwd = rt + 2 * blk  # root (re-gathered) + current + prefetched block
+    else:
+        gathered_fwd = gathered_bwd = rt + setup.args.num_layers * blk
+    if setup.reference == "frozen_copy":
+        gathered_fwd += blk  # the reference's last block stays gathered (no backward)
+        gathered_bwd += blk
+    grad_buffers_bwd = (
+        block["trainable"] * (gb + redb)  # this block's gradients + its reduce-scatter input
+        + root["trainable"] * gb  # the output projection's gradient, held to the end
+    )
+
+    def forward_phase(weight_copies: int, logits: int) -> dict[str, int]:
+        return {
             **persistent,
             "gradients": grad_acc,
-            "weight copies": rt + gathered_fwd,
-            "activations": acts,
-            "logits and loss": setup.compute_bytes * a.vocab_size * tokens,
+            "weight copies": weight_copies,
+            "activations": acts.saved,
+            "logits and loss": logits,
         }
-        phases["forward end (loss)"] = {
-            **persistent,
-            "gradients": grad_acc,
-            "weight copies": gathered_fwd,
-            "activations": acts,
-            "logits and loss": loss_fwd,
-        }
-        phases["loss backward"] = {
-            **persistent,
-            "gradients": grad_acc,
-            "weight copies": gathered_fwd,
-            "activations": acts,
-            "logits and loss": loss_bwd,
-        }
-        phases["blocks backward"] = {
+
+    logits = setup.compute_bytes * setup.args.vocab_size * setup.tokens
+    phases = {
+        # the root is gathered until the forward returns
+        "output projection": forward_phase(rt + gathered_fwd, logits),
+        "forward end (loss)": forward_phase(gathered_fwd, acts.loss_fwd),
+        "loss backward": forward_phase(gathered_fwd, acts.loss_bwd),
+        "blocks backward": {
             **persistent,
             "gradients": grads,
             "weight copies": gathered_bwd,
             "gradient buffers": grad_buffers_bwd,
-            "activations": acts,
-            "backward workspace": recompute + workspace,
-        }
-        phases["last reduce-scatter"] = {
+            "activations": acts.saved,
+            "backward workspace": acts.recompute + acts.workspace,
+        },
+        "last reduce-scatter": {
             **persistent,
             "gradients": grads,
-            "gradient buffers": grad_buffers_root,
-        }
-    else:
-        cb = setup.compute_bytes
-        labels["weight copies"] = (
+            "gradient buffers": root["trainable"] * (gb + redb),
+        },
+    }
+    return phases, labels
+
+
+def _local_phases(
+    setup: Setup, groups: dict[str, dict[str, int]], state: _ModelState, acts: _StepActivations
+) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """Phases without FSDP (one rank, or TP only): under autocast the loop caches a compute-dtype
+    copy of every trainable matmul weight for the whole forward."""
+    root, block = groups["root"], groups["block"]
+    persistent, grads = state.persistent, state.grads
+    num_layers = setup.args.num_layers
+    grad_acc = grads if setup.grad_accumulation > 1 else 0
+    output_matmul = root["matmul_trainable"]  # the output projection (or the tied table)
+    output_frozen = root["matmul_frozen"]
+    cb = setup.compute_bytes
+    labels = {
+        "weight copies": (
             f"{dtype_name(cb)} weight copies (autocast)" if setup.autocast else "weight copies"
-        )
-        labels["gradient buffers"] = "gradient buffers"
-        if setup.autocast:
-            # autocast caches a bf16 copy of every trainable matmul weight for the whole
-            # forward; without checkpointing each is also saved for backward. Frozen weights
-            # are cast at each use and saved only when the block is not checkpointed.
-            trainable_copies = (L * block["matmul_trainable"] + output_matmul) * cb
-            frozen_copies = (L * block["matmul_frozen"] + output_frozen) * cb
-            if setup.activation_checkpointing == "none":
-                copies_fwd = copies_bwd = trainable_copies + frozen_copies
-            else:
-                copies_fwd = trainable_copies + output_frozen * cb
-                copies_bwd = (output_matmul + output_frozen) * cb  # the output layer's only
-            layer_copies = (block["matmul_trainable"] + block["matmul_frozen"]) * cb
+        ),
+        "gradient buffers": "gradient buffers",
+    }
+    if setup.autocast:
+        # Without checkpointing each cached copy is also saved for backward. Frozen weights
+        # are cast at each use and saved only when the block is not checkpointed.
+        trainable_copies = (num_layers * block["matmul_trainable"] + output_matmul) * cb
+        frozen_copies = (num_layers * block["matmul_frozen"] + output_frozen) * cb
+        if setup.activation_checkpointing == "none":
+            copies_fwd = copies_bwd = trainable_copies + frozen_copies
         else:
-            copies_fwd = copies_bwd = layer_copies = 0
-        layer_grads = block["trainable"] * (cb if setup.autocast else 0)
-        phases["forward end (loss)"] = {
+            copies_fwd = trainable_copies + output_frozen * cb
+            copies_bwd = (output_matmul + output_frozen) * cb  # the output layer's only
+        layer_copies = (block["matmul_trainable"] + block["matmul_frozen"]) * cb
+    else:
+        copies_fwd = copies_bwd = layer_copies = 0
+    layer_grads = block["trainable"] * (cb if setup.autocast else 0)
+    block_workspace = acts.recompute + acts.workspace + layer_grads
+    recomputing = acts.recompute > 0
+    phases = {
+        "forward end (loss)": {
             **persistent,
             "gradients": grad_acc,
             "weight copies": copies_fwd,
-            "activations": acts,
-            "logits and loss": loss_fwd,
-            "backward workspace": nf4_transient,
-        }
-        phases["loss backward"] = {
+            "activations": acts.saved,
+            "logits and loss": acts.loss_fwd,
+            "backward workspace": acts.nf4_transient,
+        },
+        "loss backward": {
             **persistent,
             "gradients": grad_acc,
             "weight copies": copies_bwd,
-            "activations": acts,
-            "logits and loss": loss_bwd,
-        }
-        root_grads = root["trainable"] * setup.grad_bytes
-        phases["blocks backward"] = {
+            "activations": acts.saved,
+            "logits and loss": acts.loss_bwd,
+        },
+        "blocks backward": {
             **persistent,
-            "gradients": max(grad_acc, root_grads),
-            "weight copies": max(copies_bwd, layer_copies) if recompute else copies_bwd,
-            "activations": acts,
-            "backward workspace": recompute + workspace + layer_grads + nf4_transient,
-        }
-        phases["backward end"] = {
+            "gradients": max(grad_acc, root["trainable"] * setup.grad_bytes),
+            "weight copies": max(copies_bwd, layer_copies) if recomputing else copies_bwd,
+            "activations": acts.saved,
+            "backward workspace": block_workspace + acts.nf4_transient,
+        },
+        "backward end": {
             **persistent,
             "gradients": grads,
             "weight copies": layer_copies,
-            "activations": int(tokens * per_layer),
-            "backward workspace": recompute + workspace + layer_grads,
-        }
-    phases["optimizer step"] = {**persistent, "gradients": grads}
-    phases = {k: {c: int(v) for c, v in p.items() if v} for k, p in phases.items()}
-    peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
-    peak = sum(phases[peak_phase].values())
+            "activations": acts.one_block,
+            "backward workspace": block_workspace,
+        },
+    }
+    return phases, labels
+
+
+def _overhead(setup: Setup, peak: int) -> int:
+    """Device memory beyond the allocated peak: CUDA context, NCCL, the caching allocator's
+    reserve (about one more fp32 loss buffer, more under FSDP with full checkpointing)."""
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 or setup.fsdp else 0)
     eager_loss = setup.is_dpo or not setup.compile
-    loss_buffer = 4 * a.vocab_size * tokens if eager_loss else 0
+    loss_buffer = 4 * setup.args.vocab_size * setup.tokens if eager_loss else 0
     kept = (
         LOSS_BUFFERS_RESERVED_FSDP_FULL_AC
         if setup.fsdp and setup.activation_checkpointing == "full"
         else LOSS_BUFFERS_RESERVED
     )
-    overhead += int(ALLOCATOR_SLACK * peak + kept * loss_buffer)
+    return overhead + int(ALLOCATOR_SLACK * peak + kept * loss_buffer)
 
-    # ---- notes -------------------------------------------------------------------------
+
+def _notes(setup: Setup) -> list[str]:
+    """What the plan assumes that the user should know: what-ifs the trainer does not run."""
+    notes = []
     if setup.optimizer != "adamw":
         notes.append("lmforge's trainer builds AdamW; other optimizers are a what-if here")
     if {setup.param_dtype, setup.grad_dtype or "fp32", setup.optimizer_dtype or "fp32"} != {"fp32"}:
@@ -916,24 +950,51 @@ def plan_memory(
             "memory-efficient kernel is assumed (GQA with a mask may fall back to the "
             "math kernel, which saves [b, heads, s, s] attention weights)"
         )
-    # Rank 0 holds the full starting weights on the host before broadcasting them
-    # (lmforge.train.stage): a fresh fp32 model for a preset (large ones without LoRA are
-    # initialized shard by shard instead), else the checkpoint as stored (bf16 assumed).
-    if setup.from_scratch:
-        sharded_init = a.num_params() > FULL_INIT_MAX_PARAMS and not setup.uses_lora
-        load_host = 0 if sharded_init else a.num_params() * 4
-    else:
-        load_host = a.num_params() * 2
+    return notes
+
+
+def _load_host_bytes(setup: Setup) -> int:
+    """Rank 0 holds the full starting weights on the host before broadcasting them
+    (lmforge.train.stage): a fresh fp32 model for a preset (large ones without LoRA are
+    initialized shard by shard instead), else the checkpoint as stored (bf16 assumed)."""
+    num_params = setup.args.num_params()
+    if not setup.from_scratch:
+        return num_params * 2
+    sharded_init = num_params > FULL_INIT_MAX_PARAMS and not setup.uses_lora
+    return 0 if sharded_init else num_params * 4
+
+
+def plan_memory(
+    setup: Setup, gpu_memory: int | str | None = None, *, host_memory: int | str | None = None
+) -> Plan:
+    """Per-GPU memory of one training step of `setup` (see the module docstring).
+
+    gpu_memory: bytes per GPU (or '80GB', 'h100', ...); None: no verdict.
+    host_memory: bytes per node; None: HOST_MEMORY_PER_GPU for each GPU of a node.
+    """
+    check_setup(setup)
+    gpu_memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if host_memory is None:
+        host_memory = HOST_MEMORY_PER_GPU * min(setup.gpus, setup.gpus_per_node)
+    host_memory = parse_memory(host_memory)
+    specs = param_specs(setup, num_layers=1)  # the blocks are alike: one stands for all
+    state = _model_state(setup, specs)
+    acts = _step_activations(setup, specs)
+    phase_builder = _fsdp_phases if setup.fsdp else _local_phases
+    phases, labels = phase_builder(setup, _group_numels(specs, setup), state, acts)
+    phases["optimizer step"] = {**state.persistent, "gradients": state.grads}
+    phases = {k: {c: int(v) for c, v in p.items() if v} for k, p in phases.items()}
+    peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     return Plan(
         setup=setup,
         phases=phases,
         peak_phase=peak_phase,
-        overhead=overhead,
+        overhead=_overhead(setup, sum(phases[peak_phase].values())),
         gpu_memory=gpu_memory,
-        host=host,
+        host=state.host,
         labels=labels,
-        notes=notes,
-        load_host_bytes=load_host,
+        notes=_notes(setup),
+        load_host_bytes=_load_host_bytes(setup),
         host_memory=host_memory,
     )
 
