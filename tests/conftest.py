@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face Llama models written to temporary directories."""
+"""Shared fixtures: tiny random Hugging Face Llama and Qwen3 models written to temporary
+directories."""
 
 from __future__ import annotations
 
@@ -64,6 +65,36 @@ def make_hf_llama(directory, *, seed: int = 0, dtype=torch.float32, **overrides)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # HF zero-inits nothing odd, but make norms non-trivial too
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model = model.to(dtype).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+# Qwen3's odd test shape: head_dim 40 is neither hidden_size / heads (32) nor a power of two.
+QWEN3_SHAPE = dict(
+    vocab_size=301,
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=40,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+)
+
+
+def make_hf_qwen3(directory, *, seed: int = 0, dtype=torch.float32, **overrides):
+    """Save a random transformers Qwen3ForCausalLM to `directory`; returns the HF model."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(**(QWEN3_SHAPE | overrides))
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # norms (the q/k head norms too) away from one
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)

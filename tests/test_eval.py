@@ -30,7 +30,7 @@ from lmforge.eval import (  # noqa: E402
 )
 from lmforge.eval.harness import metric_rows  # noqa: E402
 from lmforge.eval.perplexity import sliding_windows  # noqa: E402
-from tests.train_utils import demo_world  # noqa: E402
+from tests.train_utils import demo_world, small_qwen3_args  # noqa: E402
 
 # Sums of ~20 float32 log-probabilities of ~-5.7 each agree to a few float32 ulps, not to 1e-5
 # absolute; relative 1e-6 is ~8 ulps.
@@ -41,13 +41,14 @@ LL_TOLERANCE = dict(rel=1e-6, abs=1e-5)
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     data, tokenizer, args = demo_world(root, vocab_size=300)
+    qwen3_args = small_qwen3_args(tokenizer.vocab_size)
     artifacts = []
-    for seed, name in ((0, "base"), (1, "sft")):
-        model = build_model(args, seed=seed)
+    for seed, name, shape in ((0, "base", args), (1, "sft", args), (2, "qwen3", qwen3_args)):
+        model = build_model(shape, seed=seed)
         with torch.no_grad():  # larger weights than init: less uniform, more telling scores
             for param in model.parameters():
                 param.mul_(4.0)
-        save_state(model.state_dict(), args, tokenizer, root / name, stage="test", parent=None)
+        save_state(model.state_dict(), shape, tokenizer, root / name, stage="test", parent=None)
         artifacts.append(root / name)
     include = write_demo_task(data["mc_heldout"], root / "tasks")
     return {"root": root, "data": data, "artifacts": artifacts, "include": include}
@@ -75,13 +76,18 @@ def _hf_model_args(directory) -> str:
 
 
 @pytest.mark.parametrize(
-    "task,chat,bos",
-    [("demo_mc", False, True), ("demo_mc_chat", True, True), ("demo_mc", False, False)],
-    ids=["plain", "chat", "tokenizer-without-bos"],
+    "task,chat,bos,index",
+    [
+        ("demo_mc", False, True, 0),
+        ("demo_mc_chat", True, True, 0),
+        ("demo_mc", False, False, 0),
+        ("demo_mc", False, True, 2),
+    ],
+    ids=["plain", "chat", "tokenizer-without-bos", "qwen3"],
 )
-def test_multiple_choice_equals_hf_backend(world, request, task, chat, bos):
+def test_multiple_choice_equals_hf_backend(world, request, task, chat, bos, index):
     """Per request, every log-likelihood equals the `hf` backend's, both with its defaults."""
-    artifact = world["artifacts"][0] if bos else request.getfixturevalue("without_bos")
+    artifact = world["artifacts"][index] if bos else request.getfixturevalue("without_bos")
     ours = run_eval(
         [artifact],
         [task],
@@ -157,7 +163,7 @@ def test_rolling_and_generation_equal_hf_backend(world):
 
 
 def test_cli_results_json_comparison_and_perplexity(world, capsys):
-    base, sft = world["artifacts"]
+    base, sft = world["artifacts"][:2]
     held_out = world["root"] / "heldout.txt"
     held_out.write_text(world["data"]["corpus"].read_text()[:600])
     code = cli.main(

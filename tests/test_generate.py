@@ -14,7 +14,7 @@ from lmforge.cli import main as cli_main
 from lmforge.errors import ConfigError
 from lmforge.generate import Engine, Generator, Sampler, SamplingParams
 from lmforge.generate.generate import weight_bytes
-from tests.conftest import make_hf_llama
+from tests.conftest import make_hf_llama, make_hf_qwen3
 from tests.train_utils import demo_world, small_args
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
@@ -43,6 +43,14 @@ def hf_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hf_qwen3_pair(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf") / "qwen3"
+    hf_model = make_hf_qwen3(directory, vocab_size=256)
+    hf_model.generation_config.eos_token_id = None
+    return hf_model, lmforge.load(directory)
+
+
+@pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
     """A random tiny model with a BPE tokenizer trained on the demo corpus, and its artifact."""
     root = tmp_path_factory.mktemp("tiny")
@@ -54,8 +62,9 @@ def tiny_with_tokenizer(tmp_path_factory):
     return loaded, artifact
 
 
-def test_greedy_matches_transformers_generate(hf_pair):
-    hf_model, loaded = hf_pair
+@pytest.mark.parametrize("pair", ["hf_pair", "hf_qwen3_pair"], ids=["llama", "qwen3"])
+def test_greedy_matches_transformers_generate(request, pair):
+    hf_model, loaded = request.getfixturevalue(pair)
     prompts = _random_prompts([5, 11, 8, 1])
     generator = Generator(loaded.model, max_batch=3, max_seq_len=64)  # 4 prompts: 2 batches
     results = generator.generate(prompts, GREEDY).results
@@ -83,12 +92,16 @@ def test_greedy_matches_transformers_generate(hf_pair):
     assert batched.tolist() == [r.token_ids for r in results]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_logprobs_equal_full_forward(hf_pair, overlap):
+@pytest.mark.parametrize(
+    "pair, overlap",
+    [("hf_pair", False), ("hf_pair", True), ("hf_qwen3_pair", False)],
+    ids=["llama", "llama-overlap", "qwen3"],
+)
+def test_engine_logprobs_equal_full_forward(request, pair, overlap):
     """Chunked prefill (4 tokens a step), prompts joining a running batch in freed rows over
     stale slots, buckets of 1..4 rows: every token's log-probabilities equal a plain forward's
     over the whole sequence."""
-    _, loaded = hf_pair
+    _, loaded = request.getfixturevalue(pair)
     model = loaded.model
     engine = Engine(model, max_batch=4, max_seq_len=40, prefill_chunk=4)
     engine.overlap = overlap  # the CUDA schedule (collect a step after the next launch)

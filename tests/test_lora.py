@@ -18,11 +18,11 @@ from lmforge import cli
 from lmforge.api import LoadedModel, build_model
 from lmforge.config import load_config
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models.llama import Transformer
+from lmforge.models import Transformer
 from lmforge.modules import lora
 from lmforge.sizes import module_bytes, tensor_bytes
-from tests.conftest import make_hf_llama
-from tests.train_utils import small_args
+from tests.conftest import make_hf_llama, make_hf_qwen3
+from tests.train_utils import small_args, small_qwen3_args
 
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down", "output"]
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -147,11 +147,8 @@ def test_bad_targets_and_tied_output_are_config_errors():
 # ---- PEFT interop and `lmforge merge` ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def saved_lora(tmp_path_factory):
+def _save_lora(root, args):
     """A base artifact (lmforge.save), our adapter for it, and our logits before/after merge."""
-    root = tmp_path_factory.mktemp("lora")
-    args = small_args()
     base = build_model(args, seed=5)
     base_dir = lmforge.save(LoadedModel(base, None, args, "tiny"), root / "base")
     cfg = lora.LoRASection(enabled=True, rank=4, alpha=8, targets=ALL_TARGETS)
@@ -163,6 +160,18 @@ def saved_lora(tmp_path_factory):
     unmerged = base(TOKENS).detach()
     merged = lora.merge_lora(base)(TOKENS).detach()
     return base_dir, adapter_dir, unmerged, merged
+
+
+@pytest.fixture(scope="module")
+def saved_lora(tmp_path_factory):
+    return _save_lora(tmp_path_factory.mktemp("lora"), small_args())
+
+
+@pytest.fixture(scope="module")
+def saved_qwen3_lora(tmp_path_factory):
+    """The same for a Qwen3 (untied, so that the output projection takes an adapter too)."""
+    args = small_qwen3_args(tie_embeddings=False)
+    return _save_lora(tmp_path_factory.mktemp("lora-qwen3"), args)
 
 
 def test_adapter_files_use_peft_layout(saved_lora):
@@ -182,12 +191,13 @@ def test_adapter_files_use_peft_layout(saved_lora):
     assert len(tensors) == 2 * (2 * 7 + 1)
 
 
-def test_peft_loads_our_adapter_with_equal_logits(saved_lora):
+@pytest.mark.parametrize("saved", ["saved_lora", "saved_qwen3_lora"], ids=["llama", "qwen3"])
+def test_peft_loads_our_adapter_with_equal_logits(request, saved):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    base_dir, adapter_dir, unmerged, merged = saved_lora
+    base_dir, adapter_dir, unmerged, merged = request.getfixturevalue(saved)
     torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=0)
-    hf = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     peft_model = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
     with torch.no_grad():
         peft_logits = peft_model(TOKENS).logits
@@ -205,9 +215,10 @@ def test_load_our_adapter_into_a_loaded_base(saved_lora):
         torch.testing.assert_close(loaded.model(TOKENS), unmerged, atol=1e-6, rtol=0)
 
 
-def test_adapter_made_by_peft_loads_into_ours(tmp_path):
+@pytest.mark.parametrize("make_hf", [make_hf_llama, make_hf_qwen3], ids=["llama", "qwen3"])
+def test_adapter_made_by_peft_loads_into_ours(tmp_path, make_hf):
     peft = pytest.importorskip("peft")
-    hf = make_hf_llama(tmp_path / "hf", tie_word_embeddings=False)
+    hf = make_hf(tmp_path / "hf", tie_word_embeddings=False, vocab_size=256)
     config = peft.LoraConfig(
         r=2, lora_alpha=6, target_modules=["q_proj", "o_proj", "up_proj"], task_type="CAUSAL_LM"
     )

@@ -14,7 +14,7 @@ import torch
 
 from lmforge import cli
 from lmforge.errors import ConfigError
-from lmforge.models.llama import get_preset
+from lmforge.models import get_preset
 from lmforge.modules.lora import apply_lora
 from lmforge.plan import (
     Setup,
@@ -34,9 +34,11 @@ LLAMA_70B = get_preset("llama3.1-70b")
 H100 = parse_memory("h100")
 
 
-def tiny_args(**changes):
+def tiny_args(family: str = "llama", **changes):
     shape = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=160, vocab_size=250)
-    return get_preset("tiny").replace(**(shape | changes))
+    if family == "qwen3":  # q/k head norms, head_dim 24 != dim / heads, untied like tiny
+        shape |= dict(head_dim=24, tie_embeddings=False)
+    return get_preset({"llama": "tiny", "qwen3": "qwen3-0.6b"}[family]).replace(**(shape | changes))
 
 
 # ---- the seed's numbers --------------------------------------------------------------------
@@ -159,10 +161,11 @@ PATHS = {  # (model dtype, autocast, Setup precision)
 }
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_full_training_activations_equal_autograds_saved_tensors(path):
+def test_full_training_activations_equal_autograds_saved_tensors(path, family):
     dtype, autocast, precision = PATHS[path]
-    args = tiny_args()
+    args = tiny_args(family)
     batch, seq = 2, 24
     setup = Setup(args=args, method="full", micro_batch_size=batch, seq_len=seq, **precision)
     activations, copies = _forward_saved(args, dtype=dtype, autocast=autocast)
@@ -173,7 +176,8 @@ def test_full_training_activations_equal_autograds_saved_tensors(path):
     assert activations == expected
     assert plan_memory(setup).largest("activations") == expected + 16 * batch * seq
     if autocast:  # autocast's cached bf16 copy of every matmul weight
-        matmul = args.num_params(include_embedding=False) - (2 * args.num_layers + 1) * args.dim
+        norms = args.num_layers * args.layer_norm_params() + args.dim
+        matmul = args.num_params(include_embedding=False) - norms
         assert copies == 2 * matmul
 
 
@@ -295,6 +299,10 @@ DRY_RUNS = {
     "tied, FSDP 2": dict(gpus=2, tied=True),
     "tied, FSDP 4 × TP 2": dict(gpus=8, tp=2, tied=True),
     "tied, HSDP 2 × 2, DPO full": dict(gpus=4, dp_replicate=2, method="dpo-full", tied=True),
+    "qwen3, tied, FSDP 4 × TP 2": dict(gpus=8, tp=2, tied=True, family="qwen3"),
+    "qwen3, HSDP 2 × 4, LoRA": dict(
+        gpus=8, dp_replicate=2, method="lora", lora_targets=("q", "k", "down"), family="qwen3"
+    ),
 }
 
 
@@ -303,7 +311,9 @@ def test_dry_run_shards_equal_the_arithmetic(name):
     layout = dict(DRY_RUNS[name])
     if layout.get("method") == "qlora":
         pytest.importorskip("torchao")
-    args = tiny_args().replace(tie_embeddings=layout.pop("tied", False))
+    args = tiny_args(layout.pop("family", "llama")).replace(
+        tie_embeddings=layout.pop("tied", False)
+    )
     setup = Setup(args=args, **layout)
     report = dry_run(setup)
     assert report.mismatches == []

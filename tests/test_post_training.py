@@ -22,16 +22,17 @@ from tests.train_utils import (
     losses,
     run_inprocess,
     run_torchrun,
+    small_family_args,
     wait_for_step,
 )
 
 GOLDEN_DPO = Path(__file__).parent / "golden" / "dpo_losses.json"
 
 
-def _base(root: Path, *, tied: bool, **shape):
+def _base(root: Path, *, tied: bool, family: str = "llama", **shape):
     """A small random base artifact with the demo tokenizer, and the demo data."""
-    paths, tokenizer, args = demo_world(root, vocab_size=400)
-    args = args.replace(tie_embeddings=tied, **shape)
+    paths, tokenizer, _ = demo_world(root, vocab_size=400)
+    args = small_family_args(family, tokenizer.vocab_size, tie_embeddings=tied, **shape)
     artifact = save_state(
         build_model(args, seed=3).state_dict(),
         args,
@@ -52,6 +53,12 @@ def base(tmp_path_factory):
 def tied_base(tmp_path_factory):
     """The same with tied embeddings (as Llama 3.2 1B and 3B ship)."""
     return _base(tmp_path_factory.mktemp("post-tied"), tied=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_base(tmp_path_factory):
+    """A Qwen3 (q/k head norms, head_dim 24 != dim / heads), tied as the small Qwen3s ship."""
+    return _base(tmp_path_factory.mktemp("post-qwen3"), tied=True, family="qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -208,16 +215,18 @@ def test_bf16_lora_keeps_frozen_linears_in_bf16_with_and_without_fsdp(tmp_path, 
     assert reference[5] < reference[1] and two[5] < two[1]
 
 
-def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, base):
+@pytest.mark.parametrize("which", ["base", "qwen3_base"], ids=["llama", "qwen3"])
+def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, request, which):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
+    base = request.getfixturevalue(which)
     assert run_inprocess("sft", sft_args(tmp_path / "run", base)) == 0
     artifact = tmp_path / "run" / "artifact"
     lineage = json.loads((artifact / "lmforge.json").read_text())
     assert lineage["stage"] == "sft" and lineage["parent"]["hash"]
     merged = lmforge.load(artifact)
     tokens = torch.randint(0, merged.config.vocab_size, (2, 12))
-    hf_base = transformers.LlamaForCausalLM.from_pretrained(base[0]).eval()
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(base[0]).eval()
     with_adapter = peft.PeftModel.from_pretrained(hf_base, artifact / "adapter").eval()
     with torch.no_grad():
         ours = merged.model(tokens)
@@ -226,6 +235,22 @@ def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, base):
     assert (ours.float() - theirs).abs().max().item() < 0.05
     baseline = lmforge.load(base[0]).model(tokens)
     assert (ours.float() - baseline).abs().max().item() > 1e-3  # the adapter changed something
+
+
+@pytest.mark.parametrize(
+    "stage, make_args", [("sft", full_sft_args), ("dpo", dpo_args)], ids=["sft-full", "dpo-lora"]
+)
+def test_qwen3_trains_through_the_same_loop(tmp_path, qwen3_base, stage, make_args):
+    """Full SFT and LoRA DPO on a Qwen3 (LoRA SFT: the PEFT test above); the artifacts keep
+    the family."""
+    assert run_inprocess(stage, make_args(tmp_path / "run", qwen3_base)) == 0
+    steps = losses(tmp_path / "run")
+    assert sorted(steps) == [1, 2, 3, 4, 5] and all(math.isfinite(v) for v in steps.values())
+    if stage == "sft":
+        assert steps[5] < steps[1]
+    config = json.loads((tmp_path / "run" / "artifact" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 24
+    assert lmforge.load(tmp_path / "run" / "artifact").config.family == "qwen3"
 
 
 def test_peft_adapter_names_its_base_by_absolute_path(tmp_path, base, monkeypatch):

@@ -26,7 +26,7 @@ from lmforge import artifact
 from lmforge.api import LoadedModel, build_model
 from lmforge.cli import main as cli_main
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models.llama import get_preset
+from lmforge.models import get_preset
 
 pytest.importorskip("torchao")
 
@@ -201,6 +201,31 @@ def test_packed_int4_is_refused_elsewhere_and_legacy_packed_still_loads(quantize
     config["quantization_config"] = {"quant_method": "lmforge-int4x2", "scheme": "int4-wo"}
     (legacy / "config.json").write_text(json.dumps(config))
     assert torch.equal(_logits(lmforge.load(legacy).model), _logits(model))
+
+
+def test_qwen3_int8_round_trips_and_loads_in_transformers(tmp_path):
+    """Quantization reads the linears and HF names through the family: a Qwen3 (head norms,
+    head_dim 48 != dim / heads) round-trips and transformers reads it as Qwen3 int8."""
+    transformers = pytest.importorskip("transformers")
+    args = get_preset("qwen3-0.6b").replace(
+        dim=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=48, ffn_dim=256, vocab_size=256
+    )
+    model = build_model(args, dtype=torch.bfloat16, seed=0)
+    source = lmforge.save(LoadedModel(model, None, args, "qwen3"), tmp_path / "src", stage="test")
+    loaded = lmforge.load(source)
+    spec = QuantSpec(scheme="int8-wo")
+    path = save_quantized(
+        loaded, tmp_path / "int8", spec=spec, modules=quantize_model(loaded.model, spec)
+    )
+    reloaded = lmforge.load(path)
+    assert reloaded.config == args
+    assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
+    assert type(hf_model).__name__ == "Qwen3ForCausalLM"
+    assert type(hf_model.model.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
+    with torch.no_grad():
+        theirs = hf_model(TOKENS).logits.float()
+    assert (theirs - _logits(loaded.model)).abs().max().item() <= 1e-5
 
 
 def test_transformers_torchao_checkpoint_loads_in_lmforge(tmp_path):

@@ -36,7 +36,7 @@ from lmforge.api import build_model, save_state  # noqa: E402
 from lmforge.cli import main as cli_main  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
 from lmforge.generate import Generator, SamplingParams  # noqa: E402
-from tests.train_utils import small_args  # noqa: E402
+from tests.train_utils import small_args, small_qwen3_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -730,3 +730,34 @@ def test_served_model_name_comes_from_the_pipeline_stage(tmp_path):
     assert name(tmp_path / "runs" / "tiny" / "dpo" / "artifact") == "tiny/dpo"
     assert name(tmp_path / "my-model") == "my-model"
     assert name(tmp_path / "my-model", "--served-model-name", "x") == "x"
+
+
+def test_qwen3_is_served_like_generate_prints(tmp_path, capsys):
+    """A Qwen3 artifact through the same server: greedy completions and chat equal `lmforge
+    generate`'s text."""
+    (tmp_path / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    tokenizer = train_bpe([tmp_path / "corpus.txt"], vocab_size=320, out_dir=tmp_path / "tok")
+    args = small_qwen3_args(320)
+    artifact = save_state(
+        build_model(args, seed=7).state_dict(), args, tokenizer, tmp_path / "qwen3", stage="test",
+        parent=None,
+    )  # fmt: skip
+    server = Server(artifact, tmp_path / "server.log", "--max-seq-len", str(MAIN_CONTEXT))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        completion = client.completions.create(
+            model=model, prompt="The cat sat", max_tokens=8, temperature=0
+        )
+        assert completion.choices[0].text == generate_cli(
+            capsys, artifact, ["--prompt", "The cat sat"], 8
+        )
+        messages = [{"role": "user", "content": "Hello, world!"}]
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0
+        )
+        expected = generate_cli(capsys, artifact, ["--chat", "Hello, world!"], 8)
+        assert chat.choices[0].message.content == expected
+    finally:
+        server.stop()

@@ -26,6 +26,7 @@ from lmforge.train.loop import (
 from lmforge.train.losses import LossOutput
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 from tests.train_utils import (
+    QWEN3_MODEL,
     kill_all,
     losses,
     make_shards,
@@ -93,6 +94,32 @@ def _check_tied_artifact(artifact: Path) -> None:
     hf = transformers.LlamaForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
     assert hf.config.tie_word_embeddings
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    tokens = torch.arange(1, 17)[None]
+    ours = lmforge.load(artifact, dtype=torch.float32).model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
+
+
+def test_qwen3_tensor_parallel_matches_one_process(tmp_path, data):
+    """A Qwen3 through the same loop: under TP 2 each rank normalizes its own query/key heads
+    (the family's plan), and the losses equal one process's; the artifact is a transformers
+    Qwen3ForCausalLM with lmforge's logits."""
+    import transformers
+
+    import lmforge
+
+    tokenizer, shards = data
+    qwen3 = [*QWEN3_MODEL, "train.micro_batch_size=8"]
+    run_inprocess("pretrain", pretrain_args(tmp_path / "one", tokenizer, shards, *qwen3))
+    reference = losses(tmp_path / "one")
+    assert len(reference) == 5 and reference[5] < reference[1]
+    run_torchrun(
+        2, "pretrain", pretrain_args(tmp_path / "tp", tokenizer, shards, *qwen3, "parallel.tp=2")
+    )
+    _assert_close(losses(tmp_path / "tp"), reference, 1e-5)
+    artifact = tmp_path / "tp" / "artifact"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 24
     tokens = torch.arange(1, 17)[None]
     ours = lmforge.load(artifact, dtype=torch.float32).model.eval()
     with torch.no_grad():

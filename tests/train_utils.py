@@ -13,16 +13,35 @@ from pathlib import Path
 from lmforge.cli import main as cli_main
 from lmforge.data.demo import write_demo_data
 from lmforge.data.tokenizer import Tokenizer, train_bpe
-from lmforge.models.llama import ModelArgs, get_preset
+from lmforge.models import ModelArgs, get_preset
 
 # A model small enough that a training step takes milliseconds on one CPU core.
 SMALL_SHAPE = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128)
 SMALL_MODEL = ["model.source=tiny", *(f"model.overrides.{k}={v}" for k, v in SMALL_SHAPE.items())]
 
 
+# The same shape as a Qwen3 (tied, as the small Qwen3 presets are), with a head_dim of its own.
+QWEN3_MODEL = [
+    "model.source=qwen3-0.6b",
+    "model.overrides.head_dim=24",
+    "model.overrides.vocab_size=320",
+]
+
+
 def small_args(vocab_size: int = 256, **changes) -> ModelArgs:
     """The tiny preset cut down to SMALL_SHAPE."""
     return get_preset("tiny").replace(**{**SMALL_SHAPE, "vocab_size": vocab_size, **changes})
+
+
+def small_qwen3_args(vocab_size: int = 256, **changes) -> ModelArgs:
+    """Qwen3 0.6B cut down to SMALL_SHAPE with head_dim 24 (not dim / heads); tied."""
+    shape = {**SMALL_SHAPE, "head_dim": 24, "vocab_size": vocab_size, "bos_id": None}
+    return get_preset("qwen3-0.6b").replace(**{**shape, "eos_id": None, **changes})
+
+
+def small_family_args(family: str, vocab_size: int = 256, **changes) -> ModelArgs:
+    make = {"llama": small_args, "qwen3": small_qwen3_args}[family]
+    return make(vocab_size, **changes)
 
 
 def demo_world(root: Path, vocab_size: int) -> tuple[dict[str, Path], Tokenizer, ModelArgs]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models import llama
+from lmforge.models import llama, qwen3
 from lmforge.models.family import Family, ParamShape
 
 # Checkpoint formats only Llama is published in: Meta's original download (params.json +
@@ -27,7 +27,7 @@ from lmforge.models.llama.args import ModelArgs
 from lmforge.models.llama.hf import args_from_meta_params, merge_meta_shards
 from lmforge.models.llama.model import Transformer
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY,)  # one line per family
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY)  # one line per family
 
 PRESETS: dict[str, ModelArgs] = {
     name: args for family in FAMILIES for name, args in family.presets.items()
