@@ -19,9 +19,6 @@ import torch
 from lmforge.errors import ConfigError, ModelFormatError
 from lmforge.models import llama, qwen3
 from lmforge.models.family import Family, ParamShape
-
-# Checkpoint formats only Llama is published in: Meta's original download (params.json +
-# consolidated.NN.pth) and torchtitan's DCP checkpoints.
 from lmforge.models.llama import torchtitan
 from lmforge.models.llama.args import ModelArgs
 from lmforge.models.llama.hf import args_from_meta_params, merge_meta_shards
@@ -34,6 +31,9 @@ PRESETS: dict[str, ModelArgs] = {
 }
 assert len(PRESETS) == sum(len(f.presets) for f in FAMILIES), "preset names must be unique"
 
+# Re-exported for lmforge.api: the checkpoint formats only Llama is published in, Meta's
+# original download (`args_from_meta_params`, `merge_meta_shards`) and torchtitan's DCP
+# checkpoints (`torchtitan`).
 __all__ = [
     "FAMILIES",
     "PRESETS",
