@@ -215,11 +215,9 @@ def test_bf16_lora_keeps_frozen_linears_in_bf16_with_and_without_fsdp(tmp_path, 
     assert reference[5] < reference[1] and two[5] < two[1]
 
 
-@pytest.mark.parametrize("which", ["base", "qwen3_base"], ids=["llama", "qwen3"])
-def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, request, which):
+def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, base):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    base = request.getfixturevalue(which)
     assert run_inprocess("sft", sft_args(tmp_path / "run", base)) == 0
     artifact = tmp_path / "run" / "artifact"
     lineage = json.loads((artifact / "lmforge.json").read_text())
@@ -241,8 +239,8 @@ def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, request, whi
     "stage, make_args", [("sft", full_sft_args), ("dpo", dpo_args)], ids=["sft-full", "dpo-lora"]
 )
 def test_qwen3_trains_through_the_same_loop(tmp_path, qwen3_base, stage, make_args):
-    """Full SFT and LoRA DPO on a Qwen3 (LoRA SFT: the PEFT test above); the artifacts keep
-    the family."""
+    """Full SFT and LoRA DPO on a Qwen3 through the one loop (PEFT parity of its adapters:
+    tests/test_lora.py); the artifacts keep the family."""
     assert run_inprocess(stage, make_args(tmp_path / "run", qwen3_base)) == 0
     steps = losses(tmp_path / "run")
     assert sorted(steps) == [1, 2, 3, 4, 5] and all(math.isfinite(v) for v in steps.values())
