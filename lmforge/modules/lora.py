@@ -259,7 +259,7 @@ def apply_lora(
     dropout: float = 0.0,
     base_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Swap the targeted linears of a Llama `Transformer` for `LoRALinear`s, in place, and
+    """Swap the targeted linears of a `Transformer` (any family) for `LoRALinear`s, in place, and
     freeze every other parameter; with `base_dtype`, store the frozen linear weights in it
     (`frozen_linears`; the adapters keep the model's dtype). Works on a meta-device model
     (adapters are then initialized by `reset_lora_parameters(model)` after `to_empty`).
