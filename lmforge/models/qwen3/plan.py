@@ -23,10 +23,11 @@ def block_params(args: ModelArgs) -> list[ParamShape]:
     return params
 
 
-def tp_plan() -> dict:
+def tp_plan(*, sequence_parallel: bool = True) -> dict:
+    """Llama's plan for the block, plus the head norms on each rank's own heads."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    return llama_plan.tp_plan() | {
+    return llama_plan.tp_plan(sequence_parallel=sequence_parallel) | {
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
