@@ -16,7 +16,7 @@ import torch
 import lmforge
 from lmforge.api import LoadedModel, build_model
 from lmforge.eval import run_eval, write_demo_task
-from tests.train_utils import demo_world
+from tests.train_utils import demo_world, small_qwen3_args
 
 PROMPTS = ["the cat sat", "a b c d e f g h", "x"]
 
@@ -26,8 +26,9 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     data, tokenizer, args = demo_world(root, vocab_size=300)
     artifacts = {}
-    for tied in (False, True):
-        model_args = args.replace(tie_embeddings=tied)
+    shapes = {False: args, True: args.replace(tie_embeddings=True)}
+    shapes["qwen3"] = small_qwen3_args(tokenizer.vocab_size)  # tied, q/k head norms
+    for tied, model_args in shapes.items():
         model = build_model(model_args, seed=5).eval()
         with torch.no_grad():  # peakier distributions: greedy choices far from ties
             for param in model.parameters():
@@ -52,7 +53,7 @@ def _texts_and_counts(stdout: str) -> str:
     return stdout.split("\ntime:")[0]
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [False, True, "qwen3"], ids=["untied", "tied", "qwen3"])
 def test_generate_tp2_equals_one_process(world, tied):
     argv = ["generate", str(world["artifacts"][tied]), "--prompt", *PROMPTS]
     argv += ["--temperature", "0", "--max-new-tokens", "16", "--max-batch", "2"]
