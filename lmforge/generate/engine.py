@@ -102,7 +102,7 @@ class Engine:
     """Continuous batching over one model and one KV cache (see the module docstring).
 
     Args:
-        model: a `lmforge.models.llama.Transformer` (any dtype; quantized weights work).
+        model: a model of one of lmforge.models' families (any dtype; quantized weights work).
         tokenizer: a `lmforge.data.tokenizer.Tokenizer`, or None for token-id prompts only.
         max_batch: sequences that run at once (cache rows); more wait for a free row.
         max_seq_len: cache length: prompt plus new tokens of a sequence must fit (default: the
