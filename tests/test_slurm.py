@@ -379,10 +379,16 @@ def test_70b_other_stages_run_one_plain_task(rendered_70b):
         script = scripts[name]
         flags = sbatch_flags(script)
         assert "--no-requeue" in flags and not any(f.startswith("--signal") for f in flags)
+        assert "trap" not in script
         srun = srun_line(script)
+        if name == "eval":  # tensor parallel: torchrun's 8 processes on one node
+            assert "--nodes=1" in srun and "--ntasks-per-node=1" in srun
+            assert "torch.distributed.run --nproc-per-node=8 --nnodes=1" in script
+            assert "--standalone" in script
+            continue
         assert "--nodes=1" in srun and "--ntasks=1" in srun
         assert srun[srun.index("python") :][:3] == ["python", "-m", "lmforge"]
-        assert "torch.distributed.run" not in script and "trap" not in script
+        assert "torch.distributed.run" not in script
     assert "--gpus-per-node=1" in sbatch_flags(scripts["sample"])
     cpu_only = sbatch_flags(scripts["wikitext"])  # tokenizing: no GPU node asked for
     assert not [f for f in cpu_only if f.startswith(("--gpus", "--exclusive", "--mem=0"))]
@@ -398,7 +404,7 @@ def test_70b_dependency_chain(rendered_70b):
         "dpo": ["sft"],
         "eval": ["cpt", "sft", "dpo"],
         "int4": ["dpo"],
-        "eval_int4": ["dpo", "int4"],
+        "eval_int4": ["int4"],
         "sample": ["int4"],
     }
     for name, script in scripts.items():
@@ -447,6 +453,41 @@ def test_70b_on_80gb_gpus_warns_that_pretraining_will_not_fit(tmp_path):
     assert len(warnings) == 1 and "stage 'cpt' will not fit" in warnings[0], warnings
     assert "--cpu-offload" in "\n".join(lines[lines.index(warnings[0]) :][:8])
     assert "DOES NOT FIT" in (tmp_path / "runs/llama3_70b/cpt/memory_plan.txt").read_text()
+    # the inference stages are planned too, and fit: eval split over 8 GPUs, int4 on one
+    planned = {line.split()[0]: line for line in lines if " GiB per GPU, " in line}
+    assert {"eval", "int4", "eval_int4", "sample"} <= set(planned), lines
+    assert "8 GPUs" in planned["eval"] and "1 GPU:" in planned["eval_int4"]
+    assert all("fits" in planned[n] for n in ("eval", "int4", "eval_int4", "sample"))
+    # one eval on one GPU would not fit (131 GiB of bf16 weights): the warning says what would
+    text = text.replace('gpu_memory = "h200"', 'gpu_memory = "80GB"')
+    (tmp_path / "p.toml").write_text(
+        text.replace("launcher.nproc_per_node = 8\nlauncher.time", "launcher.time")
+    )
+    lines = []
+    assert run_pipeline(
+        load_pipeline(tmp_path / "p.toml", workdir=tmp_path),
+        launcher="slurm",
+        dry_run=True,
+        echo=lines.append,
+    ).ok
+    (warning,) = [line for line in lines if line.startswith("WARNING: stage 'eval' ")]
+    assert "tensor parallelism over 2 GPUs (launcher.nproc_per_node = 2" in warning
+    assert "lmforge launch --nproc 2 eval" in warning and 'scheme = "int4-wo"' in warning
+    # a quantized model cannot be split: planning says the stage will fail
+    tp_int4 = text.replace(
+        'labels = ["int4-g256"]', 'labels = ["int4-g256"]\nlauncher.nproc_per_node = 8'
+    )
+    (tmp_path / "p.toml").write_text(tp_int4)
+    lines = []
+    run_pipeline(
+        load_pipeline(tmp_path / "p.toml", workdir=tmp_path),
+        launcher="slurm",
+        dry_run=True,
+        echo=lines.append,
+    )
+    assert any(
+        line.startswith("WARNING: stage 'eval_int4' will fail: tensor-parallel") for line in lines
+    )
 
 
 def test_stages_are_not_planned_without_gpu_memory_or_model_shape(tmp_path):

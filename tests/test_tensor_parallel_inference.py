@@ -145,3 +145,32 @@ def test_serve_tp2_answers_as_one_process(world, tmp_path):
     for prompt, text in zip(PROMPTS, greedy):
         assert f"=== {prompt}\n{text}\n" in one
     assert sampled[0] == sampled[1] and sampled[0][0] != sampled[0][1]
+
+
+def test_a_pipeline_eval_stage_runs_tensor_parallel(world, tmp_path):
+    """`launcher.nproc_per_node = 2` on an eval stage: the pipeline runs its command under
+    torchrun (2 gloo processes here) and the stage's results are one process's."""
+    from lmforge.pipeline import load_pipeline, run_pipeline
+
+    artifact = world["artifacts"][False]
+    (tmp_path / "p.toml").write_text(
+        '[pipeline]\nname = "p"\n[launcher]\nenv = { OMP_NUM_THREADS = "1" }\n'
+        f'[stages.ev]\nkind = "eval"\nmodels = ["{artifact}"]\nlabels = ["m"]\n'
+        f'tasks = ["demo_mc"]\ninclude_path = ["{world["include"]}"]\nlimit = 4\n'
+        "batch_size = 4\nlauncher.nproc_per_node = 2\n"
+    )
+    pipeline = load_pipeline(tmp_path / "p.toml", workdir=tmp_path)
+    assert pipeline.stages[0].distributed
+    lines: list[str] = []
+    assert run_pipeline(pipeline, echo=lines.append).ok, "\n".join(lines[-30:])
+    stage_dir = tmp_path / "runs/p/ev"
+    assert "--nproc-per-node=2" in (stage_dir / "command.sh").read_text()
+    results = json.loads((stage_dir / "out/results.json").read_text())
+    ours = run_eval([artifact], ["demo_mc"], include_path=world["include"], limit=4, write=False)
+    accuracy = results["models"]["m"]["metrics"]
+    assert ours[0].results["results"]["demo_mc"]["acc,none"] in accuracy.values(), accuracy
+    # tensor-parallel inference runs on one node
+    text = (tmp_path / "p.toml").read_text() + "launcher.nodes = 2\n"
+    (tmp_path / "p.toml").write_text(text)
+    with pytest.raises(lmforge.errors.ConfigError, match="runs on one node"):
+        load_pipeline(tmp_path / "p.toml", workdir=tmp_path)

@@ -27,6 +27,7 @@ from pydantic import Field, PositiveInt
 
 from lmforge.config import Section
 from lmforge.errors import ConfigError
+from lmforge.manifest import TRAINING_KINDS
 
 SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY", "LMFORGE_API_KEY")
 """Environment variables that carry secrets: passed to jobs, never written anywhere."""
@@ -75,8 +76,9 @@ class StageJob:
         run_dir: the stage's directory `runs/<pipeline>/<stage>/` (logs and scripts go here).
         resources: nodes, processes, GPUs, time, partition, environment, container.
         depends_on: names of the stages that must succeed first.
-        distributed: True for training stages (run under torchrun when
-            `resources.nodes * resources.nproc_per_node > 1`).
+        distributed: True for training, eval and generate stages (run under torchrun when
+            `resources.nodes * resources.nproc_per_node > 1`; eval and generate split the
+            model over the processes, tensor parallel).
         workdir: the directory the command runs in; relative paths in `argv` and in the
             rendered config resolve against it.
         secrets: names (not values) of the secret variables this job receives.
@@ -99,6 +101,12 @@ class StageJob:
     @property
     def uses_torchrun(self) -> bool:
         return self.distributed and self.world_size > 1
+
+    @property
+    def resumable(self) -> bool:
+        """A training stage: preemption saves a checkpoint and a restart resumes from it
+        (Slurm's requeue and preemption signal, Kubernetes' restart on failure)."""
+        return self.distributed and self.kind in TRAINING_KINDS
 
     @property
     def log_file(self) -> Path:

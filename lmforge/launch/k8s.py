@@ -173,7 +173,7 @@ class K8sLauncher:
                 "terminationGracePeriodSeconds": res.signal_lead_s,
             },
         }
-        restart = "OnFailure" if job.distributed and res.requeue else "Never"
+        restart = "OnFailure" if job.resumable and res.requeue else "Never"
         replicas = {"Master": {"replicas": 1, "restartPolicy": restart, "template": pod}}
         if job.uses_torchrun and res.nodes > 1:
             replicas["Worker"] = {

@@ -126,7 +126,7 @@ class SlurmLauncher:
             )
         run_dir = job.run_dir.resolve()
         pipeline = run_dir.parent.name
-        training = job.distributed
+        training = job.resumable
         sbatch = [
             f"--job-name={pipeline}-{job.name}",
             f"--nodes={res.nodes}",

@@ -203,6 +203,7 @@ class StageKind:
     output: Literal["artifact", "out"]  # what `${name}` and `from = name` mean: the stage's ...
     finish: Callable[[Path, Path, Path], dict]  # (stage_dir, output, log) -> key metrics
     distributed: bool = False  # runs under torchrun with the stage's nproc_per_node
+    one_node: bool = False  # its processes share one node (tensor-parallel inference)
 
 
 def _training_schema(kind: str) -> type[Section]:
@@ -381,9 +382,12 @@ STAGE_KINDS: dict[str, StageKind] = {
     "pretrain": _TRAINING,
     "sft": _TRAINING,
     "dpo": _TRAINING,
-    "eval": StageKind(_build_eval, "out", _eval_metrics),
+    # tensor parallel over launcher.nproc_per_node GPUs of one node (lmforge/generate/parallel.py)
+    "eval": StageKind(_build_eval, "out", _eval_metrics, distributed=True, one_node=True),
     "quantize": StageKind(_build_quantize, "artifact", _artifact_metrics),
-    "generate": StageKind(_build_generate, "out", _generate_metrics),
+    "generate": StageKind(
+        _build_generate, "out", _generate_metrics, distributed=True, one_node=True
+    ),
     "export": StageKind(_build_export, "artifact", _artifact_metrics),
 }
 assert set(TRAINING_KINDS) <= set(STAGE_KINDS)

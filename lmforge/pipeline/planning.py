@@ -1,5 +1,5 @@
 """What a run will do: stage by stage, run (and why) or skip as up to date, like `make`; and
-the GPU memory plans of the training stages about to run."""
+the GPU memory plans of the training and inference stages about to run."""
 
 from __future__ import annotations
 
@@ -97,9 +97,9 @@ def _check_inputs_exist(pipeline: Pipeline, plan: list[PlanItem]) -> None:
 def plan_memory(
     pipeline: Pipeline, stages: list[Stage], launcher: str, echo: Callable[[str], None]
 ) -> dict[str, dict[str, str]]:
-    """Plan the GPU memory of the training stages about to run (warning about those that will
-    not fit) and return each planned stage's table as a file for its directory."""
-    from lmforge.plan.report import format_plan
+    """Plan the GPU memory of the training and inference stages about to run (warning about
+    those that will not fit) and return each planned stage's table as a file for its
+    directory."""
     from lmforge.plan.stages import PLAN_FILE, format_stage_plans, plan_stages
 
     plans = [p for p in plan_stages(pipeline, stages, launcher) if p.skipped != "runs on the CPU"]
@@ -108,6 +108,4 @@ def plan_memory(
     echo("")
     for line in format_stage_plans(plans):
         echo(line)
-    return {
-        p.stage.name: {PLAN_FILE: format_plan(p.plan) + "\n"} for p in plans if p.plan is not None
-    }
+    return {p.stage.name: {PLAN_FILE: p.table() + "\n"} for p in plans if p.plan is not None}

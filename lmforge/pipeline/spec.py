@@ -203,6 +203,11 @@ def _resolve_stage(
     resources = validate_section(
         LauncherSection, deep_merge(defaults, table.get("launcher", {})), f"{where}: launcher"
     )
+    if STAGE_KINDS[kind].one_node and resources.nodes > 1:
+        raise ConfigError(
+            f"{where}: launcher.nodes = {resources.nodes}: a {kind} stage runs on one node "
+            "(tensor parallel over launcher.nproc_per_node GPUs); set launcher.nodes = 1"
+        )
     refs = References(outputs, spec.data, where)
     settings = refs.substitute({k: v for k, v in table.items() if k not in STAGE_KEYS})
     stage_dir = run_dir / name

@@ -325,7 +325,7 @@ def format_inference_plan(plan: InferencePlan) -> str:
     lines = [describe_inference(plan.setup), ""]
     names = list(plan.phases)
     components = list(dict.fromkeys(c for phase in plan.phases.values() for c in phase))
-    width = max(24, *(len(c) for c in components))
+    width = max(36, *(len(c) + 2 for c in components))
     lines.append(f"{'GiB per GPU':<{width}}" + "".join(f"{n:>16}" for n in names))
     for component in components:
         values = "".join(f"{plan.phases[n].get(component, 0) / GiB:>16.2f}" for n in names)
@@ -343,3 +343,54 @@ def format_inference_plan(plan: InferencePlan) -> str:
     lines += [f"note: {note}" for note in plan.notes]
     lines += [f"suggestion: {s}" for s in plan.suggestions]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- suggestions
+
+
+def suggest_inference(
+    setup: InferenceSetup,
+    gpu_memory: int | str,
+    *,
+    max_gpus: int = 8,
+    command: str = "generate",
+    batch_name: str = "batch",
+) -> list[str]:
+    """Single changes that make `setup` fit `gpu_memory`, as text, most useful first: tensor
+    parallelism over more GPUs of the node, int4 weights on one GPU, a smaller batch, a
+    shorter context."""
+    if setup.task == "quantize":
+        return ['quantize on the CPU (device = "cpu"): streaming needs one tensor of memory']
+    out = []
+
+    def fits(candidate: InferenceSetup) -> InferencePlan | None:
+        plan = plan_inference(candidate, gpu_memory)
+        return plan if plan.fits else None
+
+    if setup.quantization is None:
+        for tp in (2, 4, 8, 16):
+            if setup.tp < tp <= max_gpus and setup.args.num_kv_heads % tp == 0:
+                plan = fits(setup.replace(tp=tp))
+                if plan is not None:
+                    out.append(
+                        f"tensor parallelism over {tp} GPUs (launcher.nproc_per_node = {tp}; by "
+                        f"hand: lmforge launch --nproc {tp} {command} ...): "
+                        f"{plan.total / GiB:.1f} GiB per GPU"
+                    )
+                    break
+        plan = fits(setup.replace(quantization="int4-wo", group_size=None, tp=1))
+        if plan is not None:
+            out.append(
+                'int4 weights on one GPU (a quantize stage with scheme = "int4-wo" first): '
+                f"{plan.total / GiB:.1f} GiB"
+            )
+    for name, key in ((batch_name, "batch"), ("a context of", "seq_len")):
+        value = getattr(setup, key)
+        while value > 1:
+            value //= 2
+            plan = fits(setup.replace(**{key: value}))
+            if plan is not None:
+                what = f"{name} = {value}" if key == "batch" else f"{name} {value} tokens"
+                out.append(f"{what}: {plan.total / GiB:.1f} GiB per GPU")
+                break
+    return out
