@@ -43,7 +43,7 @@ from lmforge.plan.memory import (
     tp_local_numel,
 )
 
-TASKS = ("generate", "score", "quantize")
+TASKS = ("generate", "score", "eval", "quantize")  # eval: lm-eval, scoring and generating
 QUANT_SCHEMES = ("int8-wo", "int4-wo")
 # Bytes of torchao's weight tensors (measured on their flattened parts, tests/test_plan_inference):
 # (bytes per value, bytes per scale group). int8-wo: int8 values, an fp32 scale and an int8
@@ -283,17 +283,20 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
         notes.append(f"host: about {host / GiB:.0f} GiB (one shard being written, one tensor)")
     else:
         weights = weight_bytes(setup)
-        if setup.task == "score":
-            phases = {"scoring forward": {"weights": weights, **score_bytes(setup)}}
-        else:
+        phases = {}
+        if setup.task in ("score", "eval"):
+            phases["scoring forward"] = {"weights": weights, **score_bytes(setup)}
+        if setup.task in ("generate", "eval"):
             cache = kv_cache_bytes(setup)
-            phases = {
-                "prefill": {"weights": weights, "KV cache": cache, "prefill": prefill_bytes(setup)},
-                "decode": {
-                    "weights": weights,
-                    "KV cache": cache,
-                    "decode step": decode_bytes(setup),
-                },
+            phases["prefill"] = {
+                "weights": weights,
+                "KV cache": cache,
+                "prefill": prefill_bytes(setup),
+            }
+            phases["decode"] = {
+                "weights": weights,
+                "KV cache": cache,
+                "decode step": decode_bytes(setup),
             }
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     peak = sum(phases[peak_phase].values())
@@ -305,19 +308,23 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
 def describe_inference(setup: InferenceSetup) -> str:
     """One line: what was planned."""
     a = setup.args
+    count = a.num_params()
+    size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
     weights = setup.quantization or setup.dtype
     if setup.task == "quantize":
-        return (
-            f"streaming quantization of a {a.num_params() / 1e9:.1f}B model, one tensor at a time"
-        )
+        return f"streaming quantization of a {size} model, one tensor at a time"
     where = f"tensor parallel over {setup.tp} GPUs" if setup.tp > 1 else "one GPU"
     if setup.task == "score":
         work = f"scoring {setup.batch} × {setup.seq_len} tokens"
+    elif setup.task == "eval":
+        work = (
+            f"scoring {setup.batch} × {setup.seq_len} tokens or generating with a KV cache as large"
+        )
     else:
         work = (
             f"KV cache {setup.batch} × {setup.seq_len} tokens, prefill chunk {setup.prefill_chunk}"
         )
-    return f"{a.num_params() / 1e9:.1f}B in {weights} on {where}; {work}"
+    return f"{size} in {weights} on {where}; {work}"
 
 
 def format_inference_plan(plan: InferencePlan) -> str:

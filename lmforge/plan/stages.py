@@ -73,8 +73,8 @@ def _what(plan: InferencePlan) -> str:
     weights = s.quantization or s.dtype
     if s.task == "quantize":
         return "one tensor at a time"
-    if s.task == "score":
-        return f"{weights}, scoring {s.batch} × {s.seq_len} tokens"
+    if s.task in ("score", "eval"):
+        return f"{weights}, {s.batch} rows × {s.seq_len} tokens"
     return f"{weights}, KV cache {s.batch} × {s.seq_len}"
 
 
@@ -115,8 +115,8 @@ def plan_stages(pipeline: Pipeline, stages: list[Stage], launcher: str) -> list[
 
 def plan_inference_stage(pipeline: Pipeline, stage: Stage, launcher: str) -> StagePlan:
     """The plan of an eval, generate or quantize stage on `launcher.nproc_per_node` GPUs
-    (tensor parallel; quantize runs on one): an eval stage's largest model, scoring or
-    generating, whichever needs more; suggestions when it does not fit."""
+    (tensor parallel; quantize runs on one): an eval stage's largest model, scoring and
+    generating; suggestions when it does not fit."""
     config = stage.config
     section = pipeline.plan_section
     device = getattr(config, "device", None)
@@ -133,6 +133,15 @@ def plan_inference_stage(pipeline: Pipeline, stage: Stage, launcher: str) -> Sta
     except UserError as err:  # what the engine or the TP loader refuses
         return StagePlan(stage, None, str(err), error=True)
     plan = max(plans, key=lambda p: p.total)
+    if stage.kind == "eval":
+        plan.notes.append(
+            f"rows of at most {EVAL_CONTEXT} tokens assumed (lm-eval's multiple-choice requests "
+            "are shorter; longer requests need more)"
+        )
+    elif stage.kind == "generate":
+        plan.notes.append(
+            "prompt lengths estimated from their characters (a token is at least one)"
+        )
     if not plan.fits:
         plan.suggestions = suggest_inference(
             plan.setup,
@@ -185,7 +194,7 @@ def _inference_setups(pipeline: Pipeline, stage: Stage, tp: int) -> list[Inferen
         # lm-eval's continuations are short (a choice, an answer): 256 scored positions a row;
         # perplexity scores every position
         scored = None if config.perplexity else min(256, base.seq_len)
-        setups += [base.replace(task="score", scored_tokens=scored), base]
+        setups.append(base.replace(task="eval", scored_tokens=scored))
     return setups
 
 
