@@ -40,7 +40,8 @@ class LauncherSection(Section):
 
     nodes: PositiveInt = 1
     nproc_per_node: PositiveInt = 1
-    """Processes per node; more than 1 (or nodes > 1) runs a training stage under torchrun."""
+    """Processes per node; more than 1 (or nodes > 1) runs a training stage under torchrun; an
+    eval or generate stage (one node) splits its model over that many GPUs (tensor parallel)."""
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: PositiveInt | None = None
     """CPUs for each node's task (Slurm `--cpus-per-task`, Kubernetes CPU request)."""
