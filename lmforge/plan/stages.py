@@ -140,7 +140,7 @@ def plan_inference_stage(pipeline: Pipeline, stage: Stage, launcher: str) -> Sta
         )
     elif stage.kind == "generate":
         plan.notes.append(
-            "prompt lengths estimated from their characters (a token is at least one)"
+            "prompt lengths estimated from their characters (at most one token per character)"
         )
     if not plan.fits:
         plan.suggestions = suggest_inference(
