@@ -1,10 +1,10 @@
 """Load any supported model source into a `LoadedModel`, and save one as an artifact.
 
 Sources: a preset name (random init), a Hugging Face directory of a registered family (Llama,
-Qwen3), an lmforge artifact (the
-same, plus lmforge.json), or Meta's original download (`params.json` + `consolidated.NN.pth`,
+Qwen3), an lmforge artifact (the same, plus lmforge.json), or Meta's original download (`params.json` + `consolidated.NN.pth`,
 at the top level or under `original/`), or a torchtitan DCP checkpoint (with `model_config`
-naming the model). Pickle files are read with `weights_only=True` only.
+naming the model), or a Hugging Face hub id (`meta-llama/Llama-3.2-1B`: downloaded into the
+cache on first use, see `lmforge.hub.cached_model`). Pickle files are read with `weights_only=True` only.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from lmforge import artifact, models
-from lmforge.errors import ConfigError, ModelFormatError
+from lmforge import artifact, hub, models
+from lmforge.errors import ConfigError, HubError, ModelFormatError
 from lmforge.models import PRESETS, ModelArgs, Transformer, get_preset
 from lmforge.quantize import stored
 
@@ -64,15 +64,27 @@ def _meta_dir(path: Path) -> Path | None:
     return None
 
 
+def local_source(source: str | Path, *, weights: bool = True) -> str | Path:
+    """`source` itself, or for a hub id its directory in the local cache (downloaded on first
+    use; with `weights=False` only its config, enough for the shape and the format)."""
+    if isinstance(source, str) and source not in PRESETS and hub.is_repo_id(source):
+        try:
+            return hub.cached_model(source, weights=weights)
+        except HubError as err:
+            raise HubError(f"{source}: no such local directory, and as a hub id: {err}") from None
+    return source
+
+
 def detect_format(source: str | Path) -> str:
     """'preset', 'hf' (HF directory or artifact), 'meta' or 'torchtitan'; a ModelFormatError
-    otherwise."""
+    otherwise. A hub id is the format of its cached copy (its config is fetched if needed)."""
     if isinstance(source, str) and source in PRESETS:
         return "preset"
-    path = Path(source)
+    path = Path(local_source(source, weights=False))
     if not path.exists():
         raise ModelFormatError(
-            f"{path}: no such file or directory (and not a preset: {', '.join(PRESETS)})"
+            f"{path}: no such file or directory (and not a preset: {', '.join(PRESETS)}, nor a "
+            "hub id namespace/name)"
         )
     if not path.is_dir():
         raise ModelFormatError(f"{path}: is a file; a model source is a directory or a preset name")
@@ -96,6 +108,7 @@ def read_args(source: str | Path, *, model_config: str | None = None) -> ModelAr
     `model_config` (a preset, a torchtitan flavor, or a directory or file with config.json /
     params.json) names the model of a torchtitan checkpoint, which does not record it.
     """
+    source = local_source(source, weights=False)
     kind = detect_format(source)
     if kind == "torchtitan":
         return models.torchtitan.read_torchtitan_args(source, model_config)
@@ -130,8 +143,8 @@ def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor
 def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our-named tensors of a HF/artifact, Meta or torchtitan directory, as stored (dtype
     unchanged)."""
-    path = Path(source)
-    kind = detect_format(source)
+    path = Path(local_source(source))
+    kind = detect_format(path)
     if kind == "torchtitan":
         return models.torchtitan.read_torchtitan_checkpoint(path, args)[1]
     if kind == "meta":
@@ -194,6 +207,7 @@ def load(
     torchtitan checkpoint (see `read_args`); a directory given there also supplies the tokenizer.
     """
     dtype = parse_dtype(dtype)
+    source = local_source(source)
     kind = detect_format(source)
     args = read_args(source, model_config=model_config)
     if kind == "preset":

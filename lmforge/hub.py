@@ -12,12 +12,15 @@ huggingface_hub as an argument: it is sent to the hub and never written anywhere
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge.errors import HubError, UserError
+from lmforge.errors import HubError, ModelFormatError, UserError
 
 # Files a gated repo still serves without a token; a useless access probe.
 _UNGATED_FILES = {"README.md", ".gitattributes"}
@@ -66,6 +69,7 @@ def download_snapshot(
     revision: str | None = None,
     token: str | None = None,
     endpoint: str | None = None,
+    cache_hint: str | None = None,
 ) -> DownloadResult:
     """Download the files of model repo `repo_id` into `out_dir`, resuming a previous run.
 
@@ -76,6 +80,8 @@ def download_snapshot(
         token: hub access token, sent as a request header only. None lets huggingface_hub use
             its own default (HF_TOKEN or a token saved by `hf auth login`).
         endpoint: hub URL; None means huggingface_hub's default (HF_ENDPOINT or huggingface.co).
+        cache_hint: what the user can do when the hub cannot be reached and `out_dir` is lmforge's
+            cache rather than a directory they chose (the error message's second half).
 
     Returns:
         The commit downloaded, the selected files and their total size.
@@ -93,7 +99,13 @@ def download_snapshot(
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output path {out_dir} exists and is not a directory")
     api = huggingface_hub.HfApi(endpoint=endpoint, token=token)
-    where = _Where(repo_id=repo_id, revision=revision, endpoint=api.endpoint, out_dir=out_dir)
+    where = _Where(
+        repo_id=repo_id,
+        revision=revision,
+        endpoint=api.endpoint,
+        out_dir=out_dir,
+        cache_hint=cache_hint,
+    )
     allow_patterns = list(include) if include else None
     ignore_patterns = list(exclude) if exclude else None
 
@@ -155,6 +167,7 @@ class _Where:
     revision: str | None
     endpoint: str
     out_dir: Path
+    cache_hint: str | None = None
 
 
 def _to_hub_error(err: Exception, *, where: _Where, token_given: bool) -> HubError | None:
@@ -181,7 +194,12 @@ def _to_hub_error(err: Exception, *, where: _Where, token_given: bool) -> HubErr
         if status == 401 and not token_given:
             return HubError(
                 f"{repo} on {endpoint} needs a token (gated or private repo, or it does not "
-                f"exist): accept its terms on {page}, then pass --token or set HF_TOKEN"
+                f"exist): accept its terms on {page}, then "
+                + (
+                    "set HF_TOKEN"
+                    if where.cache_hint is not None
+                    else "pass --token or set HF_TOKEN"
+                )
             )
         if status == 401:
             return HubError(
@@ -200,6 +218,10 @@ def _to_hub_error(err: Exception, *, where: _Where, token_given: bool) -> HubErr
     offline = isinstance(err, OfflineModeIsEnabled)
     if offline or isinstance(err, LocalEntryNotFoundError) or _is_connection_error(err):
         reason = "HF_HUB_OFFLINE is set" if offline else "no connection"
+        if where.cache_hint is not None:
+            return HubError(
+                f"the Hugging Face hub at {endpoint} cannot be reached ({reason}): {where.cache_hint}"
+            )
         have_files = where.out_dir.is_dir() and any(where.out_dir.iterdir())
         already = f", or use {where.out_dir} as it is if it is complete" if have_files else ""
         return HubError(
@@ -231,3 +253,91 @@ def _is_connection_error(err: BaseException) -> bool:
 def _sample(names: Sequence[str], limit: int) -> str:
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
+
+
+# ----------------------------------------------------------------------------- hub ids as models
+
+# A hub id: `namespace/name` of letters, digits, `-`, `_` and `.` (huggingface_hub's rule, less
+# its corner cases); anything else, or a path that exists, is a local path.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+# Enough to know a model's shape and format without its weights.
+_CONFIG_FILES = ("config.json", "params.json", "original/params.json")
+# Weight formats lmforge never reads; a repo often carries them beside safetensors, so leaving
+# them out saves their size (for Meta's repos, a second copy of the weights in
+# original/consolidated.*.pth, read only when the repo has no config.json).
+_UNREAD_WEIGHTS = ["*.bin", "*.pt", "*.gguf", "*.onnx", "*.onnx_data", "*.h5", "*.msgpack", "*.ot"]
+_META_WEIGHTS = ["original/consolidated*", "*.pth"]
+_COMPLETE_MARKER = Path(".cache") / "lmforge" / "complete.json"
+
+
+def is_repo_id(source: str | Path) -> bool:
+    """Whether `source` reads as a hub id (`namespace/name`) rather than a local path: it has
+    that shape and no such file or directory exists."""
+    text = str(source)
+    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and not Path(text).exists()
+
+
+def model_cache_dir(repo_id: str) -> Path:
+    """Where a hub id given as a model is kept: `$HF_HOME/lmforge/models/NAMESPACE/NAME` (so
+    HF_HOME on a shared file system gives every node one copy)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "lmforge" / "models" / repo_id
+
+
+def cached_model(repo_id: str, *, weights: bool = True) -> Path:
+    """The local copy of hub model `repo_id`, downloaded into `model_cache_dir` on first use.
+
+    With `weights=False` only the config (config.json or params.json) is needed, so shape-only
+    commands (`lmforge model info`, `lmforge plan`) do not fetch gigabytes. A complete copy is
+    used as it is from then on (no hub request, so it works offline, pinned to the commit first
+    downloaded); an incomplete one is resumed. The token is huggingface_hub's (HF_TOKEN, else
+    the one `hf auth login` saved), as for `lmforge download`.
+
+    Raises:
+        HubError: the hub cannot be reached (one line saying how to get the model here instead),
+            refuses access, or does not know the repo.
+        ModelFormatError: the repo has no config.json or params.json.
+    """
+    out_dir = model_cache_dir(repo_id)
+    if (out_dir / _COMPLETE_MARKER).is_file():
+        return out_dir
+    if not weights and any((out_dir / name).is_file() for name in _CONFIG_FILES):
+        return out_dir
+    import huggingface_hub
+
+    hint = (
+        f"{repo_id} is not in lmforge's model cache ({out_dir}) yet: run `lmforge download "
+        f"{repo_id} --out {out_dir}` where the hub can be reached (or copy such a download "
+        "there), or give model.source as a local directory"
+    )
+    token = huggingface_hub.get_token()
+    try:
+        config = download_snapshot(
+            repo_id, out_dir, include=_CONFIG_FILES, token=token, cache_hint=hint
+        )
+    except HubError:
+        raise
+    except UserError:  # no file matched the config names
+        raise ModelFormatError(
+            f"hub repo {repo_id} has no config.json or params.json: not a model lmforge can read"
+        ) from None
+    if not weights:
+        return out_dir
+    exclude = _UNREAD_WEIGHTS + (_META_WEIGHTS if "config.json" in config.files else [])
+    print(f"downloading {repo_id} into {out_dir} (first use of this hub id)", file=sys.stderr)
+    result = download_snapshot(
+        repo_id, out_dir, exclude=exclude, revision=config.commit, token=token, cache_hint=hint
+    )
+    _write_marker(out_dir, result)
+    return out_dir
+
+
+def _write_marker(out_dir: Path, result: DownloadResult) -> None:
+    """Record a complete download (atomically: the marker is what later runs trust)."""
+    marker = out_dir / _COMPLETE_MARKER
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    staging = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    record = {"repo_id": result.repo_id, "commit": result.commit, "files": list(result.files)}
+    staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    os.replace(staging, marker)

@@ -136,8 +136,10 @@ def _eval(args: argparse.Namespace) -> int:
     tasks = [t.strip() for item in args.tasks for t in item.split(",") if t.strip()]
     if not tasks and not args.perplexity:
         raise ConfigError("nothing to evaluate: give --tasks and/or --perplexity FILE")
-    from lmforge.api import detect_format
+    from lmforge.api import detect_format, local_source
 
+    # Hub ids become their cached copies (results are written beside a model).
+    args.sources = [str(local_source(source)) for source in args.sources]
     for source in args.sources:  # a missing model before any task is loaded
         detect_format(source)
     with tempfile.TemporaryDirectory(prefix="lmforge-eval-tasks-") as demo_dir:

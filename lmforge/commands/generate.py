@@ -32,7 +32,10 @@ def register(subparsers) -> None:
         "...` splits it over N GPUs (tensor parallel; rank 0 prints).",
     )
     parser.add_argument(
-        "artifact", nargs="?", metavar="ARTIFACT", help="an artifact or HF Llama directory"
+        "artifact",
+        nargs="?",
+        metavar="ARTIFACT",
+        help="an artifact, HF Llama directory or hub id",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(

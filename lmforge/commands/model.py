@@ -23,7 +23,8 @@ def register(subparsers) -> None:
         description="Print a model's shape without reading its weights: parameter counts with and "
         "without the input embedding, bytes per dtype, training FLOPs per token, layer shapes.",
         epilog="SOURCE is a preset (tiny, llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b, "
-        "llama3.1-405b), a Hugging Face Llama directory, an lmforge artifact, Meta's original "
+        "llama3.1-405b), a Hugging Face Llama directory or hub id (namespace/name, fetching only its "
+        "config), an lmforge artifact, Meta's original "
         "download (params.json + consolidated.NN.pth), or a torchtitan DCP checkpoint (with "
         "--model-config).",
     )

@@ -111,12 +111,13 @@ def quantize_main(args: argparse.Namespace) -> int:
 
     import torch
 
+    from lmforge.api import local_source
     from lmforge.quantize import quantize_artifact
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     result = quantize_artifact(
-        args.source,
+        local_source(args.source),  # a hub id: its cached copy, downloaded on first use
         args.out,
         scheme=args.scheme,
         group_size=args.group_size,

@@ -35,7 +35,9 @@ def register(subparsers) -> None:
         "environment variable or --api-key (visible to every user in `ps`: prefer the other "
         "two); with one set, every route but /health needs 'Authorization: Bearer KEY'.",
     )
-    parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact or HF Llama directory")
+    parser.add_argument(
+        "artifact", metavar="ARTIFACT", help="an artifact, HF Llama directory or hub id"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free port)")
     parser.add_argument(

@@ -263,7 +263,7 @@ def _gpu_memory(
 def source_args(pipeline: Pipeline, stage: Stage, fallback: str | None = None) -> ModelArgs:
     """The shape of the model `stage` starts from, read from disk when it is there, else from
     the stage that will make it, else from `fallback` (a preset or a config directory)."""
-    from lmforge import api
+    from lmforge import api, hub
     from lmforge.models import PRESETS
 
     model = getattr(stage.config, "model", None)
@@ -272,6 +272,8 @@ def source_args(pipeline: Pipeline, stage: Stage, fallback: str | None = None) -
         return api.read_args(source)
     if source is not None and pipeline.path(Path(source)).exists():
         return api.read_args(pipeline.path(Path(source)))
+    if source is not None and hub.is_repo_id(source):
+        return api.read_args(source)  # fetches the hub model's config.json only
     if stage.from_stage is not None:
         upstream = pipeline.stage(stage.from_stage)
         args = source_args(pipeline, upstream, fallback)

@@ -84,7 +84,8 @@ def resolve_model(section: ModelSection) -> ModelSpec:
     if section.tokenizer:
         tokenizer = load_tokenizer(section.tokenizer)
     elif not from_scratch:
-        tokenizer = api.load_tokenizer_for(Path(section.source), args)
+        # A hub id is downloaded whole here (the weights are read next anyway).
+        tokenizer = api.load_tokenizer_for(Path(api.local_source(section.source)), args)
     if section.chat_template:
         if tokenizer is None:
             raise ConfigError("model.chat_template needs a tokenizer (model.tokenizer)")
