@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from lmforge.config import Section
 from lmforge.errors import ConfigError
@@ -33,6 +34,71 @@ SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY", "LMFORGE_API_KEY")
 """Environment variables that carry secrets: passed to jobs, never written anywhere."""
 
 REDACTED = "***"
+
+
+# Kubernetes names: a DNS-1123 label (namespaces) and subdomain (claims, secrets); a quantity.
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+# Slurm's `--time`: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+UNLIMITED_TIMES = ("UNLIMITED", "INFINITE")
+
+
+class K8sSection(Section):
+    """The Kubernetes launcher's settings (a `[launcher.k8s]` table: defaults for every stage,
+    which a stage's `[stages.X.launcher.k8s]` can change)."""
+
+    image: str | None = None
+    """The pod image; None takes `container_image` when it is an image reference (not a Pyxis
+    squashfs file), else `lmforge:latest` (the repository's Dockerfile)."""
+    namespace: str | None = None
+    """None: kubectl's current namespace."""
+    volume_claim: str = "lmforge-runs"
+    """The PersistentVolumeClaim holding the pipeline's working directory, mounted at its path."""
+    secret_name: str = "lmforge-secrets"
+    """The Secret that HF_TOKEN / WANDB_API_KEY / LMFORGE_API_KEY are written to and read from."""
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    """Secrets holding registry credentials for a private image."""
+    memory: str | None = None
+    """Memory per pod (request = limit), a Kubernetes quantity: "1800Gi"; None: no request."""
+    gpu_resource: str = "nvidia.com/gpu"
+    """The extended resource `gpus_per_node` counts (`amd.com/gpu` on AMD nodes)."""
+    efa_devices: int = Field(0, ge=0)
+    """AWS EFA interfaces per pod (`vpc.amazonaws.com/efa`: 32 on p5.48xlarge, 16 on p5en);
+    needed when `env.FI_PROVIDER = "efa"`."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Pod node selector, e.g. {"node.kubernetes.io/instance-type" = "p5.48xlarge"}."""
+
+    @field_validator("namespace")
+    @classmethod
+    def _label(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(_DNS_LABEL, value):
+            raise ValueError(
+                "not a Kubernetes namespace: lowercase letters, digits and '-', at most 63"
+            )
+        return value
+
+    @field_validator("volume_claim", "secret_name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.match(_DNS_SUBDOMAIN, value):
+            raise ValueError("not a Kubernetes object name: lowercase letters, digits, '-', '.'")
+        return value
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            cls._name(name)
+        return value
+
+    @field_validator("memory")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(_QUANTITY, value):
+            raise ValueError("not a Kubernetes quantity: e.g. 1800Gi, 512Mi, 2Ti")
+        return value
 
 
 class LauncherSection(Section):
@@ -63,6 +129,34 @@ class LauncherSection(Section):
     """Slurm: seconds before the time limit at which the preemption signal is sent."""
     rdzv_port: PositiveInt = 29500
     """torchrun c10d rendezvous port on the first node (multi-node)."""
+    k8s: K8sSection = Field(default_factory=K8sSection)
+    """Kubernetes launcher settings (image, namespace, volume claim, secrets, memory, EFA)."""
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str | None) -> str | None:
+        if value is not None:
+            time_limit_seconds(value)
+        return value
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """Seconds in a Slurm time limit (`M`, `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S`); None for
+    UNLIMITED. Raises ValueError naming the formats for anything else."""
+    if text.strip().upper() in UNLIMITED_TIMES:
+        return None
+    match = _SLURM_TIME.match(text.strip())
+    if match is None:
+        raise ValueError(
+            f"time {text!r} is not a Slurm time limit: use MM, HH:MM:SS, D-HH, D-HH:MM:SS or "
+            "UNLIMITED"
+        )
+    days, first, second, third = (int(x) if x else None for x in match.groups())
+    if days is not None:  # D-H[:M[:S]]
+        return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
+    if third is not None:  # H:M:S
+        return (first * 60 + second) * 60 + third
+    return first * 60 + (second or 0)  # M[:S]
 
 
 @dataclasses.dataclass
