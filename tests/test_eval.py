@@ -3,6 +3,7 @@ results files and tables, task errors, perplexity."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -302,3 +303,37 @@ def test_preference_margins_equal_the_full_forward(world):
     assert result["num_pairs"] == len(pairs)
     assert result["mean_margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-5)
     assert result["accuracy"] == sum(m > 0 for m in margins) / len(margins)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_scoring_in_batches_with_progress_equals_one_call(world, capsys, monkeypatch):
+    """Progress moves between batches, yet the batches are those one `sequence_logprobs`
+    call makes, so the scores are equal to the bit; off a terminal the progress is plain
+    lines, on one a tqdm bar."""
+    import lmforge.progress
+    from lmforge.generate.logprobs import sequence_logprobs
+
+    monkeypatch.setattr(lmforge.progress, "PLAIN_EVERY_S", 0.0)
+    lm = LmforgeLM(world["artifacts"][0], batch_size=3)
+    generator = torch.Generator().manual_seed(0)
+    sequences = []
+    for index in range(11):  # mixed lengths, ties, and unscored (n = 0) sequences
+        length = int(torch.randint(2, 20, (1,), generator=generator))
+        tokens = torch.randint(3, 300, (length,), generator=generator).tolist()
+        sequences.append((tokens, 0 if index % 5 == 0 else min(3, length - 1)))
+    expected = sequence_logprobs(lm.model, sequences, batch_size=3, device=lm.device)
+    assert lm._score(sequences, desc="loglikelihood", disable=False) == expected
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("loglikelihood: 11/11 requests (100%), 0:")
+    assert len(lines) == 1 + 3 + 1  # the unscored ones, 3 whole batches, the end
+
+    terminal = _Terminal()
+    with lmforge.progress.Progress(4, "loglikelihood", unit="requests", file=terminal) as bar:
+        bar.update(4)
+    assert "\r" in terminal.getvalue() and "4/4" in terminal.getvalue()
+    assert lm._score(sequences, desc="loglikelihood", disable=True) == expected
+    assert capsys.readouterr().err == ""

@@ -39,6 +39,7 @@ from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 from lmforge.generate import Generator, SamplingParams, parallel
 from lmforge.generate.logprobs import sequence_logprobs
+from lmforge.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +162,7 @@ class LmforgeLM(LM):
             # Longer than the model takes: drop context from the left.
             tokens = (context_ids + continuation_ids)[-(self.max_length + 1) :]
             sequences.append((tokens, min(len(continuation_ids), len(tokens) - 1)))
-        results = sequence_logprobs(
-            self.model, sequences, batch_size=self.batch_size, device=self.device
-        )
+        results = self._score(sequences, desc="loglikelihood", disable=disable_tqdm)
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request.args, result)
         return results
@@ -187,9 +186,7 @@ class LmforgeLM(LM):
                 windows.append((full[start:end], end - begin))
                 owners.append(index)
                 begin = end
-        scores = sequence_logprobs(
-            self.model, windows, batch_size=self.batch_size, device=self.device
-        )
+        scores = self._score(windows, desc="loglikelihood_rolling", disable=disable_tqdm)
         totals = [0.0] * len(requests)
         for owner, (logprob, _) in zip(owners, scores):
             totals[owner] += logprob
@@ -197,9 +194,36 @@ class LmforgeLM(LM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
+    def _score(
+        self, sequences: list[tuple[list[int], int]], *, desc: str, disable: bool
+    ) -> list[tuple[float, bool]]:
+        """`sequence_logprobs` one batch at a time, with progress between batches. The batches
+        are those one call would make (longest first, a stable sort, unscored sequences left
+        out), so the results are the same to the bit."""
+        results = [(0.0, True)] * len(sequences)  # what sequence_logprobs gives n = 0
+        order = sorted(
+            (i for i, (_, n) in enumerate(sequences) if n > 0),
+            key=lambda i: -len(sequences[i][0]),
+        )
+        with Progress(len(sequences), desc, unit="requests", disable=disable) as progress:
+            progress.update(len(sequences) - len(order))
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start : start + self.batch_size]
+                scored = sequence_logprobs(
+                    self.model,
+                    [sequences[i] for i in batch],
+                    batch_size=self.batch_size,
+                    device=self.device,
+                )
+                for i, result in zip(batch, scored):
+                    results[i] = result
+                progress.update(len(batch))
+        return results
+
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         from lm_eval.models.utils import normalize_gen_kwargs
 
+        progress = Progress(len(requests), "generate_until", unit="requests", disable=disable_tqdm)
         outputs: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
@@ -234,6 +258,8 @@ class LmforgeLM(LM):
                 for i, text in zip(batch, texts):
                     outputs[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                progress.update(len(batch))
+        progress.close()
         return outputs  # type: ignore[return-value]
 
     def _generate(

@@ -9,6 +9,7 @@ which stage failed.
 
 from __future__ import annotations
 
+import io
 import os
 import shlex
 import signal
@@ -141,9 +142,6 @@ class LocalLauncher:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    text=True,
-                    errors="replace",
-                    bufsize=1,
                     # a killed `lmforge run` takes its stage down (SIGTERM: training saves)
                     preexec_fn=die_with_parent,
                 )
@@ -187,14 +185,30 @@ class LocalLauncher:
         _notify(on_event, handle)
 
     def _pump(self, pipe, log: TextIO, name: str, secrets: dict[str, str]) -> None:
-        for line in pipe:
-            line = redact(line, secrets)
+        # Lines end at "\n" only: a progress bar that redraws itself with "\r" (lm-eval's,
+        # datasets') is one line whose last drawing is what counts, not a run of blank lines.
+        lines = io.TextIOWrapper(pipe, encoding="utf-8", errors="replace", newline="\n")
+        for raw in lines:
+            line = redact(_last_drawing(raw), secrets)
+            if not line:
+                continue
             log.write(line)
             log.flush()
             if self.stream is not None:
                 self.stream.write(f"[{name}] {line}" if self.prefix else line)
                 self.stream.flush()
         pipe.close()
+
+
+def _last_drawing(line: str) -> str:
+    """What a terminal would keep of `line`: its last non-blank drawing after a carriage
+    return (tqdm clears a bar it does not leave with blanks), or "" when nothing is left."""
+    body = line.rstrip("\n").rstrip("\r")
+    ending = "\n" if line.endswith("\n") else ""
+    if "\r" not in body:
+        return body + ending
+    drawings = [text for text in body.split("\r") if text.strip()]
+    return drawings[-1] + ending if drawings else ""
 
 
 def _ok(handle: JobHandle) -> bool:
