@@ -272,9 +272,20 @@ _COMPLETE_MARKER = Path(".cache") / "lmforge" / "complete.json"
 
 def is_repo_id(source: str | Path) -> bool:
     """Whether `source` reads as a hub id (`namespace/name`) rather than a local path: it has
-    that shape and no such file or directory exists."""
+    that shape, no such file or directory exists, and neither does a local directory
+    `namespace` (then `models/Llama-3.1-70B` is a download still to come, not a repo)."""
     text = str(source)
-    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and not Path(text).exists()
+    if not _REPO_ID.fullmatch(text) or ".." in text:
+        return False
+    return not Path(text).exists() and not Path(text.split("/")[0]).exists()
+
+
+def is_cached(repo_id: str, *, weights: bool = True) -> bool:
+    """Whether `cached_model(repo_id, weights=...)` would answer without asking the hub."""
+    out_dir = model_cache_dir(repo_id)
+    if (out_dir / _COMPLETE_MARKER).is_file():
+        return True
+    return not weights and any((out_dir / name).is_file() for name in _CONFIG_FILES)
 
 
 def model_cache_dir(repo_id: str) -> Path:
@@ -300,9 +311,7 @@ def cached_model(repo_id: str, *, weights: bool = True) -> Path:
         ModelFormatError: the repo has no config.json or params.json.
     """
     out_dir = model_cache_dir(repo_id)
-    if (out_dir / _COMPLETE_MARKER).is_file():
-        return out_dir
-    if not weights and any((out_dir / name).is_file() for name in _CONFIG_FILES):
+    if is_cached(repo_id, weights=weights):
         return out_dir
     import huggingface_hub
 

@@ -146,3 +146,16 @@ def test_refusals_are_one_line(world, tmp_path, args, words):
     line = one_line_error(result)
     for word in words:
         assert word in line
+
+
+def test_what_reads_as_a_hub_id(tmp_path, monkeypatch):
+    from lmforge.hub import is_repo_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "local" / "model").mkdir(parents=True)
+    assert is_repo_id("meta-llama/Llama-3.2-1B")
+    assert not is_repo_id("models/Llama-3.1-70B")  # a download to come into models/
+    assert not is_repo_id("local/model")  # exists
+    for path in ("runs/tiny/pretrain/artifact", "./a/b", "/abs/a", "../a/b", "tiny", "a/b/"):
+        assert not is_repo_id(path), path

@@ -272,7 +272,8 @@ def source_args(pipeline: Pipeline, stage: Stage, fallback: str | None = None) -
         return api.read_args(source)
     if source is not None and pipeline.path(Path(source)).exists():
         return api.read_args(pipeline.path(Path(source)))
-    if source is not None and hub.is_repo_id(source):
+    repo_id = source is not None and hub.is_repo_id(source)
+    if repo_id and (fallback is None or hub.is_cached(source, weights=False)):
         return api.read_args(source)  # fetches the hub model's config.json only
     if stage.from_stage is not None:
         upstream = pipeline.stage(stage.from_stage)
