@@ -6,15 +6,17 @@ PY := $(VENV)/bin/python
 # CPU machines take this torch from a local wheel; GPU users install their CUDA torch first
 # (see README) and run `make TORCH_SPEC= test` so it is left alone.
 TORCH_SPEC ?= torch==2.13.0
+# Every other package at the version CI tests (the Dockerfile installs with it too).
+CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup clean constraints
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,6 +30,17 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# Re-pin after changing pyproject.toml's dependencies: resolve without the old pins in a fresh
+# environment, then freeze it (torch left to TORCH_SPEC / the CUDA build).
+constraints:
+	rm -rf .venv-pin && $(PYTHON) -m venv .venv-pin
+	.venv-pin/bin/python -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then .venv-pin/bin/python -m pip install -q "$(TORCH_SPEC)"; fi
+	.venv-pin/bin/python -m pip install -q -e ".[test,data,quant,eval,serve]"
+	{ sed -n '/^#/p' $(CONSTRAINTS); .venv-pin/bin/python -m pip freeze --exclude-editable | \
+	  grep -v -i -E '^(torch|triton|nvidia-[a-z0-9-]+)=='; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .venv-pin
 
 clean:
 	rm -rf $(VENV) runs

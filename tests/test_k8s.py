@@ -326,14 +326,64 @@ def test_bad_k8s_settings_name_the_key(tmp_path):
 # ----------------------------------------------------------------------------- Dockerfile
 
 
-def test_dockerfile_builds_on_a_pytorch_cuda_image_and_installs_lmforge():
+def _constraints() -> dict[str, str]:
+    """constraints.txt: normalized package name → pinned version."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def test_dockerfile_matches_the_readme_cuda_build_pyproject_and_constraints():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
     text = (REPO / "Dockerfile").read_text()
+    # The base image: the torch the Makefile pins, built for the CUDA the README installs.
     base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M).group(1)
-    version = re.match(
-        r"pytorch/pytorch:(\d+)\.(\d+)\.\d+-cuda[\d.]+-cudnn\d+-(runtime|devel)$", base
+    found = re.fullmatch(
+        r"pytorch/pytorch:([\d.]+)-cuda(\d+)\.(\d+)-cudnn\d+-(runtime|devel)", base
     )
-    assert version and (int(version[1]), int(version[2])) >= (2, 11), base
-    assert re.search(r'pip install --no-cache-dir "\.\[[a-z,]+\]"', text)
+    assert found, base
+    torch_spec = re.search(r"^TORCH_SPEC \?= torch==(\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert found[1] == torch_spec.group(1)
+    readme_cuda = re.search(r"download\.pytorch\.org/whl/cu(\d+)", (REPO / "README.md").read_text())
+    assert f"{found[2]}{found[3]}" == readme_cuda.group(1), (base, readme_cuda.group(0))
+    # lmforge with the extras a cluster needs (the 70B example ends by serving), pinned.
+    install = re.search(r'pip install --no-cache-dir -c constraints\.txt "\.\[([a-z,]+)\]"', text)
+    extras = set(install.group(1).split(","))
+    assert extras == {"data", "quant", "eval", "serve"}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert extras <= set(project["optional-dependencies"])
+    pins = _constraints()
+    needed = [
+        *project["dependencies"],
+        *(r for e in extras for r in project["optional-dependencies"][e]),
+    ]
+    needed += project["optional-dependencies"]["test"]  # CI installs these with the same file
+    for requirement in map(Requirement, needed):
+        name = canonicalize_name(requirement.name)
+        if name == "torch":  # the base image's, or the Makefile's TORCH_SPEC
+            assert name not in pins
+            continue
+        assert name in pins, f"{name} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            requirement,
+            pins[name],
+        )
+    # CI (make setup) installs with the same constraints.
+    assert re.search(r"pip install -q -c \$\(CONSTRAINTS\) -e", (REPO / "Makefile").read_text())
+    # HF_HOME on the shared file system the 70B example mounts into its containers.
+    hf_home = re.search(r"^\s*HF_HOME=(\S+)", text, re.M).group(1)
+    example = tomllib.loads(EXAMPLE_70B.read_text())
+    mounted = [mount.split(":")[1] for mount in example["launcher"]["container_mounts"]]
+    assert any(hf_home.startswith(target.rstrip("/") + "/") for target in mounted), hf_home
     assert not re.search(r"^(ENV|ARG)\b.*(HF_TOKEN|WANDB_API_KEY|LMFORGE_API_KEY)", text, re.M)
 
 
