@@ -316,9 +316,9 @@ def cached_model(repo_id: str, *, weights: bool = True) -> Path:
     import huggingface_hub
 
     hint = (
-        f"{repo_id} is not in lmforge's model cache ({out_dir}) yet: run `lmforge download "
-        f"{repo_id} --out {out_dir}` where the hub can be reached (or copy such a download "
-        "there), or give model.source as a local directory"
+        f"{repo_id} is not in lmforge's model cache ({out_dir}) yet: where the hub can be "
+        f"reached, run `lmforge download {repo_id} --out DIR`, copy DIR here and give that "
+        "local directory as the model instead of the hub id"
     )
     token = huggingface_hub.get_token()
     try:
