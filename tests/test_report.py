@@ -37,6 +37,9 @@ def shortened(file: Path, out: Path) -> Path:
         stage["scheduler"]["warmup_steps"] = 1
         stage["metrics"]["log_every"] = 2
         stage["checkpoint"]["every"] = steps
+        if "eval_every" in stage["train"]:  # validation loss on a small held-out set
+            stage["train"]["eval_every"] = 2
+            stage["train"]["micro_batch_size"] = 4
     stages["pretrain"]["data"]["seq_len"] = 64
     stages["pretrain"]["train"]["micro_batch_size"] = 8
     stages["generate"]["max_new_tokens"] = 8
@@ -125,17 +128,35 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
     assert cli_main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
     assert "report:" in capsys.readouterr().out
     page = (tmp_path / "report.html").read_text()
-    for heading in ("Stages", "Training", "Evaluation", "Artifacts", "Lineage", "Generated sample"):
+    headings = ("Stages", "Lineage", "Training", "Settings", "Evaluation", "Artifacts")
+    for heading in (*headings, "Generated sample"):
         assert f"<h2>{heading}" in page, heading
     sources = re.findall(r'<img src="([^"]+)"', page)
-    assert len(sources) >= 5  # loss, throughput, eval, eval_quantized, sizes
+    # lineage graph, one per training stage, throughput, two evaluations, sizes
+    assert len(sources) == 8
     for source in sources:
         assert source.startswith("data:image/png;base64,")
         assert base64.b64decode(source.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
     assert "http://" not in page and "https://" not in page and "<script" not in page
-    assert "world → tokenizer" not in page  # lineage is of model artifacts only
-    assert "pretrain → sft → dpo → quantize_int8" in page
+    assert "pretrain → sft → dpo → quantize_int8" in page  # the models' chains
+    # curves people look for: validation loss (SFT, DPO), DPO rewards, in the captions
+    for stage in ("sft", "dpo"):
+        caption = re.search(rf'id="fig-training_{stage}".*?<figcaption>(.*?)</figcaption>', page)
+        assert "validation loss" in caption.group(1), stage
+    assert "reward margin" in page
     summary = collect_run(run_dir)
+    for stage, keys in (("pretrain", {"lr", "grad_norm"}), ("sft", {"val_loss"})):
+        assert keys <= {key for record in summary.training[stage] for key in record}, stage
+    assert {"rewards_chosen", "rewards_rejected", "reward_margin"} <= set(
+        summary.training["dpo"][0]
+    )
+    # each stage's hyperparameters and code version
+    assert "optim.lr = 0.006" in page and "scheme = int4-wo" in page
+    code_version = read_manifest(run_dir / "pretrain")["code_version"]
+    assert page.count(f'<td class="nowrap">{code_version}</td>') == len(summary.stages)
+    # one unit system for sizes (binary), outside the generated sample's own text
+    text = re.sub(r"<pre>.*?</pre>", "", page, flags=re.S)
+    assert re.search(r"\d (MiB|KiB)", text) and not re.search(r"\d (kB|MB|GB)\b", text)
     assert [a.stage for a in summary.artifacts] == [
         "pretrain",
         "sft",
@@ -150,7 +171,8 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
 
     markdown = (tmp_path / "report.md").read_text()
     assert "| stage | kind | state |" in markdown and "![" in markdown
-    assert (tmp_path / "report_assets" / "loss.png").exists()
+    for name in ("lineage", "training_pretrain", "training_dpo", "sizes"):
+        assert (tmp_path / "report_assets" / f"{name}.png").exists(), name
 
 
 CHROMIUM_FLAGS = [
@@ -172,7 +194,11 @@ window.addEventListener("load", () => {
   const loaded = images.filter((img) => img.complete && img.naturalWidth > 0).length;
   const mark = document.createElement("div");
   mark.id = "lmforge-check";
-  mark.textContent = `images-loaded=${loaded}/${images.length}`;
+  const wide = Array.from(document.querySelectorAll("table, figure, pre")).filter(
+    (el) => el.getBoundingClientRect().right > window.innerWidth).length;
+  const width = document.documentElement.scrollWidth;
+  mark.textContent = `images-loaded=${loaded}/${images.length} page-width=${width} ` +
+    `window-width=${window.innerWidth} too-wide=${wide}`;
   document.body.appendChild(mark);
 });
 </script>
@@ -199,6 +225,7 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
         chromium(),
         *CHROMIUM_FLAGS,
         f"--user-data-dir={profile}",
+        "--window-size=1280,2000",
         "--dump-dom",
         checked.as_uri(),
     ]
@@ -206,7 +233,11 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
     match = re.search(r"images-loaded=(\d+)/(\d+)", done.stdout)
     assert match, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     loaded, total = int(match.group(1)), int(match.group(2))
-    assert total >= 5 and loaded == total, match.group(0)
+    assert total == 8 and loaded == total, match.group(0)
+    # every table, figure and block fits a 1280 px window: no sideways scrolling
+    fit = re.search(r"page-width=(\d+) window-width=(\d+) too-wide=(\d+)", done.stdout)
+    assert int(fit.group(2)) == 1280, fit.group(0)
+    assert int(fit.group(1)) <= 1280 and fit.group(3) == "0", fit.group(0)
     # and a screenshot of the page itself is a real, non-empty PNG
     shot = tmp_path / "shot.png"
     subprocess.run(
@@ -215,7 +246,7 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
             *CHROMIUM_FLAGS,
             f"--user-data-dir={profile}",
             f"--screenshot={shot}",
-            "--window-size=1200,2400",
+            "--window-size=1280,2400",
             paths["html"].as_uri(),
         ],
         capture_output=True,
@@ -224,3 +255,23 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 20_000
     json.dumps({"loaded": loaded})
+
+
+def test_readme_demo_results_render_from_the_run(finished):
+    """scripts/update_readme.py's demo-results block from a finished run: the eval stage's
+    scores by model, how each model was trained, the quantized copies in the report's units."""
+    from tests.test_readme import load_script
+
+    update_readme = load_script()
+    workdir, pipeline, _, _ = finished
+    run_dir = workdir / "runs" / "short"
+    block = update_readme.demo_results(run_dir)
+    lines = block.splitlines()
+    assert lines[0] == "| | base | sft (LoRA) | dpo (LoRA, IPO loss) |"
+    models = json.loads((run_dir / "eval" / "out" / "results.json").read_text())["models"]
+    row = next(line for line in lines if line.startswith("| answers/exact_match"))
+    cells = [f"{models[label]['metrics']['answers/exact_match']:.2f}" for label in models]
+    assert row.endswith("| " + " | ".join(cells) + " |")
+    assert f"the {len(pipeline.stages)} stages took" in block and " MiB" in block
+    text = "a\n<!-- begin demo-results -->\n<!-- end demo-results -->\nb\n"
+    assert update_readme.replace_block(text, "demo-results", block).count(block) == 1

@@ -32,6 +32,11 @@ class StageInfo:
     metrics: dict
     output: str | None
     output_bytes: int | None
+    config: dict = dataclasses.field(default_factory=dict)
+    """The stage's resolved config (its hyperparameters), as the manifest records it."""
+    code_version: str | None = None
+    depends_on: list[str] = dataclasses.field(default_factory=list)
+    """The stages whose outputs this one reads (the data and model lineage)."""
 
 
 @dataclasses.dataclass
@@ -101,6 +106,9 @@ def collect_run(run_dir: str | Path) -> RunSummary:
                 metrics=manifest.get("metrics") or {},
                 output=output,
                 output_bytes=(manifest.get("output") or {}).get("bytes"),
+                config=manifest.get("config") or {},
+                code_version=manifest.get("code_version"),
+                depends_on=list(manifest.get("depends_on") or entry.get("depends_on") or []),
             )
         )
         if kind in ("pretrain", "sft", "dpo"):

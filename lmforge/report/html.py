@@ -18,7 +18,76 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: lmforge.report imports this module to render
     from lmforge.report import RunSummary
 
-ACCENT = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+# Distinct colours (tab10, then tab20's lighter shades); `MetricColors` gives each metric one of
+# them, the same in every figure of a report.
+PALETTE = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
+    "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
+]  # fmt: skip
+# The training metrics' colours are fixed, so that learning rate is the same green in every run.
+TRAINING_COLORS = {
+    "loss": PALETTE[0],
+    "val_loss": PALETTE[1],
+    "lr": PALETTE[2],
+    "grad_norm": PALETTE[3],
+    "rewards_chosen": PALETTE[4],
+    "rewards_rejected": PALETTE[5],
+    "reward_margin": PALETTE[6],
+    "tokens_per_s": PALETTE[9],
+    "mfu": PALETTE[8],
+}
+METRIC_LABELS = {
+    "loss": "training loss",
+    "val_loss": "validation loss",
+    "lr": "learning rate",
+    "grad_norm": "gradient norm",
+    "rewards_chosen": "reward (chosen)",
+    "rewards_rejected": "reward (rejected)",
+    "reward_margin": "reward margin",
+}
+# Panels of a training stage's figure: title and the metrics.jsonl keys plotted in it.
+TRAINING_PANELS = (
+    ("loss", ("loss", "val_loss")),
+    ("learning rate", ("lr",)),
+    ("gradient norm", ("grad_norm",)),
+    ("DPO rewards", ("rewards_chosen", "rewards_rejected", "reward_margin")),
+)
+# Node colours of the lineage graph, by what a stage makes.
+KIND_COLORS = {
+    "prepare": "#d8ecd3",
+    "tokenizer": "#d8ecd3",
+    "pretrain": "#cfe0f3",
+    "sft": "#cfe0f3",
+    "dpo": "#cfe0f3",
+    "quantize": "#fde3c8",
+    "export": "#fde3c8",
+    "eval": "#e6dcf1",
+    "generate": "#eeeeee",
+}
+
+
+# For other metrics (evaluation), in the order they first appear: saturated colours that stay
+# apart from each other (after Kelly's list of maximally distinct colours).
+OTHER_COLORS = [
+    "#F3C300", "#875692", "#008856", "#BE0032", "#0067A5", "#F38400", "#A1CAF1", "#E68FAC",
+    "#848482", "#8DB600", "#604E97", "#882D17", "#C2B280", "#F99379", "#B3446C", "#2B3D26",
+]  # fmt: skip
+
+
+class MetricColors:
+    """One colour per metric name: the training metrics' fixed ones, then `OTHER_COLORS` in the
+    order metrics are first asked for (repeating after 16)."""
+
+    def __init__(self) -> None:
+        self._given = dict(TRAINING_COLORS)
+        self._free = OTHER_COLORS
+
+    def __call__(self, metric: str) -> str:
+        if metric not in self._given:
+            index = len(self._given) - len(TRAINING_COLORS)
+            self._given[metric] = self._free[index % len(self._free)]
+        return self._given[metric]
 
 
 @dataclasses.dataclass
@@ -36,7 +105,7 @@ class Figure:
 # ----------------------------------------------------------------------------- figures
 
 
-def _new_figure(width: float, height: float):
+def _new_figure(width: float, height: float):  # inches, at 100 dpi
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as MplFigure
 
@@ -52,12 +121,19 @@ def _png(figure) -> bytes:
 
 
 def make_figures(summary: RunSummary) -> list[Figure]:
+    colors = MetricColors()
     figures = []
+    graph = _lineage_figure(summary)
+    if graph is not None:
+        figures.append(graph)
+    for stage, records in summary.training.items():
+        figure = _training_figure(stage, records, colors)
+        if figure is not None:
+            figures.append(figure)
     if summary.training:
-        figures.append(_loss_figure(summary))
-        figures.append(_throughput_figure(summary))
+        figures.append(_throughput_figure(summary, colors))
     for stage, models in summary.evals.items():
-        figure = _eval_figure(stage, models)
+        figure = _eval_figure(stage, models, colors)
         if figure is not None:
             figures.append(figure)
     if summary.artifacts:
@@ -65,37 +141,60 @@ def make_figures(summary: RunSummary) -> list[Figure]:
     return figures
 
 
-def _loss_figure(summary: RunSummary) -> Figure:
-    stages = list(summary.training)
-    figure = _new_figure(4.2 * len(stages), 3.2)
-    axes = figure.subplots(1, len(stages), squeeze=False)[0]
-    for ax, stage, color in zip(axes, stages, ACCENT):
-        records = [r for r in summary.training[stage] if "loss" in r]
-        ax.plot(
-            [r["step"] for r in records],
-            [r["loss"] for r in records],
-            marker="o",
-            markersize=3,
-            color=color,
-        )
-        ax.set_title(f"{stage}: loss")
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _training_figure(stage: str, records: list[dict], colors: MetricColors) -> Figure | None:
+    """One row of panels for a training stage: loss with validation loss, learning rate,
+    gradient norm and, for DPO, the rewards of the chosen and rejected answers."""
+    panels = [
+        (title, [key for key in keys if _series(records, key)[0]])
+        for title, keys in TRAINING_PANELS
+    ]
+    panels = [(title, keys) for title, keys in panels if keys]
+    if not panels:
+        return None
+    figure = _new_figure(3.1 * len(panels), 2.7)
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            steps, values = _series(records, key)
+            ax.plot(
+                steps,
+                values,
+                marker="o",
+                markersize=3,
+                color=colors(key),
+                label=METRIC_LABELS.get(key, key),
+            )
+        ax.set_title(f"{stage}: {title}", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if (
-            records
-            and min(r["loss"] for r in records) > 0
-            and max(r["loss"] for r in records) / min(r["loss"] for r in records) > 20
-        ):
-            ax.set_yscale("log")
-    caption = "; ".join(
-        f"{s}: {recs[0]['loss']:.3f} → {recs[-1]['loss']:.3f}"
-        for s, recs in ((s, [r for r in summary.training[s] if "loss" in r]) for s in stages)
-        if recs
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+        if title == "loss":
+            values = [v for key in keys for v in _series(records, key)[1]]
+            if min(values) > 0 and max(values) / min(values) > 20:
+                ax.set_yscale("log")
+        if title == "learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    return Figure(
+        f"training_{stage}", f"Training: {stage}", _png(figure), _training_caption(records)
     )
-    return Figure("loss", "Training loss per stage", _png(figure), caption)
 
 
-def _throughput_figure(summary: RunSummary) -> Figure:
+def _training_caption(records: list[dict]) -> str:
+    parts = []
+    for key in ("loss", "val_loss", "reward_margin"):
+        _, values = _series(records, key)
+        if values:
+            parts.append(f"{METRIC_LABELS[key]} {values[0]:.3f} → {values[-1]:.3f}")
+    return "; ".join(parts)
+
+
+def _throughput_figure(summary: RunSummary, colors: MetricColors) -> Figure:
     stages = list(summary.training)
     speeds, mfus = [], []
     for stage in stages:
@@ -108,13 +207,13 @@ def _throughput_figure(summary: RunSummary) -> Figure:
         mfus.append(100 * sum(mfu) / len(mfu) if mfu else 0.0)
     figure = _new_figure(8.4, 3.0)
     left, right = figure.subplots(1, 2)
-    left.bar(stages, speeds, color=ACCENT[: len(stages)])
+    left.bar(stages, speeds, color=colors("tokens_per_s"))
     left.set_title("throughput (tokens/s, mean)")
     left.grid(axis="y", alpha=0.3)
-    right.bar(stages, mfus, color=ACCENT[: len(stages)])
+    right.bar(stages, mfus, color=colors("mfu"))
     right.set_title("MFU (%)")
     right.grid(axis="y", alpha=0.3)
-    for ax, values, fmt in ((left, speeds, "{:,.0f}"), (right, mfus, "{:.2f}")):
+    for ax, values, fmt in ((left, speeds, "{:,.0f}"), (right, mfus, "{:.2g}")):
         for i, value in enumerate(values):
             ax.annotate(fmt.format(value), (i, value), ha="center", va="bottom", fontsize=8)
     caption = (
@@ -137,7 +236,7 @@ def eval_bar_metrics(models: dict[str, dict]) -> list[str]:
     return names
 
 
-def _eval_figure(stage: str, models: dict[str, dict]) -> Figure | None:
+def _eval_figure(stage: str, models: dict[str, dict], colors: MetricColors) -> Figure | None:
     metrics = eval_bar_metrics(models)
     if not metrics:
         return None
@@ -145,11 +244,19 @@ def _eval_figure(stage: str, models: dict[str, dict]) -> Figure | None:
     figure = _new_figure(max(5.0, 1.3 * len(labels) * max(1, len(metrics)) ** 0.5 + 2), 3.8)
     ax = figure.subplots()
     width = 0.8 / len(metrics)
-    for j, (metric, color) in enumerate(zip(metrics, ACCENT * 4)):
+    for j, metric in enumerate(metrics):
         values = [models[m].get(metric, 0.0) for m in labels]
         errors = [models[m].get(f"{metric}_stderr", 0.0) or 0.0 for m in labels]
         positions = [i - 0.4 + width * (j + 0.5) for i in range(len(labels))]
-        ax.bar(positions, values, width=width, yerr=errors, capsize=2, label=metric, color=color)
+        ax.bar(
+            positions,
+            values,
+            width=width,
+            yerr=errors,
+            capsize=2,
+            label=metric,
+            color=colors(metric),
+        )
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylim(0, 1.05)
     ax.set_title(f"{stage}: each model side by side")
@@ -170,23 +277,107 @@ def _sizes_figure(summary: RunSummary) -> Figure:
     figure = _new_figure(7.0, 0.45 * len(artifacts) + 1.2)
     ax = figure.subplots()
     names = [a.stage + (f" ({a.scheme})" if a.scheme else "") for a in artifacts]
-    sizes = [a.weight_bytes / 1e6 for a in artifacts]
-    colors = [ACCENT[1] if a.scheme else ACCENT[0] for a in artifacts]
-    ax.barh(names, sizes, color=colors)
+    scale, unit = _binary_unit(max(a.weight_bytes for a in artifacts))
+    sizes = [a.weight_bytes / scale for a in artifacts]
+    original, quantized = PALETTE[0], PALETTE[1]
+    ax.barh(names, sizes, color=[quantized if a.scheme else original for a in artifacts])
     ax.invert_yaxis()
-    for i, size in enumerate(sizes):
+    for i, artifact in enumerate(artifacts):
         ax.annotate(
-            f"{size:.2f} MB",
-            (size, i),
+            format_bytes(artifact.weight_bytes),
+            (sizes[i], i),
             va="center",
             fontsize=8,
             xytext=(3, 0),
             textcoords="offset points",
         )
-    ax.set_xlabel("weights on disk (MB)")
-    ax.set_xlim(0, max(sizes or [1]) * 1.2)
+    ax.set_xlabel(f"weights on disk ({unit})")
+    ax.set_xlim(0, max(sizes or [1]) * 1.25)
     ax.set_title("artifact sizes: original (blue) vs quantized (orange)")
     return Figure("sizes", "Artifact sizes", _png(figure))
+
+
+ARC_BEND = 0.18  # curvature of an arrow that skips columns (matplotlib's arc3 rad)
+NODE_HALF_WIDTH, NODE_HALF_HEIGHT = 0.36, 0.26  # a stage's box, in column / row units
+
+
+def _lineage_figure(summary: RunSummary) -> Figure | None:
+    """The stages as a graph, inputs left of what they feed (world → tokenizer → shards →
+    models → evaluations): each stage in the column after its deepest input."""
+    from matplotlib.patches import FancyBboxPatch
+
+    known = {s.name for s in summary.stages}
+    inputs = {s.name: [d for d in s.depends_on if d in known] for s in summary.stages}
+    if not any(inputs.values()):
+        return None
+    position = _graph_positions(summary.stages, inputs)
+    edges = [(position[parent], position[child]) for child in inputs for parent in inputs[child]]
+    num_columns = 1 + max(x for x, _ in position.values())
+    tallest = 1 + max(y for _, y in position.values())
+    # An arrow that skips columns arcs above them rather than through their boxes; its peak is
+    # ARC_BEND × its length / 2 above the straight line.
+    top = max(
+        [tallest - 0.5]
+        + [max(y0, y1) + ARC_BEND * (x1 - x0) / 2 for (x0, y0), (x1, y1) in edges if x1 - x0 > 1]
+    )
+    figure = _new_figure(1.55 * num_columns + 0.4, 0.75 * (top + 0.6) + 0.3)
+    ax = figure.subplots()
+    for (x0, y0), (x1, y1) in edges:
+        ax.annotate(
+            "",
+            xy=(x1 - NODE_HALF_WIDTH, y1),
+            xytext=(x0 + NODE_HALF_WIDTH, y0),
+            arrowprops={
+                "arrowstyle": "->",
+                "color": "#777",
+                "lw": 0.8,
+                "connectionstyle": f"arc3,rad={-ARC_BEND if x1 - x0 > 1 else 0.0}",
+            },
+            zorder=1,
+        )
+    kinds = {s.name: s.kind for s in summary.stages}
+    for name, (x, y) in position.items():
+        box = FancyBboxPatch(
+            (x - NODE_HALF_WIDTH, y - NODE_HALF_HEIGHT),
+            2 * NODE_HALF_WIDTH,
+            2 * NODE_HALF_HEIGHT,
+            boxstyle="round,pad=0,rounding_size=0.06",
+            facecolor=KIND_COLORS.get(kinds[name], "#ffffff"),
+            edgecolor="#555",
+            lw=0.8,
+            zorder=2,
+        )
+        ax.add_patch(box)
+        ax.text(x, y + 0.07, name, ha="center", va="center", fontsize=8, weight="bold", zorder=3)
+        ax.text(x, y - 0.12, kinds[name], ha="center", va="center", fontsize=7, color="#444")
+    ax.set_xlim(-0.5, num_columns - 0.5)
+    ax.set_ylim(-0.5, top + 0.1)
+    ax.axis("off")
+    return Figure(
+        "lineage",
+        "Data and model lineage",
+        _png(figure),
+        "each arrow: a stage's output read by the next (green: data, blue: training, orange: "
+        "quantization, purple: evaluation, grey: generation)",
+    )
+
+
+def _graph_positions(stages, inputs: dict[str, list[str]]) -> dict[str, tuple[float, float]]:
+    """(column, row from the bottom) of each stage: the column after its deepest input; a
+    column shorter than the tallest is centred."""
+    column: dict[str, int] = {}
+    for stage in stages:  # a pipeline lists a stage after its inputs
+        column[stage.name] = 1 + max((column[d] for d in inputs[stage.name]), default=-1)
+    columns: dict[int, list[str]] = {}
+    for stage in stages:
+        columns.setdefault(column[stage.name], []).append(stage.name)
+    tallest = max(len(names) for names in columns.values())
+    position = {}
+    for col, names in columns.items():
+        offset = (tallest - len(names)) / 2
+        for index, name in enumerate(names):
+            position[name] = (col, tallest - 1 - offset - index)
+    return position
 
 
 # ----------------------------------------------------------------------------- tables
@@ -200,21 +391,29 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _size(num_bytes: int | None) -> str:
+def _binary_unit(num_bytes: int) -> tuple[int, str]:
+    """The report's one unit system, binary (as GPU memory and `lmforge plan` count)."""
+    for scale, unit in ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+        if num_bytes >= scale:
+            return scale, unit
+    return 1, "B"
+
+
+def format_bytes(num_bytes: int | None) -> str:
+    """`1.32 MiB`: every size in the report, in binary units."""
     if not num_bytes:
         return "-"
-    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes} B"
+    scale, unit = _binary_unit(num_bytes)
+    return f"{num_bytes} B" if scale == 1 else f"{num_bytes / scale:.2f} {unit}"
 
 
 def stage_rows(summary: RunSummary) -> list[list[str]]:
+    weights = {a.stage: a.weight_bytes for a in summary.artifacts}
     rows = []
     for s in summary.stages:
         took = f"{s.duration_s:.1f}s" if isinstance(s.duration_s, int | float) else "-"
         if s.status in ("succeeded", "skipped"):
-            detail = _stage_detail(s)
+            detail = _stage_detail(s, weights.get(s.name))
         else:
             detail = s.reason
         status = "up to date" if s.status == "skipped" else s.status
@@ -222,7 +421,7 @@ def stage_rows(summary: RunSummary) -> list[list[str]]:
     return rows
 
 
-def _stage_detail(s) -> str:
+def _stage_detail(s, weight_bytes: int | None) -> str:
     m = s.metrics
     if s.kind in ("pretrain", "sft", "dpo") and "loss" in m:
         first = m.get("first_loss")
@@ -237,23 +436,27 @@ def _stage_detail(s) -> str:
     if s.kind == "eval":
         return f"{len(m)} model(s) evaluated"
     if s.kind in ("quantize", "export"):
-        return _size(m.get("bytes")) + (f" ({m['scheme']})" if m.get("scheme") else "")
+        # The weights, as in the artifact table (the directory also holds the tokenizer).
+        text = f"{format_bytes(weight_bytes or m.get('bytes'))} of weights"
+        return text + (f" ({m['scheme']})" if m.get("scheme") else "")
     if s.kind == "generate" and m.get("decode_tokens_per_s"):
         return f"{m['decode_tokens_per_s']:.1f} tokens/s decode"
     return ", ".join(f"{k} {_fmt(v)}" for k, v in m.items() if isinstance(v, int | float))
 
 
 def eval_rows(models: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    """One row per metric, one column per model (value ± standard error): as many metrics as
+    the tasks give, and the table stays as wide as the models."""
     names: list[str] = []
     for metrics in models.values():
         for key in metrics:
             if not key.endswith("_stderr") and key not in names:
                 names.append(key)
-    header = ["model", *names]
+    header = ["metric", *models]
     rows = []
-    for label, metrics in models.items():
-        row = [label]
-        for key in names:
+    for key in names:
+        row = [key]
+        for metrics in models.values():
             value = metrics.get(key)
             stderr = metrics.get(f"{key}_stderr")
             cell = "-" if value is None else f"{value:.3f}"
@@ -262,6 +465,67 @@ def eval_rows(models: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
             row.append(cell)
         rows.append(row)
     return header, rows
+
+
+# Settings worth a glance, in this order, where a stage has them (all are in "all settings").
+KEY_SETTINGS = (
+    "model.source",
+    "train.steps",
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "data.seq_len",
+    "data.max_seq_len",
+    "optim.lr",
+    "optim.weight_decay",
+    "scheduler.warmup_steps",
+    "scheduler.decay",
+    "train.mixed_precision",
+    "lora.rank",
+    "lora.alpha",
+    "lora.quantize_base",
+    "dpo.beta",
+    "vocab_size",
+    "scheme",
+    "group_size",
+    "tasks",
+    "chat_tasks",
+    "limit",
+    "max_new_tokens",
+    "temperature",
+)
+
+
+def flat_settings(config: dict, prefix: str = "") -> dict[str, object]:
+    """`{"train": {"steps": 5}}` → `{"train.steps": 5}`; unset (None) values left out."""
+    flat: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_settings(value, f"{prefix}{key}."))
+        elif value is not None and value != {}:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def settings_rows(summary: RunSummary) -> list[list[str]]:
+    """Per stage: its code version and key hyperparameters."""
+    rows = []
+    for stage in summary.stages:
+        flat = flat_settings(stage.config)
+        if not flat.get("lora.enabled", True):
+            flat = {k: v for k, v in flat.items() if not k.startswith("lora.")}
+        shown = [f"{key} = {_setting(flat[key])}" for key in KEY_SETTINGS if key in flat]
+        if flat.get("lora.enabled"):
+            shown.insert(1, "lora.enabled = true")
+        rows.append([stage.name, stage.code_version or "-", ", ".join(shown) or "-"])
+    return rows
+
+
+def _setting(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(_setting(v) for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def answer_rows(answers: dict[str, list[dict]]) -> tuple[list[str], list[list[str]]]:
@@ -290,7 +554,7 @@ def artifact_rows(summary: RunSummary) -> list[list[str]]:
             [
                 a.stage,
                 a.path,
-                _size(a.weight_bytes),
+                format_bytes(a.weight_bytes),
                 a.scheme or "-",
                 shown_parent,
                 (a.parent_hash or "-")[:12],
@@ -327,12 +591,12 @@ def lineage_chains(summary: RunSummary) -> list[list[str]]:
 
 CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2em auto;
-       max-width: 1100px; color: #222; padding: 0 1em; }
+       max-width: 1180px; color: #222; padding: 0 1em; }
 h1 { border-bottom: 2px solid #4C72B0; padding-bottom: .2em; }
 h2 { margin-top: 1.6em; color: #333; }
-table { border-collapse: collapse; margin: .6em 0; font-size: 14px; display: block;
-        overflow-x: auto; max-width: 100%; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
+table { border-collapse: collapse; margin: .6em 0; font-size: 14px; max-width: 100%; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top;
+         overflow-wrap: anywhere; }
 th { background: #f2f4f8; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 figure { margin: 1em 0; }
@@ -343,17 +607,30 @@ pre { background: #f7f7f7; padding: .8em; overflow-x: auto; border: 1px solid #e
 .status-failed, .status-cancelled { color: #c62828; font-weight: bold; }
 .status-not_started, .status-pending, .status-running { color: #ef6c00; }
 .chain { font-family: monospace; }
+td.nowrap { white-space: nowrap; }
+details { margin: .3em 0; }
+details pre { font-size: 12px; white-space: pre-wrap; overflow-wrap: anywhere; }
 """
 
 
-def _table(header: list[str], rows: list[list[str]], status_col: int | None = None) -> str:
+def _table(
+    header: list[str],
+    rows: list[list[str]],
+    status_col: int | None = None,
+    nowrap_cols: tuple[int, ...] = (0,),
+) -> str:
+    """A table whose `nowrap_cols` (names, versions) stay on one line while the other cells
+    wrap (anywhere, for long paths), so it fits the page."""
     out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
     for row in rows:
         cells = []
         for i, cell in enumerate(row):
-            cls = ""
+            classes = []
             if status_col is not None and i == status_col:
-                cls = f' class="status-{html.escape(cell.replace(" ", "_"))}"'
+                classes.append(f"status-{html.escape(cell.replace(' ', '_'))}")
+            if i in nowrap_cols:
+                classes.append("nowrap")
+            cls = f' class="{" ".join(classes)}"' if classes else ""
             cells.append(f"<td{cls}>{html.escape(cell)}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
@@ -378,25 +655,42 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
         f"<style>{CSS}</style></head><body>",
         f"<h1>lmforge pipeline <code>{html.escape(summary.name)}</code></h1>",
         f"<p>Run directory <code>{html.escape(str(summary.run_dir))}</code>; report written "
-        f"{now}.</p>",
+        f"{now}. Sizes are in binary units (1 MiB = 1024² bytes).</p>",
         "<h2>Stages</h2>",
-        _table(
-            ["stage", "kind", "state", "took", "key metrics / reason"],
-            stage_rows(summary),
-            status_col=2,
-        ),
+        _table(STAGE_HEADER, stage_rows(summary), status_col=2, nowrap_cols=(0, 1, 2, 3)),
     ]
+    if "lineage" in by_key or summary.artifacts:
+        parts.append("<h2>Lineage</h2>")
+        if "lineage" in by_key:
+            parts.append(_figure_html(by_key["lineage"]))
+        if summary.artifacts:
+            parts.append("<p>Models, each from its parent (as their lmforge.json records):</p><ul>")
+            for chain in lineage_chains(summary):
+                parts.append(f'<li class="chain">{html.escape(" → ".join(chain))}</li>')
+            parts.append("</ul>")
     if summary.training:
         parts.append("<h2>Training</h2>")
-        for key in ("loss", "throughput"):
-            if key in by_key:
-                parts.append(_figure_html(by_key[key]))
+        for stage in summary.training:
+            if f"training_{stage}" in by_key:
+                parts.append(_figure_html(by_key[f"training_{stage}"]))
+        if "throughput" in by_key:
+            parts.append(_figure_html(by_key["throughput"]))
+    parts.append("<h2>Settings</h2>")
+    parts.append(_table(SETTINGS_HEADER, settings_rows(summary), nowrap_cols=(0, 1)))
+    for stage in summary.stages:
+        flat = flat_settings(stage.config)
+        if flat:
+            text = "\n".join(f"{key} = {_setting(value)}" for key, value in flat.items())
+            parts.append(
+                f"<details><summary>all settings of {html.escape(stage.name)}</summary>"
+                f"<pre>{html.escape(text)}</pre></details>"
+            )
     if summary.evals:
         parts.append("<h2>Evaluation</h2>")
         for stage, models in summary.evals.items():
             parts.append(f"<h3>{html.escape(stage)}</h3>")
             header, rows = eval_rows(models)
-            parts.append(_table(header, rows))
+            parts.append(_table(header, rows, nowrap_cols=tuple(range(len(header)))))
             sources = summary.eval_sources.get(stage, {})
             if sources:
                 parts.append(
@@ -412,26 +706,22 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
             if stage in summary.eval_answers:
                 header, rows = answer_rows(summary.eval_answers[stage])
                 parts.append("<p>Greedy answers to the first held-out questions:</p>")
-                parts.append(_table(header, rows))
+                parts.append(_table(header, rows, nowrap_cols=()))
     if summary.artifacts:
         parts.append("<h2>Artifacts</h2>")
         if "sizes" in by_key:
             parts.append(_figure_html(by_key["sizes"]))
-        parts.append(
-            _table(
-                ["stage", "path", "weights", "quantization", "parent", "parent hash", "hash"],
-                artifact_rows(summary),
-            )
-        )
-        parts.append("<h2>Lineage</h2><ul>")
-        for chain in lineage_chains(summary):
-            parts.append(f'<li class="chain">{html.escape(" → ".join(chain))}</li>')
-        parts.append("</ul>")
+        parts.append(_table(ARTIFACT_HEADER, artifact_rows(summary), nowrap_cols=(0, 2, 3, 5, 6)))
     if summary.sample:
         parts.append(f"<h2>Generated sample ({html.escape(summary.sample_stage or '')})</h2>")
         parts.append(f"<pre>{html.escape(summary.sample)}</pre>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+STAGE_HEADER = ["stage", "kind", "state", "took", "key metrics / reason"]
+SETTINGS_HEADER = ["stage", "code version", "key settings"]
+ARTIFACT_HEADER = ["stage", "path", "weights", "quantization", "parent", "parent hash", "hash"]
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -451,46 +741,45 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def render_markdown(summary: RunSummary, figures: list[Figure], assets: str) -> str:
     by_key = {f.key: f for f in figures}
+
+    def image(key: str) -> list[str]:
+        if key not in by_key:
+            return []
+        figure = by_key[key]
+        caption = [figure.caption, ""] if figure.caption else []
+        return [f"![{figure.title}]({assets}/{key}.png)", "", *caption]
+
     out = [
         f"# lmforge pipeline `{summary.name}`",
         "",
+        "Sizes are in binary units (1 MiB = 1024² bytes).",
+        "",
         "## Stages",
         "",
-        _md_table(["stage", "kind", "state", "took", "key metrics / reason"], stage_rows(summary)),
+        _md_table(STAGE_HEADER, stage_rows(summary)),
         "",
     ]
+    if "lineage" in by_key or summary.artifacts:
+        out += ["## Lineage", "", *image("lineage")]
+        out += [f"- {' → '.join(c)}" for c in lineage_chains(summary)] + [""]
     if summary.training:
         out += ["## Training", ""]
-        for key in ("loss", "throughput"):
-            if key in by_key:
-                out += [f"![{by_key[key].title}]({assets}/{key}.png)", ""]
-                if by_key[key].caption:
-                    out += [by_key[key].caption, ""]
+        for stage in summary.training:
+            out += image(f"training_{stage}")
+        out += image("throughput")
+    out += ["## Settings", "", _md_table(SETTINGS_HEADER, settings_rows(summary)), ""]
     if summary.evals:
         out += ["## Evaluation", ""]
         for stage, models in summary.evals.items():
             header, rows = eval_rows(models)
-            out += [f"### {stage}", "", _md_table(header, rows), ""]
-            if f"eval_{stage}" in by_key:
-                out += [f"![{stage}]({assets}/eval_{stage}.png)", ""]
+            out += [f"### {stage}", "", _md_table(header, rows), "", *image(f"eval_{stage}")]
             if stage in summary.eval_answers:
                 header, rows = answer_rows(summary.eval_answers[stage])
                 out += ["Greedy answers to the first held-out questions:", ""]
                 out += [_md_table(header, rows), ""]
     if summary.artifacts:
-        out += [
-            "## Artifacts",
-            "",
-            _md_table(
-                ["stage", "path", "weights", "quantization", "parent", "parent hash", "hash"],
-                artifact_rows(summary),
-            ),
-            "",
-        ]
-        if "sizes" in by_key:
-            out += [f"![sizes]({assets}/sizes.png)", ""]
-        out += ["## Lineage", ""] + [f"- {' → '.join(c)}" for c in lineage_chains(summary)]
-        out.append("")
+        out += ["## Artifacts", "", *image("sizes")]
+        out += [_md_table(ARTIFACT_HEADER, artifact_rows(summary)), ""]
     if summary.sample:
         out += [
             f"## Generated sample ({summary.sample_stage})",
