@@ -154,9 +154,8 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
     assert "optim.lr = 0.006" in page and "scheme = int4-wo" in page
     code_version = read_manifest(run_dir / "pretrain")["code_version"]
     assert page.count(f'<td class="nowrap">{code_version}</td>') == len(summary.stages)
-    # one unit system for sizes (binary), outside the generated sample's own text
-    text = re.sub(r"<pre>.*?</pre>", "", page, flags=re.S)
-    assert re.search(r"\d (MiB|KiB)", text) and not re.search(r"\d (kB|MB|GB)\b", text)
+    # one unit system for sizes (decimal, as the generated sample's own text has them)
+    assert re.search(r"\d MB", page) and not re.search(r"\d ?(KiB|MiB|GiB)", page)
     assert [a.stage for a in summary.artifacts] == [
         "pretrain",
         "sft",
@@ -272,6 +271,6 @@ def test_readme_demo_results_render_from_the_run(finished):
     row = next(line for line in lines if line.startswith("| answers/exact_match"))
     cells = [f"{models[label]['metrics']['answers/exact_match']:.2f}" for label in models]
     assert row.endswith("| " + " | ".join(cells) + " |")
-    assert f"the {len(pipeline.stages)} stages took" in block and " MiB" in block
+    assert f"the {len(pipeline.stages)} stages took" in block and " MB" in block
     text = "a\n<!-- begin demo-results -->\n<!-- end demo-results -->\nb\n"
     assert update_readme.replace_block(text, "demo-results", block).count(block) == 1

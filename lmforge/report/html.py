@@ -277,7 +277,7 @@ def _sizes_figure(summary: RunSummary) -> Figure:
     figure = _new_figure(7.0, 0.45 * len(artifacts) + 1.2)
     ax = figure.subplots()
     names = [a.stage + (f" ({a.scheme})" if a.scheme else "") for a in artifacts]
-    scale, unit = _binary_unit(max(a.weight_bytes for a in artifacts))
+    scale, unit = _decimal_unit(max(a.weight_bytes for a in artifacts))
     sizes = [a.weight_bytes / scale for a in artifacts]
     original, quantized = PALETTE[0], PALETTE[1]
     ax.barh(names, sizes, color=[quantized if a.scheme else original for a in artifacts])
@@ -391,19 +391,20 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _binary_unit(num_bytes: int) -> tuple[int, str]:
-    """The report's one unit system, binary (as GPU memory and `lmforge plan` count)."""
-    for scale, unit in ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+def _decimal_unit(num_bytes: int) -> tuple[int, str]:
+    """The report's one unit system: decimal, as `lmforge generate` prints the sample's sizes
+    and bandwidth (MB, GB/s) that the report shows as they are."""
+    for scale, unit in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB"), (10**3, "kB")):
         if num_bytes >= scale:
             return scale, unit
     return 1, "B"
 
 
 def format_bytes(num_bytes: int | None) -> str:
-    """`1.32 MiB`: every size in the report, in binary units."""
+    """`1.32 MB`: every size in the report, in decimal units."""
     if not num_bytes:
         return "-"
-    scale, unit = _binary_unit(num_bytes)
+    scale, unit = _decimal_unit(num_bytes)
     return f"{num_bytes} B" if scale == 1 else f"{num_bytes / scale:.2f} {unit}"
 
 
@@ -655,7 +656,7 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
         f"<style>{CSS}</style></head><body>",
         f"<h1>lmforge pipeline <code>{html.escape(summary.name)}</code></h1>",
         f"<p>Run directory <code>{html.escape(str(summary.run_dir))}</code>; report written "
-        f"{now}. Sizes are in binary units (1 MiB = 1024² bytes).</p>",
+        f"{now}. Sizes are in decimal units (1 MB = 10⁶ bytes).</p>",
         "<h2>Stages</h2>",
         _table(STAGE_HEADER, stage_rows(summary), status_col=2, nowrap_cols=(0, 1, 2, 3)),
     ]
@@ -752,7 +753,7 @@ def render_markdown(summary: RunSummary, figures: list[Figure], assets: str) -> 
     out = [
         f"# lmforge pipeline `{summary.name}`",
         "",
-        "Sizes are in binary units (1 MiB = 1024² bytes).",
+        "Sizes are in decimal units (1 MB = 10⁶ bytes).",
         "",
         "## Stages",
         "",
