@@ -178,8 +178,8 @@ def demo_results(run_dir: Path) -> str:
     summary = collect_run(run_dir)
     stages = {stage.name: stage for stage in summary.stages}
     scores = _eval_models(run_dir, "eval")
-    header = ["", *(_column(label, model, stages) for label, model in scores.items())]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    columns = [_column(label, model, stages) for label, model in scores.items()]
+    lines = ["| | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for metric, meaning in DEMO_ROWS:
         cells = [_score(model["metrics"], metric) for model in scores.values()]
         lines.append(f"| {metric} ({meaning}) | " + " | ".join(cells) + " |")
@@ -229,8 +229,9 @@ def _column(label: str, model: dict, stages: dict) -> str:
         return label
     config = stage.config
     notes = []
-    if (config.get("lora") or {}).get("enabled"):
-        notes.append("QLoRA" if config["lora"].get("quantize_base") else "LoRA")
+    lora = config.get("lora") or {}
+    if lora.get("enabled"):
+        notes.append("LoRA" if lora.get("quantize_base") in (None, "none") else "QLoRA")
     loss_type = (config.get("dpo") or {}).get("loss_type")
     if stage.kind == "dpo" and loss_type and loss_type != "sigmoid":
         notes.append(f"{loss_type.upper()} loss")
