@@ -264,6 +264,7 @@ def source_args(pipeline: Pipeline, stage: Stage, fallback: str | None = None) -
     """The shape of the model `stage` starts from, read from disk when it is there, else from
     the stage that will make it, else from `fallback` (a preset or a config directory)."""
     from lmforge import api, hub
+    from lmforge.errors import HubError
     from lmforge.models import PRESETS
 
     model = getattr(stage.config, "model", None)
@@ -274,7 +275,10 @@ def source_args(pipeline: Pipeline, stage: Stage, fallback: str | None = None) -
         return api.read_args(pipeline.path(Path(source)))
     repo_id = source is not None and hub.is_repo_id(source)
     if repo_id and (fallback is None or hub.is_cached(source, weights=False)):
-        return api.read_args(source)  # fetches the hub model's config.json only
+        try:
+            return api.read_args(source)  # fetches the hub model's config.json only
+        except HubError:
+            pass  # not a hub model after all (or no hub here): a download still to come
     if stage.from_stage is not None:
         upstream = pipeline.stage(stage.from_stage)
         args = source_args(pipeline, upstream, fallback)
