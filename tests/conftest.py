@@ -62,9 +62,15 @@ def make_hf_llama(directory, *, seed: int = 0, dtype=torch.float32, **overrides)
     )
     settings.update(overrides)
     config = transformers.LlamaConfig(**settings)
+    return _save_random(transformers.LlamaForCausalLM, config, directory, seed=seed, dtype=dtype)
+
+
+def _save_random(model_class, config, directory, *, seed: int, dtype):
+    """A random `model_class(config)` with its norms (q/k head norms too) away from one, saved
+    to `directory`."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # HF zero-inits nothing odd, but make norms non-trivial too
+    model = model_class(config)
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
@@ -92,15 +98,7 @@ def make_hf_qwen3(directory, *, seed: int = 0, dtype=torch.float32, **overrides)
     """Save a random transformers Qwen3ForCausalLM to `directory`; returns the HF model."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3Config(**(QWEN3_SHAPE | overrides))
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config)
-    with torch.no_grad():  # norms (the q/k head norms too) away from one
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model = model.to(dtype).eval()
-    model.save_pretrained(directory)
-    return model
+    return _save_random(transformers.Qwen3ForCausalLM, config, directory, seed=seed, dtype=dtype)
 
 
 @pytest.fixture(params=sorted(HF_VARIANTS))

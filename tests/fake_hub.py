@@ -163,27 +163,6 @@ def _git_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _send(
-    request: BaseHTTPRequestHandler,
-    status: int,
-    headers: dict[str, str],
-    body: bytes = b"",
-    *,
-    head: bool,
-) -> None:
-    request.send_response(status)
-    for key, value in headers.items():
-        request.send_header(key, value)
-    request.send_header("Content-Length", str(len(body)))
-    request.end_headers()
-    if not head:
-        request.wfile.write(body)
-
-
-def _git_oid(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
 def hub_env(endpoint: str, hf_home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without HF_* settings and proxies, pointed at `endpoint`."""
     env = {
