@@ -63,7 +63,15 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-wo": _quantized("int4-wo", 128),
 }
 
-VARIANTS = ("lmforge", "lmforge-unfused", "lmforge-untuned", "lmforge-eager", "hf", "hf-static")
+VARIANTS = (
+    "lmforge",
+    "lmforge-unfused",
+    "lmforge-untuned",
+    "lmforge-autotune",
+    "lmforge-eager",
+    "hf",
+    "hf-static",
+)
 DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
 DEVICE = "cuda"  # --device
 
@@ -110,6 +118,7 @@ def bench_lmforge(
     compile: bool,
     fuse: bool = True,
     tune: bool = True,
+    autotune: bool = False,
 ):
     generator = Generator(
         model,
@@ -120,6 +129,11 @@ def bench_lmforge(
         fuse=fuse,
         tune_decode=tune,
     )
+    if autotune:  # inductor's max-autotune for the decode compiles (benchmarks.decode_profile)
+        from benchmarks.decode_profile import autotuned
+
+        with autotuned():
+            generator.warmup()
     generator.warmup()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
     generator.generate([prompt], params)  # one untimed run: allocator, first prefill shape
@@ -232,6 +246,7 @@ def main() -> None:
                         compile=variant != "lmforge-eager" and DEVICE == "cuda",
                         fuse=variant != "lmforge-unfused",
                         tune=variant != "lmforge-untuned",
+                        autotune=variant == "lmforge-autotune",
                     )
                     if scheme == "bf16":
                         bf16_bytes, reference = num_bytes, reference or tokens

@@ -1,18 +1,26 @@
 """Where a batch-1 decode step's time goes: times the compiled decode step alone (CUDA events,
-no sampling or Python bookkeeping) against the whole generation loop, and prints the top CUDA
-kernels of a few loop steps from torch.profiler. Use with TORCH_LOGS=recompiles,perf_hints to
-see recompilations and skipped CUDA graphs.
+no sampling or Python bookkeeping) against the whole generation loop, and summarizes a
+torch.profiler trace of the compiled steps (GPU span, busy and idle time per step, kernels per
+step, the largest kernels). Use with TORCH_LOGS=recompiles,perf_hints to see recompilations and
+skipped CUDA graphs.
 
-    python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 int8-wo
+    python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 int8-wo int4-wo
+    python3 benchmarks/decode_profile.py --schemes bf16 --autotune   # inductor max-autotune
+
+Writes one Chrome trace per scheme to --out ($OUT if set).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from pathlib import Path
 
 import torch
 
 from benchmarks.decode import SCHEMES, make_model
+from benchmarks.trace_summary import summarize
 from lmforge.generate import Generator, SamplingParams
 
 
@@ -28,45 +36,61 @@ def step_ms(generator: Generator, iterations: int = 50) -> float:
     return start.elapsed_time(end) / iterations
 
 
+def trace_steps(generator: Generator, path: Path, steps: int = 20) -> None:
+    """A Chrome trace of `steps` compiled decode steps, each marked as a profiler step."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(steps):
+            with torch.profiler.record_function(f"ProfilerStep#{i}"):
+                generator.engine.decode_rows(1)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
+def autotuned():
+    """Inductor's max-autotune for the compiles inside: GEMMs benchmarked among cuBLAS and
+    Triton templates."""
+    return torch._inductor.config.patch(
+        max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON"
+    )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument(
         "--schemes", nargs="+", default=["bf16", "int8-wo"], choices=sorted(SCHEMES)
     )
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--autotune", action="store_true", help="compile with max-autotune")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     for scheme in args.schemes:
         model = make_model(args.preset, scheme)
         generator = Generator(
             model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True
         )
-        generator.warmup()
+        with autotuned() if args.autotune else contextlib.nullcontext():
+            generator.warmup()
         decode_only = step_ms(generator)
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
         prompt = list(range(1, 17))
         generator.generate([prompt], params)
         loop = generator.generate([prompt], params).stats
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        ) as prof:
-            generator.generate(
-                [prompt], SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=())
-            )
+        name = f"{args.preset}-{scheme}{'-autotune' if args.autotune else ''}"
+        trace = args.out / f"decode-{name}.trace.json"
+        trace_steps(generator, trace)
         print(
-            f"\n== {scheme}: compiled step alone {decode_only:.3f} ms; loop {1000 / loop.decode_tokens_per_s:.3f} ms/token"
+            f"\n== {name}: compiled step alone {decode_only:.3f} ms; "
+            f"loop {1000 / loop.decode_tokens_per_s:.3f} ms/token",
+            flush=True,
         )
-        print(
-            prof.key_averages().table(
-                sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
-            )
-        )
-        print(
-            prof.key_averages().table(
-                sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60
-            )
-        )
+        print(summarize(trace, top=14), flush=True)
         del generator, model
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
 
 

@@ -46,7 +46,12 @@ def summarize(path: Path, top: int = 8) -> str:
     with opener(path, "rt") as file:
         events = json.load(file)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = [
+        e
+        for e in events
+        if str(e.get("name", "")).startswith("ProfilerStep#")
+        and e.get("cat") != "gpu_user_annotation"  # the host-side marks only
+    ]
     if not kernels:
         return f"{path}: no GPU kernels in the trace"
     is_comm = [("nccl" in e["name"].lower()) for e in kernels]
@@ -62,14 +67,14 @@ def summarize(path: Path, top: int = 8) -> str:
     ms = 1e3 * n  # trace times are in microseconds; report per step in ms
     lines = [
         f"{path.name}: {len(steps)} profiled steps, per step:",
-        f"  GPU span {span / ms:.1f} ms; compute {_length(compute) / ms:.1f} ms; "
-        f"collectives {_length(comm) / ms:.1f} ms, of which hidden behind compute "
-        f"{overlap / ms:.1f} ms, exposed {(_length(comm) - overlap) / ms:.1f} ms; "
-        f"idle {(span - busy) / ms:.1f} ms",
+        f"  GPU span {span / ms:.3f} ms; compute {_length(compute) / ms:.3f} ms; "
+        f"collectives {_length(comm) / ms:.3f} ms, of which hidden behind compute "
+        f"{overlap / ms:.3f} ms, exposed {(_length(comm) - overlap) / ms:.3f} ms; "
+        f"idle {(span - busy) / ms:.3f} ms; {len(kernels) / n:.0f} kernels",
         "  largest kernels (ms per step):",
     ]
     for name, total in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"    {total / ms:7.2f}  {name}")
+        lines.append(f"    {total / ms:7.3f}  {name}")
     return "\n".join(lines)
 
 
