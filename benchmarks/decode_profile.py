@@ -5,7 +5,12 @@ step, the largest kernels). Use with TORCH_LOGS=recompiles,perf_hints to see rec
 skipped CUDA graphs.
 
     python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 int8-wo int4-wo
-    python3 benchmarks/decode_profile.py --schemes bf16 --autotune   # inductor max-autotune
+    python3 benchmarks/decode_profile.py --schemes int8-wo --variants default unwrap
+
+Variants (each a fresh compile): default; autotune (inductor max-autotune); unwrap (torchao's
+`unwrap_tensor_subclass`: quantized weights enter the graph as plain tensors); sdpa-math
+(attention traced through the math backend, so inductor writes its kernels); noguards
+(torch.compile without guards on module parameters).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -22,6 +27,7 @@ import torch
 from benchmarks.decode import SCHEMES, make_model
 from benchmarks.trace_summary import summarize
 from lmforge.generate import Generator, SamplingParams
+from lmforge.generate.engine import decode_step
 
 
 def step_ms(generator: Generator, iterations: int = 50) -> float:
@@ -47,12 +53,42 @@ def trace_steps(generator: Generator, path: Path, steps: int = 20) -> None:
     prof.export_chrome_trace(str(path))
 
 
+def variant_context(variant: str):
+    """What the decode steps compile under, for `variant`."""
+    if variant == "autotune":
+        return autotuned()
+    if variant == "sdpa-math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
+
+
+def apply_variant(variant: str, generator: Generator) -> None:
+    engine = generator.engine
+    if variant == "unwrap":
+        from torchao.utils import unwrap_tensor_subclass
+
+        unwrap_tensor_subclass(engine.model)
+        engine._compile_decode()
+    elif variant == "noguards":
+        filter_fn = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        engine._decode_one = torch.compile(
+            decode_step,
+            fullgraph=True,
+            dynamic=False,
+            options={
+                "triton.cudagraphs": True,
+                "coordinate_descent_tuning": True,
+                "guard_filter_fn": filter_fn,
+            },
+        )
+
+
 def autotuned():
     """Inductor's max-autotune for the compiles inside: GEMMs benchmarked among cuBLAS and
     Triton templates."""
-    return torch._inductor.config.patch(
-        max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON"
-    )
+    return torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
 
 
 def main() -> None:
@@ -64,34 +100,46 @@ def main() -> None:
         "--schemes", nargs="+", default=["bf16", "int8-wo"], choices=sorted(SCHEMES)
     )
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--autotune", action="store_true", help="compile with max-autotune")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        choices=["default", "autotune", "unwrap", "sdpa-math", "noguards"],
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for scheme in args.schemes:
-        model = make_model(args.preset, scheme)
-        generator = Generator(
-            model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True
-        )
-        with autotuned() if args.autotune else contextlib.nullcontext():
-            generator.warmup()
-        decode_only = step_ms(generator)
-        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
-        prompt = list(range(1, 17))
-        generator.generate([prompt], params)
-        loop = generator.generate([prompt], params).stats
-        name = f"{args.preset}-{scheme}{'-autotune' if args.autotune else ''}"
-        trace = args.out / f"decode-{name}.trace.json"
-        trace_steps(generator, trace)
-        print(
-            f"\n== {name}: compiled step alone {decode_only:.3f} ms; "
-            f"loop {1000 / loop.decode_tokens_per_s:.3f} ms/token",
-            flush=True,
-        )
-        print(summarize(trace, top=14), flush=True)
-        del generator, model
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
+        for variant in args.variants:
+            profile(args, scheme, variant)
+
+
+@torch.no_grad()
+def profile(args, scheme: str, variant: str) -> None:
+    model = make_model(args.preset, scheme)
+    generator = Generator(
+        model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True
+    )
+    apply_variant(variant, generator)
+    with variant_context(variant):
+        generator.warmup()
+    decode_only = step_ms(generator)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
+    prompt = list(range(1, 17))
+    generator.generate([prompt], params)
+    loop = generator.generate([prompt], params).stats
+    name = f"{args.preset}-{scheme}-{variant}"
+    trace = args.out / f"decode-{name}.trace.json"
+    trace_steps(generator, trace)
+    print(
+        f"\n== {name}: compiled step alone {decode_only:.3f} ms; "
+        f"loop {1000 / loop.decode_tokens_per_s:.3f} ms/token",
+        flush=True,
+    )
+    print(summarize(trace, top=14), flush=True)
+    del generator, model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

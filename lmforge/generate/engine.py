@@ -346,6 +346,7 @@ class Engine:
 
     # ---- decode ---------------------------------------------------------------------------
 
+    @torch.no_grad()
     def decode_rows(self, bucket: int) -> torch.Tensor:
         """One compiled decode step over cache rows 0..bucket-1 (a bucket size) with the tokens
         and positions they hold -> float32 logits [bucket, vocab]; changes no state but the
