@@ -89,6 +89,18 @@ def local_kv_heads(model: nn.Module) -> int:
     return model.args.num_kv_heads
 
 
+def plain_quantized_weights(model: nn.Module) -> None:
+    """Quantized (torchao) weights as plain tensors to the compiled graph: each weight becomes a
+    parametrization over its inner tensors, rebuilt inside the graph. A tensor-subclass input is
+    otherwise taken apart in Python on every call (int8 weight-only 1B on an H200: a 3.9 ms
+    decode step, 1.6 ms with plain inputs). The model is inference-only afterwards."""
+    if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
+        return
+    from torchao.utils import unwrap_tensor_subclass
+
+    unwrap_tensor_subclass(model)
+
+
 @dataclass
 class _Launch:
     """One step's tokens, on their way to the host."""
@@ -167,6 +179,7 @@ class Engine:
         self.overlap = self.on_cuda
         self._decode_one, self._decode_many = decode_step, batched_decode_step
         if self.compiled:
+            plain_quantized_weights(self.model)
             self._compile_decode()
         self._last_slot = max_seq_len - 1
         # Each row's next input token and its position; rows not decoding sit at the last slot.
