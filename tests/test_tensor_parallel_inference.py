@@ -61,6 +61,10 @@ def test_generate_tp2_equals_one_process(world, tied):
     two = _lmforge(*argv, nproc=2)
     assert re.search(r"\[3\] \d+ prompt tokens, \d+ new", one)
     assert _texts_and_counts(two) == _texts_and_counts(one)
+    # the report's peak is the largest of the processes, each one's follows
+    peak = re.search(r"peak memory: ([\d.]+ [kMG]B) \(CPU max RSS; per process: (.+), (.+)\)", two)
+    assert peak and peak[1] in (peak[2], peak[3]), two
+    assert "per process" not in one
 
 
 def test_eval_tp2_loglikelihoods_equal_one_process(world):
@@ -90,6 +94,9 @@ def test_eval_tp2_loglikelihoods_equal_one_process(world):
             assert greedy == tp_greedy
             count += 1
     assert count >= 12
+    runtime = theirs["lmforge"]["runtime"]  # the evaluation's seconds and every process's peak
+    assert runtime["evaluate_s"] > 0 and len(runtime["process_peak_memory_bytes"]) == 2
+    assert runtime["peak_memory_bytes"] == max(runtime["process_peak_memory_bytes"]) > 0
     assert ours["results"]["demo_mc"]["acc,none"] == theirs["results"]["demo_mc"]["acc,none"]
 
 

@@ -1,7 +1,8 @@
 """`lmforge generate ARTIFACT`: continue prompts or answer chat messages, and report the speed.
 
 Prints each prompt's new text (streamed as it comes when there is one prompt), then the report:
-time, tokens/s (decode alone and overall), achieved weight bandwidth and peak memory.
+time, tokens/s (decode alone and overall), achieved weight bandwidth and peak memory (under
+`lmforge launch --nproc N`: the largest of the N processes, and each one's).
 `--config FILE` gives the model, prompts and sampling settings instead (what a pipeline's
 generate stage runs).
 """
@@ -220,6 +221,10 @@ def _generate(args: argparse.Namespace) -> int:
             f"[{result.index + 1}] {len(result.prompt_ids)} prompt tokens, "
             f"{len(result.token_ids)} new, finish: {result.finish_reason}{stop}"
         )
+    peaks = parallel.gather_from_all(stream.stats.peak_memory_bytes)
+    if len(peaks) > 1:  # tensor parallel: every process's peak, and the largest
+        stream.stats.process_peak_memory_bytes = peaks
+        stream.stats.peak_memory_bytes = max(peaks)
     print()
     print(stream.stats.format())
     return 0

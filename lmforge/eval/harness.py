@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from lmforge.api import LoadedModel, resolve_device
 from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 from lmforge.generate import Generator, SamplingParams, parallel
+from lmforge.generate.generate import peak_memory_bytes
 from lmforge.generate.logprobs import sequence_logprobs
 from lmforge.progress import Progress
 
@@ -477,7 +479,7 @@ def run_eval(
     Returns:
         one `EvalResult` per source, in order; `.results` has lm-eval's "results", "versions",
         "n-samples", "higher_is_better", "configs" (and "samples"), plus "lmforge" (model
-        record and settings).
+        record, settings, and runtime: seconds of the evaluation and its peak memory).
     """
     import lm_eval
 
@@ -515,6 +517,9 @@ def run_eval(
             max_length=max_length,
             seed=seed,
         )
+        if lm.device.type == "cuda":  # the evaluation's peak, not the loading's
+            torch.cuda.reset_peak_memory_stats(lm.device)
+        start = time.perf_counter()
         raw = lm_eval.simple_evaluate(
             model=lm,
             tasks=tasks,
@@ -530,6 +535,7 @@ def run_eval(
             torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
+        runtime = _runtime(time.perf_counter() - start, lm.device)
         if raw is None:  # tensor parallel: lm-eval reports on rank 0 only
             continue
         keys = [
@@ -545,7 +551,11 @@ def run_eval(
         if log_samples:
             keys.append("samples")
         results = _json_safe({key: raw[key] for key in keys if key in raw})
-        results["lmforge"] = {"model": model_record(lm.loaded.source), "settings": settings}
+        results["lmforge"] = {
+            "model": model_record(lm.loaded.source),
+            "settings": settings,
+            "runtime": runtime,
+        }
         path = results_path(source, out) if write else None
         if path is not None:
             write_results(path, results)
@@ -554,6 +564,19 @@ def run_eval(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return evaluated
+
+
+def _runtime(seconds: float, device: torch.device) -> dict:
+    """The evaluation's seconds and peak memory after loading (CUDA max allocated, or the
+    process's peak RSS on the CPU); under tensor parallelism the largest of the processes and
+    each one's (a collective: every process calls it)."""
+    peaks = parallel.gather_from_all(peak_memory_bytes(device))
+    return {
+        "evaluate_s": round(seconds, 3),
+        "device": str(device),
+        "peak_memory_bytes": max(peaks),
+        "process_peak_memory_bytes": peaks,
+    }
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ class GenerationStats:
     decode_s: float = 0.0
     total_s: float = 0.0
     peak_memory_bytes: int = 0
+    # tensor parallel: each process's peak, in rank order (`peak_memory_bytes` is the largest)
+    process_peak_memory_bytes: list[int] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -66,6 +68,9 @@ class GenerationStats:
 
     def format(self) -> str:
         memory = "CUDA max allocated" if self.device.startswith("cuda") else "CPU max RSS"
+        if len(self.process_peak_memory_bytes) > 1:
+            each = ", ".join(map(_format_bytes, self.process_peak_memory_bytes))
+            memory += f"; per process: {each}"
         return "\n".join(
             [
                 f"time:        {self.total_s:.2f} s (prefill {self.prefill_s:.3f} s for "

@@ -115,6 +115,15 @@ def receive_from_main():
     return _broadcast(None, False)
 
 
+def gather_from_all(value) -> list:
+    """Every process's `value`, in rank order, on every process (`[value]` without torchrun)."""
+    if world_size() == 1:
+        return [value]
+    values = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def _broadcast(value, is_source: bool):
     """Rank 0's `value`, on every process."""
     box = [value if is_source else None]

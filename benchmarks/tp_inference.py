@@ -1,0 +1,246 @@
+"""Tensor-parallel inference through the real CLI, one GPU against two: `lmforge launch --nproc N
+generate|eval` on a random-weight artifact of a preset (bf16), as a user runs it. For each row:
+
+- generate-tpN: batch 1, a `--prompt-tokens` prompt, `--new-tokens` greedy tokens; the decode
+  tokens/s `lmforge generate` reports (prefill excluded, after its compile warm-up);
+- eval-tpN: the demo's multiple-choice task (demo_mc, log-likelihoods, local files) with
+  `lmforge eval`; the evaluation's seconds (from its results JSON, loading excluded) and the
+  command's wall seconds;
+
+and each process's peak memory as the command reports it (CUDA max allocated since the model was
+loaded; the CPU's peak RSS with --device cpu, not comparable with the planner), beside the
+inference planner's allocated bytes per GPU (`lmforge.plan.inference.plan_inference` for the
+same model, TP degree, batch and sequence length; its context/NCCL/slack overhead left out, so
+both count allocated bytes) and their ratio.
+
+    python3 benchmarks/tp_inference.py                          # llama3.1-8b on 1 and 2 GPUs
+    python3 benchmarks/tp_inference.py --preset tiny --device cpu --work /tmp/tp-cpu
+
+The artifact (16 GB for the 8B preset: random init on the GPU, saved in bf16 with a small BPE
+tokenizer trained on the demo corpus; the model keeps its vocabulary) is written once to
+--work and reused. Writes tp_inference.json to --out ($OUT if set) and one log per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+GIB = 2**30
+ROWS = ("generate-tp1", "generate-tp2", "eval-tp1", "eval-tp2")
+
+
+def write_world(work: Path, preset: str, device: str) -> dict[str, Path]:
+    """The demo data, its tokenizer, the task YAMLs and the random artifact (made once)."""
+    import torch
+
+    from lmforge.api import build_model, save_state
+    from lmforge.data.demo import write_demo_data
+    from lmforge.data.tokenizer import load_tokenizer, train_bpe
+    from lmforge.eval import write_demo_task
+    from lmforge.models import get_preset
+
+    paths = {"data": work / "data", "tokenizer": work / "tokenizer", "tasks": work / "tasks"}
+    paths["artifact"] = work / f"{preset}-bf16"
+    paths["mc"] = paths["data"] / "mc_heldout.jsonl"
+    if not paths["mc"].exists():
+        write_demo_data(paths["data"], num_people=256)  # 192 questions
+    if not (paths["tokenizer"] / "tokenizer.json").exists():
+        train_bpe([paths["data"] / "corpus.txt"], vocab_size=512, out_dir=paths["tokenizer"])
+    write_demo_task(paths["mc"], paths["tasks"])
+    if not (paths["artifact"] / "config.json").exists():
+        start = time.perf_counter()
+        tokenizer = load_tokenizer(paths["tokenizer"])
+        args = get_preset(preset).replace(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+        model = build_model(args, device=device, dtype=torch.bfloat16, seed=0)
+        save_state(model.state_dict(), args, tokenizer, paths["artifact"], stage="convert",
+                   parent=preset)  # fmt: skip
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"wrote {paths['artifact']} in {time.perf_counter() - start:.0f} s", flush=True)
+    return paths
+
+
+def prompt_of_length(paths: dict, num_tokens: int) -> str:
+    """The shortest prefix of the demo corpus that `lmforge generate` encodes to at least
+    `num_tokens` tokens (BOS included)."""
+    from lmforge.api import read_args
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.generate.sequence import encode_prompt
+
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    vocab_size = read_args(paths["artifact"]).vocab_size
+    words = (paths["data"] / "corpus.txt").read_text().split()
+    for count in range(1, len(words) + 1):
+        text = " ".join(words[:count])
+        if len(encode_prompt(text, tokenizer, vocab_size=vocab_size)) >= num_tokens:
+            return text
+    raise SystemExit(f"the demo corpus is shorter than {num_tokens} tokens")
+
+
+def eval_shape(paths: dict) -> tuple[int, int]:
+    """(tokens of the longest demo_mc request, tokens of the longest choice): what one scoring
+    forward holds per row (context and continuation, BOS included) and scores."""
+    from lmforge.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    longest, scored = 0, 0
+    for line in paths["mc"].read_text().splitlines():
+        row = json.loads(line)
+        context = f"Question: {row['question']}\nAnswer:"
+        for choice in row["choices"]:
+            longest = max(longest, 1 + len(tokenizer.encode(f"{context} {choice}")))
+            scored = max(scored, len(tokenizer.encode(f" {choice}")))
+    return longest, scored
+
+
+def row_command(row: str, paths: dict, prompt: str, out_dir: Path, args) -> list[str]:
+    kind, tp = row.split("-tp")
+    command = [sys.executable, "-m", "lmforge", "launch", "--nproc", tp, kind]
+    command += [str(paths["artifact"]), "--device", args.device]
+    if kind == "generate":
+        command += ["--prompt", prompt, "--temperature", "0", "--max-batch", "1"]
+        command += [] if args.compile else ["--no-compile"]
+        return [*command, "--max-new-tokens", str(args.new_tokens)]
+    command += ["--tasks", "demo_mc", "--include-path", str(paths["tasks"]), "--offline"]
+    command += ["--limit", str(args.limit)] if args.limit else []
+    return [*command, "--batch-size", str(args.batch_size), "--out", str(out_dir)]
+
+
+def gigabytes(text: str) -> float:
+    """'8.40 GB' or '512.3 MB' or '96.0 kB' (generate's report) -> GiB."""
+    value, unit = text.split()
+    return float(value) * {"GB": 1e9, "MB": 1e6, "kB": 1e3}[unit] / GIB
+
+
+def measured_generate(log: str) -> dict:
+    decode = re.search(r"tokens/s:\s+([\d.]+) decode", log)
+    counts = re.search(r"\[1\] (\d+) prompt tokens, (\d+) new", log)
+    peak = re.search(r"peak memory: ([\d.]+ [kMG]B) \(([^)]*)\)", log)
+    if not (decode and counts and peak):
+        return {"error": "no speed report in the log: " + log[-600:]}
+    each = re.search(r"per process: (.*)$", peak.group(2))
+    peaks = [gigabytes(t) for t in each.group(1).split(", ")] if each else [gigabytes(peak[1])]
+    return {
+        "decode_tokens_per_s": float(decode.group(1)),
+        "prompt_tokens": int(counts.group(1)),
+        "new_tokens": int(counts.group(2)),
+        "peak_gib": peaks,
+    }
+
+
+def measured_eval(out_dir: Path) -> dict:
+    (written,) = out_dir.glob("results-*.json")
+    results = json.loads(written.read_text())
+    runtime = results["lmforge"]["runtime"]
+    return {
+        "eval_s": runtime["evaluate_s"],
+        "acc": results["results"]["demo_mc"]["acc,none"],
+        "requests": results["n-samples"]["demo_mc"]["effective"],
+        "peak_gib": [peak / GIB for peak in runtime["process_peak_memory_bytes"]],
+    }
+
+
+def planned(row: str, preset: str, shape: dict, args) -> dict:
+    """The inference planner's allocated GiB per GPU for the row (total less overhead): the
+    generate row's KV cache holds its prompt and new tokens, the eval row's forward holds
+    `batch_size` rows of the longest request."""
+    from lmforge.models import get_preset
+    from lmforge.plan.inference import InferenceSetup, format_inference_plan, plan_inference
+
+    kind, tp = row.split("-tp")
+    setup = InferenceSetup(args=get_preset(preset), tp=int(tp), dtype="bf16")
+    if kind == "generate":
+        chunk = 2048 if args.device == "cuda" else 512  # the engine's default prefill chunk
+        setup = setup.replace(task="generate", batch=1, prefill_chunk=chunk,
+                              seq_len=shape["prompt_tokens"] + args.new_tokens)  # fmt: skip
+    else:
+        setup = setup.replace(task="score", batch=args.batch_size, seq_len=shape["eval_tokens"],
+                              scored_tokens=shape["eval_scored"])  # fmt: skip
+    plan = plan_inference(setup)
+    return {"plan_gib": plan.peak_allocated / GIB, "plan_total_gib": plan.total / GIB,
+            "plan_text": format_inference_plan(plan)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--preset", default="llama3.1-8b")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="eval: sequences a forward")
+    parser.add_argument("--limit", type=int, help="eval: questions (default: all 192)")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate: compile the decode step (on by default on CUDA, as the command does)",
+    )
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lmforge-tp-inference"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    paths = write_world(args.work, args.preset, args.device)
+    prompt = prompt_of_length(paths, args.prompt_tokens)
+    longest, scored = eval_shape(paths)
+    shape = {"eval_tokens": longest, "eval_scored": scored}
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if args.device == "cpu":
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    results = {}
+    for row in args.rows:
+        out_dir = args.work / "eval" / row
+        command = row_command(row, paths, prompt, out_dir, args)
+        log = args.out / f"{row}.log"
+        start = time.perf_counter()
+        with log.open("w") as out:
+            code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        wall = time.perf_counter() - start
+        text = log.read_text()
+        if code != 0:
+            results[row] = {"error": f"exit {code}: " + text[-600:]}
+        elif row.startswith("generate"):
+            results[row] = measured_generate(text)
+        else:
+            results[row] = measured_eval(out_dir)
+        results[row]["wall_s"] = wall
+        if "error" not in results[row]:
+            plan = planned(row, args.preset, {**shape, **results[row]}, args)
+            print(plan.pop("plan_text"), flush=True)
+            results[row].update(plan, ratio=max(results[row]["peak_gib"]) / plan["plan_gib"])
+        print(row, json.dumps(results[row]), flush=True)
+    (args.out / "tp_inference.json").write_text(json.dumps(results, indent=1))
+    print_table(results, args.device)
+
+
+def print_table(results: dict, device: str) -> None:
+    memory = "peak GiB measured (per process)" if device == "cuda" else "peak RSS GiB (CPU)"
+    print(f"\n| row | TP | tokens/s or seconds | {memory} | planner GiB | ratio |")
+    print("|---|---|---|---|---|---|")
+    for row, r in results.items():
+        tp = row.split("-tp")[1]
+        if "error" in r:
+            print(f"| {row} | {tp} | failed: {r['error'][-200:]!r} | | | |")
+            continue
+        if "decode_tokens_per_s" in r:
+            speed = f"{r['decode_tokens_per_s']:,.1f} tok/s decode ({r['new_tokens']} new)"
+        else:
+            speed = (
+                f"{r['eval_s']:.1f} s eval ({r['requests']} questions; {r['wall_s']:.0f} s wall)"
+            )
+        peaks = ", ".join(f"{p:.2f}" for p in r["peak_gib"])
+        print(f"| {row} | {tp} | {speed} | {peaks} | {r['plan_gib']:.2f} | {r['ratio']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
