@@ -128,6 +128,8 @@ def measured_generate(log: str) -> dict:
     peak = re.search(r"peak memory: ([\d.]+ [kMG]B) \(([^)]*)\)", log)
     if not (decode and counts and peak):
         return {"error": "no speed report in the log: " + log[-600:]}
+    load = re.search(r"loaded .* in ([\d.]+)s", log)
+    compiled = re.search(r"compiled in ([\d.]+)s", log)
     each = re.search(r"per process: (.*)$", peak.group(2))
     peaks = [gigabytes(t) for t in each.group(1).split(", ")] if each else [gigabytes(peak[1])]
     return {
@@ -135,6 +137,8 @@ def measured_generate(log: str) -> dict:
         "prompt_tokens": int(counts.group(1)),
         "new_tokens": int(counts.group(2)),
         "peak_gib": peaks,
+        "load_s": float(load.group(1)) if load else None,
+        "compile_s": float(compiled.group(1)) if compiled else None,
     }
 
 
@@ -145,7 +149,7 @@ def measured_eval(out_dir: Path) -> dict:
     return {
         "eval_s": runtime["evaluate_s"],
         "acc": results["results"]["demo_mc"]["acc,none"],
-        "requests": results["n-samples"]["demo_mc"]["effective"],
+        "questions": results["n-samples"]["demo_mc"]["effective"],
         "peak_gib": [peak / GIB for peak in runtime["process_peak_memory_bytes"]],
     }
 
@@ -217,7 +221,8 @@ def main() -> None:
         if "error" not in results[row]:
             plan = planned(row, args.preset, {**shape, **results[row]}, args)
             print(plan.pop("plan_text"), flush=True)
-            results[row].update(plan, ratio=max(results[row]["peak_gib"]) / plan["plan_gib"])
+            ratio = max(results[row]["peak_gib"]) / plan["plan_gib"]  # RSS on the CPU: none
+            results[row].update(plan, ratio=ratio if args.device == "cuda" else None)
         print(row, json.dumps(results[row]), flush=True)
     (args.out / "tp_inference.json").write_text(json.dumps(results, indent=1))
     print_table(results, args.device)
@@ -236,10 +241,11 @@ def print_table(results: dict, device: str) -> None:
             speed = f"{r['decode_tokens_per_s']:,.1f} tok/s decode ({r['new_tokens']} new)"
         else:
             speed = (
-                f"{r['eval_s']:.1f} s eval ({r['requests']} questions; {r['wall_s']:.0f} s wall)"
+                f"{r['eval_s']:.1f} s eval ({r['questions']} questions; {r['wall_s']:.0f} s wall)"
             )
         peaks = ", ".join(f"{p:.2f}" for p in r["peak_gib"])
-        print(f"| {row} | {tp} | {speed} | {peaks} | {r['plan_gib']:.2f} | {r['ratio']:.3f} |")
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+        print(f"| {row} | {tp} | {speed} | {peaks} | {r['plan_gib']:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":
