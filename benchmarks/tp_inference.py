@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -204,6 +205,7 @@ def main() -> None:
     results = {}
     for row in args.rows:
         out_dir = args.work / "eval" / row
+        shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's results
         command = row_command(row, paths, prompt, out_dir, args)
         log = args.out / f"{row}.log"
         start = time.perf_counter()
