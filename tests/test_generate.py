@@ -311,7 +311,8 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
 
     def eager_compile(fn, **kwargs):  # trace with dynamo only: fast, still refuses graph breaks
         compile_calls.append(kwargs)
-        return real_compile(fn, backend="eager", fullgraph=kwargs["fullgraph"])
+        guards = {"guard_filter_fn": kwargs["options"]["guard_filter_fn"]}
+        return real_compile(fn, backend="eager", fullgraph=kwargs["fullgraph"], options=guards)
 
     monkeypatch.setattr(torch, "compile", eager_compile)
     torch._dynamo.reset()
@@ -322,12 +323,21 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = compiled_generator.generate(prompts, GREEDY)
         again = compiled_generator.generate(prompts[:1], GREEDY)  # bucket 1: compiled already
+    no_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     assert compile_calls == [
-        {"fullgraph": True, "dynamic": False, "options": None},  # batch 1
-        {"fullgraph": True, "options": None},  # other buckets, one dynamic compile
+        {"fullgraph": True, "dynamic": False, "options": no_module_guards},  # batch 1
+        {"fullgraph": True, "options": no_module_guards},  # other buckets, one dynamic compile
     ]
     assert [r.token_ids for r in compiled.results] == [r.token_ids for r in eager.results]
     assert again.results[0].token_ids == eager.results[0].token_ids
+    # Without module guards, a second engine over another model (one layer fewer, untied) must
+    # still get graphs of its own.
+    args = loaded.model.args.replace(num_layers=1, tie_embeddings=False)
+    other = build_model(args, seed=5).eval()
+    expected = Generator(other, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
+    second = Generator(other, max_batch=2, max_seq_len=40, compile=True).generate(prompts, GREEDY)
+    assert [r.token_ids for r in second.results] == [r.token_ids for r in expected.results]
+    assert compiled_generator.generate(prompts, GREEDY).results == compiled.results
     torch._dynamo.reset()
 
 
