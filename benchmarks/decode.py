@@ -134,7 +134,8 @@ def bench_lmforge(
 
         with autotuned():
             generator.warmup()
-    generator.warmup()
+    else:
+        generator.warmup()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_token_ids=())
     generator.generate([prompt], params)  # one untimed run: allocator, first prefill shape
     runs = [generator.generate([prompt], params) for _ in range(repeats)]

@@ -5,12 +5,11 @@ step, the largest kernels). Use with TORCH_LOGS=recompiles,perf_hints to see rec
 skipped CUDA graphs.
 
     python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 int8-wo int4-wo
-    python3 benchmarks/decode_profile.py --schemes int8-wo --variants default unwrap
+    python3 benchmarks/decode_profile.py --schemes bf16 --variants default autotune
 
-Variants (each a fresh compile): default; autotune (inductor max-autotune); unwrap (torchao's
-`unwrap_tensor_subclass`: quantized weights enter the graph as plain tensors); sdpa-math
-(attention traced through the math backend, so inductor writes its kernels); noguards
-(torch.compile without guards on module parameters).
+Variants (each a fresh compile): default (the engine as it is); autotune (inductor
+max-autotune); sdpa-math (attention traced through the math backend, so inductor writes its
+kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may serve the default graph).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -27,7 +26,6 @@ import torch
 from benchmarks.decode import SCHEMES, make_model
 from benchmarks.trace_summary import summarize
 from lmforge.generate import Generator, SamplingParams
-from lmforge.generate.engine import decode_step
 
 
 def step_ms(generator: Generator, iterations: int = 50) -> float:
@@ -64,27 +62,6 @@ def variant_context(variant: str):
     return contextlib.nullcontext()
 
 
-def apply_variant(variant: str, generator: Generator) -> None:
-    engine = generator.engine
-    if variant == "unwrap":
-        from torchao.utils import unwrap_tensor_subclass
-
-        unwrap_tensor_subclass(engine.model)
-        engine._compile_decode()
-    elif variant == "noguards":
-        filter_fn = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        engine._decode_one = torch.compile(
-            decode_step,
-            fullgraph=True,
-            dynamic=False,
-            options={
-                "triton.cudagraphs": True,
-                "coordinate_descent_tuning": True,
-                "guard_filter_fn": filter_fn,
-            },
-        )
-
-
 def autotuned():
     """Inductor's max-autotune for the compiles inside: GEMMs benchmarked among cuBLAS and
     Triton templates."""
@@ -104,7 +81,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        choices=["default", "autotune", "unwrap", "sdpa-math", "noguards"],
+        choices=["default", "autotune", "sdpa-math"],
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
@@ -120,7 +97,6 @@ def profile(args, scheme: str, variant: str) -> None:
     generator = Generator(
         model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True
     )
-    apply_variant(variant, generator)
     with variant_context(variant):
         generator.warmup()
     decode_only = step_ms(generator)

@@ -7,7 +7,8 @@ context/slack line, so both count allocated bytes).
     python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
 
 Rows are PRESET-LAYOUT[-KIND][+nrs|+rs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
-(default), sft-lora, sft-qlora (the frozen base in NF4) or dpo-lora; +nrs keeps the gathered parameters between forward and backward
+(default), sft-lora, sft-qlora (the frozen base in NF4) or dpo-lora; +nrs keeps the gathered
+parameters between forward and backward
 (parallel.reshard_after_forward = false), +rs frees them after forward (true); without either,
 the default "auto" decides (the row's result names its choice). Presets are as shipped (1B and
 3B tie their embeddings); pass `--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
