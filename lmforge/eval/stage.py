@@ -23,6 +23,7 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
     from lmforge.eval import perplexity, preference_accuracy, run_eval
     from lmforge.eval.harness import metric_rows, model_record, write_results
     from lmforge.eval.tasks import write_demo_task
+    from lmforge.generate import parallel
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,8 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
         "settings": cfg.model_dump(mode="json"),
         "table": format_eval_table(models),
     }
-    write_results(out / "results.json", results)
+    if parallel.is_main():  # tensor parallel: the others hold no lm-eval results
+        write_results(out / "results.json", results)
     return results
 
 

@@ -208,8 +208,11 @@ class Engine:
                 torch._dynamo.mark_static_address(tensor)
             many = {**many, "triton.cudagraphs": True}  # mode="reduce-overhead"
             one = {**many, "coordinate_descent_tuning": self.tune_decode}
-        self._decode_one = torch.compile(decode_step, fullgraph=True, dynamic=False, options=one)
-        self._decode_many = torch.compile(batched_decode_step, fullgraph=True, options=many)
+        # dict(...): torch.compile pops guard_filter_fn from the options it is given.
+        self._decode_one = torch.compile(
+            decode_step, fullgraph=True, dynamic=False, options=dict(one)
+        )
+        self._decode_many = torch.compile(batched_decode_step, fullgraph=True, options=dict(many))
 
     # ---- sequences ------------------------------------------------------------------------
 
