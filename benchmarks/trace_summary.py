@@ -41,6 +41,25 @@ def _intersection(a, b) -> float:
     return total
 
 
+# Kernel families, by the first pattern found in the kernel's (lower-cased) name.
+CATEGORIES = [
+    ("collective", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "wgmma", "cublas")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton (fused elementwise/reductions)", ("triton",)),
+    ("copies", ("memcpy", "memset", "copy", "cat")),
+]
+
+
+def category(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for label, patterns in CATEGORIES:
+        if any(p in name for p in patterns):
+            return label
+    return "other"
+
+
 def summarize(path: Path, top: int = 8) -> str:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as file:
@@ -61,8 +80,10 @@ def summarize(path: Path, top: int = 8) -> str:
     busy = _length(_union(compute + comm))
     overlap = _intersection(compute, comm)
     per_kernel: dict[str, float] = collections.defaultdict(float)
+    per_category: dict[str, float] = collections.defaultdict(float)
     for e in kernels:
         per_kernel[e["name"][:90]] += e["dur"]
+        per_category[category(e["name"])] += e["dur"]
     n = max(len(steps), 1)
     ms = 1e3 * n  # trace times are in microseconds; report per step in ms
     lines = [
@@ -71,6 +92,11 @@ def summarize(path: Path, top: int = 8) -> str:
         f"collectives {_length(comm) / ms:.3f} ms, of which hidden behind compute "
         f"{overlap / ms:.3f} ms, exposed {(_length(comm) - overlap) / ms:.3f} ms; "
         f"idle {(span - busy) / ms:.3f} ms; {len(kernels) / n:.0f} kernels",
+        "  by kind (ms per step): "
+        + "; ".join(
+            f"{label} {total / ms:.3f}"
+            for label, total in sorted(per_category.items(), key=lambda kv: -kv[1])
+        ),
         "  largest kernels (ms per step):",
     ]
     for name, total in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
@@ -81,9 +107,10 @@ def summarize(path: Path, top: int = 8) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--top", type=int, default=8, help="how many of the largest kernels")
     args = parser.parse_args()
     for trace in args.traces:
-        print(summarize(trace))
+        print(summarize(trace, top=args.top))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ compute, fused AdamW). Prints a table of tokens/s, MFU and peak memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,7 +77,7 @@ def bench_ours(
         steps=steps + warmup,
         micro_batch_size=batch,
     )
-    return time_steps(lambda: trainer.train_step(False), steps, warmup), args
+    return time_steps(lambda: trainer.train_step(False), steps, warmup), args, trainer
 
 
 def bench_hf(preset: str, batch: int, seq: int, steps: int, warmup: int, *, compile: bool):
@@ -121,7 +123,7 @@ def bench_hf(preset: str, batch: int, seq: int, steps: int, warmup: int, *, comp
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return time_steps(step, steps, warmup), args
+    return time_steps(step, steps, warmup), args, step
 
 
 def time_steps(step, steps: int, warmup: int) -> float:
@@ -135,6 +137,21 @@ def time_steps(step, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def profile_steps(step, trace: str, steps: int = 2) -> None:
+    """Trace `steps` more steps (after one untraced) into a Chrome trace at `trace`."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=steps),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(trace),
+    ) as prof:
+        for _ in range(1 + steps):
+            step()
+            prof.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -146,6 +163,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, trace two steps of each variant and print where the GPU time goes",
+    )
     args = parser.parse_args()
     rows = []
     for shape in args.shapes:
@@ -156,7 +178,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             try:
                 if variant.startswith("hf"):
-                    seconds, margs = bench_hf(
+                    seconds, margs, step = bench_hf(
                         PRESETS[name],
                         batch,
                         seq,
@@ -166,7 +188,7 @@ def main() -> None:
                     )
                 else:
                     lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
-                    seconds, margs = bench_ours(
+                    seconds, margs, trainer = bench_ours(
                         PRESETS[name],
                         batch,
                         seq,
@@ -177,6 +199,7 @@ def main() -> None:
                         ac="selective" if "sac" in variant else "none",
                         lora=lora,
                     )
+                    step = functools.partial(trainer.train_step, False)
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
                 rows.append({"shape": shape, "variant": variant, "error": str(err)[:200]})
@@ -194,6 +217,13 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
+            if args.profile:
+                from benchmarks.trace_summary import summarize
+
+                trace = os.path.join(args.out, f"trace-{name}-{variant}.json")
+                profile_steps(step, trace)
+                print(summarize(Path(trace), top=25), flush=True)
+                os.remove(trace)  # large; the summary is what the run keeps
             gc.collect()
             torch._dynamo.reset()
     with open(os.path.join(args.out, "train_throughput.json"), "w") as handle:
