@@ -9,6 +9,7 @@ compute (exposed communication), idle time, and the largest kernels.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -101,7 +102,32 @@ def summarize(path: Path, top: int = 8) -> str:
     ]
     for name, total in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"    {total / ms:7.3f}  {name}")
+    lines += idle_gaps(events, kernels, _union(compute + comm))
     return "\n".join(lines)
+
+
+def idle_gaps(events: list[dict], kernels: list[dict], busy, top: int = 5) -> list[str]:
+    """The longest stretches with no kernel running, each with the kernels around it and the
+    host operations that overlap it most (what the GPU was waiting for)."""
+    gaps = sorted(
+        ((busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)),
+        key=lambda gap: gap[0] - gap[1],
+    )[:top]
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e]
+    by_end = sorted(kernels, key=lambda e: e["ts"] + e["dur"])
+    ends = [e["ts"] + e["dur"] for e in by_end]
+    lines = ["  longest idle gaps (ms): after kernel -> before kernel; host ops overlapping most"]
+    for start, end in gaps:
+        before = by_end[max(bisect.bisect_right(ends, start) - 1, 0)]["name"][:40]
+        after = min((e for e in kernels if e["ts"] >= end), key=lambda e: e["ts"])["name"][:40]
+        overlaps = collections.Counter()
+        for e in host:
+            shared = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if shared > 0:
+                overlaps[e["name"][:50]] = max(overlaps[e["name"][:50]], shared)
+        busiest = ", ".join(f"{name} {t / 1e3:.2f}" for name, t in overlaps.most_common(4))
+        lines.append(f"    {(end - start) / 1e3:6.3f}  {before} -> {after}; {busiest}")
+    return lines
 
 
 def main() -> None:

@@ -238,6 +238,50 @@ class _Linear(torch.nn.Module):
         return (self.weight * x).sum()
 
 
+class _NoCheckpoints:
+    last_verified = None
+
+    def restore_latest(self, state):
+        return None
+
+    def save(self, step, state):
+        raise AssertionError("no save expected")
+
+    def close(self):
+        pass
+
+
+def _tiny_trainer(tmp_path, model, optimizer, loss_step, batches, *, max_grad_norm, steps=10):
+    """A Trainer on the CPU, one process, fp32, no checkpoints."""
+    return Trainer(
+        model=model,
+        loss_step=loss_step,
+        batches=batches,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        layout=Layout(
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+            mesh=None,
+            dp_rank=0,
+            dp_size=1,
+            tp_size=1,
+        ),
+        sections=LoopSections(
+            TrainSection(steps=steps, max_grad_norm=max_grad_norm),
+            CheckpointSection(every=0),
+            MetricsSection(tensorboard=False),
+            ProfileSection(),
+        ),
+        run_dir=tmp_path,
+        checkpointer=_NoCheckpoints(),
+        checkpoint_state={},
+        flops_per_token=1.0,
+        bf16=False,
+    )
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adamw"])
 def test_nan_loss_stops_naming_the_step(tmp_path, fused):
     """SGD checks on the host before its update; fused AdamW is launched before the host sync
@@ -261,45 +305,7 @@ def test_nan_loss_stops_naming_the_step(tmp_path, fused):
         while True:
             yield {"x": torch.ones(3), "labels": torch.zeros(1)}
 
-    class NoCheckpoints:
-        last_verified = None
-
-        def restore_latest(self, state):
-            return None
-
-        def save(self, step, state):
-            raise AssertionError("no save expected")
-
-        def close(self):
-            pass
-
-    trainer = Trainer(
-        model=model,
-        loss_step=loss_step,
-        batches=batches(),
-        optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-        layout=Layout(
-            rank=0,
-            world_size=1,
-            device=torch.device("cpu"),
-            mesh=None,
-            dp_rank=0,
-            dp_size=1,
-            tp_size=1,
-        ),
-        sections=LoopSections(
-            TrainSection(steps=10, max_grad_norm=0),
-            CheckpointSection(every=0),
-            MetricsSection(tensorboard=False),
-            ProfileSection(),
-        ),
-        run_dir=tmp_path,
-        checkpointer=NoCheckpoints(),
-        checkpoint_state={},
-        flops_per_token=1.0,
-        bf16=False,
-    )
+    trainer = _tiny_trainer(tmp_path, model, optimizer, loss_step, batches(), max_grad_norm=0)
     assert trainer.skips_on_device == fused
     with pytest.raises(TrainingDivergedError, match="step 3: loss is nan"):
         trainer.run()
@@ -316,6 +322,29 @@ def test_nan_loss_stops_naming_the_step(tmp_path, fused):
         assert got["step"].item() == 2
         assert torch.equal(got["exp_avg"], want["exp_avg"])
         assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_gradient_clipping_scales_the_update(tmp_path, fused):
+    """Clipping multiplies the gradient by max_norm / norm: by itself on the foreach path, as
+    the divisor fused AdamW applies when it reads each gradient on the fused path. Adam's first
+    moment after one step is (1 - beta1) times the clipped gradient."""
+    model = _Linear()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
+
+    def loss_step(model, batch):  # gradient [3, 4, 12]: norm 13
+        return LossOutput(loss_sum=model(batch["x"]), num_tokens=torch.tensor(1))
+
+    batch = {"x": torch.tensor([3.0, 4.0, 12.0]), "labels": torch.zeros(1)}
+    trainer = _tiny_trainer(
+        tmp_path, model, optimizer, loss_step, iter([batch]), max_grad_norm=0.5, steps=1
+    )
+    assert trainer.skips_on_device == fused
+    metrics = trainer.train_step(False)
+    assert metrics["grad_norm"] == pytest.approx(13.0)
+    clipped = torch.tensor([3.0, 4.0, 12.0]) * 0.5 / 13.0
+    torch.testing.assert_close(optimizer.state[model.weight]["exp_avg"], 0.1 * clipped)
+    assert not hasattr(optimizer, "grad_scale")
 
 
 def test_which_optimizers_skip_a_diverged_step_on_device():

@@ -49,7 +49,7 @@ def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) ->
         generator,
         max_queue=settings.max_queue,
         on_finish=metrics.on_finish,
-        on_step=metrics.batch_size.observe,
+        on_step=metrics.on_step,
         mirror=mirror,
     )
 

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import math
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -115,7 +116,8 @@ class Engine:
             processes (see the module docstring).
         on_finish: called on the event loop as `on_finish(reason, num_new_tokens)` when a
             sequence leaves ("stop", "length", "error" or a cancel reason), for metrics.
-        on_step: called on the event loop with the number of sequences each step advanced.
+        on_step: called on the event loop as `on_step(num_advanced, seconds)` after each step:
+            the sequences it advanced and the seconds the worker thread spent in it.
     """
 
     def __init__(
@@ -124,7 +126,7 @@ class Engine:
         *,
         max_queue: int,
         on_finish: Callable[[str, int], None] | None = None,
-        on_step: Callable[[int], None] | None = None,
+        on_step: Callable[[int, float], None] | None = None,
         mirror: Callable[[list[tuple], str], None] | None = None,
     ) -> None:
         if generator.tokenizer is None:
@@ -251,6 +253,7 @@ class Engine:
                     await loop.run_in_executor(self._executor, self.mirror, [], "wait")
                 continue
             ops, self._ops = self._ops, []
+            started = time.perf_counter()
             try:
                 events = await loop.run_in_executor(self._executor, self._step, ops)
             except Exception:
@@ -262,7 +265,7 @@ class Engine:
                 continue
             self.num_steps += 1
             if self.on_step is not None:
-                self.on_step(len(events))
+                self.on_step(len(events), time.perf_counter() - started)
             for sequence, event in events:
                 submission = self._submissions.get(sequence)
                 if submission is None or submission.cancelled:

@@ -55,10 +55,20 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=r,
         )
+        self.step_seconds = Histogram(
+            "lmforge_engine_step_seconds",
+            "Time of one engine step (admit, decode or prefill, tokens to the host)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "lmforge_queue_depth", "Sequences waiting for a free row", registry=r
         )
         self.running = Gauge("lmforge_running_sequences", "Sequences being decoded", registry=r)
+
+    def on_step(self, num_advanced: int, seconds: float) -> None:
+        self.batch_size.observe(num_advanced)
+        self.step_seconds.observe(seconds)
 
     def on_finish(self, reason: str, num_tokens: int) -> None:
         self.finished.labels(reason).inc()

@@ -143,11 +143,14 @@ class Trainer:
             loss_sum += out.loss_sum.detach().float()
             for key, value in out.metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0) + value.detach().float()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.params, self.cfg.train.max_grad_norm or math.inf, foreach=True
+        grad_norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in self.params if p.grad is not None], foreach=True
         )
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
+        max_norm = self.cfg.train.max_grad_norm
+        if max_norm and not self.skips_on_device:
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, grad_norm, foreach=True)
         # One all-reduce and one host sync per step carry the loss, the extra metrics and the
         # preemption flag (TP ranks hold the same loss: numerator and denominator both count it).
         # The flag is filled on the device: torch.tensor(..., device=cuda) would copy it from
@@ -166,7 +169,9 @@ class Trainer:
             # idling after the sync. A diverged step (loss sum or norm not finite: the same
             # on every rank) is skipped by the fused kernel, its step count included.
             finite = torch.isfinite(stats[0]) & torch.isfinite(stats[-1])
-            self._optimizer_step(found_inf=(~finite).float())
+            self._optimizer_step(
+                found_inf=(~finite).float(), grad_scale=self._clip_scale(grad_norm)
+            )
         stats = stats.tolist()
         grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
@@ -196,14 +201,25 @@ class Trainer:
         values["preempt"] = stats[2] > 0
         return values
 
-    def _optimizer_step(self, *, found_inf: torch.Tensor) -> None:
-        """The update, skipped on the device where `found_inf` is 1 (the attribute
-        torch.amp.GradScaler hands fused Adam/AdamW; no grad_scale: gradients are unscaled)."""
+    def _clip_scale(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
+        """Gradient clipping as the divisor fused Adam/AdamW applies to every gradient as it
+        reads it: max(norm / max_grad_norm, 1), what `clip_grad_norm_` multiplies by, inverted.
+        The clip then costs no pass of its own over the gradients (1B on an H200: ~2.5 ms a
+        step). None without clipping."""
+        max_norm = self.cfg.train.max_grad_norm
+        if not max_norm:
+            return None
+        return ((grad_norm.reshape(()) + 1e-6) / max_norm).clamp(min=1.0)
+
+    def _optimizer_step(self, *, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        """The update, skipped on the device where `found_inf` is 1, every gradient divided by
+        `grad_scale` (the attributes torch.amp.GradScaler hands fused Adam/AdamW)."""
         self.optimizer.found_inf = found_inf
+        self.optimizer.grad_scale = grad_scale
         try:
             self.optimizer.step()
         finally:
-            del self.optimizer.found_inf
+            del self.optimizer.found_inf, self.optimizer.grad_scale
 
     @torch.no_grad()
     def evaluate(self) -> float:
