@@ -25,6 +25,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -206,6 +207,19 @@ def preset_artifact(preset: str, root: Path) -> Path:
     return lmforge.save(loaded, root / "artifact")
 
 
+def start_py_spy(server: subprocess.Popen | None, args) -> subprocess.Popen | None:
+    """py-spy sampling the started server's threads for `--profile-server` seconds, into
+    OUT/serve_py_spy.txt (collapsed stacks); None if py-spy is missing or there is no server."""
+    if server is None or shutil.which("py-spy") is None:
+        print("--profile-server: needs py-spy on PATH and a server this script started")
+        return None
+    out = args.out / "serve_py_spy.txt"
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = ["py-spy", "record", "--pid", str(server.pid), "--duration"]
+    command += [str(args.profile_server), "--rate", "200", "--format", "raw", "--threads"]
+    return subprocess.Popen([*command, "--output", str(out), "--nonblocking"])
+
+
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
     command = [sys.executable, "-m", "lmforge", "serve", str(args.artifact), "--port", "0"]
@@ -254,6 +268,12 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--profile-server",
+        type=int,
+        metavar="SECONDS",
+        help="sample the started server with py-spy for this long after the warm-up",
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
 
@@ -273,6 +293,7 @@ def main() -> None:
         model = args.model or json.loads(body)["data"][0]["id"]
         for _ in range(args.warmup):
             run_level(client, model, 1, 1, args)
+        profiler = start_py_spy(process, args) if args.profile_server else None
         rows = []
         for concurrency in args.concurrency:
             num_requests = args.requests or max(8, 4 * concurrency)
@@ -281,6 +302,8 @@ def main() -> None:
             row.update(engine_rates(before, engine_counters(client), row["wall_s"]))
             rows.append(row)
             print(f"concurrency {concurrency}: done", file=sys.stderr, flush=True)
+        if profiler is not None:
+            profiler.wait(timeout=args.profile_server + 60)
     finally:
         if process is not None:
             process.terminate()

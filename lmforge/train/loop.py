@@ -172,6 +172,9 @@ class Trainer:
             self._optimizer_step(
                 found_inf=(~finite).float(), grad_scale=self._clip_scale(grad_norm)
             )
+            # Also before the sync: dropping the gradients took the host 0.6-1 ms with the
+            # device idle (1B, 3B on an H200); their memory is reused in stream order.
+            self.optimizer.zero_grad(set_to_none=True)
         stats = stats.tolist()
         grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
@@ -183,8 +186,8 @@ class Trainer:
             )
         if not self.skips_on_device:
             self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         # Tokens fed to the model this step over all data-parallel ranks (equal per rank).
         input_tokens = self.layout.dp_size * sum(
