@@ -452,3 +452,18 @@ def test_only_plain_weights_fuse(hf_pair):
     assert [r.token_ids for r in fused.generate(prompts, GREEDY).results] == [
         r.token_ids for r in plain.generate(prompts, GREEDY).results
     ]
+
+
+def test_inference_forwards_use_attention_without_per_shape_setup():
+    """Prefill and scoring run eagerly with new shapes nearly every batch: on a GPU they leave
+    out cuDNN's attention (an execution plan built per shape); elsewhere nothing changes."""
+    from lmforge.generate.attention import shape_free_attention
+
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    with shape_free_attention("cuda"):  # only flags: no GPU needed
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+    with shape_free_attention("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.errors import ConfigError
+from lmforge.generate.attention import shape_free_attention
 from lmforge.generate.sampling import Sampler, SamplingParams
 from lmforge.generate.sequence import (
     IncrementalText,
@@ -428,13 +429,17 @@ class Engine:
         kv_len = max(start + length for _, start, length in chunks)
         rows = [sequence.slot for sequence, _, _ in chunks]
         tokens, positions, rows = (self._to_device(t) for t in (tokens, positions, rows))
-        hidden = self.model(
-            tokens,
-            positions=positions,
-            attn_mask=attention_mask(positions, kv_len),  # [b, 1, width, kv_len]
-            kv_caches=self.caches.rows(rows, positions, kv_len),
-            return_hidden=True,
-        )  # [b, width, dim]
+        # Pieces that all start a prompt attend causally (a padded row's real queries see only
+        # its real keys): no mask, so FlashAttention takes them.
+        fresh = all(start == 0 for _, start, _ in chunks)
+        with shape_free_attention(self.device):
+            hidden = self.model(
+                tokens,
+                positions=positions,
+                attn_mask=None if fresh else attention_mask(positions, kv_len),
+                kv_caches=self.caches.rows(rows, positions, kv_len),
+                return_hidden=True,
+            )  # [b, width, dim]
         completed, last = [], []
         for row, (sequence, start, length) in enumerate(chunks):
             sequence.num_cached = start + length

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from lmforge.generate.attention import shape_free_attention
+
 
 @torch.inference_mode()
 def sequence_logprobs(
@@ -44,7 +46,8 @@ def sequence_logprobs(
         for row, i in enumerate(batch):
             tokens = sequences[i][0]
             inputs[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-        hidden = model(inputs.to(device), return_hidden=True)  # [b, width, dim]
+        with shape_free_attention(device):
+            hidden = model(inputs.to(device), return_hidden=True)  # [b, width, dim]
         # Input position p predicts token p + 1, so the last n tokens of a sequence with
         # input length L are predicted at positions L - n .. L - 1.
         picked, targets = [], []
