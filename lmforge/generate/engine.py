@@ -239,8 +239,10 @@ class Engine:
         self.num_decode_steps = 0
 
     def _compile_decode(self) -> None:
-        """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile; on
-        CUDA a graph is still recorded per bucket). On CUDA, batch 1 turns on inductor's
+        """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile), both
+        with a dynamic KV length (on CUDA a graph is still recorded per batch and KV bucket
+        pair). The KV length's range starts at the smallest bucket, so dynamo never sees it as
+        0 or 1, which it specializes on. On CUDA, batch 1 turns on inductor's
         coordinate descent tuning, under which each matrix-vector product becomes one tuned
         reduction kernel, with an int8 weight's conversion fused into it (gpt-fast's setting):
         without it inductor hands int8 weight-only matmuls to aten's slow
@@ -249,7 +251,7 @@ class Engine:
         # (checked on every call otherwise: 0.7 ms of a 1.7 ms int4 1B step on an H200); an
         # engine over another model still gets graphs of its own (tests/test_generate.py).
         one = many = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        if len(self.kv_buckets) > 1:  # one compile for every KV length (min: no 0/1 size)
+        if len(self.kv_buckets) > 1:  # one compile for every KV length
             for slots in self._kv_slots.values():
                 torch._dynamo.mark_dynamic(
                     slots, 0, min=self.kv_buckets[0], max=self.kv_buckets[-1]
