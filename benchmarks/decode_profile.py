@@ -1,5 +1,6 @@
 """Where a batch-1 decode step's time goes: times the compiled decode step alone (CUDA events,
-no sampling or Python bookkeeping) against the whole generation loop, and summarizes a
+no sampling or Python bookkeeping; at the KV lengths a generation of --new-tokens attends to,
+weighted by its steps at each) against the whole generation loop, and summarizes a
 torch.profiler trace of the compiled steps (GPU span, busy and idle time per step, kernels per
 step, the largest kernels). Use with TORCH_LOGS=recompiles,perf_hints to see recompilations and
 skipped CUDA graphs.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,25 +30,32 @@ from benchmarks.trace_summary import summarize
 from lmforge.generate import Generator, SamplingParams
 
 
-def step_ms(generator: Generator, iterations: int = 50) -> float:
+def steps_per_kv_len(generator: Generator, prompt_len: int, new_tokens: int) -> Counter:
+    """How many of a generation's decode steps attend to each KV length: its first new token
+    comes from the prefill, the others from steps at positions prompt_len, prompt_len+1, ..."""
+    positions = range(prompt_len, prompt_len + new_tokens - 1)
+    return Counter(generator.engine.kv_bucket(p + 1) for p in positions)
+
+
+def step_ms(generator: Generator, kv_len: int, iterations: int = 50) -> float:
     for _ in range(5):
-        generator.engine.decode_rows(1)
+        generator.engine.decode_rows(1, kv_len)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iterations):
-        generator.engine.decode_rows(1)
+        generator.engine.decode_rows(1, kv_len)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iterations
 
 
-def trace_steps(generator: Generator, path: Path, steps: int = 20) -> None:
+def trace_steps(generator: Generator, path: Path, kv_len: int, steps: int = 20) -> None:
     """A Chrome trace of `steps` compiled decode steps, each marked as a profiler step."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(steps):
             with torch.profiler.record_function(f"ProfilerStep#{i}"):
-                generator.engine.decode_rows(1)
+                generator.engine.decode_rows(1, kv_len)
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
 
@@ -99,16 +108,20 @@ def profile(args, scheme: str, variant: str) -> None:
     )
     with variant_context(variant):
         generator.warmup()
-    decode_only = step_ms(generator)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
+    # The step alone, at the KV lengths the generation below attends to, weighted as it is.
     prompt = list(range(1, 17))
+    kv_steps = steps_per_kv_len(generator, len(prompt), args.new_tokens)
+    per_kv = {kv_len: step_ms(generator, kv_len) for kv_len in sorted(kv_steps)}
+    decode_only = sum(per_kv[kv_len] * n for kv_len, n in kv_steps.items()) / kv_steps.total()
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
     generator.generate([prompt], params)
     loop = generator.generate([prompt], params).stats
     name = f"{args.preset}-{scheme}-{variant}"
     trace = args.out / f"decode-{name}.trace.json"
-    trace_steps(generator, trace)
+    trace_steps(generator, trace, kv_len=kv_steps.most_common(1)[0][0])
+    by_kv = ", ".join(f"{per_kv[kv_len]:.3f} ms at {kv_len} slots" for kv_len in per_kv)
     print(
-        f"\n== {name}: compiled step alone {decode_only:.3f} ms; "
+        f"\n== {name}: compiled step alone {decode_only:.3f} ms ({by_kv}); "
         f"loop {1000 / loop.decode_tokens_per_s:.3f} ms/token",
         flush=True,
     )

@@ -13,6 +13,7 @@ from lmforge.api import build_model
 from lmforge.cli import main as cli_main
 from lmforge.errors import ConfigError
 from lmforge.generate import Engine, Generator, Sampler, SamplingParams
+from lmforge.generate import engine as engine_module
 from lmforge.generate.generate import weight_bytes
 from tests.conftest import make_hf_llama, make_hf_qwen3
 from tests.train_utils import demo_world, small_args
@@ -97,13 +98,15 @@ def test_greedy_matches_transformers_generate(request, pair):
     [("hf_pair", False), ("hf_pair", True), ("hf_qwen3_pair", False)],
     ids=["llama", "llama-overlap", "qwen3"],
 )
-def test_engine_logprobs_equal_full_forward(request, pair, overlap):
+def test_engine_logprobs_equal_full_forward(request, pair, overlap, monkeypatch):
     """Chunked prefill (4 tokens a step), prompts joining a running batch in freed rows over
-    stale slots, buckets of 1..4 rows: every token's log-probabilities equal a plain forward's
-    over the whole sequence."""
+    stale slots, buckets of 1..4 rows, decode steps attending to 8, 16, 32 or 39 slots: every
+    token's log-probabilities equal a plain forward's over the whole sequence."""
     _, loaded = request.getfixturevalue(pair)
     model = loaded.model
+    monkeypatch.setattr(engine_module, "MIN_KV_BUCKET", 8)
     engine = Engine(model, max_batch=4, max_seq_len=40, prefill_chunk=4)
+    kv_lens = check_kv_lens(engine)
     engine.overlap = overlap  # the CUDA schedule (collect a step after the next launch)
     prompts = _random_prompts([3, 9, 6, 13, 2, 7], seed=1)
     lengths = [5, 12, 3, 8, 12, 6]
@@ -132,12 +135,63 @@ def test_engine_logprobs_equal_full_forward(request, pair, overlap):
                 assert [i for i, _ in event.top_logprobs] == best.indices.tolist()
                 values = torch.tensor([v for _, v in event.top_logprobs])
                 torch.testing.assert_close(values, best.values, rtol=0, atol=1e-5)
+    assert set(kv_lens) == {8, 16, 32}
 
 
-def test_sequence_alone_equals_it_in_a_batch_of_32(hf_pair):
+def check_kv_lens(engine: Engine) -> list[int]:
+    """Check each decode step of `engine`: the positions the host computes are the device's,
+    and all are below the KV length the step attends to; returns those lengths as they come."""
+    kv_lens = []
+    decode_rows = engine.decode_rows
+
+    def checked(bucket, kv_len=None):
+        decoding = [s for s in engine._rows if s is not None and s.slot < bucket and s.prefilled]
+        decoding = [s for s in decoding if s.num_scheduled < s.max_new_tokens]
+        positions = [s.decode_position for s in decoding]
+        assert engine._positions[[s.slot for s in decoding]].tolist() == positions
+        assert kv_len == engine.kv_bucket(max(positions) + 1) and kv_len > max(positions)
+        kv_lens.append(kv_len)
+        return decode_rows(bucket, kv_len)
+
+    engine.decode_rows = checked
+    return kv_lens
+
+
+def test_kv_buckets():
+    assert engine_module.kv_buckets(4096) == (256, 512, 1024, 2048, 4095)
+    assert engine_module.kv_buckets(1000) == (256, 512, 999)
+    assert engine_module.kv_buckets(257) == (256,)  # the last slot is never read
+    assert engine_module.kv_buckets(100) == (99,)
+    assert engine_module.kv_buckets(40, smallest=8) == (8, 16, 32, 39)
+    model = build_model(small_args(max_seq_len=2048), seed=0).eval()
+    engine = Engine(model, max_batch=2, max_seq_len=1024)
+    assert engine.kv_buckets == (256, 512, 1023)
+    lengths = [1, 256, 257, 512, 513, 1023, 1024]
+    assert [engine.kv_bucket(n) for n in lengths] == [256, 256, 512, 512, 1023, 1023, 1023]
+
+
+def test_long_and_short_caches_give_the_same_tokens(monkeypatch):
+    """A cache of 2048 slots and one of 48 (and one read whole at every step) decode the same
+    greedy tokens: rows of different lengths in one batch, their steps crossing KV buckets."""
+    model = build_model(small_args(max_seq_len=2048), seed=2).eval()
+    prompts = _random_prompts([3, 17, 9, 30, 5], seed=6)
+    params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=())
+    whole = Generator(model, max_batch=4, max_seq_len=48).generate(prompts, params).results
+    monkeypatch.setattr(engine_module, "MIN_KV_BUCKET", 8)
+    for max_seq_len in (48, 2048):
+        generator = Generator(model, max_batch=4, max_seq_len=max_seq_len, prefill_chunk=16)
+        kv_lens = check_kv_lens(generator.engine)
+        results = generator.generate(prompts, params).results
+        assert [r.token_ids for r in results] == [r.token_ids for r in whole], max_seq_len
+        assert set(kv_lens) == {8, 16, 32, 47 if max_seq_len == 48 else 64}
+
+
+def test_sequence_alone_equals_it_in_a_batch_of_32(hf_pair, monkeypatch):
     """Greedy tokens of each sequence are the same alone (bucket 1) and among 31 others of
-    other lengths (buckets up to 32, rows joining and leaving)."""
+    other lengths (buckets up to 32, rows joining and leaving, decode steps attending to as
+    many slots as the longest row needs)."""
     _, loaded = hf_pair
+    monkeypatch.setattr(engine_module, "MIN_KV_BUCKET", 16)
     generator = Generator(loaded.model, max_batch=32, max_seq_len=64, prefill_chunk=64)
     lengths = [1 + (7 * i) % 23 for i in range(40)]
     prompts = _random_prompts(lengths, seed=4)
@@ -309,20 +363,27 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
     compile_calls = []
     real_compile = torch.compile
 
-    def eager_compile(fn, **kwargs):  # trace with dynamo only: fast, still refuses graph breaks
+    def eager_compile(fn, **kwargs):
+        # Trace with dynamo and AOT autograd but generate no code: fast, still refuses graph
+        # breaks and specializing a dynamic size (AOT's functionalized graph can guard on
+        # shapes that dynamo's alone does not).
         compile_calls.append(kwargs)
-        guards = {"guard_filter_fn": kwargs["options"]["guard_filter_fn"]}
-        return real_compile(fn, backend="eager", fullgraph=kwargs["fullgraph"], options=guards)
+        options = {"guard_filter_fn": kwargs["options"]["guard_filter_fn"]}
+        kwargs = {**kwargs, "backend": "aot_eager", "options": options}
+        return real_compile(fn, **kwargs)
 
     monkeypatch.setattr(torch, "compile", eager_compile)
+    monkeypatch.setattr(engine_module, "MIN_KV_BUCKET", 8)  # KV buckets 8, 16, 32, 39
     torch._dynamo.reset()
     prompts = _random_prompts([4, 9], seed=4)
     eager = Generator(loaded.model, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
     compiled_generator = Generator(loaded.model, max_batch=2, max_seq_len=40, compile=True)
-    compiled_generator.warmup()  # batch 1, and batch 2 (dynamic: 2..max_batch)
+    compiled_generator.warmup()  # batch 1, and batch 2 (dynamic: 2..max_batch), KV length 8
+    kv_lens = check_kv_lens(compiled_generator.engine)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = compiled_generator.generate(prompts, GREEDY)
         again = compiled_generator.generate(prompts[:1], GREEDY)  # bucket 1: compiled already
+    assert set(kv_lens) == {8, 16, 32}  # one compile for every KV length (dynamic)
     no_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     assert compile_calls == [
         {"fullgraph": True, "dynamic": False, "options": no_module_guards},  # batch 1
@@ -331,7 +392,9 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
     assert [r.token_ids for r in compiled.results] == [r.token_ids for r in eager.results]
     assert again.results[0].token_ids == eager.results[0].token_ids
     # Without module guards, a second engine over another model (one layer fewer, untied) must
-    # still get graphs of its own.
+    # still get graphs of its own. (This one reads all 39 slots at every step: one KV bucket,
+    # a static size.)
+    monkeypatch.setattr(engine_module, "MIN_KV_BUCKET", 256)
     args = loaded.model.args.replace(num_layers=1, tie_embeddings=False)
     other = build_model(args, seed=5).eval()
     expected = Generator(other, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)

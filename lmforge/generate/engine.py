@@ -8,11 +8,19 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
 1. admit: waiting sequences take free cache rows, the lowest first, so that running rows stay
    packed at the top of the cache.
 2. decode: one token for every running sequence whose prompt is in the cache, in one forward
-   over cache rows 0..B-1, B the smallest bucket (1, 2, 4, ..., max_batch) that holds them. A
-   row in the bucket that is not decoding (free, or still prefilling) feeds a dummy token at
-   the last slot, which every sequence writes before it reads it. Shapes are static per
-   bucket: on CUDA each bucket's step is compiled with torch.compile's "reduce-overhead" mode
-   (one CUDA graph per bucket, as in gpt-fast), recorded once.
+   over cache rows 0..B-1, B the smallest bucket (1, 2, 4, ..., max_batch) that holds them,
+   attending to cache slots 0..L-1 only, L the smallest KV bucket (256, 512, ...,
+   max_seq_len - 1; `kv_buckets`) above every decoding row's position: a step reads the K/V
+   its sequences have filled rather than the whole cache (64 rows of 4096 slots of Llama 3.2
+   1B hold 8.6 GB, 3.5x its weights). The host knows each sequence's position
+   (`Sequence.decode_position`), so choosing L needs nothing from the device. A row in the
+   bucket that is not decoding (free, still prefilling, or finished but not yet collected)
+   feeds a dummy token at the last slot, which no sequence reads, or at its own later slots,
+   which its next sequence writes before it reads them; beyond slot L-1 such a row writes
+   into the whole buffer and sees none of its keys, harmless as its output is ignored. On
+   CUDA the step is compiled with torch.compile's "reduce-overhead" mode (CUDA graphs, as in
+   gpt-fast) with the batch size (but for batch 1) and L as dynamic dimensions: one compile,
+   and one graph recorded per (B, L) pair the engine meets (`warmup` records the common ones).
 3. prefill: up to `prefill_chunk` prompt tokens of admitted sequences in one right-padded
    forward: several short prompts together, a long one over several steps (chunked prefill),
    so that running sequences keep decoding meanwhile. A chunk writes its rows' slots
@@ -54,30 +62,53 @@ from lmforge.generate.sequence import (
 )
 from lmforge.modules.kv_cache import KVCaches, attention_mask
 
-# Decode batch sizes with a compiled step of their own (at most 8: torch.compile's default
-# recompile limit per function).
+# Decode batch sizes with a CUDA graph of their own.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The fewest cache slots a decode step attends to; the KV buckets double from here up to
+# max_seq_len (read when an engine is built: tests lower it to cross buckets cheaply).
+MIN_KV_BUCKET = 256
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
     return (*(b for b in BUCKETS if b < max_batch), max_batch)
 
 
+def kv_buckets(max_seq_len: int, smallest: int | None = None) -> tuple[int, ...]:
+    """Cache slots a decode step attends to: `smallest` (default `MIN_KV_BUCKET`) doubled
+    while below max_seq_len - 1, then max_seq_len - 1, the most a step reads. The last slot is
+    never read: no sequence decodes at it (its last token is not fed back), only rows that
+    do not decode write there. Never reading it also keeps the slice of the cache a step
+    reads from ever being the whole buffer, which torch.compile would otherwise guard on
+    (slicing all slots keeps a tensor contiguous, slicing fewer does not), so one compiled
+    step takes every kv_len."""
+    most = max(max_seq_len - 1, 1)
+    length, buckets = smallest or MIN_KV_BUCKET, []
+    while length < most:
+        buckets.append(length)
+        length *= 2
+    return (*buckets, most)
+
+
 def decode_step(
-    model: nn.Module, caches: KVCaches, tokens: torch.Tensor, positions: torch.Tensor
+    model: nn.Module,
+    caches: KVCaches,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
 ) -> torch.Tensor:
-    """One token for cache rows 0..b-1: tokens and positions [b, 1] -> float32 logits
-    [b, vocab]. Static shapes per b: the function compiled (CUDA graphs) on CUDA."""
-    caches.set_positions(positions)
-    mask = attention_mask(positions, caches.max_seq_len)  # [b, 1, 1, max_seq_len]
+    """One token for cache rows 0..b-1: tokens and positions [b, 1], attending to cache slots
+    `slots` (`arange(kv_len)`; every decoding position < kv_len) -> float32 logits [b, vocab].
+    Compiled on CUDA (CUDA graphs) with kv_len, the size of `slots`, a dynamic dimension."""
+    caches.set_positions(positions, slots)
+    mask = attention_mask(positions, slots)  # [b, 1, 1, kv_len]
     logits = model(tokens, positions=positions, attn_mask=mask, kv_caches=caches)
     return logits[:, -1].float()
 
 
-def batched_decode_step(model, caches, tokens, positions) -> torch.Tensor:
+def batched_decode_step(model, caches, tokens, positions, slots) -> torch.Tensor:
     """`decode_step` under another name: compiled once for every batch size > 1 (a dynamic
     batch dimension), apart from the batch-1 step and its specialized kernels."""
-    return decode_step(model, caches, tokens, positions)
+    return decode_step(model, caches, tokens, positions, slots)
 
 
 def local_kv_heads(model: nn.Module) -> int:
@@ -100,6 +131,18 @@ def plain_quantized_weights(model: nn.Module) -> None:
     from torchao.utils import unwrap_tensor_subclass
 
     unwrap_tensor_subclass(model)
+
+
+def expect_cudagraph_shapes(count: int) -> None:
+    """Raise inductor's warning threshold on CUDA graphs recorded per compiled function (8 by
+    default, then it advises padding to fewer shapes) to the `count` the engine records on
+    purpose: one per (batch bucket, KV bucket) pair."""
+    import torch._inductor.config
+
+    config = torch._inductor.config.triton
+    limit = config.cudagraph_dynamic_shape_warn_limit
+    if limit is not None and limit < count:
+        config.cudagraph_dynamic_shape_warn_limit = count
 
 
 @dataclass
@@ -165,6 +208,7 @@ class Engine:
         self.on_cuda = device.type == "cuda"
         self.prefill_chunk = prefill_chunk or (2048 if self.on_cuda else 512)
         self.buckets = decode_buckets(max_batch)
+        self.kv_buckets = kv_buckets(max_seq_len)
         self.dtype = model.tok_embeddings.weight.dtype
         self.caches = KVCaches.for_model(
             args,
@@ -179,6 +223,9 @@ class Engine:
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
         self.overlap = self.on_cuda
         self._decode_one, self._decode_many = decode_step, batched_decode_step
+        # The `slots` a decode step over each KV bucket's length takes: views of one arange.
+        every_slot = torch.arange(max_seq_len, device=device)
+        self._kv_slots = {length: every_slot[:length] for length in self.kv_buckets}
         if self.compiled:
             plain_quantized_weights(self.model)
             self._compile_decode()
@@ -193,8 +240,10 @@ class Engine:
         self.num_decode_steps = 0
 
     def _compile_decode(self) -> None:
-        """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile; on
-        CUDA a graph is still recorded per bucket). On CUDA, batch 1 turns on inductor's
+        """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile), both
+        with a dynamic KV length (on CUDA a graph is still recorded per batch and KV bucket
+        pair). The KV length's range starts at the smallest bucket, so dynamo never sees it as
+        0 or 1, which it specializes on. On CUDA, batch 1 turns on inductor's
         coordinate descent tuning, under which each matrix-vector product becomes one tuned
         reduction kernel, with an int8 weight's conversion fused into it (gpt-fast's setting):
         without it inductor hands int8 weight-only matmuls to aten's slow
@@ -203,10 +252,17 @@ class Engine:
         # (checked on every call otherwise: 0.7 ms of a 1.7 ms int4 1B step on an H200); an
         # engine over another model still gets graphs of its own (tests/test_generate.py).
         one = many = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        if len(self.kv_buckets) > 1:  # one compile for every KV length
+            for slots in self._kv_slots.values():
+                torch._dynamo.mark_dynamic(
+                    slots, 0, min=self.kv_buckets[0], max=self.kv_buckets[-1]
+                )
         if self.on_cuda:  # the CPU: otherwise inductor's defaults
-            # CUDA graphs may only write into inputs whose address never changes.
-            for tensor in self.caches.tensors():
+            # CUDA graphs may only write into inputs whose address never changes; the slots
+            # (views of one arange, all at one address) need no copy into the graph either.
+            for tensor in [*self.caches.tensors(), *self._kv_slots.values()]:
                 torch._dynamo.mark_static_address(tensor)
+            expect_cudagraph_shapes(len(self.buckets) * len(self.kv_buckets))
             many = {**many, "triton.cudagraphs": True}  # mode="reduce-overhead"
             one = {**many, "coordinate_descent_tuning": self.tune_decode}
         # dict(...): torch.compile pops guard_filter_fn from the options it is given.
@@ -315,11 +371,18 @@ class Engine:
         return events
 
     def warmup(self) -> None:
-        """Compile (and record the CUDA graph of) every bucket's decode step now."""
+        """Compile the decode steps now, and record the CUDA graphs of every batch bucket at
+        the smallest KV bucket (what short sequences use) and of batch 1 at every KV bucket (a
+        single stream, as `lmforge generate` runs, never pauses to record one). Other (batch,
+        KV) pairs record on first use, once per process; compiling is not repeated."""
+        pairs = [(bucket, self.kv_buckets[0]) for bucket in self.buckets]
+        pairs += [(1, kv_len) for kv_len in self.kv_buckets[1:]]
+        if not self.compiled:
+            pairs = pairs[:1]
         with torch.no_grad():
-            for bucket in self.buckets if self.compiled else self.buckets[:1]:
-                for _ in range(3 if self.compiled else 1):
-                    self.decode_rows(bucket).argmax(-1)
+            for bucket, kv_len in pairs:
+                for _ in range(3 if self.compiled else 1):  # CUDA graphs: warm, record, replay
+                    self.decode_rows(bucket, kv_len).argmax(-1)
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
 
@@ -366,26 +429,35 @@ class Engine:
 
     # ---- decode ---------------------------------------------------------------------------
 
+    def kv_bucket(self, length: int) -> int:
+        """The KV bucket of a decode step that must see `length` slots (at most the largest)."""
+        return next((b for b in self.kv_buckets if b >= length), self.kv_buckets[-1])
+
     @torch.no_grad()
-    def decode_rows(self, bucket: int) -> torch.Tensor:
+    def decode_rows(self, bucket: int, kv_len: int | None = None) -> torch.Tensor:
         """One compiled decode step over cache rows 0..bucket-1 (a bucket size) with the tokens
-        and positions they hold -> float32 logits [bucket, vocab]; changes no state but the
-        caches' slots at those positions (warm-up, benchmarks)."""
+        and positions they hold, attending to cache slots 0..kv_len-1 (kv_len rounded up to a
+        KV bucket; default: the largest, max_seq_len - 1) -> float32 logits [bucket, vocab];
+        changes no state but the caches' slots at those positions (warm-up, benchmarks: a
+        sequence decoding at position p attends to `kv_bucket(p + 1)` slots)."""
         if self.compiled and self.on_cuda:
             torch.compiler.cudagraph_mark_step_begin()
+        slots = self._kv_slots[self.kv_bucket(kv_len or self.max_seq_len)]  # [kv_len]
         tokens, positions = self._tokens[:bucket, None], self._positions[:bucket, None]
         if bucket == 1:
-            return self._decode_one(self.model, self.caches, tokens, positions)
+            return self._decode_one(self.model, self.caches, tokens, positions, slots)
         if self.compiled:  # one compile for every bucket > 1
             for tensor in (tokens, positions):
                 torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.max_batch)
-        return self._decode_many(self.model, self.caches, tokens, positions)
+        return self._decode_many(self.model, self.caches, tokens, positions, slots)
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
         """One token for each decoding sequence -> their tokens [n] (on the device)."""
         slots = [s.slot for s in decoding]
         bucket = next(b for b in self.buckets if b > max(slots))
-        logits = self.decode_rows(bucket)
+        # Host state only (the same on every process under tensor parallelism, like `bucket`).
+        kv_len = self.kv_bucket(max(s.decode_position for s in decoding) + 1)
+        logits = self.decode_rows(bucket, kv_len)
         self.num_decode_steps += 1
         if slots == list(range(len(slots))):  # rows 0..n-1: plain slices
             tokens = self._sample(decoding, logits[: len(slots)])

@@ -7,7 +7,8 @@ materializes each process's shards and fills them from rank 0's copy of the weig
 (broadcast). Attention heads, KV-cache heads and MLP columns are split N ways; the output
 projection all-gathers the logits, so every process holds the same logits and makes the same
 greedy choice. Each process then runs the same engine on the same prompts (sampled sequences
-draw from one seed, `shared_seed`), and only rank 0 writes output. Without torchrun (or with one
+draw from one seed, `shared_seed`), so each picks the same decode shapes (batch and KV buckets,
+from its sequences' lengths) and joins the same collectives; only rank 0 writes output. Without torchrun (or with one
 process) `load_model` is `lmforge.load`.
 """
 

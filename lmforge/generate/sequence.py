@@ -141,6 +141,13 @@ class Sequence:
     def prefilled(self) -> bool:
         return self.num_cached == len(self.prompt_ids)
 
+    @property
+    def decode_position(self) -> int:
+        """The position (cache slot) of the token its next decode step feeds: the last one
+        launched (the prompt's first token is launched by the prefill), known on the host
+        before that token has reached it."""
+        return len(self.prompt_ids) + self.num_scheduled - 1
+
     def push(self, token: int) -> TokenEvent:
         """Take one generated token; check stops; return what to stream."""
         self.token_ids.append(token)

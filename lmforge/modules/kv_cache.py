@@ -6,13 +6,20 @@ graphs need, as in gpt-fast). A cache slot is a sequence position: row r's token
 lives in slot p. `KVCaches` groups the layers and is what the model's `kv_caches` argument takes.
 
 Protocol (see `Attention.forward` in lmforge/models/llama/model.py): before a forward, the caller
-sets the positions being written with `KVCaches.set_positions(positions [b, s])`; each layer's
-attention then calls `update(k, v)` with k/v [b, kv_heads, s, head_dim] (after RoPE, before the
-GQA repeat), which writes them into slots `positions` of rows 0..b-1 and returns the whole cache
-of those rows, [b, kv_heads, max_seq_len, head_dim]. The attention mask must then cover all
-slots: `attention_mask(positions, max_seq_len)` lets the query at position p see slots <= p.
-Slots beyond a row's position may hold stale values from an earlier, longer sequence or from
-padding; the mask hides them until they are overwritten.
+sets the positions being written, and the slots attention reads, with
+`KVCaches.set_positions(positions [b, s], slots [kv_len])`; each layer's attention then calls
+`update(k, v)` with k/v [b, kv_heads, s, head_dim] (after RoPE, before the GQA repeat), which
+writes them into slots `positions` of rows 0..b-1 and returns slots 0..kv_len-1 of those rows,
+[b, kv_heads, kv_len, head_dim] (`slots` is `arange(kv_len)`; without it, all max_seq_len
+slots). The attention mask covers the same slots: `attention_mask(positions, slots)` lets the
+query at position p see slots <= p. A position >= kv_len is still written (into the whole
+buffer: every position is < max_seq_len) but its query sees none of its own keys; the engine
+puts only rows whose output it ignores there. Slots beyond a row's position may hold stale
+values from an earlier, longer sequence or from padding; the mask hides them until they are
+overwritten. Reading kv_len slots rather than max_seq_len keeps a decode step's reads in
+proportion to its sequences' lengths, not to the cache's (the engine picks kv_len from a few
+buckets: `lmforge.generate.engine.kv_buckets`); `slots` is a tensor, not an int, so that a
+compiled step takes its size as a dynamic dimension.
 
 A prefill writes chosen rows instead (the engine's sequences join a running batch in any free
 row, a long prompt in chunks): `KVCaches.rows(rows, positions, kv_len)` is the view it passes as
@@ -42,17 +49,19 @@ class StaticKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.positions: torch.Tensor | None = None  # [b, s] slots the next update writes
+        self.slots: torch.Tensor | None = None  # [kv_len] slots it returns (None: all)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [b, kv_heads, s, head_dim] at `positions`; return rows 0..b-1 of the cache,
-        [b, kv_heads, max_seq_len, head_dim] each."""
+        """Write k/v [b, kv_heads, s, head_dim] at `positions`; return rows 0..b-1 of the cache
+        at slots 0..kv_len-1, [b, kv_heads, kv_len, head_dim] each."""
         batch = k.shape[0]
+        kv_len = self.k.shape[2] if self.slots is None else self.slots.shape[0]
         rows = torch.arange(batch, device=k.device)[:, None]  # [b, 1], broadcast over s
         # Indexing rows [b, 1] and slots [b, s] around the head slice puts the indexed dims first:
         # the target is [b, s, kv_heads, head_dim], hence the transposed values.
         self.k[rows, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)
         self.v[rows, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
-        return self.k[:batch], self.v[:batch]
+        return self.k[:batch, :, :kv_len], self.v[:batch, :, :kv_len]
 
     def update_rows(
         self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int, k, v
@@ -141,10 +150,11 @@ class KVCaches:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def set_positions(self, positions: torch.Tensor) -> None:
-        """Slots [b, s] that the next forward writes (its tokens' positions)."""
+    def set_positions(self, positions: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Slots [b, s] that the next forward writes (its tokens' positions), and the slots
+        [kv_len] (`arange(kv_len)`) its attention reads: None for all max_seq_len."""
         for layer in self.layers:
-            layer.positions = positions
+            layer.positions, layer.slots = positions, slots
 
     def rows(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> _RowsView:
         """The view a prefill of cache rows `rows` [b] at `positions` [b, s] passes as the
@@ -160,8 +170,10 @@ class KVCaches:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def attention_mask(positions: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """Bool mask [b, 1, s, max_seq_len] for queries at `positions` [b, s] against the cache:
-    True where slot <= the query's position (causal, and blind to stale slots beyond)."""
-    slots = torch.arange(max_seq_len, device=positions.device)
+def attention_mask(positions: torch.Tensor, slots: int | torch.Tensor) -> torch.Tensor:
+    """Bool mask [b, 1, s, kv_len] for queries at `positions` [b, s] against cache slots
+    0..kv_len-1 (`slots`: kv_len, or `arange(kv_len)` on the device): True where slot <= the
+    query's position (causal, and blind to stale slots beyond)."""
+    if isinstance(slots, int):
+        slots = torch.arange(slots, device=positions.device)
     return (slots[None, None, :] <= positions[:, :, None])[:, None]

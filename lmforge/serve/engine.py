@@ -11,7 +11,9 @@ process replays its engine: the loop records each change to the core engine as a
 cancel, clear), and before each step `mirror` sends that step's ops to the other processes, which
 apply them and step too (`follow`); when idle it sends a heartbeat now and then, and a stop at
 shutdown. Ops are applied at the start of a step on every process alike, so all hold the same
-sequences in the same rows and run the same collectives.
+sequences in the same rows and run the same collectives, with the same shapes: a decode step's
+batch and KV lengths follow from that host state (rows, prompt lengths, tokens launched), which
+the ops and the all-gathered logits keep equal everywhere, so they need not be sent.
 
 A request with n choices is one `Submission` of n sequences. Up to `max_batch` sequences run
 and `max_queue` more wait; beyond that `submit` raises `QueueFull` (HTTP 429). A sequence's
