@@ -346,6 +346,33 @@ def test_32_concurrent_streams_equal_sequential_greedy(main_server, reference):
     assert rows / steps > 4  # decode steps were shared
 
 
+def test_a_stream_interval_batches_tokens_but_not_the_first_or_last(reference):
+    """With stream_interval 3 a decoding sequence's tokens reach its request every third step
+    (the server's default under load); the first token and the finish go at once, and the
+    text is the same as the Generator's."""
+    from lmforge.serve.engine import Engine, SequenceRequest
+
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=())
+    expected = reference.generate(["the cat sat"], params).texts[0]
+
+    async def batches() -> list[list]:
+        engine = Engine(reference, max_queue=4, stream_interval=3)
+        await engine.start()
+        try:
+            ids = reference.engine.encode_prompt("the cat sat")
+            submission = engine.submit([SequenceRequest(ids, params)])
+            return [batch async for batch in submission.events()]
+        finally:
+            await engine.stop()
+
+    got = asyncio.run(batches())
+    sizes = [len(batch) for batch in got]
+    assert sizes[0] == 1, sizes  # the first token is not held back
+    assert sum(sizes) == 10 and max(sizes) == 3 and all(size <= 3 for size in sizes), sizes
+    assert got[-1][-1].finish_reason == "length"
+    assert "".join(output.text for batch in got for output in batch) == expected
+
+
 # ---- the bad-input contract ----------------------------------------------------------------
 
 BAD_REQUESTS = [

@@ -51,6 +51,7 @@ def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) ->
         on_finish=metrics.on_finish,
         on_step=metrics.on_step,
         mirror=mirror,
+        stream_interval=settings.stream_interval,
     )
 
     @contextlib.asynccontextmanager

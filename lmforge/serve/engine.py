@@ -76,28 +76,41 @@ class TokenOutput:
 
 @dataclass(eq=False)
 class Submission:
-    """The sequences of one request; iterate `events()` for their `TokenOutput`s."""
+    """The sequences of one request; iterate `events()` for their `TokenOutput`s, which come
+    in batches: one step's, or under load a few steps' (see `Engine`'s stream_interval)."""
 
     engine: Engine
     sequences: list[EngineSequence] = field(default_factory=list)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # of lists of outputs
     cancelled: bool = False
     cancel_reason: str = "cancelled"
+    pending: list[TokenOutput] = field(default_factory=list)  # not yet in the queue
+    delivered: bool = False  # whether anything went into the queue yet
 
-    async def events(self, *, deadline: float | None = None) -> AsyncIterator[TokenOutput]:
-        """Every sequence's outputs as they come, until each has finished (the last output of
-        each has a `finish_reason`). Raises TimeoutError at `deadline` (the event loop's
-        `time()`); the caller then cancels."""
+    async def events(self, *, deadline: float | None = None) -> AsyncIterator[list[TokenOutput]]:
+        """Every sequence's outputs as they come, in batches, until each has finished (the
+        last output of each has a `finish_reason`). Raises TimeoutError at `deadline` (the
+        event loop's `time()`); the caller then cancels."""
         loop = asyncio.get_running_loop()
         remaining = len(self.sequences)
         while remaining:
             if deadline is None:
-                output: TokenOutput = await self.queue.get()
+                batch: list[TokenOutput] = await self.queue.get()
             else:
-                output = await asyncio.wait_for(self.queue.get(), deadline - loop.time())
-            if output.finish_reason is not None:
-                remaining -= 1
-            yield output
+                batch = await asyncio.wait_for(self.queue.get(), deadline - loop.time())
+            remaining -= sum(output.finish_reason is not None for output in batch)
+            yield batch
+
+    def deliver(self, *, every_step: bool, last: TokenOutput | None = None) -> None:
+        """Put the pending outputs (and `last`) in the queue: now if `every_step`, if nothing
+        was delivered yet (the first token is not held back), or if one of them ends a
+        sequence; otherwise they wait for a later step."""
+        if last is not None:
+            self.pending.append(last)
+        finishes = any(output.finish_reason is not None for output in self.pending)
+        if self.pending and (every_step or not self.delivered or finishes):
+            self.queue.put_nowait(self.pending)
+            self.pending, self.delivered = [], True
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Stop generating (a client that left, a timeout); frees the rows at the next step.
@@ -120,6 +133,11 @@ class Engine:
             sequence leaves ("stop", "length", "error" or a cancel reason), for metrics.
         on_step: called on the event loop as `on_step(num_advanced, seconds)` after each step:
             the sequences it advanced and the seconds the worker thread spent in it.
+        stream_interval: steps between deliveries of a running sequence's tokens to its
+            request (a sequence's first and last tokens go at once). None: every step while
+            fewer than BATCHED_STREAMS_FROM sequences run, else every AUTO_STREAM_INTERVAL
+            steps: with many streams the server is bound by Python work per event (HTTP
+            writes, JSON), and one event of a few tokens costs about what one token's did.
     """
 
     def __init__(
@@ -130,6 +148,7 @@ class Engine:
         on_finish: Callable[[str, int], None] | None = None,
         on_step: Callable[[int, float], None] | None = None,
         mirror: Callable[[list[tuple], str], None] | None = None,
+        stream_interval: int | None = None,
     ) -> None:
         if generator.tokenizer is None:
             raise ValueError("the serving engine needs a generator with a tokenizer")
@@ -144,6 +163,7 @@ class Engine:
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.on_step = on_step
+        self.stream_interval = stream_interval
         self._submissions: dict[EngineSequence, Submission] = {}  # every sequence not done
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -268,13 +288,24 @@ class Engine:
             self.num_steps += 1
             if self.on_step is not None:
                 self.on_step(len(events), time.perf_counter() - started)
+            touched: dict[int, Submission] = {}
             for sequence, event in events:
                 submission = self._submissions.get(sequence)
                 if submission is None or submission.cancelled:
                     continue
-                submission.queue.put_nowait(_output(event))
+                submission.pending.append(_output(event))
+                touched[id(submission)] = submission
                 if event.finish_reason is not None:
                     self._finish(sequence, event.finish_reason, notify=False)
+            every_step = self.num_steps % self._stream_interval() == 0
+            for submission in touched.values():
+                submission.deliver(every_step=every_step)
+
+    def _stream_interval(self) -> int:
+        """Steps between deliveries of a running sequence's tokens to its request."""
+        if self.stream_interval is not None:
+            return self.stream_interval
+        return 1 if self.core.num_running < BATCHED_STREAMS_FROM else AUTO_STREAM_INTERVAL
 
     def _step(self, ops: list[tuple]) -> list:
         """One step in the worker thread: the ops (sent to the other processes first), then
@@ -290,7 +321,8 @@ class Engine:
         for sequence, submission in list(self._submissions.items()):
             if not submission.cancelled:
                 submission.cancel(reason)
-                submission.queue.put_nowait(TokenOutput(sequence.index, -1, "", reason))
+                last = TokenOutput(sequence.index, -1, "", reason)
+                submission.deliver(every_step=True, last=last)
 
     def _drop_cancelled(self) -> None:
         for sequence, submission in list(self._submissions.items()):
@@ -306,10 +338,14 @@ class Engine:
         if not sequence.finished:  # cancelled: its row is freed at the next step
             self._ops.append(("cancel", key))
         if notify:
-            submission.queue.put_nowait(TokenOutput(sequence.index, -1, "", reason))
+            submission.deliver(every_step=True, last=TokenOutput(sequence.index, -1, "", reason))
         if self.on_finish is not None:
             self.on_finish(reason, len(sequence.token_ids))
 
+
+# Under load, tokens reach their requests every few steps (see `Engine`'s stream_interval).
+BATCHED_STREAMS_FROM = 16
+AUTO_STREAM_INTERVAL = 4
 
 HEARTBEAT_S = 60.0  # idle rank 0 tells the other processes it is alive this often
 

@@ -38,6 +38,8 @@ class ServeSettings:
             for no limit.
         retry_after: seconds a 429 asks the client to wait.
         max_request_bytes: larger request bodies get a 413 before they are read.
+        stream_interval: engine steps between a decoding sequence's deliveries to its request
+            (None: the engine's load-dependent default; see `lmforge.serve.engine.Engine`).
     """
 
     model_name: str
@@ -47,6 +49,7 @@ class ServeSettings:
     request_timeout: float | None = 600.0
     retry_after: int = 1
     max_request_bytes: int = 8 << 20
+    stream_interval: int | None = None
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -280,18 +280,19 @@ class Session:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    async def events(self) -> AsyncIterator[TokenOutput]:
-        """The engine's outputs until every choice has finished; TimeoutError past the
-        deadline, RuntimeError if the engine failed."""
-        async for output in self.submission.events(deadline=self.deadline):
-            if output.finish_reason == "error":
+    async def events(self) -> AsyncIterator[list[TokenOutput]]:
+        """The engine's outputs, in batches, until every choice has finished; TimeoutError
+        past the deadline, RuntimeError if the engine failed."""
+        async for batch in self.submission.events(deadline=self.deadline):
+            reasons = {output.finish_reason for output in batch}
+            if "error" in reasons:
                 raise RuntimeError("generation failed (see the server log)")
-            if output.finish_reason == "shutdown":
+            if "shutdown" in reasons:
                 raise _ShuttingDown
             if not self._first_token_seen:
                 self._first_token_seen = True
                 self.state.metrics.first_token.observe(time.perf_counter() - self.arrival)
-            yield output
+            yield batch
 
     @staticmethod
     def shutdown_error() -> ApiError:
@@ -332,13 +333,14 @@ class Session:
         choices = [
             _Choice(logprobs=[] if self.want_logprobs else None) for _ in self.plan.sequences
         ]
-        async for output in self.events():
-            choice = choices[output.choice]
-            choice.text += output.text
-            if choice.logprobs is not None and not output.is_stop_token:
-                choice.logprobs.append(output)
-            if output.finish_reason is not None:
-                choice.finish_reason = output.finish_reason
+        async for batch in self.events():
+            for output in batch:
+                choice = choices[output.choice]
+                choice.text += output.text
+                if choice.logprobs is not None and not output.is_stop_token:
+                    choice.logprobs.append(output)
+                if output.finish_reason is not None:
+                    choice.finish_reason = output.finish_reason
         return choices
 
     async def respond(self) -> JSONResponse:
@@ -386,6 +388,26 @@ class Session:
 
     # -- a stream of server-sent events --
 
+    def _chunk(self, index: int, outputs: list[TokenOutput]) -> dict | None:
+        """One streamed choice object for consecutive outputs of choice `index` (their text
+        joined); None when they carry nothing to send."""
+        text = "".join(output.text for output in outputs)
+        finish_reason = outputs[-1].finish_reason
+        logprobs = None
+        if self.want_logprobs:
+            scored = [o for o in outputs if o.token_id >= 0 and not o.is_stop_token]
+            logprobs = self._logprobs(scored) if scored else None
+        if not text and finish_reason is None and logprobs is None:
+            return None
+        chunk: dict = {"index": index}
+        if self.chat:
+            chunk["delta"] = {"content": text} if text else {}
+        else:
+            chunk["text"] = text
+        chunk["logprobs"] = logprobs
+        chunk["finish_reason"] = finish_reason
+        return chunk
+
     async def stream(self) -> AsyncIterator[str]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         header = self._header("chat.completion.chunk" if self.chat else "text_completion")
@@ -396,20 +418,11 @@ class Session:
                     delta = {"role": "assistant", "content": ""}
                     choice = {"index": index, "delta": delta, "logprobs": None}
                     yield _sse({**header, "choices": [{**choice, "finish_reason": None}], **extra})
-            async for output in self.events():
-                logprobs = None
-                if self.want_logprobs and output.token_id >= 0 and not output.is_stop_token:
-                    logprobs = self._logprobs([output])
-                if not output.text and output.finish_reason is None and logprobs is None:
-                    continue
-                choice = {"index": output.choice}
-                if self.chat:
-                    choice["delta"] = {"content": output.text} if output.text else {}
-                else:
-                    choice["text"] = output.text
-                choice["logprobs"] = logprobs
-                choice["finish_reason"] = output.finish_reason
-                yield _sse({**header, "choices": [choice], **extra})
+            async for batch in self.events():
+                for index, outputs in _by_choice(batch):
+                    chunk = self._chunk(index, outputs)
+                    if chunk is not None:
+                        yield _sse({**header, "choices": [chunk], **extra})
             if include_usage:
                 yield _sse({**header, "choices": [], "usage": self.usage})
         except TimeoutError:
@@ -422,6 +435,14 @@ class Session:
         except RuntimeError as err:
             yield _sse(error_body(str(err), type="server_error", param=None, code=None))
         yield "data: [DONE]\n\n"
+
+
+def _by_choice(batch: list[TokenOutput]) -> list[tuple[int, list[TokenOutput]]]:
+    """A batch's outputs grouped by choice, in order of first appearance."""
+    groups: dict[int, list[TokenOutput]] = {}
+    for output in batch:
+        groups.setdefault(output.choice, []).append(output)
+    return list(groups.items())
 
 
 class _ShuttingDown(Exception):
