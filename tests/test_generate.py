@@ -530,3 +530,33 @@ def test_inference_forwards_use_attention_without_per_shape_setup():
     assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
     with shape_free_attention("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+
+
+def test_incremental_text_with_the_tokenizers_stream_equals_window_decoding(tmp_path):
+    """Streamed text (tokenizers' DecodeStream where the backend has it) comes out piece for
+    piece as the decode-a-window rule gives it, multi-byte characters split across ids
+    included, and `flush` turns an incomplete character into U+FFFD either way."""
+    from lmforge.data.tokenizer import train_bpe
+    from lmforge.generate.sequence import IncrementalText
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\n" * 20 + "héllo wörld\n")
+    tokenizer = train_bpe([corpus], vocab_size=300, out_dir=tmp_path / "tok")
+    assert tokenizer.text_stream() is not None
+    text = "the cat: héllo 🙂 日本語 wörld"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.encode()) // 2  # rare characters are split into byte ids
+
+    def pieces(decoder: IncrementalText, ids: list[int]) -> list[str]:
+        return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+    def window() -> IncrementalText:
+        decoder = IncrementalText(tokenizer)
+        decoder._stream = None  # the decode-a-window rule
+        return decoder
+
+    assert pieces(IncrementalText(tokenizer), ids) == pieces(window(), ids)
+    assert "".join(pieces(IncrementalText(tokenizer), ids)) == text
+    cut = ids[: len(tokenizer.encode("the cat: héllo ")) + 1]  # ends inside the emoji's bytes
+    assert pieces(IncrementalText(tokenizer), cut) == pieces(window(), cut)
+    assert "".join(pieces(IncrementalText(tokenizer), cut)).endswith("\ufffd")

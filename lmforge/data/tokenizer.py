@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -350,6 +350,12 @@ class Tokenizer:
         """Id of a vocabulary entry or special token given as text, or None."""
         raise NotImplementedError
 
+    def text_stream(self) -> Callable[[int], str | None] | None:
+        """An incremental decoder of generated ids, if the backend has one: each call takes
+        the next id and returns the text that became complete with it (None while a UTF-8
+        character is incomplete). None: use `decode` over a window (IncrementalText does)."""
+        return None
+
     @property
     def num_merges(self) -> int:
         """Number of BPE merges (for reports)."""
@@ -579,6 +585,13 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return self._plain.decode(_as_id_list(ids), skip_special_tokens=skip_special)
+
+    def text_stream(self) -> Callable[[int], str | None] | None:
+        decode_stream = getattr(tokenizers.decoders, "DecodeStream", None)  # tokenizers >= 0.21
+        if decode_stream is None:
+            return None
+        stream = decode_stream(skip_special_tokens=False)
+        return lambda token_id: stream.step(self._plain, token_id)
 
     def token_to_id(self, token: str) -> int | None:
         return self._plain.token_to_id(token)

@@ -76,7 +76,10 @@ def encode_prompt(prompt: Prompt, tokenizer, *, vocab_size: int) -> list[int]:
 class IncrementalText:
     """Text of a growing token list, released only once its UTF-8 is complete.
 
-    Decodes a short window (from the last complete cut) instead of the whole list each step.
+    Decodes a short window (from the last complete cut) instead of the whole list each step,
+    in one call to the tokenizer's own incremental decoder where it has one (`text_stream`:
+    the same window rule, in Rust; two `decode` calls a token were 18% of the server's engine
+    thread at 64 streams).
     """
 
     def __init__(self, tokenizer) -> None:
@@ -84,9 +87,17 @@ class IncrementalText:
         self.ids: list[int] = []
         self.prefix = 0  # window start
         self.read = 0  # end of what has been released
+        text_stream = getattr(tokenizer, "text_stream", None)
+        self._stream = text_stream() if text_stream is not None else None
 
     def push(self, token: int) -> str:
         self.ids.append(token)
+        if self._stream is not None:
+            text = self._stream(token)
+            if text is None:
+                return ""
+            self.prefix, self.read = self.read, len(self.ids)  # for `flush`
+            return text
         prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read])
         new_text = self.tokenizer.decode(self.ids[self.prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
