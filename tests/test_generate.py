@@ -560,3 +560,33 @@ def test_incremental_text_with_the_tokenizers_stream_equals_window_decoding(tmp_
     cut = ids[: len(tokenizer.encode("the cat: héllo ")) + 1]  # ends inside the emoji's bytes
     assert pieces(IncrementalText(tokenizer), cut) == pieces(window(), cut)
     assert "".join(pieces(IncrementalText(tokenizer), cut)).endswith("\ufffd")
+
+
+def test_prompts_joining_running_sequences_are_prefilled_together(hf_pair):
+    """While sequences decode, a new prompt waits up to PREFILL_WAIT_STEPS steps for others
+    (one eager prefill for several); PREFILL_BATCH of them, or nothing decoding, go at once.
+    The tokens are those of the prompt generated alone."""
+    _, loaded = hf_pair
+    engine = Engine(loaded.model, max_batch=8, max_seq_len=64)
+    params = SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=())
+    prompts = _random_prompts([5, 7, 3, 4, 6, 8], seed=9)
+
+    def steps_until_prefilled(sequences) -> int:
+        engine.add(sequences)
+        steps = 0
+        while not all(s.prefilled for s in sequences):
+            engine.step()
+            steps += 1
+        return steps
+
+    first = engine.sequence(prompts[0], params, index=0)
+    assert steps_until_prefilled([first]) == 1  # nothing decodes yet
+    late = engine.sequence(prompts[1], params, index=1)
+    assert steps_until_prefilled([late]) == engine_module.PREFILL_WAIT_STEPS
+    group = [engine.sequence(p, params, index=i) for i, p in enumerate(prompts[2:])]
+    assert len(group) == engine_module.PREFILL_BATCH
+    assert steps_until_prefilled(group) == 1
+    while engine.has_work:
+        engine.step()
+    alone = Generator(loaded.model, max_batch=1, max_seq_len=64).generate([prompts[1]], params)
+    assert late.token_ids == alone.results[0].token_ids

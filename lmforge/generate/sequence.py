@@ -134,6 +134,7 @@ class Sequence:
     # Engine state: the cache row while it runs, how much of the prompt is in it, the tokens
     # launched (some may not have reached the host yet) and their log-probabilities.
     slot: int | None = None
+    admitted_at: int = 0  # the engine's decode step count when it got its row
     num_cached: int = 0
     num_scheduled: int = 0
     cancelled: bool = False
