@@ -95,9 +95,9 @@ def register(subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="engine steps between a stream's events while it decodes (default: 1 while fewer "
-        "than 16 sequences run, else 4: one event of a few tokens costs the server about what "
-        "one token's did); first and last tokens go at once",
+        help="engine steps between a stream's events while it decodes (default: one per 8 "
+        "running sequences: every step below 16, every 8th at 64; an event of a few tokens "
+        "costs the server about what one token's did); first and last tokens go at once",
     )
     parser.add_argument(
         "--shutdown-grace",

@@ -134,9 +134,9 @@ class Engine:
         on_step: called on the event loop as `on_step(num_advanced, seconds)` after each step:
             the sequences it advanced and the seconds the worker thread spent in it.
         stream_interval: steps between deliveries of a running sequence's tokens to its
-            request (a sequence's first and last tokens go at once). None: every step while
-            fewer than BATCHED_STREAMS_FROM sequences run, else every AUTO_STREAM_INTERVAL
-            steps: with many streams the server is bound by Python work per event (HTTP
+            request (a sequence's first and last tokens go at once). None: one step per
+            RUNNING_PER_STREAM_INTERVAL running sequences (every step below 16, every 8th at
+            64): with many streams the server is bound by Python work per event (HTTP
             writes, JSON), and one event of a few tokens costs about what one token's did.
     """
 
@@ -305,7 +305,7 @@ class Engine:
         """Steps between deliveries of a running sequence's tokens to its request."""
         if self.stream_interval is not None:
             return self.stream_interval
-        return 1 if self.core.num_running < BATCHED_STREAMS_FROM else AUTO_STREAM_INTERVAL
+        return max(1, self.core.num_running // RUNNING_PER_STREAM_INTERVAL)
 
     def _step(self, ops: list[tuple]) -> list:
         """One step in the worker thread: the ops (sent to the other processes first), then
@@ -343,9 +343,9 @@ class Engine:
             self.on_finish(reason, len(sequence.token_ids))
 
 
-# Under load, tokens reach their requests every few steps (see `Engine`'s stream_interval).
-BATCHED_STREAMS_FROM = 16
-AUTO_STREAM_INTERVAL = 4
+# Under load, tokens reach their requests every few steps (see `Engine`'s stream_interval):
+# one step more between deliveries for every this many running sequences.
+RUNNING_PER_STREAM_INTERVAL = 8
 
 HEARTBEAT_S = 60.0  # idle rank 0 tells the other processes it is alive this often
 
