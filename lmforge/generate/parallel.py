@@ -6,10 +6,13 @@ the meta device, applies the trainer's tensor-parallel plan without sequence par
 materializes each process's shards and fills them from rank 0's copy of the weights
 (broadcast). Attention heads, KV-cache heads and MLP columns are split N ways; the output
 projection all-gathers the logits, so every process holds the same logits and makes the same
-greedy choice. Each process then runs the same engine on the same prompts (sampled sequences
-draw from one seed, `shared_seed`), so each picks the same decode shapes (batch and KV buckets,
-from its sequences' lengths) and joins the same collectives; only rank 0 writes output. Without torchrun (or with one
-process) `load_model` is `lmforge.load`.
+greedy choice. The blocks then run on their local shards as plain tensors, with one all-reduce
+after each row-parallel linear (`run_blocks_on_local_shards`): a DTensor linear costs tens of
+microseconds of Python dispatch per call, and an eager prefill or scoring pass makes seven per
+block. Each process then runs the same engine on the same prompts (sampled sequences draw from
+one seed, `shared_seed`), so each picks the same decode shapes (batch and KV buckets, from its
+sequences' lengths) and joins the same collectives; only rank 0 writes output. Without torchrun
+(or with one process) `load_model` is `lmforge.load`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from lmforge import models
 from lmforge.api import (
@@ -81,8 +87,42 @@ def load_model(
         state["output.weight"] = state["tok_embeddings.weight"]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, state, options=options)
+    run_blocks_on_local_shards(model, layout.mesh["tp"].get_group())
     tokenizer = load_tokenizer_for(path, args)
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=args, source=str(source))
+
+
+def run_blocks_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Turn each block of a tensor-parallel model (`apply_tensor_parallel` without sequence
+    parallelism) into plain modules over this process's shards: every DTensor parameter becomes
+    its local tensor, the plan's hooks that wrap and unwrap activations go, and a row-parallel
+    linear (weight sharded along its input, Shard(1)) sums its partial outputs over `group`
+    (a functional all-reduce, which torch.compile and CUDA graphs take). Column-parallel
+    linears already return this process's heads or columns, and replicated norms need nothing.
+    The computation is the plan's; only DTensor's per-op dispatch goes. The embedding and the
+    output projection stay DTensors (one call each per forward), so a tied table stays one."""
+    for block in model.layers.values():
+        for module in block.modules():
+            params = dict(module.named_parameters(recurse=False))
+            if not any(isinstance(p, DTensor) for p in params.values()):
+                continue
+            # parallelize_module registered these without handles (distribute_module).
+            module._forward_pre_hooks.clear()
+            module._forward_hooks.clear()
+            row_parallel = False
+            for name, param in params.items():
+                row_parallel |= isinstance(module, nn.Linear) and param.placements[0] == Shard(1)
+                local = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
+                setattr(module, name, local)
+            if row_parallel:
+                module.register_forward_hook(_sum_outputs(group))
+
+
+def _sum_outputs(group: dist.ProcessGroup):
+    def hook(module, inputs, output: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(output, "sum", group)
+
+    return hook
 
 
 @contextlib.contextmanager

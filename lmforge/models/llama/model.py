@@ -82,7 +82,7 @@ def fuse_linears(module: nn.Module, names: list[str], fused_name: str) -> None:
     is theirs concatenated (for inference: one matmul instead of several). The state dict keeps
     the original names: split on `state_dict()`, joined on `load_state_dict()`."""
     linears = [getattr(module, name) for name in names]
-    sizes = [linear.out_features for linear in linears]
+    sizes = [linear.weight.shape[0] for linear in linears]  # a TP shard: its own rows
     weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(sizes), in]
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=linears[0].weight.requires_grad)
