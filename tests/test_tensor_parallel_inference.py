@@ -103,7 +103,7 @@ def test_eval_tp2_loglikelihoods_equal_one_process(world):
 def test_serve_tp2_answers_as_one_process(world, tmp_path):
     """`lmforge launch --nproc 2 serve`: rank 0 serves HTTP, rank 1 replays its engine; greedy
     answers equal one process's `lmforge generate`, seeded sampling repeats, and SIGTERM ends
-    both processes."""
+    both processes and the launch (128 + 15, without a traceback)."""
     import signal
     import time
 
@@ -147,6 +147,9 @@ def test_serve_tp2_answers_as_one_process(world, tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
+    # torchrun passed the signal on and waited for both processes; no traceback of its own
+    assert process.returncode == 128 + signal.SIGTERM, log.read_text()
+    assert "Traceback" not in log.read_text() and "stopped by SIGTERM" in log.read_text()
     argv = ["generate", str(artifact), "--prompt", *PROMPTS, "--temperature", "0"]
     one = _lmforge(*argv, "--max-new-tokens", "16")
     for prompt, text in zip(PROMPTS, greedy):

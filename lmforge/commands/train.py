@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -170,8 +169,9 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def launch_main(args: argparse.Namespace) -> int:
+    from lmforge.launch.base import run_torchrun
+
     cmd = torchrun_command(args)
     print("+ " + shlex.join(cmd), file=sys.stderr)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_torchrun(cmd)

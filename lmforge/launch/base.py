@@ -357,6 +357,28 @@ def torchrun_command(
     return [*cmd, "-m", "lmforge", *argv]
 
 
+def run_torchrun(command: list[str]) -> int:
+    """Run a `torchrun_command` in this process (torchrun's own launcher, not a copy of it) and
+    return its exit code. A SIGTERM or SIGINT reaches the workers (torchrun passes it on and
+    waits for them: training saves, a server drains) and ends the launch with 128 + the
+    signal's number, without torchrun's traceback; a failed worker gets torchrun's report of
+    the first failure and exit code 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    start = command.index("torch.distributed.run") + 1  # after `python -m`
+    try:
+        run(parse_args(command[start:]))
+    except SignalException as err:
+        print(f"lmforge launch: stopped by {err.sigval.name}", file=sys.stderr)
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        print(err.format_msg(), file=sys.stderr)
+        return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------- secrets
 
 

@@ -37,18 +37,29 @@ class LocalLauncher:
 
     Args:
         python: the interpreter that runs `-m lmforge` (default: this one).
-        stream: where stage output is echoed (default: stdout); None echoes nothing.
+        stream: where stage output is echoed (default "stdout": sys.stdout at each write); None
+            echoes nothing.
         prefix: prepend `[stage] ` to each echoed line.
     """
 
     name = "local"
 
     def __init__(
-        self, *, python: str | None = None, stream: TextIO | None = sys.stdout, prefix: bool = True
+        self,
+        *,
+        python: str | None = None,
+        stream: TextIO | str | None = "stdout",
+        prefix: bool = True,
     ) -> None:
         self.python = python or sys.executable
-        self.stream = stream
+        self._stream = stream
         self.prefix = prefix
+
+    @property
+    def stream(self) -> TextIO | None:
+        """Where output is echoed now: "stdout" is whatever sys.stdout is at the time (a
+        default of `sys.stdout` itself would be the one of when this module was imported)."""
+        return sys.stdout if self._stream == "stdout" else self._stream
 
     # ------------------------------------------------------------------ interface
 
@@ -194,9 +205,10 @@ class LocalLauncher:
                 continue
             log.write(line)
             log.flush()
-            if self.stream is not None:
-                self.stream.write(f"[{name}] {line}" if self.prefix else line)
-                self.stream.flush()
+            stream = self.stream
+            if stream is not None:
+                stream.write(f"[{name}] {line}" if self.prefix else line)
+                stream.flush()
         pipe.close()
 
 
