@@ -37,6 +37,7 @@ from lmforge.plan.memory import (
     DTYPE_BYTES,
     NCCL_BYTES,
     GiB,
+    PhasedMemory,
     Setup,
     param_specs,
     parse_memory,
@@ -241,15 +242,11 @@ def quantize_device_bytes(setup: InferenceSetup) -> int:
 # ----------------------------------------------------------------------------- the plan
 
 
-@dataclass
-class InferencePlan:
+@dataclass(kw_only=True)
+class InferencePlan(PhasedMemory):
     """Per-GPU memory of an inference stage: its phases' components, the peak, the verdict."""
 
     setup: InferenceSetup
-    phases: dict[str, dict[str, int]]
-    peak_phase: str
-    overhead: int
-    gpu_memory: int | None
     host_bytes: int = 0  # host memory the stage needs besides the process itself
     notes: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
@@ -259,16 +256,8 @@ class InferencePlan:
         return self.setup.tp
 
     @property
-    def peak_allocated(self) -> int:
-        return sum(self.phases[self.peak_phase].values())
-
-    @property
-    def total(self) -> int:
-        return self.peak_allocated + self.overhead
-
-    @property
     def fits(self) -> bool | None:
-        return None if self.gpu_memory is None else self.total <= self.gpu_memory
+        return self.gpu_fits
 
 
 def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -> InferencePlan:
@@ -302,7 +291,15 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
     peak = sum(phases[peak_phase].values())
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.tp > 1 else 0)
     overhead += int(ALLOCATOR_SLACK * peak)
-    return InferencePlan(setup, phases, peak_phase, overhead, gpu_memory, host, notes)
+    return InferencePlan(
+        setup=setup,
+        phases=phases,
+        peak_phase=peak_phase,
+        overhead=overhead,
+        gpu_memory=gpu_memory,
+        host_bytes=host,
+        notes=notes,
+    )
 
 
 def describe_inference(setup: InferenceSetup) -> str:

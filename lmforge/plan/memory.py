@@ -600,21 +600,14 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
 
 
 @dataclass
-class Plan:
-    """Per-GPU memory of one training step: each phase's live components, the peak, the
-    verdict."""
+class PhasedMemory:
+    """Per-GPU memory as phases of live components (bytes by name), the peak phase, and
+    what comes on top of allocated memory; training and inference plans both are one."""
 
-    setup: Setup
     phases: dict[str, dict[str, int]]
     peak_phase: str
-    overhead: int
+    overhead: int  # context, NCCL and allocator slack
     gpu_memory: int | None
-    host: dict[str, int]  # per GPU process, on the host
-    labels: dict[str, str]
-    notes: list[str] = field(default_factory=list)
-    load_host_bytes: int = 0  # rank 0's host memory while loading the starting weights
-    host_memory: int | None = None  # per node
-    suggestions: list[Suggestion] = field(default_factory=list)
 
     @property
     def peak_allocated(self) -> int:
@@ -629,6 +622,20 @@ class Plan:
     @property
     def gpu_fits(self) -> bool | None:
         return None if self.gpu_memory is None else self.total <= self.gpu_memory
+
+
+@dataclass(kw_only=True)
+class Plan(PhasedMemory):
+    """Per-GPU memory of one training step: each phase's live components, the peak, the
+    verdict."""
+
+    setup: Setup
+    host: dict[str, int]  # per GPU process, on the host
+    labels: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    load_host_bytes: int = 0  # rank 0's host memory while loading the starting weights
+    host_memory: int | None = None  # per node
+    suggestions: list[Suggestion] = field(default_factory=list)
 
     @property
     def host_total(self) -> int:
