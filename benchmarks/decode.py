@@ -56,11 +56,32 @@ def _quantized(scheme: str, group_size: int | None) -> Callable[[nn.Module], nn.
     return apply
 
 
+def _gemlite(bit_width: int, group_size: int | None) -> Callable[[nn.Module], nn.Module]:
+    """torchao's gemlite layout (`UIntxWeightOnlyConfig`: bit-packed weights, gemlite's Triton
+    GEMV/GEMM kernels), tried here before lmforge's quantize stage offers it: tinygemm int4
+    reads ~1 TB/s at batch 1 on an H200. Needs the gemlite package (benchmarks/device_wheels.sh)."""
+
+    def apply(model: nn.Module) -> nn.Module:
+        from torchao.prototype.quantization import UIntxWeightOnlyConfig
+        from torchao.quantization import quantize_
+
+        from lmforge.quantize.quantize import quantized_module_names
+
+        chosen = set(quantized_module_names(model.args, quantize_output=False))
+        config = UIntxWeightOnlyConfig(group_size=group_size, bit_width=bit_width)
+        quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
+        return model
+
+    return apply
+
+
 SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "bf16": lambda model: model,
     "fp32": lambda model: model.float(),  # CPUs without fast bf16 matmuls
     "int8-wo": _quantized("int8-wo", None),
     "int4-wo": _quantized("int4-wo", 128),
+    "int4-gemlite": _gemlite(4, 128),
+    "int8-gemlite": _gemlite(8, None),
 }
 
 VARIANTS = (
@@ -69,6 +90,7 @@ VARIANTS = (
     "lmforge-untuned",
     "lmforge-autotune",
     "lmforge-eager",
+    "lmforge-graphs",
     "hf",
     "hf-static",
 )
@@ -119,6 +141,7 @@ def bench_lmforge(
     fuse: bool = True,
     tune: bool = True,
     autotune: bool = False,
+    graphs: str = "compiler",
 ):
     generator = Generator(
         model,
@@ -128,6 +151,7 @@ def bench_lmforge(
         compile=compile,
         fuse=fuse,
         tune_decode=tune,
+        graphs=graphs,
     )
     if autotune:  # inductor's max-autotune for the decode compiles (benchmarks.decode_profile)
         from benchmarks.decode_profile import autotuned
@@ -248,6 +272,7 @@ def main() -> None:
                         fuse=variant != "lmforge-unfused",
                         tune=variant != "lmforge-untuned",
                         autotune=variant == "lmforge-autotune",
+                        graphs="engine" if variant == "lmforge-graphs" else "compiler",
                     )
                     if scheme == "bf16":
                         bf16_bytes, reference = num_bytes, reference or tokens

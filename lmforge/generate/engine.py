@@ -43,8 +43,9 @@ chunked prefill.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -68,6 +69,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # max_seq_len (read when an engine is built: tests lower it to cross buckets cheaply).
 MIN_KV_BUCKET = 256
 
+
+# Who records the decode steps' CUDA graphs (Engine's `graphs`).
+GRAPH_RECORDERS = ("compiler", "engine")
 
 # New prompts joining running sequences are prefilled together (see `Engine._prefill_due`).
 PREFILL_BATCH = 4
@@ -118,12 +122,14 @@ def batched_decode_step(model, caches, tokens, positions, slots) -> torch.Tensor
 
 def local_kv_heads(model: nn.Module) -> int:
     """Key/value heads this process holds: all, or its share under tensor parallelism (the
-    heads of a DTensor-sharded `wk`)."""
+    rows of its `wk` shard, or of the key part of a fused `wqkv`)."""
     attention = next(iter(model.layers.values())).attention
-    weight = getattr(getattr(attention, "wk", None), "weight", None)
-    if isinstance(weight, DTensor):
-        return model.args.num_kv_heads // weight.device_mesh.size()
-    return model.args.num_kv_heads
+    if attention.wqkv is not None:
+        kv_dim = attention.fused_sizes[1]
+    else:
+        weight = attention.wk.weight
+        kv_dim = (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
+    return kv_dim // model.args.head_dim
 
 
 def plain_quantized_weights(model: nn.Module) -> None:
@@ -148,6 +154,44 @@ def expect_cudagraph_shapes(count: int) -> None:
     limit = config.cudagraph_dynamic_shape_warn_limit
     if limit is not None and limit < count:
         config.cudagraph_dynamic_shape_warn_limit = count
+
+
+class DecodeGraphs:
+    """CUDA graphs of the compiled decode steps recorded by the engine itself, one per (batch
+    bucket, KV bucket), all in one memory pool: a replay is one call, where a graph under
+    torch.compile's "reduce-overhead" mode goes through dynamo's guards and its CUDA graph
+    trees' bookkeeping on every call (~17% of the server's engine thread at 64 streams on an
+    H200). Every input of a step is a buffer that never moves (weights, cache, the row views,
+    the slot views), so nothing is copied in; the logits it returns are the graph's own
+    buffer, overwritten by the next replay of that graph (the engine samples them first).
+    Steps are idempotent (a step writes its tokens' K/V at their positions and advances
+    nothing), so a new pair runs twice uncaptured (compiling, tuning) before it is recorded."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def run(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self.graphs:
+            self.graphs[key] = self._record(step)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits
+
+    def _record(
+        self, step: Callable[[], torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's event loop thread may touch CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = step()
+        return graph, logits
 
 
 @dataclass
@@ -176,6 +220,9 @@ class Engine:
             weights only; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
+        graphs: on CUDA, who records the decode steps' CUDA graphs: "compiler" (torch.compile's
+            "reduce-overhead" mode) or "engine" (`DecodeGraphs`: replayed without dynamo's
+            per-call wrapper).
     """
 
     def __init__(
@@ -190,8 +237,11 @@ class Engine:
         prefill_chunk: int | None = None,
         fuse: bool = True,
         tune_decode: bool = True,
+        graphs: str = "compiler",
     ) -> None:
         args = model.args
+        if graphs not in GRAPH_RECORDERS:
+            raise ConfigError(f"graphs={graphs!r}: expected one of {', '.join(GRAPH_RECORDERS)}")
         if max_batch < 1:
             raise ConfigError(f"max_batch={max_batch} must be >= 1")
         max_seq_len = max_seq_len or min(args.max_seq_len, 4096)
@@ -225,19 +275,26 @@ class Engine:
         )
         self.compiled = self.on_cuda if compile is None else compile
         self.tune_decode = tune_decode
+        use_engine_graphs = self.compiled and self.on_cuda and graphs == "engine"
+        self.graphs = DecodeGraphs() if use_engine_graphs else None
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
         self.overlap = self.on_cuda
         self._decode_one, self._decode_many = decode_step, batched_decode_step
         # The `slots` a decode step over each KV bucket's length takes: views of one arange.
         every_slot = torch.arange(max_seq_len, device=device)
         self._kv_slots = {length: every_slot[:length] for length in self.kv_buckets}
-        if self.compiled:
-            plain_quantized_weights(self.model)
-            self._compile_decode()
         self._last_slot = max_seq_len - 1
         # Each row's next input token and its position; rows not decoding sit at the last slot.
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
         self._positions = torch.full((max_batch,), self._last_slot, device=device)
+        # A decode step's inputs over rows 0..b-1, per bucket: views [b, 1] made once, so that
+        # a CUDA graph reads them where they are instead of copying them in at every replay.
+        self._row_inputs = {
+            b: (self._tokens[:b, None], self._positions[:b, None]) for b in self.buckets
+        }
+        if self.compiled:
+            plain_quantized_weights(self.model)
+            self._compile_decode()
         self._rows: list[Sequence | None] = [None] * max_batch
         self._waiting: deque[Sequence] = deque()
         self._prefilling: deque[Sequence] = deque()  # admitted, prompt not all in the cache
@@ -262,13 +319,19 @@ class Engine:
                 torch._dynamo.mark_dynamic(
                     slots, 0, min=self.kv_buckets[0], max=self.kv_buckets[-1]
                 )
+        row_inputs = [t for b, views in self._row_inputs.items() if b > 1 for t in views]
+        for tensor in row_inputs:  # one compile for every bucket > 1
+            torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.max_batch)
         if self.on_cuda:  # the CPU: otherwise inductor's defaults
-            # CUDA graphs may only write into inputs whose address never changes; the slots
-            # (views of one arange, all at one address) need no copy into the graph either.
-            for tensor in [*self.caches.tensors(), *self._kv_slots.values()]:
+            # CUDA graphs may only write into inputs whose address never changes; the slots,
+            # tokens and positions (views of buffers that stay where they are) need no copy
+            # into the graph either.
+            static = [*self.caches.tensors(), *self._kv_slots.values()]
+            for tensor in static + [t for views in self._row_inputs.values() for t in views]:
                 torch._dynamo.mark_static_address(tensor)
-            expect_cudagraph_shapes(len(self.buckets) * len(self.kv_buckets))
-            many = {**many, "triton.cudagraphs": True}  # mode="reduce-overhead"
+            if self.graphs is None:  # mode="reduce-overhead"
+                expect_cudagraph_shapes(len(self.buckets) * len(self.kv_buckets))
+                many = {**many, "triton.cudagraphs": True}
             one = {**many, "coordinate_descent_tuning": self.tune_decode}
         # dict(...): torch.compile pops guard_filter_fn from the options it is given.
         self._decode_one = torch.compile(
@@ -446,16 +509,16 @@ class Engine:
         KV bucket; default: the largest, max_seq_len - 1) -> float32 logits [bucket, vocab];
         changes no state but the caches' slots at those positions (warm-up, benchmarks: a
         sequence decoding at position p attends to `kv_bucket(p + 1)` slots)."""
+        kv_len = self.kv_bucket(kv_len or self.max_seq_len)
+        slots = self._kv_slots[kv_len]  # [kv_len]
+        tokens, positions = self._row_inputs[bucket]  # [bucket, 1] each
+        decode = self._decode_one if bucket == 1 else self._decode_many
+        if self.graphs is not None:
+            step = partial(decode, self.model, self.caches, tokens, positions, slots)
+            return self.graphs.run((bucket, kv_len), step)
         if self.compiled and self.on_cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        slots = self._kv_slots[self.kv_bucket(kv_len or self.max_seq_len)]  # [kv_len]
-        tokens, positions = self._tokens[:bucket, None], self._positions[:bucket, None]
-        if bucket == 1:
-            return self._decode_one(self.model, self.caches, tokens, positions, slots)
-        if self.compiled:  # one compile for every bucket > 1
-            for tensor in (tokens, positions):
-                torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.max_batch)
-        return self._decode_many(self.model, self.caches, tokens, positions, slots)
+        return decode(self.model, self.caches, tokens, positions, slots)
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
         """One token for each decoding sequence -> their tokens [n] (on the device)."""
