@@ -184,3 +184,15 @@ def test_a_pipeline_eval_stage_runs_tensor_parallel(world, tmp_path):
     (tmp_path / "p.toml").write_text(text)
     with pytest.raises(lmforge.errors.ConfigError, match="runs on one node"):
         load_pipeline(tmp_path / "p.toml", workdir=tmp_path)
+
+
+def test_launch_ends_with_exit_code_2_on_a_user_error(tmp_path):
+    """A user error in the processes (a missing artifact) ends `lmforge launch` with 2 and the
+    processes' own message, not torchrun's failure report."""
+    command = [sys.executable, "-m", "lmforge", "launch", "--nproc", "2", "generate"]
+    command += [str(tmp_path / "missing"), "--prompt", "hi"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "missing: no such file or directory" in done.stderr
+    assert "stopped on the error above" in done.stderr and "Root Cause" not in done.stderr

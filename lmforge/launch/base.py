@@ -361,8 +361,9 @@ def run_torchrun(command: list[str]) -> int:
     """Run a `torchrun_command` in this process (torchrun's own launcher, not a copy of it) and
     return its exit code. A SIGTERM or SIGINT reaches the workers (torchrun passes it on and
     waits for them: training saves, a server drains) and ends the launch with 128 + the
-    signal's number, without torchrun's traceback; a failed worker gets torchrun's report of
-    the first failure and exit code 1."""
+    signal's number, without torchrun's traceback. A first failure that is a user error (exit
+    code 2, the process's own message above) ends it with 2 (the others are stopped); another
+    failure gets torchrun's report of the first failure and 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -374,6 +375,10 @@ def run_torchrun(command: list[str]) -> int:
         print(f"lmforge launch: stopped by {err.sigval.name}", file=sys.stderr)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
+        _, first = err.get_first_failure()
+        if first.exitcode == 2:  # a user error, reported by the process itself
+            print("lmforge launch: stopped on the error above", file=sys.stderr)
+            return 2
         print(err.format_msg(), file=sys.stderr)
         return 1
     return 0
