@@ -62,6 +62,7 @@ from lmforge.generate.sequence import (
     encode_prompt,
 )
 from lmforge.modules.kv_cache import KVCaches, attention_mask
+from lmforge.quantize.fuse import QuantizedRowStack
 
 # Decode batch sizes with a CUDA graph of their own.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -217,7 +218,7 @@ class Engine:
         prefill_chunk: prompt tokens prefilled per step at most (default 2048 on CUDA, 512
             elsewhere).
         fuse: join each block's q/k/v and gate/up projections into one matmul each (plain
-            weights only; the state dict keeps Meta's names).
+            or int8 weight-only weights; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
         graphs: on CUDA, who records the decode steps' CUDA graphs: "compiler" (torch.compile's
@@ -254,7 +255,8 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        self.fused = fuse and hasattr(model, "fuse_projections") and model.fuse_projections()
+        # Quantized int8 weights fuse too (lmforge.quantize.fuse), exactly.
+        self.fused = fuse and model.fuse_projections(QuantizedRowStack())
         self.tokenizer = tokenizer
         self.args = args
         self.device = device
