@@ -103,7 +103,7 @@ class LmforgeLM(LM):
         self.add_bos_token = self.tokenizer.adds_bos if add_bos_token is None else add_bos_token
         self.max_gen_toks = max_gen_toks
         self._seeds = torch.Generator().manual_seed(seed)  # one sampling seed per batch
-        self._engines: dict[int, Generator] = {}
+        self._generator: Generator | None = None  # see `_engine`
         specials = sorted(self.tokenizer.special_tokens, key=len, reverse=True)
         self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
 
@@ -296,14 +296,17 @@ class LmforgeLM(LM):
         return texts
 
     def _engine(self, length: int) -> Generator:
-        """A Generator whose cache holds `length` tokens per row (sizes rounded up to a power
-        of two and kept, so that a compiled decode step is reused across requests)."""
+        """The one Generator, its cache holding at least `length` tokens per row: made at the
+        first request's size (a power of two, at most the context), replaced by a larger one
+        only for a longer request (lm-eval sends the longest first), so its decode step
+        compiles once; a decode step reads only the cache slots its sequences use."""
         size = min(self.max_length, self.loaded.config.max_seq_len, 1 << (length - 1).bit_length())
-        if size not in self._engines:
-            self._engines[size] = Generator(
+        if self._generator is None or self._generator.max_seq_len < size:
+            self._generator = None  # the old cache goes before the new one is made
+            self._generator = Generator(
                 self.model, self.tokenizer, max_batch=self.batch_size, max_seq_len=size
             )
-        return self._engines[size]
+        return self._generator
 
     # --- chat format -----------------------------------------------------------------------
 
