@@ -19,6 +19,7 @@ and `format_comparison_table` make the console tables (value ± standard error, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -26,10 +27,12 @@ import logging
 import math
 import os
 import re
+import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 from lm_eval.api.instance import Instance
@@ -449,6 +452,25 @@ def model_record(source: str | Path) -> dict:
     return record
 
 
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm-eval records the git commit of the working directory with `git describe`, whose
+    "fatal: not a git repository" reaches the user's terminal outside a checkout: the same
+    lookup with git's stderr dropped."""
+    import lm_eval.evaluator
+
+    def git_hash() -> str | None:
+        command = ["git", "describe", "--always"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+        except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout
+            return None
+        return done.stdout.strip() or None
+
+    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", git_hash):
+        yield
+
+
 def run_eval(
     sources: Sequence[str | Path],
     tasks: Sequence[str],
@@ -523,21 +545,22 @@ def run_eval(
         if lm.device.type == "cuda":  # the evaluation's peak, not the loading's
             torch.cuda.reset_peak_memory_stats(lm.device)
         start = time.perf_counter()
-        raw = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=task_manager,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            batch_size=batch_size,
-            device=settings["device"],
-            log_samples=log_samples,
-            apply_chat_template=apply_chat_template,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        with quiet_git_hash():
+            raw = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                task_manager=task_manager,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                batch_size=batch_size,
+                device=settings["device"],
+                log_samples=log_samples,
+                apply_chat_template=apply_chat_template,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
         runtime = _runtime(time.perf_counter() - start, lm.device)
         if raw is None:  # tensor parallel: lm-eval reports on rank 0 only
             continue
