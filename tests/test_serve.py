@@ -373,6 +373,40 @@ def test_a_stream_interval_batches_tokens_but_not_the_first_or_last(reference):
     assert "".join(output.text for batch in got for output in batch) == expected
 
 
+def test_a_failed_step_ends_its_requests_with_error_and_serving_goes_on(reference, monkeypatch):
+    """A step that raises (a bug, not the client's doing) ends the sequences it held with
+    "error"; the engine thread goes on and serves the next request."""
+    from lmforge.serve.engine import Engine, SequenceRequest
+
+    params = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=())
+    real_step, calls = reference.engine.step, []
+
+    def step_failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return real_step()
+
+    monkeypatch.setattr(reference.engine, "step", step_failing_once)
+
+    async def two_requests() -> tuple[list, list, bool]:
+        engine = Engine(reference, max_queue=4)
+        await engine.start()
+        try:
+            ids = reference.engine.encode_prompt("the cat sat")
+            outputs = []
+            for _ in range(2):
+                submission = engine.submit([SequenceRequest(ids, params)])
+                outputs.append([o async for batch in submission.events() for o in batch])
+            return *outputs, engine.running
+        finally:
+            await engine.stop()
+
+    failed, served, running = asyncio.run(two_requests())
+    assert [output.finish_reason for output in failed] == ["error"]
+    assert len(served) == 4 and served[-1].finish_reason == "length" and running
+
+
 # ---- the bad-input contract ----------------------------------------------------------------
 
 BAD_REQUESTS = [

@@ -1,10 +1,13 @@
 """The server's side of the inference engine: requests in, token streams out, on asyncio.
 
 `Engine` wraps the generator's `lmforge.generate.Engine` (continuous batching over one KV cache
-of `max_batch` rows; see lmforge/generate/engine.py) and runs its steps in a background asyncio
-task: each `step()` runs in a worker thread, so the event loop keeps serving HTTP meanwhile, and
-the tokens it returns go to their requests' queues. Everything that changes the core engine
-(adding sequences, cancelling them) happens on the event loop between steps.
+of `max_batch` rows; see lmforge/generate/engine.py) and runs its steps one after another in an
+engine thread of its own while there is work, so the event loop serves HTTP meanwhile: the
+thread posts each step's tokens to the loop (`call_soon_threadsafe`), which hands them to their
+requests' queues, and starts the next step without waiting for the loop (a round trip through
+the loop for every step put the loop's turn and two thread hand-offs between consecutive steps).
+Only the thread touches the core engine while it runs: the loop records changes (adding
+sequences, cancelling them) as ops, which the thread applies at the start of its next step.
 
 Under tensor parallelism (`lmforge launch --nproc N serve`) rank 0 serves HTTP and every other
 process replays its engine: the loop records each change to the core engine as an op (add,
@@ -24,13 +27,12 @@ greedy output does not depend on what runs beside it, and a seeded one draws the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from lmforge.generate import Generator, SamplingParams, TokenEvent
@@ -118,7 +120,8 @@ class Submission:
         if not self.cancelled and not all(s.done for s in self.sequences):
             self.cancelled = True
             self.cancel_reason = reason
-            self.engine._wake.set()
+            for sequence in self.sequences:
+                self.engine._finish(sequence, reason, notify=False)
 
 
 class Engine:
@@ -155,9 +158,10 @@ class Engine:
         self.generator = generator
         self.core = generator.engine
         self.mirror = mirror  # rank 0 under tensor parallelism: (ops, action) to the others
-        self._ops: list[tuple] = []  # changes for the next step (event loop side)
+        self._ops: list[tuple] = []  # changes for the next step (taken under _ops_lock)
+        self._ops_lock = threading.Lock()
         self._keys: dict[EngineSequence, int] = {}  # event loop side
-        self._sequences: dict[int, EngineSequence] = {}  # worker thread side
+        self._sequences: dict[int, EngineSequence] = {}  # engine thread side
         self._next_key = 0
         self.max_concurrency = generator.max_batch
         self.max_queue = max_queue
@@ -165,9 +169,10 @@ class Engine:
         self.on_step = on_step
         self.stream_interval = stream_interval
         self._submissions: dict[EngineSequence, Submission] = {}  # every sequence not done
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._wake = threading.Event()  # set when ops are added or the engine stops
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.num_steps = 0
 
     # ---- state ----------------------------------------------------------------------------
@@ -187,43 +192,37 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._thread is not None and self._thread.is_alive()
 
     async def start(self) -> None:
         if self.running:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmforge-engine")
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._loop(), name="lmforge-engine")
-        self._task.add_done_callback(self._loop_ended)
-
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("the engine loop failed", exc_info=task.exception())
-            self._fail_all()
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        """Cancel the loop; sequences still there finish with "error"."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._executor is not None:  # a step still running in it ends first
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the engine thread (a step under way ends first); sequences still there finish
+        with "error"."""
+        if self._thread is not None:
+            self._stopping = True
+            self._wake.set()
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
         if self.mirror is not None:
             self.mirror([], "stop")
             self.mirror = None
+        self._clear_core()
         self._fail_all()
 
     def _fail_all(self) -> None:
-        """End every sequence with "error" (the loop is not stepping: the core is cleared now)."""
+        """End every sequence with "error", on the event loop: ops not applied yet go with
+        them, and sequences already in the core are cancelled at the engine's next step (the
+        core is cleared by the engine thread after a failed step, by `stop` at the end)."""
+        self._take_ops()
         for sequence in list(self._submissions):
             self._finish(sequence, "error", notify=True)
-        self._ops.clear()
-        self.core.clear()
-        self._sequences.clear()
 
     # ---- submitting -----------------------------------------------------------------------
 
@@ -254,52 +253,71 @@ class Engine:
         for sequence, op in zip(submission.sequences, ops):
             self._submissions[sequence] = submission
             self._keys[sequence] = op[1]
-        self._ops += ops
-        self._wake.set()
+        self._add_ops(ops)
         return submission
+
+    def _add_ops(self, ops: list[tuple]) -> None:
+        with self._ops_lock:
+            self._ops += ops
+        self._wake.set()
+
+    def _take_ops(self) -> list[tuple]:
+        with self._ops_lock:
+            ops, self._ops = self._ops, []
+        return ops
 
     # ---- the loop -------------------------------------------------------------------------
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._drop_cancelled()
-            if not self.core.has_work and not self._ops:
-                self._wake.clear()
-                if self.mirror is None:
-                    await self._wake.wait()
-                    continue
-                try:  # the other processes wait in a collective that must not time out
-                    await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
-                except TimeoutError:
-                    await loop.run_in_executor(self._executor, self.mirror, [], "wait")
+    def _run(self) -> None:
+        """The engine thread: step while there is work, post each step's tokens to the event
+        loop, sleep on `_wake` otherwise (under tensor parallelism with a heartbeat to the
+        other processes, which wait in a collective that must not time out)."""
+        while not self._stopping:
+            self._wake.clear()  # before looking: ops added from here on set it again
+            ops = self._take_ops()
+            if not ops and not self.core.has_work:
+                woken = self._wake.wait(HEARTBEAT_S if self.mirror is not None else None)
+                if not woken and self.mirror is not None:
+                    self.mirror([], "wait")
                 continue
-            ops, self._ops = self._ops, []
             started = time.perf_counter()
             try:
-                events = await loop.run_in_executor(self._executor, self._step, ops)
-            except Exception:
+                events = self._step(ops)
+            except Exception as err:
+                self._clear_core()
+                self._loop.call_soon_threadsafe(self._step_failed, err)
                 if self.mirror is not None:
-                    raise  # the processes are out of step: nothing to keep serving with
-                # A bug, not the client's doing: fail what runs now, keep serving.
-                logger.exception("generation step failed")
-                self._fail_all()
+                    return  # the processes are out of step: nothing to keep serving with
                 continue
-            self.num_steps += 1
-            if self.on_step is not None:
-                self.on_step(len(events), time.perf_counter() - started)
-            touched: dict[int, Submission] = {}
-            for sequence, event in events:
-                submission = self._submissions.get(sequence)
-                if submission is None or submission.cancelled:
-                    continue
-                submission.pending.append(_output(event))
-                touched[id(submission)] = submission
-                if event.finish_reason is not None:
-                    self._finish(sequence, event.finish_reason, notify=False)
-            every_step = self.num_steps % self._stream_interval() == 0
-            for submission in touched.values():
-                submission.deliver(every_step=every_step)
+            self._loop.call_soon_threadsafe(self._dispatch, events, time.perf_counter() - started)
+
+    def _clear_core(self) -> None:
+        """Drop every sequence from the core (the engine thread's side, or after it ended)."""
+        self.core.clear()
+        self._sequences.clear()
+
+    def _step_failed(self, err: Exception) -> None:
+        """A bug, not the client's doing: fail what ran, keep serving (one process)."""
+        logger.error("generation step failed", exc_info=err)
+        self._fail_all()
+
+    def _dispatch(self, events: list, seconds: float) -> None:
+        """On the event loop: one step's tokens to their requests."""
+        self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(len(events), seconds)
+        touched: dict[int, Submission] = {}
+        for sequence, event in events:
+            submission = self._submissions.get(sequence)
+            if submission is None or submission.cancelled:
+                continue
+            submission.pending.append(_output(event))
+            touched[id(submission)] = submission
+            if event.finish_reason is not None:
+                self._finish(sequence, event.finish_reason, notify=False)
+        every_step = self.num_steps % self._stream_interval() == 0
+        for submission in touched.values():
+            submission.deliver(every_step=every_step)
 
     def _stream_interval(self) -> int:
         """Steps between deliveries of a running sequence's tokens to its request."""
@@ -308,7 +326,7 @@ class Engine:
         return max(1, self.core.num_running // RUNNING_PER_STREAM_INTERVAL)
 
     def _step(self, ops: list[tuple]) -> list:
-        """One step in the worker thread: the ops (sent to the other processes first), then
+        """One step in the engine thread: the ops (sent to the other processes first), then
         the core engine's step."""
         if self.mirror is not None:
             self.mirror([op[:-1] if op[0] == "add" else op for op in ops], "step")
@@ -324,11 +342,6 @@ class Engine:
                 last = TokenOutput(sequence.index, -1, "", reason)
                 submission.deliver(every_step=True, last=last)
 
-    def _drop_cancelled(self) -> None:
-        for sequence, submission in list(self._submissions.items()):
-            if submission.cancelled:
-                self._finish(sequence, submission.cancel_reason, notify=False)
-
     def _finish(self, sequence: EngineSequence, reason: str, *, notify: bool) -> None:
         """Take a sequence out (its row is free for the next step)."""
         submission = self._submissions.pop(sequence, None)
@@ -336,7 +349,7 @@ class Engine:
             return
         key = self._keys.pop(sequence)
         if not sequence.finished:  # cancelled: its row is freed at the next step
-            self._ops.append(("cancel", key))
+            self._add_ops([("cancel", key)])
         if notify:
             submission.deliver(every_step=True, last=TokenOutput(sequence.index, -1, "", reason))
         if self.on_finish is not None:
