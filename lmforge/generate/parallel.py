@@ -6,10 +6,11 @@ the meta device, applies the trainer's tensor-parallel plan without sequence par
 materializes each process's shards and fills them from rank 0's copy of the weights
 (broadcast). Attention heads, KV-cache heads and MLP columns are split N ways; the output
 projection all-gathers the logits, so every process holds the same logits and makes the same
-greedy choice. The blocks then run on their local shards as plain tensors, with one all-reduce
-after each row-parallel linear (`run_blocks_on_local_shards`): a DTensor linear costs tens of
-microseconds of Python dispatch per call, and an eager prefill or scoring pass makes seven per
-block. Each process then runs the same engine on the same prompts (sampled sequences draw from
+greedy choice. The model then runs on its local shards as plain tensors, with one all-reduce
+after each row-parallel linear and after the embedding lookup, and an all-gather of the logits
+(`run_blocks_on_local_shards`, `run_vocabulary_on_local_shards`): a DTensor layer costs tens of
+microseconds of Python dispatch per call (an eager prefill or scoring pass makes seven per
+block), and a compiled decode step then traces plain tensors and functional collectives only. Each process then runs the same engine on the same prompts (sampled sequences draw from
 one seed, `shared_seed`), so each picks the same decode shapes (batch and KV buckets, from its
 sequences' lengths) and joins the same collectives; only rank 0 writes output. Without torchrun
 (or with one process) `load_model` is `lmforge.load`.
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -87,7 +89,9 @@ def load_model(
         state["output.weight"] = state["tok_embeddings.weight"]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, state, options=options)
-    run_blocks_on_local_shards(model, layout.mesh["tp"].get_group())
+    group = layout.mesh["tp"].get_group()
+    run_blocks_on_local_shards(model, group)
+    run_vocabulary_on_local_shards(model, group)
     tokenizer = load_tokenizer_for(path, args)
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=args, source=str(source))
 
@@ -100,7 +104,7 @@ def run_blocks_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> No
     (a functional all-reduce, which torch.compile and CUDA graphs take). Column-parallel
     linears already return this process's heads or columns, and replicated norms need nothing.
     The computation is the plan's; only DTensor's per-op dispatch goes. The embedding and the
-    output projection stay DTensors (one call each per forward), so a tied table stays one."""
+    output projection: `run_vocabulary_on_local_shards`."""
     for block in model.layers.values():
         for module in block.modules():
             params = dict(module.named_parameters(recurse=False))
@@ -116,6 +120,53 @@ def run_blocks_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> No
                 setattr(module, name, local)
             if row_parallel:
                 module.register_forward_hook(_sum_outputs(group))
+
+
+def run_vocabulary_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """The embedding and the output projection of a tensor-parallel model (the plan splits
+    both by vocabulary rows) on their local rows too, as plain modules: the lookup takes this
+    process's rows and zeros for the other processes' tokens, summed over `group`; the output
+    projection's logits for its rows are gathered along the vocabulary. A tied table stays one
+    parameter. A vocabulary that does not split evenly keeps DTensor's layers (a gather needs
+    equal parts)."""
+    table = model.tok_embeddings.weight
+    size = dist.get_world_size(group)
+    if model.args.vocab_size % size or not isinstance(table, DTensor):
+        return
+    rows = model.args.vocab_size // size
+    model.tok_embeddings = VocabularyShard(table.to_local(), dist.get_rank(group) * rows, group)
+    output = model.output
+    output._forward_pre_hooks.clear()  # the plan's (see run_blocks_on_local_shards)
+    output._forward_hooks.clear()
+    if model.args.tie_embeddings:
+        model.tie_weights()
+    else:
+        output.weight = nn.Parameter(output.weight.to_local(), requires_grad=False)
+    output.register_forward_hook(_gather_vocabulary(group))
+
+
+class VocabularyShard(nn.Module):
+    """Embedding rows [start, start + rows) of the table: tokens [...] -> their vectors
+    [..., dim], summed over `group` (each token's row lives on one process)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.group = group
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])
+        vectors = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return funcol.all_reduce(vectors.masked_fill(elsewhere[..., None], 0), "sum", self.group)
+
+
+def _gather_vocabulary(group: dist.ProcessGroup):
+    def hook(module, inputs, logits: torch.Tensor) -> torch.Tensor:  # [..., rows] -> [..., vocab]
+        return funcol.all_gather_tensor(logits, gather_dim=logits.dim() - 1, group=group)
+
+    return hook
 
 
 def _sum_outputs(group: dist.ProcessGroup):
