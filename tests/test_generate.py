@@ -350,6 +350,13 @@ def test_report_and_errors(hf_pair):
     tied = build_model(args)
     assert weight_bytes(tied) == sum(p.numel() * 4 for p in tied.parameters())
     assert weight_bytes(tied.to(torch.bfloat16)) == args.num_params() * 2
+    # a tensor-parallel process's vocabulary rows are an embedding too (only looked up)
+    from lmforge.generate.parallel import VocabularyShard
+
+    untied = build_model(model.args)
+    untied_bytes = weight_bytes(untied)
+    untied.tok_embeddings = VocabularyShard(untied.tok_embeddings.weight.detach(), 0, None)
+    assert weight_bytes(untied) == untied_bytes
     with pytest.raises(ConfigError, match="max_seq_len"):
         generator.generate([list(range(16))], GREEDY)
     with pytest.raises(ConfigError, match="tokenizer"):

@@ -145,13 +145,12 @@ def run_vocabulary_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -
     output.register_forward_hook(_gather_vocabulary(group))
 
 
-class VocabularyShard(nn.Module):
+class VocabularyShard(nn.Embedding):
     """Embedding rows [start, start + rows) of the table: tokens [...] -> their vectors
     [..., dim], summed over `group` (each token's row lives on one process)."""
 
     def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        super().__init__(*weight.shape, _weight=weight, _freeze=True)
         self.start = start
         self.group = group
 
