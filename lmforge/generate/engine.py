@@ -123,13 +123,12 @@ def batched_decode_step(model, caches, tokens, positions, slots) -> torch.Tensor
 
 def local_kv_heads(model: nn.Module) -> int:
     """Key/value heads this process holds: all, or its share under tensor parallelism (the
-    rows of its `wk` shard, or of the key part of a fused `wqkv`)."""
+    rows of its `wk` shard, or of the key part of a fused `wqkv`; the blocks of a
+    tensor-parallel model run on local shards, lmforge.generate.parallel)."""
     attention = next(iter(model.layers.values())).attention
-    if attention.wqkv is not None:
-        kv_dim = attention.fused_sizes[1]
-    else:
-        weight = attention.wk.weight
-        kv_dim = (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
+    kv_dim = (
+        attention.fused_sizes[1] if attention.wqkv is not None else attention.wk.weight.shape[0]
+    )
     return kv_dim // model.args.head_dim
 
 

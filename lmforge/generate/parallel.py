@@ -110,9 +110,7 @@ def run_blocks_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> No
             params = dict(module.named_parameters(recurse=False))
             if not any(isinstance(p, DTensor) for p in params.values()):
                 continue
-            # parallelize_module registered these without handles (distribute_module).
-            module._forward_pre_hooks.clear()
-            module._forward_hooks.clear()
+            _drop_plan_hooks(module)
             row_parallel = False
             for name, param in params.items():
                 row_parallel |= isinstance(module, nn.Linear) and param.placements[0] == Shard(1)
@@ -136,8 +134,7 @@ def run_vocabulary_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -
     rows = model.args.vocab_size // size
     model.tok_embeddings = VocabularyShard(table.to_local(), dist.get_rank(group) * rows, group)
     output = model.output
-    output._forward_pre_hooks.clear()  # the plan's (see run_blocks_on_local_shards)
-    output._forward_hooks.clear()
+    _drop_plan_hooks(output)
     if model.args.tie_embeddings:
         model.tie_weights()
     else:
@@ -166,6 +163,13 @@ def _gather_vocabulary(group: dist.ProcessGroup):
         return funcol.all_gather_tensor(logits, gather_dim=logits.dim() - 1, group=group)
 
     return hook
+
+
+def _drop_plan_hooks(module: nn.Module) -> None:
+    """Remove the hooks with which the plan turns a module's inputs and outputs into DTensors
+    and back (parallelize_module registers them without handles: distribute_module)."""
+    module._forward_pre_hooks.clear()
+    module._forward_hooks.clear()
 
 
 def _sum_outputs(group: dist.ProcessGroup):
