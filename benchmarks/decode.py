@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,7 +91,6 @@ VARIANTS = (
     "lmforge-untuned",
     "lmforge-autotune",
     "lmforge-eager",
-    "lmforge-graphs",
     "hf",
     "hf-static",
 )
@@ -141,7 +141,6 @@ def bench_lmforge(
     fuse: bool = True,
     tune: bool = True,
     autotune: bool = False,
-    graphs: str = "compiler",
 ):
     generator = Generator(
         model,
@@ -151,7 +150,6 @@ def bench_lmforge(
         compile=compile,
         fuse=fuse,
         tune_decode=tune,
-        graphs=graphs,
     )
     if autotune:  # inductor's max-autotune for the decode compiles (benchmarks.decode_profile)
         from benchmarks.decode_profile import autotuned
@@ -272,7 +270,6 @@ def main() -> None:
                         fuse=variant != "lmforge-unfused",
                         tune=variant != "lmforge-untuned",
                         autotune=variant == "lmforge-autotune",
-                        graphs="engine" if variant == "lmforge-graphs" else "compiler",
                     )
                     if scheme == "bf16":
                         bf16_bytes, reference = num_bytes, reference or tokens
@@ -287,6 +284,7 @@ def main() -> None:
                         peak_mem_gb=_peak_gb(),
                     )
                 except Exception as err:  # one failing variant must not lose the others
+                    traceback.print_exc()
                     row["error"] = f"{type(err).__name__}: {err}"[:300]
                 record(row)
                 model = None

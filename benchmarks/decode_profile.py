@@ -8,9 +8,11 @@ skipped CUDA graphs.
     python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 int8-wo int4-wo
     python3 benchmarks/decode_profile.py --schemes bf16 --variants default autotune
 
-Variants (each a fresh compile): default (the engine as it is); autotune (inductor
-max-autotune); sdpa-math (attention traced through the math backend, so inductor writes its
-kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may serve the default graph).
+Variants (each a fresh compile): default (the engine as it is); no-tuning (no coordinate
+descent tuning: inductor keeps bf16 matrix-vector products as cuBLAS calls instead of its own
+reductions); cublas-output (the output projection an opaque cuBLAS call); autotune (inductor max-autotune);
+sdpa-math (attention traced through the math backend, so inductor writes its kernels; run it
+with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may serve the default graph).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -60,6 +62,17 @@ def trace_steps(generator: Generator, path: Path, kv_len: int, steps: int = 20) 
     prof.export_chrome_trace(str(path))
 
 
+@torch.library.custom_op("lmforge_bench::linear", mutates_args=())
+def opaque_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear that inductor cannot see into: it stays one cuBLAS call."""
+    return torch.nn.functional.linear(x, weight)
+
+
+@opaque_linear.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def variant_context(variant: str):
     """What the decode steps compile under, for `variant`."""
     if variant == "autotune":
@@ -90,7 +103,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        choices=["default", "autotune", "sdpa-math"],
+        choices=["default", "no-tuning", "cublas-output", "autotune", "sdpa-math"],
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
@@ -103,8 +116,16 @@ def main() -> None:
 @torch.no_grad()
 def profile(args, scheme: str, variant: str) -> None:
     model = make_model(args.preset, scheme)
+    if variant == "cublas-output":
+        output = model.output
+        output.forward = lambda x: opaque_linear(x, output.weight)
     generator = Generator(
-        model, max_batch=1, max_seq_len=16 + args.new_tokens, device="cuda", compile=True
+        model,
+        max_batch=1,
+        max_seq_len=16 + args.new_tokens,
+        device="cuda",
+        compile=True,
+        tune_decode=variant != "no-tuning",
     )
     with variant_context(variant):
         generator.warmup()

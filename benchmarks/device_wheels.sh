@@ -21,7 +21,7 @@ pinned() {  # NAME -> NAME==VERSION from constraints.txt, else NAME
 
 packages=(
   torchao pydantic pydantic-core annotated-types typing-inspection tomli-w
-  fastapi starlette uvicorn httptools prometheus-client openai jiter distro sniffio
+  fastapi opentelemetry-api starlette uvicorn httptools prometheus-client openai jiter distro sniffio
   lm-eval evaluate datasets dill multiprocess sqlitedict pytablewriter dataproperty mbstrdecoder
   tabledata tcolorpy typepy chardet word2number more-itertools zstandard rouge-score nltk
   jsonlines numexpr tqdm-multiprocess
@@ -36,7 +36,8 @@ platforms=()
 for n in 17 24 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # gemlite, sqlitedict and word2number ship only source distributions (pure Python): built here.
-specs+=(gemlite==0.6.0.post2)
+# gemlite 0.5: 0.6's get_tensor_args returns four tensors where torchao 0.18 unpacks three.
+specs+=(gemlite==0.5.1.post1)
 for spec in "${specs[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d .whl "$spec" 2>/dev/null ||

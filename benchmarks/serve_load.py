@@ -229,7 +229,6 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         command += ["--max-seq-len", str(args.max_seq_len)]
     if args.num_threads:
         command += ["--num-threads", str(args.num_threads)]
-    command += ["--cuda-graphs", args.cuda_graphs]
     if args.api_key:
         command += ["--api-key", args.api_key]
     with open(log, "w") as out:
@@ -269,7 +268,6 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--cuda-graphs", choices=["compiler", "engine"], default="compiler")
     parser.add_argument(
         "--profile-server",
         type=int,

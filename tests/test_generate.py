@@ -363,8 +363,6 @@ def test_report_and_errors(hf_pair):
         generator.generate(["text"], GREEDY)
     with pytest.raises(ConfigError, match="top_p"):
         SamplingParams(top_p=0)
-    with pytest.raises(ConfigError, match="graphs='trees': expected one of compiler, engine"):
-        Generator(loaded.model, graphs="trees")
 
 
 def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):

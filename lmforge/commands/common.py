@@ -26,14 +26,6 @@ def add_runtime_arguments(
         parser.add_argument(
             "--compile", action=argparse.BooleanOptionalAction, default=None, help=compile_help
         )
-        parser.add_argument(
-            "--cuda-graphs",
-            choices=["compiler", "engine"],
-            default="compiler",
-            help="who records the compiled decode step's CUDA graphs: torch.compile's "
-            "reduce-overhead mode (compiler, default) or the engine, replayed without dynamo's "
-            "per-call wrapper (engine)",
-        )
 
 
 def add_config_file(parser: argparse.ArgumentParser, keys: Mapping[str, str], *, what: str) -> None:

@@ -192,7 +192,6 @@ def _generate(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         device=device,
         compile=args.compile,
-        graphs=args.cuda_graphs,
     )
     print(
         f"loaded {args.artifact} on {device} ({generator.dtype}) in "

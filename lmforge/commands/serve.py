@@ -282,7 +282,6 @@ def main(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         device=device,
         compile=args.compile,
-        graphs=args.cuda_graphs,
     )
     notes = []
     if (Path(args.artifact) / "adapter").is_dir():
