@@ -162,9 +162,7 @@ def test_artifact_loads_in_transformers_and_generates_what_lmforge_generates(qua
     assert (theirs - _logits(model)).abs().max().item() <= 1e-5
     prompt = TOKENS[0, :6].tolist()
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=())
-    generator = Generator(lmforge.load(path).model, max_seq_len=32)
-    assert generator.fused == (name == "int8-wo")  # int8's rows stack exactly (quantize.fuse)
-    ours = generator.generate([prompt], greedy)
+    ours = Generator(lmforge.load(path).model, max_seq_len=32).generate([prompt], greedy)
     hf_ids = hf_model.generate(
         torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
     )[0, len(prompt) :].tolist()

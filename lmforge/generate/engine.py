@@ -62,7 +62,6 @@ from lmforge.generate.sequence import (
     encode_prompt,
 )
 from lmforge.modules.kv_cache import KVCaches, attention_mask
-from lmforge.quantize.fuse import QuantizedRowStack
 
 # Decode batch sizes with a CUDA graph of their own.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -202,7 +201,7 @@ class Engine:
         prefill_chunk: prompt tokens prefilled per step at most (default 2048 on CUDA, 512
             elsewhere).
         fuse: join each block's q/k/v and gate/up projections into one matmul each (plain
-            or int8 weight-only weights; the state dict keeps Meta's names).
+            weights only; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
     """
@@ -233,8 +232,7 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        # Quantized int8 weights fuse too (lmforge.quantize.fuse), exactly.
-        self.fused = fuse and model.fuse_projections(QuantizedRowStack())
+        self.fused = fuse and hasattr(model, "fuse_projections") and model.fuse_projections()
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

@@ -22,7 +22,7 @@ from lmforge.models.family import Family, ParamShape
 from lmforge.models.llama import torchtitan
 from lmforge.models.llama.args import ModelArgs
 from lmforge.models.llama.hf import args_from_meta_params, merge_meta_shards
-from lmforge.models.llama.model import RowStack, Transformer
+from lmforge.models.llama.model import Transformer
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY)  # one line per family
 
@@ -40,7 +40,6 @@ __all__ = [
     "Family",
     "ModelArgs",
     "ParamShape",
-    "RowStack",
     "Transformer",
     "args_from_hf_config",
     "args_from_meta_params",

@@ -64,33 +64,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-class RowStack:
-    """How `fuse_linears` joins linear weights [out_i, in] into one [sum(out_i), in]: plain,
-    materialized tensors by concatenation. lmforge.quantize.fuse adds quantized weights."""
-
-    def accepts(self, weights: list[torch.Tensor]) -> bool:
-        return all(type(w.data) is torch.Tensor and not w.is_meta for w in weights)
-
-    def __call__(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([w.detach() for w in weights])
-
-
-def fusable(module: nn.Module, names: list[str], stack: RowStack) -> bool:
-    """Whether the linears `names` of `module` are plain and bias-free (not LoRA-wrapped) with
-    weights `stack` can join (by default plain tensors: not quantized, sharded or on meta)."""
+def fusable(module: nn.Module, names: list[str]) -> bool:
+    """Whether the linears `names` of `module` are plain, bias-free and materialized (not
+    quantized, sharded or LoRA-wrapped), so that `fuse_linears` can join them."""
     linears = [getattr(module, name, None) for name in names]
-    if not all(type(linear) is nn.Linear and linear.bias is None for linear in linears):
-        return False
-    return stack.accepts([linear.weight for linear in linears])
+    return all(
+        type(linear) is nn.Linear
+        and linear.bias is None
+        and type(linear.weight.data) is torch.Tensor
+        and not linear.weight.is_meta
+        for linear in linears
+    )
 
 
-def fuse_linears(module: nn.Module, names: list[str], fused_name: str, stack: RowStack) -> None:
+def fuse_linears(module: nn.Module, names: list[str], fused_name: str) -> None:
     """Replace the linears `names` of `module` (`fusable`) by one, `fused_name`, whose output
     is theirs concatenated (for inference: one matmul instead of several). The state dict keeps
     the original names: split on `state_dict()`, joined on `load_state_dict()`."""
     linears = [getattr(module, name) for name in names]
     sizes = [linear.weight.shape[0] for linear in linears]  # a TP shard: its own rows
-    weight = stack([linear.weight for linear in linears])  # [sum(sizes), in]
+    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(sizes), in]
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=linears[0].weight.requires_grad)
     for name in names:
@@ -253,25 +246,24 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def fuse_projections(self, stack: RowStack | None = None) -> bool:
+    def fuse_projections(self) -> bool:
         """For inference: wq/wk/wv and w1/w3 of every block become one matmul each (batch-1
         decoding is a chain of small matmuls; fewer, larger ones run faster). The state dict
         keeps Meta's names. Returns whether the model is fused: False (nothing changed) unless
-        `stack` (default `RowStack`: plain tensors) joins every block's weights; LoRA models
-        and DTensor-sharded ones stay as they are."""
-        stack = stack or RowStack()
+        every block's weights are plain tensors; quantized, sharded and LoRA models stay as
+        they are."""
         blocks = list(self.layers.values())
         if all(b.attention.wqkv is not None and b.feed_forward.w13 is not None for b in blocks):
             return True  # already fused
         if not all(
-            fusable(block.attention, ["wq", "wk", "wv"], stack)
-            and fusable(block.feed_forward, ["w1", "w3"], stack)
+            fusable(block.attention, ["wq", "wk", "wv"])
+            and fusable(block.feed_forward, ["w1", "w3"])
             for block in blocks
         ):
             return False
         for block in blocks:
-            fuse_linears(block.attention, ["wq", "wk", "wv"], "wqkv", stack)
-            fuse_linears(block.feed_forward, ["w1", "w3"], "w13", stack)
+            fuse_linears(block.attention, ["wq", "wk", "wv"], "wqkv")
+            fuse_linears(block.feed_forward, ["w1", "w3"], "w13")
         return True
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
