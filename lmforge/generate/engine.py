@@ -155,12 +155,16 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def run(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if key not in self.graphs:
-            self.graphs[key] = self._record(step)
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self.graphs
+
+    def replay(self, key: tuple[int, int]) -> torch.Tensor:
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
+
+    def record(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> None:
+        self.graphs[key] = self._record(step)
 
     def _record(
         self, step: Callable[[], torch.Tensor]
@@ -486,8 +490,11 @@ class Engine:
         tokens, positions = self._row_inputs[bucket]  # [bucket, 1] each
         decode = self._decode_one if bucket == 1 else self._decode_many
         if self.graphs is not None:
-            step = partial(decode, self.model, self.caches, tokens, positions, slots)
-            return self.graphs.run((bucket, kv_len), step)
+            key = (bucket, kv_len)
+            if key not in self.graphs:
+                step = partial(decode, self.model, self.caches, tokens, positions, slots)
+                self.graphs.record(key, step)
+            return self.graphs.replay(key)
         return decode(self.model, self.caches, tokens, positions, slots)
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
