@@ -424,3 +424,32 @@ def test_cli_job_config_with_dry_run(tmp_path, capsys):
     assert "LoRA rank 4" in out and "micro-batch 2 × 128 tokens" in out
     assert "dry run: parallelize() on the meta device over a fake process group of 2 ranks" in out
     assert "equal the arithmetic" in out
+
+
+def test_cli_plans_an_inference_stage(capsys):
+    """`--task` prints the inference planner's table: its numbers are plan_inference's, and a
+    stage that does not fit gets suggestions that do (exit 1), one that fits exit 0."""
+    from lmforge.plan.inference import InferenceSetup, plan_inference
+
+    argv = "--model llama3.1-70b --task generate --tp 2 --batch 16 --seq-len 8192 --gpu-memory h100"
+    code, out, _ = _cli(capsys, *argv.split())
+    setup = InferenceSetup(args=get_preset("llama3.1-70b"), tp=2, batch=16, seq_len=8192)
+    expected = plan_inference(setup, "h100")
+    assert code == 1 and not expected.fits
+    assert "tensor parallel over 2 GPUs; KV cache 16 × 8192 tokens" in out
+    assert f"DOES NOT FIT: {expected.total / GiB:.1f} of" in out
+    assert "suggestion: tensor parallelism over 4 GPUs" in out
+    assert "lmforge launch --nproc 4 generate" in out
+    code, out, _ = _cli(capsys, *argv.replace("--tp 2", "--tp 4").split())
+    assert code == 0 and "fits: " in out and "suggestion" not in out
+    code, out, _ = _cli(
+        capsys, "--model", "llama3.1-8b", "--task", "eval", "--quantization", "int4-wo"
+    )
+    assert code == 0 and "8.0B in int4-wo on one GPU" in out and "scoring forward" in out
+
+
+def test_cli_inference_and_training_flags_do_not_mix(capsys):
+    code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "eval", "--method", "lora")
+    assert code == 2 and "--method: only without --task" in err
+    code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--batch", "4")
+    assert code == 2 and "--batch: only with --task" in err

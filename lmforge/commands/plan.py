@@ -1,4 +1,5 @@
-"""`lmforge plan`: will a training job fit on these GPUs, and what is the smallest setup that does."""
+"""`lmforge plan`: will a training job (or, with --task, an inference stage) fit on these GPUs,
+and what is the smallest setup that does."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ examples:
   lmforge plan --model llama3.1-70b --method lora --lora-targets q,k,v --gpus 8 --gpu-memory 80GB
   lmforge plan --model llama3.1-8b --method full --gpu-memory 80GB --micro-batch-size 4 --search
   lmforge plan --config sft.toml --gpus 4 --gpu-memory h100 --dry-run
+  lmforge plan --model llama3.1-70b --task generate --tp 8 --batch 16 --seq-len 8192 --gpu-memory h100
+  lmforge plan --model llama3.1-8b --task eval --quantization int4-wo --gpu-memory 24GB
+
+Inference (--task): generate (`lmforge generate` and the server: weights, a KV cache of --batch
+rows × --seq-len slots, a prefill chunk or a decode step), score (lm-eval's log-likelihoods:
+one forward of --batch rows × --seq-len tokens), eval (both), quantize (streaming, one tensor
+at a time); --tp N is `lmforge launch --nproc N`.
 
 GPU memory: 80GB / 80GiB (both 2^30 bytes: GPU memory is quoted in binary units), 85e9 (bytes),
 or a GPU name (h100, h200, a100-40gb, a100-80gb, l40s, b200). Exit status: 0 fits, 1 does not
@@ -25,12 +33,14 @@ fit, 2 bad arguments.
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="per-GPU memory of a training job: fits or not, and what to change",
+        help="per-GPU memory of a training job or an inference stage: fits or not, and what "
+        "to change",
         description="Per-GPU memory of one training step as lmforge's trainer runs it "
         "(parameters, gradients, optimizer states, FSDP buffers, activations, logits, "
         "overhead), a FITS / DOES NOT FIT verdict, suggestions ranked by cost, the fewest GPUs "
         "that fit (--search), and a check of the sharding against the real parallelize() on a "
-        "fake process group (--dry-run).",
+        "fake process group (--dry-run); with --task, the same for an inference stage (weights "
+        "per GPU under tensor parallelism, KV cache, prefill, decode and scoring activations).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,6 +54,17 @@ def register(subparsers) -> None:
     what.add_argument("--dpo-reference", choices=["auto", "adapters_disabled", "frozen_copy"])
     what.add_argument("--config", type=Path, help="a pretrain / sft / dpo job config (TOML/YAML)")
     what.add_argument("--job", choices=JOBS, help="which job --config is (default: guessed)")
+    from lmforge.plan.inference import QUANT_SCHEMES, TASKS
+
+    inference = parser.add_argument_group("inference (instead of a training job)")
+    inference.add_argument("--task", choices=TASKS, help="plan this inference stage")
+    inference.add_argument(
+        "--batch", type=int, help="KV-cache rows (generate) or rows of one forward (score)"
+    )
+    inference.add_argument("--quantization", choices=QUANT_SCHEMES, help="a quantized artifact")
+    inference.add_argument(
+        "--prefill-chunk", type=int, help="prompt tokens prefilled per step (default 2048)"
+    )
     hardware = parser.add_argument_group("hardware and layout")
     hardware.add_argument("--gpus", default=None, help="total GPUs, or NODESxGPUS (2x8); default 1")
     hardware.add_argument("--nodes", type=int, help="spread --gpus over this many nodes")
@@ -60,7 +81,9 @@ def register(subparsers) -> None:
     hardware.add_argument("--compile", action="store_true", default=None)
     step = parser.add_argument_group("step and precision")
     step.add_argument("--micro-batch-size", type=int)
-    step.add_argument("--seq-len", type=int)
+    step.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (--task: KV-cache slots per row)"
+    )
     step.add_argument("--grad-accumulation", type=int)
     step.add_argument("--optimizer", choices=["adamw", "sgd"])
     step.add_argument("--param-dtype", choices=["fp32", "bf16"])
@@ -192,7 +215,57 @@ def build_setup(args: argparse.Namespace):
     return setup, fixed
 
 
+TRAINING_ONLY = (
+    "method", "lora_rank", "lora_targets", "dpo_reference", "config", "job", "dp_shard",
+    "dp_replicate", "ac", "cpu_offload", "compile", "micro_batch_size", "grad_accumulation",
+    "optimizer", "param_dtype", "grad_dtype", "optimizer_dtype", "search", "dry_run", "nodes",
+)  # fmt: skip
+INFERENCE_ONLY = ("batch", "quantization", "prefill_chunk")
+
+
+def plan_inference_main(args: argparse.Namespace) -> int:
+    """`lmforge plan --task ...`: the inference planner's table, verdict and suggestions."""
+    from lmforge import api
+    from lmforge.plan.inference import (
+        DEFAULT_PREFILL_CHUNK,
+        InferenceSetup,
+        format_inference_plan,
+        plan_inference,
+        suggest_inference,
+    )
+
+    given = [name for name in TRAINING_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError(f"{flags}: only without --task (a training plan)")
+    if not args.model:
+        raise ConfigError("name the model: --model PRESET|DIR")
+    model_args = api.read_args(args.model)
+    setup = InferenceSetup(
+        args=model_args,
+        task=args.task,
+        tp=args.tp or 1,
+        dtype=args.compute_dtype or "bf16",
+        quantization=args.quantization,
+        batch=args.batch or 1,
+        seq_len=args.seq_len or min(model_args.max_seq_len, 4096),
+        prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+    )
+    plan = plan_inference(setup, args.gpu_memory)
+    if plan.fits is False:
+        command = {"score": "eval", "eval": "eval"}.get(args.task, "generate")
+        plan.suggestions = suggest_inference(setup, args.gpu_memory, command=command)
+    print(format_inference_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def plan_main(args: argparse.Namespace) -> int:
+    if args.task is not None:
+        return plan_inference_main(args)
+    given = [name for name in INFERENCE_ONLY if getattr(args, name) is not None]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError(f"{flags}: only with --task (an inference plan)")
     from lmforge.plan import dry_run, format_plan, format_suggestions, plan_memory, search, suggest
     from lmforge.plan.memory import GiB, parse_memory
     from lmforge.plan.search import resolve_reshard_after_forward
