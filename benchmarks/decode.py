@@ -60,13 +60,18 @@ def _quantized(scheme: str, group_size: int | None) -> Callable[[nn.Module], nn.
 def _gemlite(bit_width: int, group_size: int | None) -> Callable[[nn.Module], nn.Module]:
     """torchao's gemlite layout (`UIntxWeightOnlyConfig`: bit-packed weights, gemlite's Triton
     GEMV/GEMM kernels), tried here before lmforge's quantize stage offers it: tinygemm int4
-    reads ~1 TB/s at batch 1 on an H200. Needs the gemlite package (benchmarks/device_wheels.sh)."""
+    reads ~1 TB/s at batch 1 on an H200. Needs the gemlite package (benchmarks/device_wheels.sh).
+    int4 runs in float16: gemlite 0.5.1's 4-bit kernel keeps float16 scales and fails to compile
+    with bfloat16 activations (`tl.dot` of bf16 and fp16; H200, 2026-12-01)."""
 
     def apply(model: nn.Module) -> nn.Module:
         from torchao.prototype.quantization import UIntxWeightOnlyConfig
         from torchao.quantization import quantize_
 
         from lmforge.quantize.quantize import quantized_module_names
+
+        if bit_width == 4:
+            model = model.half()
 
         chosen = set(quantized_module_names(model.args, quantize_output=False))
         config = UIntxWeightOnlyConfig(group_size=group_size, bit_width=bit_width)

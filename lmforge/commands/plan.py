@@ -16,7 +16,7 @@ examples:
   lmforge plan --model llama3.1-70b --method lora --lora-targets q,k,v --gpus 8 --gpu-memory 80GB
   lmforge plan --model llama3.1-8b --method full --gpu-memory 80GB --micro-batch-size 4 --search
   lmforge plan --config sft.toml --gpus 4 --gpu-memory h100 --dry-run
-  lmforge plan --model llama3.1-70b --task generate --tp 8 --batch 16 --seq-len 8192 --gpu-memory h100
+  lmforge plan --model llama3.1-70b --task generate --tp 8 --batch 16 --seq-len 8192
   lmforge plan --model llama3.1-8b --task eval --quantization int4-wo --gpu-memory 24GB
 
 Inference (--task): generate (`lmforge generate` and the server: weights, a KV cache of --batch

@@ -145,9 +145,10 @@ class DecodeGraphs:
     KV bucket), all in one memory pool: a replay is one call, where torch.compile's
     "reduce-overhead" mode goes through dynamo's guards and its CUDA graph trees' bookkeeping
     on every call (measured on an H200, 1B: batch-1 decode 826 -> 910 tokens/s, the server at
-    64 streams 21.1k -> 25.3k tokens/s). Every input of a step is a buffer that never moves (weights, cache, the row views,
-    the slot views), so nothing is copied in; the logits it returns are the graph's own
-    buffer, overwritten by the next replay of that graph (the engine samples them first).
+    64 streams 21.1k -> 25.3k tokens/s). Every input of a step is a buffer that never moves
+    (weights, cache, the row views, the slot views), so nothing is copied in; the logits it
+    returns are the graph's own buffer, overwritten by the next replay of that graph (the
+    engine samples them first).
     Steps are idempotent (a step writes its tokens' K/V at their positions and advances
     nothing), so a new pair runs twice uncaptured (compiling, tuning) before it is recorded."""
 
