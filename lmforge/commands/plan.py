@@ -219,6 +219,7 @@ TRAINING_ONLY = (
     "method", "lora_rank", "lora_targets", "dpo_reference", "config", "job", "dp_shard",
     "dp_replicate", "ac", "cpu_offload", "compile", "micro_batch_size", "grad_accumulation",
     "optimizer", "param_dtype", "grad_dtype", "optimizer_dtype", "search", "dry_run", "nodes",
+    "gpus", "gpus_per_node", "host_memory",
 )  # fmt: skip
 INFERENCE_ONLY = ("batch", "quantization", "prefill_chunk")
 
@@ -237,7 +238,8 @@ def plan_inference_main(args: argparse.Namespace) -> int:
     given = [name for name in TRAINING_ONLY if getattr(args, name) not in (None, False)]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise ConfigError(f"{flags}: only without --task (a training plan)")
+        hint = " (an inference stage's GPUs are its --tp)" if "gpus" in given else ""
+        raise ConfigError(f"{flags}: only without --task (a training plan){hint}")
     if not args.model:
         raise ConfigError("name the model: --model PRESET|DIR")
     model_args = api.read_args(args.model)
