@@ -11,8 +11,8 @@ skipped CUDA graphs.
 Variants (each a fresh compile): default (the engine as it is); no-tuning (no coordinate
 descent tuning: inductor keeps bf16 matrix-vector products as cuBLAS calls instead of its own
 reductions); cublas-output (the output projection an opaque cuBLAS call); autotune (inductor
-max-autotune); sdpa-math (attention traced through the math backend, so inductor writes its kernels; run it
-with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may serve the default graph).
+max-autotune); sdpa-math (attention traced through the math backend, so inductor writes its
+kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may serve the default graph).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """

@@ -10,9 +10,12 @@ greedy choice. The model then runs on its local shards as plain tensors, with on
 after each row-parallel linear and after the embedding lookup, and an all-gather of the logits
 (`run_blocks_on_local_shards`, `run_vocabulary_on_local_shards`): a DTensor layer costs tens of
 microseconds of Python dispatch per call (an eager prefill or scoring pass makes seven per
-block), and a compiled decode step then traces plain tensors and functional collectives only. Each process then runs the same engine on the same prompts (sampled sequences draw from
-one seed, `shared_seed`), so each picks the same decode shapes (batch and KV buckets, from its
-sequences' lengths) and joins the same collectives; only rank 0 writes output. Without torchrun
+block), and a compiled decode step then traces plain tensors and functional collectives
+only (the engine captures them in its CUDA graphs after two uncaptured warm-up runs, as NCCL
+wants). Each process then runs the same engine on the same prompts (sampled sequences draw
+from one seed, `shared_seed`), so each picks the same decode shapes (batch and KV buckets,
+from its sequences' lengths) and joins the same collectives, and records the same graphs in
+the same order; only rank 0 writes output. Without torchrun
 (or with one process) `load_model` is `lmforge.load`.
 """
 
