@@ -10,9 +10,11 @@ skipped CUDA graphs.
 
 Variants (each a fresh compile): default (the engine as it is); no-tuning (no coordinate
 descent tuning: inductor keeps bf16 matrix-vector products as cuBLAS calls instead of its own
-reductions); cublas-output (the output projection an opaque cuBLAS call); autotune (inductor
-max-autotune); sdpa-math (attention traced through the math backend, so inductor writes its
-kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may serve the default graph).
+reductions); wide-tuning (coordinate descent tuning that tries every direction, two steps out,
+for better reduction configurations); cublas-output (the output projection an opaque cuBLAS
+call); autotune (inductor max-autotune); sdpa-math (attention traced through the math backend,
+so inductor writes its kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may
+serve the default graph).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -77,6 +79,10 @@ def variant_context(variant: str):
     """What the decode steps compile under, for `variant`."""
     if variant == "autotune":
         return autotuned()
+    if variant == "wide-tuning":  # coordinate descent over every direction, two steps out
+        return torch._inductor.config.patch(
+            coordinate_descent_check_all_directions=True, coordinate_descent_search_radius=2
+        )
     if variant == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -103,7 +109,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        choices=["default", "no-tuning", "cublas-output", "autotune", "sdpa-math"],
+        choices=["default", "no-tuning", "wide-tuning", "cublas-output", "autotune", "sdpa-math"],
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
