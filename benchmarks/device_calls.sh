@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU measurements still open, as whole device calls (each under the device's 10-minute
+# limit: every step has its own timeout, so what finished comes back even if a later step runs
+# long). Run `bash benchmarks/device_wheels.sh` here first, carry [".whl"], and on the device:
+#
+#   bash benchmarks/device_calls.sh inference   # one H200: issue "one fast inference engine"
+#   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
+#   bash benchmarks/device_calls.sh train       # one H200: training beside torchtitan
+#
+# Logs and JSON go to $OUT (at most 8 files come back: each call writes fewer); the last lines
+# printed are each step's table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+inference | tp | train) ;;
+*)
+  echo "usage: bash benchmarks/device_calls.sh inference|tp|train" >&2
+  exit 2
+  ;;
+esac
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/device-calls}
+mkdir -p "$OUT" /tmp/traces
+
+step() {  # step SECONDS NAME COMMAND...: run with a timeout, log to $OUT/NAME.log
+  local seconds=$1 name=$2
+  shift 2
+  echo "== $name (at most ${seconds}s): $*"
+  timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
+  echo "   exit $? after ${SECONDS}s of the call"
+}
+
+case "${1:-}" in
+inference)
+  # batch-1 decode of every scheme (the engine records its CUDA graphs), the bf16 step's
+  # profile under wider coordinate descent tuning, and the server at 1 and 64 streams
+  step 250 decode python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes bf16 int8-wo int4-wo int4-gemlite --new-tokens 128 --repeats 2 --out /tmp/traces
+  step 130 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants wide-tuning --out /tmp/traces
+  step 170 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --out "$OUT"
+  tail -n 12 "$OUT/decode.log"
+  grep -A 8 "^== " "$OUT/profile.log" | head -n 24
+  tail -n 8 "$OUT/serve.log"
+  ;;
+tp)
+  # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
+  # the planner's figure beside each measured peak
+  step 580 tp python3 benchmarks/tp_inference.py --rows eval-tp2 eval-tp1 generate-tp1 \
+    generate-tp2 --work /tmp/tp-work --out "$OUT"
+  tail -n 14 "$OUT/tp.log"
+  ;;
+train)
+  # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x)
+  step 300 titan env CASES=1B-c,3B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 170 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
+    --variants ours-compile ours-float8 --out /tmp/traces
+  step 120 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 \
+    --variants ours-compile --out /tmp/traces
+  tail -n 8 "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
+  ;;
+esac
