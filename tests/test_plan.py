@@ -453,5 +453,7 @@ def test_cli_inference_and_training_flags_do_not_mix(capsys):
     assert code == 2 and "--method: only without --task" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "generate", "--gpus", "8")
     assert code == 2 and "--gpus: only without --task" in err and "its --tp" in err
+    code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "generate", "--tp", "0")
+    assert code == 2 and "tp, batch, seq_len and prefill_chunk must be >= 1" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--batch", "4")
     assert code == 2 and "--batch: only with --task" in err

@@ -224,6 +224,12 @@ TRAINING_ONLY = (
 INFERENCE_ONLY = ("batch", "quantization", "prefill_chunk")
 
 
+def _given(args: argparse.Namespace, name: str, default):
+    """The flag's value when it was given (0 too, for the planner to refuse), else `default`."""
+    value = getattr(args, name)
+    return default if value is None else value
+
+
 def plan_inference_main(args: argparse.Namespace) -> int:
     """`lmforge plan --task ...`: the inference planner's table, verdict and suggestions."""
     from lmforge import api
@@ -243,15 +249,18 @@ def plan_inference_main(args: argparse.Namespace) -> int:
     if not args.model:
         raise ConfigError("name the model: --model PRESET|DIR")
     model_args = api.read_args(args.model)
+    defaults = {
+        "tp": 1,
+        "batch": 1,
+        "seq_len": min(model_args.max_seq_len, 4096),
+        "prefill_chunk": DEFAULT_PREFILL_CHUNK,
+    }
     setup = InferenceSetup(
         args=model_args,
         task=args.task,
-        tp=args.tp or 1,
         dtype=args.compute_dtype or "bf16",
         quantization=args.quantization,
-        batch=args.batch or 1,
-        seq_len=args.seq_len or min(model_args.max_seq_len, 4096),
-        prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+        **{key: _given(args, key, default) for key, default in defaults.items()},
     )
     plan = plan_inference(setup, args.gpu_memory)
     if plan.fits is False:
