@@ -161,9 +161,13 @@ class VocabularyShard(nn.Embedding):
         return funcol.all_reduce(vectors.masked_fill(elsewhere[..., None], 0), "sum", self.group)
 
 
+# torch 2.13 renamed all_gather_tensor (which now warns on every eager call); 2.11 may lack it.
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+
+
 def _gather_vocabulary(group: dist.ProcessGroup):
     def hook(module, inputs, logits: torch.Tensor) -> torch.Tensor:  # [..., rows] -> [..., vocab]
-        return funcol.all_gather_tensor(logits, gather_dim=logits.dim() - 1, group=group)
+        return _all_gather(logits, gather_dim=logits.dim() - 1, group=group)
 
     return hook
 
