@@ -445,7 +445,17 @@ def test_cli_plans_an_inference_stage(capsys):
     code, out, _ = _cli(
         capsys, "--model", "llama3.1-8b", "--task", "eval", "--quantization", "int4-wo"
     )
-    assert code == 0 and "8.0B in int4-wo on one GPU" in out and "scoring forward" in out
+    assert code == 0 and "8.0B in int4-wo on one GPU; scoring 8 × 4096 tokens (256 through" in out
+    # the defaults are those of lmforge eval and of the pipeline's eval stage
+    eval_setup = InferenceSetup(
+        args=get_preset("llama3.1-8b"),
+        task="eval",
+        quantization="int4-wo",
+        batch=8,
+        seq_len=4096,
+        scored_tokens=256,
+    )
+    assert f"fits: {plan_inference(eval_setup, '80GB').total / GiB:.1f} of" in out
 
 
 def test_cli_inference_and_training_flags_do_not_mix(capsys):
@@ -455,5 +465,7 @@ def test_cli_inference_and_training_flags_do_not_mix(capsys):
     assert code == 2 and "--gpus: only without --task" in err and "its --tp" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "generate", "--tp", "0")
     assert code == 2 and "tp, batch, seq_len and prefill_chunk must be >= 1" in err
+    code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "score", "--scored-tokens", "0")
+    assert code == 2 and "scored_tokens 0 must be in 1..seq_len (4096)" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--batch", "4")
     assert code == 2 and "--batch: only with --task" in err

@@ -59,7 +59,16 @@ def register(subparsers) -> None:
     inference = parser.add_argument_group("inference (instead of a training job)")
     inference.add_argument("--task", choices=TASKS, help="plan this inference stage")
     inference.add_argument(
-        "--batch", type=int, help="KV-cache rows (generate) or rows of one forward (score)"
+        "--batch",
+        type=int,
+        help="KV-cache rows (generate: --max-batch / --max-concurrency) or rows of one forward "
+        "(score: eval's --batch-size); default 8, as those commands",
+    )
+    inference.add_argument(
+        "--scored-tokens",
+        type=int,
+        help="score/eval: positions a row scores through the output projection (default 256: "
+        "lm-eval's continuations are short; perplexity scores all --seq-len)",
     )
     inference.add_argument("--quantization", choices=QUANT_SCHEMES, help="a quantized artifact")
     inference.add_argument(
@@ -221,7 +230,7 @@ TRAINING_ONLY = (
     "optimizer", "param_dtype", "grad_dtype", "optimizer_dtype", "search", "dry_run", "nodes",
     "gpus", "gpus_per_node", "host_memory",
 )  # fmt: skip
-INFERENCE_ONLY = ("batch", "quantization", "prefill_chunk")
+INFERENCE_ONLY = ("batch", "quantization", "prefill_chunk", "scored_tokens")
 
 
 def _given(args: argparse.Namespace, name: str, default):
@@ -235,6 +244,7 @@ def plan_inference_main(args: argparse.Namespace) -> int:
     from lmforge import api
     from lmforge.plan.inference import (
         DEFAULT_PREFILL_CHUNK,
+        EVAL_SCORED_TOKENS,
         InferenceSetup,
         format_inference_plan,
         plan_inference,
@@ -251,16 +261,19 @@ def plan_inference_main(args: argparse.Namespace) -> int:
     model_args = api.read_args(args.model)
     defaults = {
         "tp": 1,
-        "batch": 1,
+        "batch": 8,  # lmforge generate --max-batch, serve --max-concurrency, eval --batch-size
         "seq_len": min(model_args.max_seq_len, 4096),
         "prefill_chunk": DEFAULT_PREFILL_CHUNK,
     }
+    sizes = {key: _given(args, key, default) for key, default in defaults.items()}
+    scored = _given(args, "scored_tokens", min(EVAL_SCORED_TOKENS, sizes["seq_len"]))
     setup = InferenceSetup(
         args=model_args,
         task=args.task,
         dtype=args.compute_dtype or "bf16",
         quantization=args.quantization,
-        **{key: _given(args, key, default) for key, default in defaults.items()},
+        scored_tokens=scored if args.task in ("score", "eval") else None,
+        **sizes,
     )
     plan = plan_inference(setup, args.gpu_memory)
     if plan.fits is False:

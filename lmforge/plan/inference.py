@@ -57,6 +57,9 @@ QUANT_LAYOUT = {
     ("int4-wo", True): (0.5, 4),
 }
 DEFAULT_PREFILL_CHUNK = 2048  # the engine's on CUDA
+# Scored positions a row of lm-eval's log-likelihood requests is planned with: its continuations
+# are short (a choice, an answer); perplexity scores every position.
+EVAL_SCORED_TOKENS = 256
 DEFAULT_INT4_GROUP = 256  # = lmforge.quantize.quantize.DEFAULT_INT4_GROUP_SIZE
 
 
@@ -98,6 +101,10 @@ def check_inference_setup(setup: InferenceSetup) -> None:
         )
     if setup.tp < 1 or setup.batch < 1 or setup.seq_len < 1 or setup.prefill_chunk < 1:
         raise ConfigError("tp, batch, seq_len and prefill_chunk must be >= 1")
+    if setup.scored_tokens is not None and not 1 <= setup.scored_tokens <= setup.seq_len:
+        raise ConfigError(
+            f"scored_tokens {setup.scored_tokens} must be in 1..seq_len ({setup.seq_len})"
+        )
     if setup.args.num_kv_heads % setup.tp:
         raise ConfigError(
             f"{setup.tp} processes must divide the model's num_kv_heads "
@@ -311,12 +318,13 @@ def describe_inference(setup: InferenceSetup) -> str:
     if setup.task == "quantize":
         return f"streaming quantization of a {size} model, one tensor at a time"
     where = f"tensor parallel over {setup.tp} GPUs" if setup.tp > 1 else "one GPU"
+    scoring = f"scoring {setup.batch} × {setup.seq_len} tokens"
+    if setup.scored_tokens is not None:
+        scoring += f" ({setup.scored_tokens} through the output a row)"
     if setup.task == "score":
-        work = f"scoring {setup.batch} × {setup.seq_len} tokens"
+        work = scoring
     elif setup.task == "eval":
-        work = (
-            f"scoring {setup.batch} × {setup.seq_len} tokens or generating with a KV cache as large"
-        )
+        work = f"{scoring} or generating with a KV cache as large"
     else:
         work = (
             f"KV cache {setup.batch} × {setup.seq_len} tokens, prefill chunk {setup.prefill_chunk}"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from lmforge.errors import UserError
 from lmforge.plan.inference import (
+    EVAL_SCORED_TOKENS,
     InferencePlan,
     InferenceSetup,
     format_inference_plan,
@@ -191,9 +192,7 @@ def _inference_setups(pipeline: Pipeline, stage: Stage, tp: int) -> list[Inferen
             seq_len=min(args.max_seq_len, EVAL_CONTEXT),
             **_quantization(pipeline, model),
         )
-        # lm-eval's continuations are short (a choice, an answer): 256 scored positions a row;
-        # perplexity scores every position
-        scored = None if config.perplexity else min(256, base.seq_len)
+        scored = None if config.perplexity else min(EVAL_SCORED_TOKENS, base.seq_len)
         setups.append(base.replace(task="eval", scored_tokens=scored))
     return setups
 
