@@ -11,6 +11,7 @@ everything between them is replaced. The blocks:
                     80 GB GPUs with continued pretraining's CPU offload (PLAN_OVERRIDES)
   memory-plan-80gb  the same without the offload: the warning and suggestions
   qlora-plan        `lmforge plan` of QLoRA and LoRA for 70B on two 80 GB GPUs
+  inference-plan    `lmforge plan --task generate` of 70B on two H100s (INFERENCE_PLAN)
 
 Usage, from the repository root:
   python scripts/update_readme.py                 # every block; demo-results from runs/tiny
@@ -155,15 +156,31 @@ def qlora_plan() -> str:
     )
 
 
-def _plan_total(argv: str) -> str:
+# An inference stage too large for its GPUs: the table, the verdict and the suggestions.
+INFERENCE_PLAN = (
+    "--model llama3.1-70b --task generate --tp 2 --batch 16 --seq-len 8192 --gpu-memory h100"
+)
+
+
+def inference_plan() -> str:
+    command = f"$ lmforge plan {INFERENCE_PLAN}"
+    return "\n".join(["```text", command, _plan_output(INFERENCE_PLAN).rstrip(), "```"])
+
+
+def _plan_output(argv: str) -> str:
     from lmforge.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         main(["plan", *argv.split()])
-    match = re.search(r"^ *total +([0-9.]+ GiB)", out.getvalue(), re.M)
+    return out.getvalue()
+
+
+def _plan_total(argv: str) -> str:
+    output = _plan_output(argv)
+    match = re.search(r"^ *total +([0-9.]+ GiB)", output, re.M)
     if match is None:
-        raise SystemExit(f"lmforge plan {argv}: no total line in\n{out.getvalue()}")
+        raise SystemExit(f"lmforge plan {argv}: no total line in\n{output}")
     return match.group(1)
 
 
@@ -261,6 +278,7 @@ BLOCKS_WITHOUT_RUN: dict[str, Callable[[], str]] = {
     "memory-plan": memory_plan,
     "memory-plan-80gb": memory_plan_80gb,
     "qlora-plan": qlora_plan,
+    "inference-plan": inference_plan,
 }
 
 

@@ -436,7 +436,7 @@ def test_cli_plans_an_inference_stage(capsys):
     setup = InferenceSetup(args=get_preset("llama3.1-70b"), tp=2, batch=16, seq_len=8192)
     expected = plan_inference(setup, "h100")
     assert code == 1 and not expected.fits
-    assert "tensor parallel over 2 GPUs; KV cache 16 × 8192 tokens" in out
+    assert "70.6B in bf16 on 2 GPUs (tensor parallel); KV cache 16 × 8192 tokens" in out
     assert f"DOES NOT FIT: {expected.total / GiB:.1f} of" in out
     assert "suggestion: tensor parallelism over 4 GPUs" in out
     assert "lmforge launch --nproc 4 generate" in out

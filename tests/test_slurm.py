@@ -459,7 +459,7 @@ def test_70b_on_80gb_gpus_warns_that_pretraining_will_not_fit(tmp_path):
     assert "8 GPUs" in planned["eval"] and "1 GPU:" in planned["eval_int4"]
     assert all("fits" in planned[n] for n in ("eval", "int4", "eval_int4", "sample"))
     table = (tmp_path / "runs/llama3_70b/eval/memory_plan.txt").read_text()
-    assert "70.6B in bf16 on tensor parallel over 8 GPUs" in table
+    assert "70.6B in bf16 on 8 GPUs (tensor parallel)" in table
     assert "scoring forward" in table and "KV cache" in table  # lm-eval scores and generates
     assert re.search(r"^fits: 24\.\d of 80\.0 GiB per GPU", table, re.M), table
     # one eval on one GPU would not fit (131 GiB of bf16 weights): the warning says what would

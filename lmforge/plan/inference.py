@@ -317,7 +317,7 @@ def describe_inference(setup: InferenceSetup) -> str:
     weights = setup.quantization or setup.dtype
     if setup.task == "quantize":
         return f"streaming quantization of a {size} model, one tensor at a time"
-    where = f"tensor parallel over {setup.tp} GPUs" if setup.tp > 1 else "one GPU"
+    where = f"{setup.tp} GPUs (tensor parallel)" if setup.tp > 1 else "one GPU"
     scoring = f"scoring {setup.batch} × {setup.seq_len} tokens"
     if setup.scored_tokens is not None:
         scoring += f" ({setup.scored_tokens} through the output a row)"
