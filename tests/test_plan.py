@@ -466,6 +466,6 @@ def test_cli_inference_and_training_flags_do_not_mix(capsys):
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "generate", "--tp", "0")
     assert code == 2 and "tp, batch, seq_len and prefill_chunk must be >= 1" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "score", "--scored-tokens", "0")
-    assert code == 2 and "scored_tokens 0 must be in 1..seq_len (4096)" in err
+    assert code == 2 and "scored_tokens 0 must be >= 1" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--batch", "4")
     assert code == 2 and "--batch: only with --task" in err

@@ -101,10 +101,8 @@ def check_inference_setup(setup: InferenceSetup) -> None:
         )
     if setup.tp < 1 or setup.batch < 1 or setup.seq_len < 1 or setup.prefill_chunk < 1:
         raise ConfigError("tp, batch, seq_len and prefill_chunk must be >= 1")
-    if setup.scored_tokens is not None and not 1 <= setup.scored_tokens <= setup.seq_len:
-        raise ConfigError(
-            f"scored_tokens {setup.scored_tokens} must be in 1..seq_len ({setup.seq_len})"
-        )
+    if setup.scored_tokens is not None and setup.scored_tokens < 1:
+        raise ConfigError(f"scored_tokens {setup.scored_tokens} must be >= 1")
     if setup.args.num_kv_heads % setup.tp:
         raise ConfigError(
             f"{setup.tp} processes must divide the model's num_kv_heads "
@@ -229,7 +227,7 @@ def score_bytes(setup: InferenceSetup) -> dict[str, int]:
     returns, then the scored positions' logits and log-softmax (float32)."""
     a = setup.args
     tokens = setup.batch * setup.seq_len
-    scored = setup.batch * (setup.scored_tokens or setup.seq_len)
+    scored = setup.batch * min(setup.scored_tokens or setup.seq_len, setup.seq_len)
     c = cache_dtype_bytes(setup)
     hidden = tokens * a.dim * c
     return {
@@ -320,7 +318,7 @@ def describe_inference(setup: InferenceSetup) -> str:
     where = f"{setup.tp} GPUs (tensor parallel)" if setup.tp > 1 else "one GPU"
     scoring = f"scoring {setup.batch} × {setup.seq_len} tokens"
     if setup.scored_tokens is not None:
-        scoring += f" ({setup.scored_tokens} through the output a row)"
+        scoring += f" ({min(setup.scored_tokens, setup.seq_len)} through the output a row)"
     if setup.task == "score":
         work = scoring
     elif setup.task == "eval":
