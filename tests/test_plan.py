@@ -8,6 +8,8 @@ benchmarks/memory.py, run on the device machine.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -469,3 +471,15 @@ def test_cli_inference_and_training_flags_do_not_mix(capsys):
     assert code == 2 and "scored_tokens 0 must be >= 1" in err
     code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--batch", "4")
     assert code == 2 and "--batch: only with --task" in err
+    code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--task", "serve")
+    assert code == 2 and "task 'serve'; allowed: generate, score, eval, quantize" in err
+
+
+def test_building_the_command_line_does_not_import_torch():
+    """`lmforge --help` (and every command's start) builds all parsers: registering `plan`
+    must stay torch-free (importing the inference planner for its choices made it 7× slower)."""
+    code = "import sys; from lmforge.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from lmforge.errors import ConfigError
+from lmforge.quantize.schemes import SCHEMES
 
 JOBS = ("pretrain", "sft", "dpo")
 EPILOG = """\
@@ -54,10 +55,9 @@ def register(subparsers) -> None:
     what.add_argument("--dpo-reference", choices=["auto", "adapters_disabled", "frozen_copy"])
     what.add_argument("--config", type=Path, help="a pretrain / sft / dpo job config (TOML/YAML)")
     what.add_argument("--job", choices=JOBS, help="which job --config is (default: guessed)")
-    from lmforge.plan.inference import QUANT_SCHEMES, TASKS
-
     inference = parser.add_argument_group("inference (instead of a training job)")
-    inference.add_argument("--task", choices=TASKS, help="plan this inference stage")
+    # (the planner checks --task: importing its list here would load torch for every --help)
+    inference.add_argument("--task", help="plan this inference stage (see below)")
     inference.add_argument(
         "--batch",
         type=int,
@@ -70,7 +70,7 @@ def register(subparsers) -> None:
         help="score/eval: positions a row scores through the output projection (default 256: "
         "lm-eval's continuations are short; perplexity scores all --seq-len)",
     )
-    inference.add_argument("--quantization", choices=QUANT_SCHEMES, help="a quantized artifact")
+    inference.add_argument("--quantization", choices=SCHEMES, help="a quantized artifact")
     inference.add_argument(
         "--prefill-chunk", type=int, help="prompt tokens prefilled per step (default 2048)"
     )
@@ -233,6 +233,16 @@ TRAINING_ONLY = (
 INFERENCE_ONLY = ("batch", "quantization", "prefill_chunk", "scored_tokens")
 
 
+def _refuse_flags(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
+    """ConfigError naming the flags among `names` that were given (0 counts; an unset switch
+    is None or False)."""
+    given = [n for n in names if getattr(args, n) is not None and getattr(args, n) is not False]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        hint = " (an inference stage's GPUs are its --tp)" if "gpus" in given else ""
+        raise ConfigError(f"{flags}: {why}{hint}")
+
+
 def _given(args: argparse.Namespace, name: str, default):
     """The flag's value when it was given (0 too, for the planner to refuse), else `default`."""
     value = getattr(args, name)
@@ -251,11 +261,7 @@ def plan_inference_main(args: argparse.Namespace) -> int:
         suggest_inference,
     )
 
-    given = [name for name in TRAINING_ONLY if getattr(args, name) not in (None, False)]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        hint = " (an inference stage's GPUs are its --tp)" if "gpus" in given else ""
-        raise ConfigError(f"{flags}: only without --task (a training plan){hint}")
+    _refuse_flags(args, TRAINING_ONLY, "only without --task (a training plan)")
     if not args.model:
         raise ConfigError("name the model: --model PRESET|DIR")
     model_args = api.read_args(args.model)
@@ -286,10 +292,7 @@ def plan_inference_main(args: argparse.Namespace) -> int:
 def plan_main(args: argparse.Namespace) -> int:
     if args.task is not None:
         return plan_inference_main(args)
-    given = [name for name in INFERENCE_ONLY if getattr(args, name) is not None]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise ConfigError(f"{flags}: only with --task (an inference plan)")
+    _refuse_flags(args, INFERENCE_ONLY, "only with --task (an inference plan)")
     from lmforge.plan import dry_run, format_plan, format_suggestions, plan_memory, search, suggest
     from lmforge.plan.memory import GiB, parse_memory
     from lmforge.plan.search import resolve_reshard_after_forward

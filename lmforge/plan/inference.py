@@ -43,9 +43,9 @@ from lmforge.plan.memory import (
     parse_memory,
     tp_local_numel,
 )
+from lmforge.quantize.schemes import SCHEMES as QUANT_SCHEMES
 
 TASKS = ("generate", "score", "eval", "quantize")  # eval: lm-eval, scoring and generating
-QUANT_SCHEMES = ("int8-wo", "int4-wo")
 # Bytes of torchao's weight tensors (measured on their flattened parts, tests/test_plan_inference):
 # (bytes per value, bytes per scale group). int8-wo: int8 values, an fp32 scale and an int8
 # zero point per row or group. int4-wo made on the CPU (IntxUnpackedToInt8Tensor): one value per
@@ -87,6 +87,11 @@ class InferenceSetup:
     @property
     def value_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def scored_per_row(self) -> int:
+        """Positions a scoring row takes through the output (at most the row's length)."""
+        return min(self.scored_tokens or self.seq_len, self.seq_len)
 
 
 def check_inference_setup(setup: InferenceSetup) -> None:
@@ -227,7 +232,7 @@ def score_bytes(setup: InferenceSetup) -> dict[str, int]:
     returns, then the scored positions' logits and log-softmax (float32)."""
     a = setup.args
     tokens = setup.batch * setup.seq_len
-    scored = setup.batch * min(setup.scored_tokens or setup.seq_len, setup.seq_len)
+    scored = setup.batch * setup.scored_per_row
     c = cache_dtype_bytes(setup)
     hidden = tokens * a.dim * c
     return {
@@ -318,7 +323,7 @@ def describe_inference(setup: InferenceSetup) -> str:
     where = f"{setup.tp} GPUs (tensor parallel)" if setup.tp > 1 else "one GPU"
     scoring = f"scoring {setup.batch} × {setup.seq_len} tokens"
     if setup.scored_tokens is not None:
-        scoring += f" ({min(setup.scored_tokens, setup.seq_len)} through the output a row)"
+        scoring += f" ({setup.scored_per_row} through the output a row)"
     if setup.task == "score":
         work = scoring
     elif setup.task == "eval":
