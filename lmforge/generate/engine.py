@@ -237,7 +237,7 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        self.fused = fuse and hasattr(model, "fuse_projections") and model.fuse_projections()
+        self.fused = fuse and model.fuse_projections()
         self.tokenizer = tokenizer
         self.args = args
         self.device = device
