@@ -5,16 +5,17 @@
 #
 #   bash benchmarks/device_calls.sh inference   # one H200: issue "one fast inference engine"
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
-#   bash benchmarks/device_calls.sh train       # one H200: training beside torchtitan
+#   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
+#   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #
 # Logs and JSON go to $OUT (at most 8 files come back: each call writes fewer); the last lines
 # printed are each step's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | tp | train) ;;
+inference | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|tp|train" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -55,13 +56,24 @@ tp)
   tail -n 14 "$OUT/tp.log"
   ;;
 train)
-  # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x)
-  step 300 titan env CASES=1B-c,3B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
-  step 170 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
-    --variants ours-compile ours-float8 --out /tmp/traces
-  step 120 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 \
-    --variants ours-compile --out /tmp/traces
+  # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x), with AdamW's
+  # update from PyTorch's fused kernel and compiled (-copt), and the update alone
+  step 100 optimizer python3 benchmarks/optimizer_step.py --presets llama3.2-1b --out "$OUT"
+  step 210 titan env CASES=1B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 250 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
+    --variants ours-compile ours-compile-copt ours-float8-copt --out /tmp/traces
+  tail -n 5 "$OUT/optimizer.log"
   tail -n 8 "$OUT/titan.log"
-  grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
+  grep -h '^{' "$OUT/ours-1b.log"
+  ;;
+train-3b)
+  step 120 optimizer python3 benchmarks/optimizer_step.py --presets llama3.2-1b llama3.2-3b \
+    --variants fused compiled --out "$OUT"
+  step 130 titan env CASES=3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 250 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 \
+    --variants ours-compile ours-compile-copt --out /tmp/traces
+  tail -n 6 "$OUT/optimizer.log"
+  tail -n 8 "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-3b.log"
   ;;
 esac

@@ -3,7 +3,7 @@ as the trainer keeps them): PyTorch's fused kernel, its foreach path, and lmforg
 update (`optim.compile`), with gradient clipping as the fused kernel's divisor and the
 found-inf flag handed over as the trainer does. Prints ms per step and the bandwidth each
 reaches (7 fp32 reads and writes per parameter: parameter, gradient and both moments read,
-parameter and moments written).
+parameter and moments written) and the memory a step takes beyond the state it keeps.
 
     python3 benchmarks/optimizer_step.py --presets llama3.2-1b llama3.2-3b
 """
@@ -47,6 +47,8 @@ def step_ms(optimizer: torch.optim.Optimizer, iterations: int = 20) -> float:
 
     for _ in range(3):
         step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iterations):
@@ -70,12 +72,15 @@ def main() -> None:
             optimizer = make_optimizer(preset, variant)
             params = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
             ms = step_ms(optimizer)
+            held = torch.cuda.memory_allocated()
+            extra = (torch.cuda.max_memory_allocated() - held) / 1e9
             row = {
                 "preset": preset,
                 "variant": variant,
                 "params": params,
                 "ms": round(ms, 2),
                 "tb_per_s": round(params * BYTES_PER_PARAM / ms / 1e9, 2),
+                "temporary_gb": round(extra, 2),
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -83,9 +88,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "optimizer_step.json"), "w") as handle:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, handle, indent=1)
-    print(f"\n{'preset':14s} {'variant':10s} {'ms/step':>8s} {'TB/s':>6s}")
+    print(f"\n{'preset':14s} {'variant':10s} {'ms/step':>8s} {'TB/s':>6s} {'extra GB':>8s}")
     for row in rows:
-        print(f"{row['preset']:14s} {row['variant']:10s} {row['ms']:8.2f} {row['tb_per_s']:6.2f}")
+        print(
+            f"{row['preset']:14s} {row['variant']:10s} {row['ms']:8.2f} {row['tb_per_s']:6.2f}"
+            f" {row['temporary_gb']:8.2f}"
+        )
 
 
 if __name__ == "__main__":

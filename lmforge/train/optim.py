@@ -35,11 +35,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _adamw_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
     lr: torch.Tensor,
     grad_scale: torch.Tensor,
     found_inf: torch.Tensor,
@@ -49,39 +49,40 @@ def _adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """AdamW with decoupled weight decay, in place, the arithmetic of PyTorch's fused kernel:
-    every gradient divided by `grad_scale`, nothing (step counts included) changed where
-    `found_inf` is 1. Compiled, each parameter's update is one generated kernel that reads the
-    parameter, gradient and both moments once and writes the three back."""
+    """One parameter's AdamW step with decoupled weight decay, in place, the arithmetic of
+    PyTorch's fused kernel: the gradient divided by `grad_scale`, nothing (the step count
+    included) changed where `found_inf` is 1. Compiled, it is one generated kernel that reads
+    the parameter, gradient and both moments once and writes the three back."""
     skip = found_inf > 0
-    for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        new_step = step + 1
-        grad = grad.float() / grad_scale  # fp32 arithmetic whatever the storage dtype
-        avg, avg_sq = exp_avg.float(), exp_avg_sq.float()
-        new_avg = avg + (1 - beta1) * (grad - avg)
-        new_avg_sq = avg_sq * beta2 + (1 - beta2) * grad * grad
-        bias_correction1 = 1 - beta1**new_step
-        bias_correction2_sqrt = (1 - beta2**new_step).sqrt()
-        denom = new_avg_sq.sqrt() / bias_correction2_sqrt + eps
-        decayed = param.float() * (1 - lr * weight_decay)
-        new_param = decayed - (lr / bias_correction1) * new_avg / denom
-        param.copy_(torch.where(skip, param, new_param))
-        exp_avg.copy_(torch.where(skip, exp_avg, new_avg))
-        exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, new_avg_sq))
-        step.copy_(torch.where(skip, step, new_step))
+    new_step = step + 1
+    grad = grad.float() / grad_scale  # fp32 arithmetic whatever the storage dtype
+    avg, avg_sq = exp_avg.float(), exp_avg_sq.float()
+    new_avg = avg + (1 - beta1) * (grad - avg)
+    new_avg_sq = avg_sq * beta2 + (1 - beta2) * grad * grad
+    bias_correction1 = 1 - beta1**new_step
+    bias_correction2_sqrt = (1 - beta2**new_step).sqrt()
+    denom = new_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    decayed = param.float() * (1 - lr * weight_decay)
+    new_param = decayed - (lr / bias_correction1) * new_avg / denom
+    param.copy_(torch.where(skip, param, new_param))
+    exp_avg.copy_(torch.where(skip, exp_avg, new_avg))
+    exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, new_avg_sq))
+    step.copy_(torch.where(skip, step, new_step))
 
 
 class CompiledAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose update is compiled by torch.compile: one kernel per parameter
-    reading each byte once, where the fused CUDA kernel's fixed launch shape reads the fp32
-    state at ~60% of an H200's copy bandwidth. Its state (and so its checkpoints) is
+    reading each byte once (the fused CUDA kernel read the 1B model's fp32 state at 2.97 TB/s
+    of an H200's 4.28). One graph serves every parameter, each seen as a flat vector of
+    symbolic length (the update is elementwise): one compile, and no temporaries beyond one
+    parameter's. Its state (and so its checkpoints) is
     the fused AdamW's, flags included (checkpoints resume with either), and like the fused
     kernel it takes `grad_scale` (clipping as a divisor) and `found_inf` (skip the step on the
     device) as attributes set before `step()`."""
 
     def __init__(self, params, **hyper) -> None:
         super().__init__(params, **hyper, fused=True)
-        self._update = torch.compile(_adamw_update, fullgraph=True, dynamic=False)
+        self._update = torch.compile(_adamw_update, fullgraph=True, dynamic=True)
 
     def _state_of(self, param: torch.Tensor) -> dict:
         state = self.state[param]
@@ -101,23 +102,27 @@ class CompiledAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            states = [self._state_of(p) for p in params]
             device = _local(params[0]).device
-            beta1, beta2 = group["betas"]
-            self._update(
-                [_local(p) for p in params],
-                [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states],
-                [s["step"] for s in states],
+            scalars = (
                 torch.full((), group["lr"], dtype=torch.float32, device=device),
                 _scalar(grad_scale, 1.0, device),
                 _scalar(found_inf, 0.0, device),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
             )
+            beta1, beta2 = group["betas"]
+            hyper = {"beta1": beta1, "beta2": beta2, "eps": group["eps"]}
+            for param in params:
+                state = self._state_of(param)
+                flat = [
+                    _flat(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
+                ]
+                self._update(
+                    *flat, state["step"], *scalars, **hyper, weight_decay=group["weight_decay"]
+                )
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of `tensor` as one vector sharing its storage."""
+    return _local(tensor).view(-1)
 
 
 def _scalar(value: torch.Tensor | None, default: float, device: torch.device) -> torch.Tensor:
