@@ -12,7 +12,9 @@ Variants (each a fresh compile): default (the engine as it is); no-tuning (no co
 descent tuning: inductor keeps bf16 matrix-vector products as cuBLAS calls instead of its own
 reductions); wide-tuning (coordinate descent tuning that tries every direction, two steps out,
 for better reduction configurations); cublas-output (the output projection an opaque cuBLAS
-call); autotune (inductor max-autotune); sdpa-math (attention traced through the math backend,
+call); autotune (inductor max-autotune); realize-N (inductor stores pointwise results of more
+than N operations, e.g. SiLU·up and the normalized activations, as buffers of their own instead of
+recomputing them inside every row of the matrix-vector product that reads them); sdpa-math (attention traced through the math backend,
 so inductor writes its kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may
 serve the default graph).
 
@@ -83,6 +85,9 @@ def variant_context(variant: str):
         return torch._inductor.config.patch(
             coordinate_descent_check_all_directions=True, coordinate_descent_search_radius=2
         )
+    if variant.startswith("realize"):  # realize-N: pointwise bodies of more than N ops
+        threshold = int(variant.split("-")[1])
+        return torch._inductor.config.patch(realize_opcount_threshold=threshold)
     if variant == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -109,7 +114,17 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default"],
-        choices=["default", "no-tuning", "wide-tuning", "cublas-output", "autotune", "sdpa-math"],
+        choices=[
+            "default",
+            "no-tuning",
+            "wide-tuning",
+            "cublas-output",
+            "autotune",
+            "sdpa-math",
+            "realize-0",
+            "realize-4",
+            "realize-8",
+        ],
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()

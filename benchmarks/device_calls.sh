@@ -4,6 +4,7 @@
 # long). Run `bash benchmarks/device_wheels.sh` here first, carry [".whl"], and on the device:
 #
 #   bash benchmarks/device_calls.sh inference   # one H200: issue "one fast inference engine"
+#   bash benchmarks/device_calls.sh kernels     # one H200: the batch-1 step's kernel choices
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -13,9 +14,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | tp | train | train-3b) ;;
+inference | kernels | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -47,6 +48,15 @@ inference)
   tail -n 12 "$OUT/decode.log"
   grep -A 8 "^== " "$OUT/profile.log" | head -n 24
   tail -n 8 "$OUT/serve.log"
+  ;;
+kernels)
+  # the 1B bf16 batch-1 step under inductor choices, each a fresh compile, and int4 in gemlite
+  step 440 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default realize-0 realize-8 wide-tuning --out /tmp/traces
+  step 130 gemlite python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes int4-gemlite --new-tokens 128 --repeats 2 --out /tmp/traces
+  grep -A 10 "^== " "$OUT/profile.log" | grep -v "^--$" | cut -c1-220
+  tail -n 4 "$OUT/gemlite.log"
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
