@@ -53,11 +53,9 @@ def bench_trainer(
     bf16: bool = True,
     lr: float = 1e-4,
     count_targets: Callable = count_label_tokens,
-    compile_optimizer: bool = False,
 ) -> Trainer:
     """A Trainer over an already parallelized and initialized `model`."""
-    optim = OptimSection(lr=lr, compile=compile_optimizer)
-    optimizer = build_optimizer(model, optim, layout.device)
+    optimizer = build_optimizer(model, OptimSection(lr=lr), layout.device)
     scheduler = build_scheduler(
         optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps
     )

@@ -66,23 +66,17 @@ tp)
   tail -n 14 "$OUT/tp.log"
   ;;
 train)
-  # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x), with AdamW's
-  # update from PyTorch's fused kernel and compiled (-copt), and the update alone
-  step 100 optimizer python3 benchmarks/optimizer_step.py --presets llama3.2-1b --out "$OUT"
+  # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x)
   step 210 titan env CASES=1B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
-  step 250 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
-    --variants ours-compile ours-compile-copt ours-float8-copt --out /tmp/traces
-  tail -n 5 "$OUT/optimizer.log"
+  step 200 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
+    --variants ours-compile ours-float8 --out /tmp/traces
   tail -n 8 "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log"
   ;;
 train-3b)
-  step 120 optimizer python3 benchmarks/optimizer_step.py --presets llama3.2-1b llama3.2-3b \
-    --variants fused compiled --out "$OUT"
   step 130 titan env CASES=3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
-  step 250 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 \
-    --variants ours-compile ours-compile-copt --out /tmp/traces
-  tail -n 6 "$OUT/optimizer.log"
+  step 150 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 \
+    --variants ours-compile --out /tmp/traces
   tail -n 8 "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-3b.log"
   ;;

@@ -3,10 +3,6 @@ side in one run, on the same Llama shape and batch (random tokens, fp32 master w
 compute, fused AdamW). Prints a table of tokens/s, MFU and peak memory.
 
     python benchmarks/train_throughput.py --shapes 1b:8x2048 3b:4x2048 --variants ours-compile hf-compile
-
-Variants: hf-compile, hf-eager; ours-compile, ours-eager, ours-float8, ours-sac (selective
-activation checkpointing), ours-lora, ours-qlora; "-copt" in an "ours" variant compiles AdamW's
-update (`optim.compile = true`) instead of using PyTorch's fused kernel (ours-compile-copt).
 """
 
 from __future__ import annotations
@@ -50,11 +46,9 @@ def bench_ours(
     float8: bool,
     ac: str,
     lora: str | None = None,
-    compile_optimizer: bool = False,
 ):
     """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
-    (the same with the frozen base in NF4). compile_optimizer: AdamW's update compiled
-    (`optim.compile`) instead of PyTorch's fused kernel."""
+    (the same with the frozen base in NF4)."""
     from lmforge.modules.lora import apply_lora, quantize_base_nf4, reset_lora_parameters
 
     args = get_preset(preset)
@@ -82,7 +76,6 @@ def bench_ours(
         batches=random_batches(args.vocab_size, batch, seq, device),
         steps=steps + warmup,
         micro_batch_size=batch,
-        compile_optimizer=compile_optimizer,
     )
     return time_steps(lambda: trainer.train_step(False), steps, warmup), args, trainer
 
@@ -181,6 +174,8 @@ def main() -> None:
         name, dims = shape.split(":")
         batch, seq = map(int, dims.split("x"))
         for variant in args.variants:
+            step = trainer = None  # this variant's peak must not count the last one's state
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
@@ -205,7 +200,6 @@ def main() -> None:
                         float8="float8" in variant,
                         ac="selective" if "sac" in variant else "none",
                         lora=lora,
-                        compile_optimizer="copt" in variant,
                     )
                     step = functools.partial(trainer.train_step, False)
             except Exception as err:  # one failing variant must not lose the others' numbers

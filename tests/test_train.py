@@ -359,8 +359,7 @@ def test_which_optimizers_skip_a_diverged_step_on_device():
 
 def test_fused_adamw_before_the_sync_matches_after_and_two_ranks(tmp_path, data, monkeypatch):
     """The update launched before the host sync gives the losses of the old order bit for bit;
-    on 2 ranks (FSDP2 DTensor parameters, found_inf handed to the fused kernel) those of one;
-    so does the compiled update (`optim.compile`) on 2 ranks of a tied model."""
+    on 2 ranks (FSDP2 DTensor parameters, found_inf handed to the fused kernel) those of one."""
     tokenizer, shards = data
 
     def args(run_dir, *extra):
@@ -374,71 +373,6 @@ def test_fused_adamw_before_the_sync_matches_after_and_two_ranks(tmp_path, data,
     assert losses(tmp_path / "before") == reference
     run_torchrun(2, "pretrain", args(tmp_path / "fsdp", "train.micro_batch_size=4"))
     _assert_close(losses(tmp_path / "fsdp"), reference, 1e-5)
-
-    run_inprocess("pretrain", args(tmp_path / "tied", "train.micro_batch_size=8", TIED))
-    compiled = args(tmp_path / "compiled", "train.micro_batch_size=4", TIED, "optim.compile=true")
-    run_torchrun(2, "pretrain", compiled)
-    _assert_close(losses(tmp_path / "compiled"), losses(tmp_path / "tied"), 1e-5)
-
-
-def _adamw_pair(make_params):
-    """Fused torch.optim.AdamW and CompiledAdamW over two copies of the same parameters, in
-    the trainer's two groups (weight decay on matrices only)."""
-    from lmforge.train.optim import CompiledAdamW
-
-    def groups(params):
-        return [
-            {"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
-            {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0},
-        ]
-
-    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
-    reference, compiled = make_params(), make_params()
-    return (
-        (reference, torch.optim.AdamW(groups(reference), **hyper, fused=True)),
-        (compiled, CompiledAdamW(groups(compiled), **hyper)),
-    )
-
-
-def test_compiled_adamw_matches_the_fused_kernel_and_its_checkpoints():
-    """The compiled update follows PyTorch's fused AdamW step for step: clipping as the
-    grad_scale divisor, a step skipped where found_inf is 1 (its count too), a changing lr; its
-    state dict loads into the fused optimizer and back, and both go on equal."""
-
-    def make_params():
-        torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(s)) for s in [(16, 8), (8,), (4, 16), (3,)]]
-
-    pairs = _adamw_pair(make_params)
-    generator = torch.Generator().manual_seed(1)
-    for i in range(5):
-        grads = [torch.randn(p.shape, generator=generator) for p in pairs[0][0]]
-        for params, optimizer in pairs:
-            for param, grad in zip(params, grads):
-                param.grad = grad.clone()
-            optimizer.grad_scale = torch.tensor(1.0 + i)
-            optimizer.found_inf = torch.tensor(float(i == 2))
-            before = [p.detach().clone() for p in params]
-            optimizer.step()
-            del optimizer.grad_scale, optimizer.found_inf
-            for group in optimizer.param_groups:
-                group["lr"] *= 0.8
-            if i == 2:  # skipped: nothing moved
-                assert all(torch.equal(a, b) for a, b in zip(before, params))
-        for a, b in zip(pairs[0][0], pairs[1][0]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    (ref_params, ref_opt), (new_params, new_opt) = pairs
-    assert all(s["step"].item() == 4 for s in new_opt.state.values())
-    ref_state, new_state = ref_opt.state_dict(), new_opt.state_dict()
-    assert new_state["param_groups"] == ref_state["param_groups"]
-    ref_opt.load_state_dict(new_state)
-    new_opt.load_state_dict(ref_state)
-    for params, optimizer in pairs:
-        for param in params:
-            param.grad = torch.ones_like(param)
-        optimizer.step()
-    for a, b in zip(ref_params, new_params):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_golden_losses(tmp_path):

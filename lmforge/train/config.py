@@ -40,9 +40,6 @@ class OptimSection(Section):
     weight_decay: float = Field(0.1, ge=0)
     fused: bool | None = None
     """Fused kernel; None = where the device supports it."""
-    compile: bool = False
-    """Compile the update with torch.compile (one generated kernel per parameter) instead of
-    PyTorch's fused or foreach kernels; the optimizer state is AdamW's either way."""
 
 
 class SchedulerSection(Section):
