@@ -597,3 +597,46 @@ def test_prompts_joining_running_sequences_are_prefilled_together(hf_pair):
         engine.step()
     alone = Generator(loaded.model, max_batch=1, max_seq_len=64).generate([prompts[1]], params)
     assert late.token_ids == alone.results[0].token_ids
+
+
+def test_prefill_widths():
+    widths = [engine_module.prefill_width(n, 4096) for n in (1, 16, 17, 200, 256, 257, 1025)]
+    assert widths == [16, 16, 32, 256, 256, 512, 1280]
+    assert engine_module.prefill_width(100, 40) == 40  # never past the cache
+
+
+def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch):
+    """A compiled engine pads fresh prefills to a (batch bucket, width bucket) shape (on CUDA
+    each shape's forward is a CUDA graph): padding rows write only the last slot of row 0 and
+    padded positions a row's own later slots, so every token's log-probabilities still equal
+    a plain forward's over the whole sequence, with rows decoding while others are prefilled
+    into freed rows and a prompt longer than the chunk (its later piece attends with a mask,
+    unpadded). The decode steps run eagerly here: the test is about the prefills."""
+    _, loaded = hf_pair
+    model = loaded.model
+    monkeypatch.setattr(Engine, "_compile_decode", lambda engine: None)
+    engine = Engine(model, max_batch=4, max_seq_len=64, prefill_chunk=48, compile=True)
+    prompts = _random_prompts([5, 17, 40, 3, 29, 50], seed=11)
+    lengths = [12, 9, 6, 12, 4, 10]
+    sequences = [
+        engine.sequence(
+            prompt, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=()),
+            index=i, num_logprobs=1,
+        )
+        for i, (prompt, n) in enumerate(zip(prompts, lengths))
+    ]  # fmt: skip
+    engine.add(sequences)
+    events = {i: [] for i in range(len(prompts))}
+    while engine.has_work:
+        for sequence, event in engine.step():
+            events[sequence.index].append(event)
+    # The first step: pieces of 5, 17 and 26 tokens (48 in all), padded to 4 rows of 32.
+    assert (4, 32) in engine._prefill_buffers
+    with torch.no_grad():
+        for sequence in sequences:
+            tokens = sequence.prompt_ids + sequence.token_ids
+            logprobs = model(torch.tensor([tokens]))[0].float().log_softmax(-1)
+            for step, event in enumerate(events[sequence.index]):
+                expected = logprobs[len(sequence.prompt_ids) - 1 + step]
+                assert event.token_id == expected.argmax().item()
+                assert abs(event.logprob - expected[event.token_id].item()) <= 1e-5

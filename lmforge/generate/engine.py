@@ -20,12 +20,15 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
    into the whole buffer and sees none of its keys, harmless as its output is ignored. On
    CUDA the step is compiled with the batch size (but for batch 1) and L as dynamic
    dimensions: one compile, and one CUDA graph recorded by the engine per (B, L) pair it
-   meets (`DecodeGraphs`; `warmup` records the common ones).
+   meets (`StepGraphs`; `warmup` records the common ones).
 3. prefill: up to `prefill_chunk` prompt tokens of admitted sequences in one right-padded
    forward: several short prompts together, a long one over several steps (chunked prefill),
    so that running sequences keep decoding meanwhile. A chunk writes its rows' slots
    start..end-1 and attends to slots 0..end-1; a sequence whose prompt is complete samples its
-   first token from the logits at its last prompt position.
+   first token from the logits at its last prompt position. On CUDA, pieces that all start
+   their prompts are padded to a batch bucket and a width bucket (`prefill_width`) and run as
+   that shape's CUDA graph, recorded from the eager forward: a short prompt's first token in
+   3 ms instead of 16 (1B, H200), most of which was the host launching 600 kernels.
 4. collect: the step's tokens are copied to the host and pushed to their sequences (stop
    tokens, stop strings, length, text).
 
@@ -95,6 +98,19 @@ def kv_buckets(max_seq_len: int, smallest: int | None = None) -> tuple[int, ...]
     return (*buckets, most)
 
 
+def prefill_width(length: int, most: int) -> int:
+    """The width a compiled engine pads a fresh prefill of `length` tokens to, so that one
+    recorded graph serves every length up to it: powers of two from 16 to 256, then multiples
+    of 256 (at most 25% padding from 1,024 tokens on, where a prefill's compute starts to
+    count), never more than `most` (the cache's slots)."""
+    width = 16
+    while width < min(length, 256):
+        width *= 2
+    if width < length:
+        width = -(-length // 256) * 256
+    return min(width, most)
+
+
 def decode_step(
     model: nn.Module,
     caches: KVCaches,
@@ -140,32 +156,34 @@ def plain_quantized_weights(model: nn.Module) -> None:
     unwrap_tensor_subclass(model)
 
 
-class DecodeGraphs:
-    """CUDA graphs of the compiled decode steps, recorded by the engine, one per (batch bucket,
-    KV bucket), all in one memory pool: a replay is one call, where torch.compile's
-    "reduce-overhead" mode goes through dynamo's guards and its CUDA graph trees' bookkeeping
-    on every call (measured on an H200, 1B: batch-1 decode 826 -> 910 tokens/s, the server at
-    64 streams 21.1k -> 25.3k tokens/s). Every input of a step is a buffer that never moves
-    (weights, cache, the row views, the slot views), so nothing is copied in; the logits it
-    returns are the graph's own buffer, overwritten by the next replay of that graph (the
-    engine samples them first).
-    Steps are idempotent (a step writes its tokens' K/V at their positions and advances
-    nothing), so a new pair runs twice uncaptured (compiling, tuning) before it is recorded."""
+class StepGraphs:
+    """CUDA graphs of the engine's steps, recorded by the engine, all in one memory pool: the
+    compiled decode steps, one per (batch bucket, KV bucket), and the eager prefill forwards of
+    fresh prompts, one per (batch bucket, width bucket). A replay is one call, where
+    torch.compile's "reduce-overhead" mode goes through dynamo's guards and its CUDA graph
+    trees' bookkeeping on every call (measured on an H200, 1B: batch-1 decode 826 -> 910
+    tokens/s, the server at 64 streams 21.1k -> 25.3k tokens/s), and an eager prefill spends
+    ~16 ms of host time launching 600 kernels for ~3.4 ms of device work (1B, 16 tokens).
+    A step reads its inputs from buffers that never move (weights, cache, the decode row and
+    slot views, the prefill input buffers), so nothing is copied in at replay; its output is
+    the graph's own buffer, overwritten by the next replay of that graph (the engine consumes
+    it first). Steps are idempotent (they write K/V at their positions and advance nothing), so
+    a new key runs twice uncaptured (compiling, tuning) before it is recorded."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def __contains__(self, key: tuple[int, int]) -> bool:
+    def __contains__(self, key: tuple) -> bool:
         return key in self.graphs
 
-    def replay(self, key: tuple[int, int]) -> torch.Tensor:
-        graph, logits = self.graphs[key]
+    def run(self, key: tuple, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Replay `key`'s graph, recording it from `step` first if it is new."""
+        if key not in self.graphs:
+            self.graphs[key] = self._record(step)
+        graph, output = self.graphs[key]
         graph.replay()
-        return logits
-
-    def record(self, key: tuple[int, int], step: Callable[[], torch.Tensor]) -> None:
-        self.graphs[key] = self._record(step)
+        return output
 
     def _record(
         self, step: Callable[[], torch.Tensor]
@@ -179,8 +197,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's event loop thread may touch CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = step()
-        return graph, logits
+            output = step()
+        return graph, output
 
 
 @dataclass
@@ -258,7 +276,9 @@ class Engine:
         )
         self.compiled = self.on_cuda if compile is None else compile
         self.tune_decode = tune_decode
-        self.graphs = DecodeGraphs() if self.compiled and self.on_cuda else None
+        self.graphs = StepGraphs() if self.compiled and self.on_cuda else None
+        # A fresh prefill's inputs per (batch bucket, width bucket), where its graph reads them.
+        self._prefill_buffers: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
         self.overlap = self.on_cuda
         self._decode_one, self._decode_many = decode_step, batched_decode_step
@@ -305,7 +325,7 @@ class Engine:
         for tensor in row_inputs:  # one compile for every bucket > 1
             torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.max_batch)
         if self.on_cuda:  # the CPU: otherwise inductor's defaults
-            # The CUDA graphs (DecodeGraphs) read and write these where they are: buffers
+            # The CUDA graphs (StepGraphs) read and write these where they are: buffers
             # that never move (the caches; views of the slots, tokens and positions).
             static = [*self.caches.tensors(), *self._kv_slots.values()]
             for tensor in static + [t for views in self._row_inputs.values() for t in views]:
@@ -419,15 +439,22 @@ class Engine:
     def warmup(self) -> None:
         """Compile the decode steps now, and record the CUDA graphs of every batch bucket at
         the smallest KV bucket (what short sequences use) and of batch 1 at every KV bucket (a
-        single stream, as `lmforge generate` runs, never pauses to record one). Other (batch,
-        KV) pairs record on first use, once per process; compiling is not repeated."""
+        single stream, as `lmforge generate` runs, never pauses to record one), and those of
+        fresh prefills of every batch bucket at the narrowest width (short prompts; no
+        sequence is in the cache yet, so any rows will do). Other shapes record on first use,
+        once per process; compiling is not repeated."""
         pairs = [(bucket, self.kv_buckets[0]) for bucket in self.buckets]
         pairs += [(1, kv_len) for kv_len in self.kv_buckets[1:]]
         if not self.compiled:
             pairs = pairs[:1]
+        width = prefill_width(1, self.max_seq_len)
+        positions = torch.arange(width).clamp(max=self._last_slot)
         with torch.no_grad():
             for bucket, kv_len in pairs:  # the first call compiles (and records its graph)
                 self.decode_rows(bucket, kv_len).argmax(-1)
+            for bucket in self.buckets if self.compiled else ():
+                tokens = torch.zeros(bucket, width, dtype=torch.long)
+                self._prefill_replay(tokens, positions.repeat(bucket, 1), torch.arange(bucket))
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
 
@@ -490,13 +517,10 @@ class Engine:
         slots = self._kv_slots[kv_len]  # [kv_len]
         tokens, positions = self._row_inputs[bucket]  # [bucket, 1] each
         decode = self._decode_one if bucket == 1 else self._decode_many
-        if self.graphs is not None:
-            key = (bucket, kv_len)
-            if key not in self.graphs:
-                step = partial(decode, self.model, self.caches, tokens, positions, slots)
-                self.graphs.record(key, step)
-            return self.graphs.replay(key)
-        return decode(self.model, self.caches, tokens, positions, slots)
+        step = partial(decode, self.model, self.caches, tokens, positions, slots)
+        if self.graphs is None:
+            return step()
+        return self.graphs.run(("decode", bucket, kv_len), step)
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
         """One token for each decoding sequence -> their tokens [n] (on the device)."""
@@ -551,29 +575,7 @@ class Engine:
     ) -> tuple[list[Sequence], torch.Tensor | None]:
         """Run prompt pieces into their rows; returns the sequences whose prompt is now
         complete and their first tokens [n] (on the device)."""
-        width = max(length for _, _, length in chunks)
-        tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # right-padded with id 0
-        positions = torch.arange(width).repeat(len(chunks), 1)  # [b, width]
-        for row, (sequence, start, length) in enumerate(chunks):
-            tokens[row, :length] = torch.tensor(sequence.prompt_ids[start : start + length])
-            positions[row] += start
-        # Padding writes slots past a row's piece (its own future slots, rewritten before they
-        # are read) or, clamped, the last slot.
-        positions.clamp_(max=self._last_slot)
-        kv_len = max(start + length for _, start, length in chunks)
-        rows = [sequence.slot for sequence, _, _ in chunks]
-        tokens, positions, rows = (self._to_device(t) for t in (tokens, positions, rows))
-        # Pieces that all start a prompt attend causally (a padded row's real queries see only
-        # its real keys): no mask, so FlashAttention takes them.
-        fresh = all(start == 0 for _, start, _ in chunks)
-        with shape_free_attention(self.device):
-            hidden = self.model(
-                tokens,
-                positions=positions,
-                attn_mask=None if fresh else attention_mask(positions, kv_len),
-                kv_caches=self.caches.rows(rows, positions, kv_len),
-                return_hidden=True,
-            )  # [b, width, dim]
+        hidden = self._prefill_forward(chunks)  # [>= n, >= width, dim]
         completed, last = [], []
         for row, (sequence, start, length) in enumerate(chunks):
             sequence.num_cached = start + length
@@ -590,6 +592,66 @@ class Engine:
         self._tokens[slots] = first
         self._positions[slots] = self._to_device([len(s.prompt_ids) for s in completed])
         return completed, first
+
+    def _prefill_forward(self, chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """The model over the pieces, right-padded into one batch, writing their K/V -> hidden
+        states [b, width, dim], row i for piece i. Pieces that all start a prompt attend
+        causally (a padded row's real queries see only its real keys): no mask, so
+        FlashAttention takes them; a compiled engine then pads them to a (batch bucket, width
+        bucket) and replays that shape's CUDA graph, as the eager forward's host time is most
+        of a short prompt's (~16 ms of host for ~3.4 ms of device work, 1B, 16 tokens)."""
+        fresh = all(start == 0 for _, start, _ in chunks)
+        graphed = fresh and self.compiled
+        width = max(length for _, _, length in chunks)
+        batch = len(chunks)
+        if graphed:
+            width = prefill_width(width, self.max_seq_len)
+            batch = next(b for b in self.buckets if b >= batch)
+        tokens = torch.zeros(batch, width, dtype=torch.long)  # right-padded with id 0
+        positions = torch.arange(width).repeat(batch, 1)  # [b, width]
+        rows = [sequence.slot for sequence, _, _ in chunks]
+        for row, (sequence, start, length) in enumerate(chunks):
+            tokens[row, :length] = torch.tensor(sequence.prompt_ids[start : start + length])
+            positions[row] += start
+        # Padding writes slots past a row's piece (its own future slots, rewritten before they
+        # are read) or, clamped, the last slot, which no sequence reads: all that padding rows
+        # (in row 0: any row will do) write.
+        positions[len(chunks) :] = self._last_slot
+        rows += [0] * (batch - len(chunks))
+        positions.clamp_(max=self._last_slot)
+        if graphed:
+            return self._prefill_replay(tokens, positions, torch.tensor(rows))
+        kv_len = max(start + length for _, start, length in chunks)
+        tokens, positions, rows = (self._to_device(t) for t in (tokens, positions, rows))
+        mask = None if fresh else attention_mask(positions, kv_len)
+        return self._run_prefill(tokens, positions, rows, mask)
+
+    def _run_prefill(self, tokens, positions, rows, mask=None) -> torch.Tensor:
+        """The prefill forward itself: tokens and positions [b, width], cache rows [b]."""
+        kv_len = tokens.shape[1] if mask is None else mask.shape[-1]
+        with shape_free_attention(self.device):
+            return self.model(
+                tokens,
+                positions=positions,
+                attn_mask=mask,
+                kv_caches=self.caches.rows(rows, positions, kv_len),
+                return_hidden=True,
+            )
+
+    def _prefill_replay(self, tokens, positions, rows) -> torch.Tensor:
+        """A fresh, padded prefill through its shape's buffers (and, on CUDA, its graph)."""
+        key = tuple(tokens.shape)
+        if key not in self._prefill_buffers:
+            self._prefill_buffers[key] = tuple(
+                torch.empty_like(t, device=self.device) for t in (tokens, positions, rows)
+            )
+        buffers = self._prefill_buffers[key]
+        for buffer, values in zip(buffers, (tokens, positions, rows)):
+            buffer.copy_(values.pin_memory() if self.on_cuda else values, non_blocking=True)
+        step = partial(self._run_prefill, *buffers)
+        if self.graphs is None:
+            return step()
+        return self.graphs.run(("prefill", *key), step)
 
     def _to_device(self, values) -> torch.Tensor:
         """A host list or tensor on the device without a sync: a copy from pageable host memory
