@@ -603,6 +603,18 @@ def test_prefill_widths():
     widths = [engine_module.prefill_width(n, 4096) for n in (1, 16, 17, 200, 256, 257, 1025)]
     assert widths == [16, 16, 32, 256, 256, 512, 1280]
     assert engine_module.prefill_width(100, 40) == 40  # never past the cache
+    model = build_model(small_args(max_seq_len=4096), seed=0).eval()
+    engine = Engine(model, max_batch=64, max_seq_len=4096, prefill_chunk=2048)
+
+    def shape(*lengths):
+        return engine._padded_prefill_shape([(None, 0, n) for n in lengths])
+
+    assert shape(16) == (1, 16)
+    assert shape(*[100] * 5) == (8, 128)  # 1,024 tokens: padding is free up to there
+    assert shape(2000) == (1, 2048)
+    assert shape(2000, *[1] * 40) is None  # 64 rows of 2,048: run as it is
+    assert shape(700, 700, 700) is None  # 4 rows of 768 > one chunk of 2,048
+    assert shape(300, 300, 300, 300) == (4, 512)  # at most twice the 1,200 real tokens
 
 
 def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch):

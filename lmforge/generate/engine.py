@@ -76,6 +76,9 @@ MIN_KV_BUCKET = 256
 # New prompts joining running sequences are prefilled together (see `Engine._prefill_due`).
 PREFILL_BATCH = 4
 PREFILL_WAIT_STEPS = 4
+# Tokens a padded fresh prefill may hold whatever its real ones: below this a forward's time is
+# its weights' reads and kernel launches, not its tokens (see `Engine._padded_prefill_shape`).
+PREFILL_FREE_TOKENS = 1024
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -601,12 +604,11 @@ class Engine:
         bucket) and replays that shape's CUDA graph, as the eager forward's host time is most
         of a short prompt's (~16 ms of host for ~3.4 ms of device work, 1B, 16 tokens)."""
         fresh = all(start == 0 for _, start, _ in chunks)
-        graphed = fresh and self.compiled
-        width = max(length for _, _, length in chunks)
-        batch = len(chunks)
+        batch, width = len(chunks), max(length for _, _, length in chunks)
+        padded = self._padded_prefill_shape(chunks) if fresh and self.compiled else None
+        graphed = padded is not None
         if graphed:
-            width = prefill_width(width, self.max_seq_len)
-            batch = next(b for b in self.buckets if b >= batch)
+            batch, width = padded
         tokens = torch.zeros(batch, width, dtype=torch.long)  # right-padded with id 0
         positions = torch.arange(width).repeat(batch, 1)  # [b, width]
         rows = [sequence.slot for sequence, _, _ in chunks]
@@ -625,6 +627,19 @@ class Engine:
         tokens, positions, rows = (self._to_device(t) for t in (tokens, positions, rows))
         mask = None if fresh else attention_mask(positions, kv_len)
         return self._run_prefill(tokens, positions, rows, mask)
+
+    def _padded_prefill_shape(self, chunks: list[tuple[Sequence, int, int]]) -> tuple | None:
+        """(rows, width) a fresh prefill of `chunks` pads to, or None where padding would cost
+        more than the graph saves: past PREFILL_FREE_TOKENS, the padded shape may hold at most
+        twice the real tokens, and never more than a chunk (as much as an eager forward runs;
+        one long prompt among short ones would otherwise pad every row to its width)."""
+        real = sum(length for _, _, length in chunks)
+        width = prefill_width(max(length for _, _, length in chunks), self.max_seq_len)
+        batch = next(b for b in self.buckets if b >= len(chunks))
+        limit = min(
+            max(2 * real, PREFILL_FREE_TOKENS), max(self.prefill_chunk, PREFILL_FREE_TOKENS)
+        )
+        return (batch, width) if batch * width <= limit else None
 
     def _run_prefill(self, tokens, positions, rows, mask=None) -> torch.Tensor:
         """The prefill forward itself: tokens and positions [b, width], cache rows [b]."""
