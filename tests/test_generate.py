@@ -109,11 +109,17 @@ def test_engine_logprobs_equal_full_forward(request, pair, overlap, monkeypatch)
     kv_lens = check_kv_lens(engine)
     engine.overlap = overlap  # the CUDA schedule (collect a step after the next launch)
     prompts = _random_prompts([3, 9, 6, 13, 2, 7], seed=1)
-    lengths = [5, 12, 3, 8, 12, 6]
+    check_logprobs_against_full_forward(engine, prompts, [5, 12, 3, 8, 12, 6])
+    assert set(kv_lens) == {8, 16, 32}
+
+
+def check_logprobs_against_full_forward(engine: Engine, prompts, lengths, k: int = 3) -> None:
+    """Run greedy `prompts` for `lengths` new tokens each with their `k` best log-probabilities
+    through `engine`; every token's must equal a plain forward's over the whole sequence."""
     sequences = [
         engine.sequence(
             prompt, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=()),
-            index=i, num_logprobs=3,
+            index=i, num_logprobs=k,
         )
         for i, (prompt, n) in enumerate(zip(prompts, lengths))
     ]  # fmt: skip
@@ -126,16 +132,15 @@ def test_engine_logprobs_equal_full_forward(request, pair, overlap, monkeypatch)
         for sequence in sequences:
             assert len(sequence.token_ids) == lengths[sequence.index]
             tokens = sequence.prompt_ids + sequence.token_ids
-            logprobs = model(torch.tensor([tokens]))[0].float().log_softmax(-1)
+            logprobs = engine.model(torch.tensor([tokens]))[0].float().log_softmax(-1)
             for step, event in enumerate(events[sequence.index]):
                 expected = logprobs[len(sequence.prompt_ids) - 1 + step]
                 assert abs(event.logprob - expected[event.token_id].item()) <= 1e-5
                 assert event.token_id == expected.argmax().item()
-                best = expected.topk(3)
+                best = expected.topk(k)
                 assert [i for i, _ in event.top_logprobs] == best.indices.tolist()
                 values = torch.tensor([v for _, v in event.top_logprobs])
                 torch.testing.assert_close(values, best.values, rtol=0, atol=1e-5)
-    assert set(kv_lens) == {8, 16, 32}
 
 
 def check_kv_lens(engine: Engine) -> list[int]:
@@ -629,26 +634,6 @@ def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch)
     monkeypatch.setattr(Engine, "_compile_decode", lambda engine: None)
     engine = Engine(model, max_batch=4, max_seq_len=64, prefill_chunk=48, compile=True)
     prompts = _random_prompts([5, 17, 40, 3, 29, 50], seed=11)
-    lengths = [12, 9, 6, 12, 4, 10]
-    sequences = [
-        engine.sequence(
-            prompt, SamplingParams(max_new_tokens=n, temperature=0, stop_token_ids=()),
-            index=i, num_logprobs=1,
-        )
-        for i, (prompt, n) in enumerate(zip(prompts, lengths))
-    ]  # fmt: skip
-    engine.add(sequences)
-    events = {i: [] for i in range(len(prompts))}
-    while engine.has_work:
-        for sequence, event in engine.step():
-            events[sequence.index].append(event)
+    check_logprobs_against_full_forward(engine, prompts, [12, 9, 6, 12, 4, 10])
     # The first step: pieces of 5, 17 and 26 tokens (48 in all), padded to 4 rows of 32.
     assert (4, 32) in engine._prefill_buffers
-    with torch.no_grad():
-        for sequence in sequences:
-            tokens = sequence.prompt_ids + sequence.token_ids
-            logprobs = model(torch.tensor([tokens]))[0].float().log_softmax(-1)
-            for step, event in enumerate(events[sequence.index]):
-                expected = logprobs[len(sequence.prompt_ids) - 1 + step]
-                assert event.token_id == expected.argmax().item()
-                assert abs(event.logprob - expected[event.token_id].item()) <= 1e-5
