@@ -306,6 +306,26 @@ def test_preference_margins_equal_the_full_forward(world):
     assert result["accuracy"] == sum(m > 0 for m in margins) / len(margins)
 
 
+def test_padded_scoring_batches_give_the_same_scores(world):
+    """Small scoring batches are padded to a power-of-two batch and a width bucket (on CUDA
+    replayed as CUDA graphs; here eagerly): every sequence's log-probability and greedy flag
+    are those of the unpadded batch; a batch past 1,024 padded tokens runs as it is."""
+    from lmforge.generate import logprobs as scoring
+
+    lm = LmforgeLM(world["artifacts"][0], batch_size=3)
+    generator = torch.Generator().manual_seed(1)
+    sequences = []
+    for length in (2, 9, 17, 5, 30, 12, 400):  # the 400-token one: 4 x 512 > 1,024
+        tokens = torch.randint(3, 300, (length,), generator=generator).tolist()
+        sequences.append((tokens, min(4, length - 1)))
+    plain = scoring.sequence_logprobs(lm.model, sequences, batch_size=3, device="cpu", graphs=False)
+    padded = scoring.sequence_logprobs(lm.model, sequences, batch_size=3, device="cpu", graphs=True)
+    for (a, greedy_a), (b, greedy_b) in zip(padded, plain):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+    # Longest first: 400, 30, 17 (4 x 512 padded: as it is), then 12, 9, 5 and 2 alone.
+    assert sorted(scoring._FORWARDS[lm.model].buffers) == [(1, 16), (4, 16)]
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -1,18 +1,24 @@
 """Log-probabilities of given continuations: the one scorer behind lm-eval's `loglikelihood`
 (and rolling perplexity) and the preference evaluator. Sequences are sorted by length and
 right-padded (a causal mask leaves the real positions unchanged); only the scored positions go
-through the output projection.
+through the output projection. On CUDA a small batch (lm-eval's multiple-choice requests) is
+padded further, to a power-of-two batch and a width bucket, and its forward replayed as that
+shape's CUDA graph, as the engine does with prefills: eager, the host's kernel launches take
+longer than the device's work (1B, 16 tokens: 16 ms against 3.4 ms on an H200).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from lmforge.generate.attention import shape_free_attention
+from lmforge.generate.engine import PREFILL_FREE_TOKENS, StepGraphs, prefill_width
 
 
 @torch.inference_mode()
@@ -22,11 +28,14 @@ def sequence_logprobs(
     *,
     batch_size: int,
     device: torch.device | str,
+    graphs: bool | None = None,
 ) -> list[tuple[float, bool]]:
     """Log-probability of the last `n` tokens of each sequence given the tokens before them.
 
     Args:
         sequences: (tokens, n) pairs with 0 <= n < len(tokens).
+        graphs: pad small batches to bucketed shapes and replay their forwards as CUDA graphs
+            (None: on CUDA; elsewhere True pads and runs eagerly, for tests).
     Returns:
         per sequence, (sum of the n tokens' log-probabilities, whether each of them is the
         argmax), in the input order.
@@ -46,8 +55,7 @@ def sequence_logprobs(
         for row, i in enumerate(batch):
             tokens = sequences[i][0]
             inputs[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-        with shape_free_attention(device):
-            hidden = model(inputs.to(device), return_hidden=True)  # [b, width, dim]
+        hidden = _hidden(model, inputs, device, graphs)  # [>= b, >= width, dim]
         # Input position p predicts token p + 1, so the last n tokens of a sequence with
         # input length L are predicted at positions L - n .. L - 1.
         picked, targets = [], []
@@ -67,3 +75,56 @@ def sequence_logprobs(
             results[i] = (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n]))
             offset += n
     return results  # type: ignore[return-value]
+
+
+def _forward(model: torch.nn.Module, inputs: torch.Tensor, device) -> torch.Tensor:
+    with shape_free_attention(device):
+        return model(inputs, return_hidden=True)  # [b, width, dim]
+
+
+def _padded_shape(batch: int, width: int, most: int) -> tuple[int, int] | None:
+    """The (batch, width) a scoring batch pads to (a power of two; a width bucket, at most
+    `most` positions), or None where it runs as it is: padding costs nothing while the
+    forward is launch-bound, up to PREFILL_FREE_TOKENS tokens."""
+    rows = 1 << (batch - 1).bit_length()
+    width = prefill_width(width, most)
+    return (rows, width) if rows * width <= PREFILL_FREE_TOKENS else None
+
+
+class _ScoringForwards:
+    """One model's padded scoring forwards: an input buffer per shape and, on CUDA, each
+    shape's graph."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graphs = StepGraphs() if device.type == "cuda" else None
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def hidden(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        key = tuple(inputs.shape)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty_like(inputs, device=self.device)
+        buffer = self.buffers[key]
+        on_cuda = self.graphs is not None
+        buffer.copy_(inputs.pin_memory() if on_cuda else inputs, non_blocking=on_cuda)
+        step = partial(_forward, model, buffer, self.device)
+        return step() if self.graphs is None else self.graphs.run(("score", *key), step)
+
+
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ScoringForwards
+
+
+def _hidden(model, inputs: torch.Tensor, device, graphs: bool | None) -> torch.Tensor:
+    """Hidden states [>= b, >= width, dim] of right-padded inputs [b, width] (on the host)."""
+    device = torch.device(device)
+    if graphs is None:
+        graphs = device.type == "cuda"
+    shape = _padded_shape(*inputs.shape, model.args.max_seq_len) if graphs else None
+    if shape is None:
+        return _forward(model, inputs.to(device), device)
+    padded = torch.zeros(shape, dtype=inputs.dtype)
+    padded[: inputs.shape[0], : inputs.shape[1]] = inputs
+    forwards = _FORWARDS.get(model)
+    if forwards is None or forwards.device != device:
+        forwards = _FORWARDS[model] = _ScoringForwards(device)
+    return forwards.hidden(model, padded)
