@@ -3,7 +3,7 @@
 # limit: every step has its own timeout, so what finished comes back even if a later step runs
 # long). Run `bash benchmarks/device_wheels.sh` here first, carry [".whl"], and on the device:
 #
-#   bash benchmarks/device_calls.sh inference   # one H200: issue "one fast inference engine"
+#   bash benchmarks/device_calls.sh inference   # one H200: prefill/scoring graphs, server, decode
 #   bash benchmarks/device_calls.sh kernels     # one H200: the batch-1 step's kernel choices
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
@@ -36,18 +36,19 @@ step() {  # step SECONDS NAME COMMAND...: run with a timeout, log to $OUT/NAME.l
 
 case "${1:-}" in
 inference)
-  # batch-1 decode of every scheme (the engine records its CUDA graphs), the bf16 step's
-  # profile under wider coordinate descent tuning, and the server at 1 and 64 streams
-  step 250 decode python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
-    --schemes bf16 int8-wo int4-wo int4-gemlite --new-tokens 128 --repeats 2 --out /tmp/traces
-  step 130 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
-    --variants wide-tuning --out /tmp/traces
-  step 170 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+  # graphed prefills and scoring (time to the first token, lm-eval-like scoring eager vs
+  # graphs), the server at 1 to 64 streams, and batch-1 decode in bf16 and int4
+  step 110 first-token python3 benchmarks/first_token.py --preset llama3.2-1b --out /tmp/traces
+  step 90 score python3 benchmarks/score_speed.py --preset llama3.2-1b
+  step 200 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
     --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
     --out "$OUT"
-  tail -n 12 "$OUT/decode.log"
-  grep -A 8 "^== " "$OUT/profile.log" | head -n 24
+  step 170 decode python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out /tmp/traces
+  head -n 12 "$OUT/first-token.log"
+  tail -n 2 "$OUT/score.log"
   tail -n 8 "$OUT/serve.log"
+  tail -n 6 "$OUT/decode.log"
   ;;
 kernels)
   # the 1B bf16 batch-1 step under inductor choices, each a fresh compile, and int4 in gemlite
