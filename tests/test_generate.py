@@ -637,3 +637,21 @@ def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch)
     check_logprobs_against_full_forward(engine, prompts, [12, 9, 6, 12, 4, 10])
     # The first step: pieces of 5, 17 and 26 tokens (48 in all), padded to 4 rows of 32.
     assert (4, 32) in engine._prefill_buffers
+
+
+def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
+    """Where recording a graph fails (a step that syncs with the host, say), the step's
+    result still comes back, with a warning, and no later step tries to record again."""
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no GPU here
+    graphs = engine_module.StepGraphs()
+    recorded = []
+
+    def record(step):
+        recorded.append(step)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_record", record)
+    assert graphs.run(("prefill", 1, 16), lambda: torch.tensor([1.0])).tolist() == [1.0]
+    assert graphs.run(("decode", 1, 256), lambda: torch.tensor([2.0])).tolist() == [2.0]
+    assert len(recorded) == 1 and graphs.failed
+    assert "running without CUDA graphs: recording ('prefill', 1, 16) failed" in caplog.text

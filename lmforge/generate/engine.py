@@ -45,6 +45,7 @@ chunked prefill.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ from lmforge.generate.sequence import (
     encode_prompt,
 )
 from lmforge.modules.kv_cache import KVCaches, attention_mask
+
+log = logging.getLogger(__name__)
 
 # Decode batch sizes with a CUDA graph of their own.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -176,14 +179,23 @@ class StepGraphs:
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed = False  # a recording failed: steps run as they are from then on
 
     def __contains__(self, key: tuple) -> bool:
         return key in self.graphs
 
     def run(self, key: tuple, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Replay `key`'s graph, recording it from `step` first if it is new."""
+        """Replay `key`'s graph, recording it from `step` first if it is new; where CUDA
+        cannot capture a step (this one or an earlier one), run it as it is, with a warning."""
+        if self.failed:
+            return step()
         if key not in self.graphs:
-            self.graphs[key] = self._record(step)
+            try:
+                self.graphs[key] = self._record(step)
+            except RuntimeError as error:
+                log.warning("running without CUDA graphs: recording %s failed (%s)", key, error)
+                self.failed = True
+                return step()
         graph, output = self.graphs[key]
         graph.replay()
         return output

@@ -9,7 +9,6 @@ longer than the device's work (1B, 16 tokens: 16 ms against 3.4 ms on an H200).
 
 from __future__ import annotations
 
-import logging
 import math
 import weakref
 from collections.abc import Sequence
@@ -20,8 +19,6 @@ import torch.nn.functional as F
 
 from lmforge.generate.attention import shape_free_attention
 from lmforge.generate.engine import PREFILL_FREE_TOKENS, StepGraphs, prefill_width
-
-log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -111,14 +108,7 @@ class _ScoringForwards:
         on_cuda = self.graphs is not None
         buffer.copy_(inputs.pin_memory() if on_cuda else inputs, non_blocking=on_cuda)
         step = partial(_forward, model, buffer, self.device)
-        if self.graphs is None:
-            return step()
-        try:
-            return self.graphs.run(("score", *key), step)
-        except RuntimeError as error:  # a forward CUDA cannot capture: go on eagerly
-            log.warning("scoring without CUDA graphs: recording one failed (%s)", error)
-            self.graphs = None
-            return step()
+        return step() if self.graphs is None else self.graphs.run(("score", *key), step)
 
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ScoringForwards
