@@ -636,7 +636,7 @@ def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch)
     prompts = _random_prompts([5, 17, 40, 3, 29, 50], seed=11)
     check_logprobs_against_full_forward(engine, prompts, [12, 9, 6, 12, 4, 10])
     # The first step: pieces of 5, 17 and 26 tokens (48 in all), padded to 4 rows of 32.
-    assert (4, 32) in engine._prefill_buffers
+    assert (4, 32) in engine._prefills.buffers
 
 
 def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):

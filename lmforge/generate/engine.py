@@ -181,9 +181,6 @@ class StepGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed = False  # a recording failed: steps run as they are from then on
 
-    def __contains__(self, key: tuple) -> bool:
-        return key in self.graphs
-
     def run(self, key: tuple, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Replay `key`'s graph, recording it from `step` first if it is new; where CUDA
         cannot capture a step (this one or an earlier one), run it as it is, with a warning."""
@@ -214,6 +211,27 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = step()
         return graph, output
+
+
+class ShapeForwards:
+    """Forwards of a few padded shapes (fresh prefills, scoring batches): each shape's inputs
+    are copied into buffers of its own, where its CUDA graph (`graphs`) reads them; without
+    graphs (the CPU) the same buffers feed the forward eagerly."""
+
+    def __init__(self, device: torch.device, graphs: StepGraphs | None) -> None:
+        self.device, self.graphs = device, graphs
+        self.buffers: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # by inputs[0]'s shape
+
+    def run(self, name: str, forward: Callable[..., torch.Tensor], *inputs: torch.Tensor):
+        """`forward(*inputs)` with `inputs` (host tensors) in this shape's buffers."""
+        shape = tuple(inputs[0].shape)
+        if shape not in self.buffers:
+            self.buffers[shape] = tuple(torch.empty_like(t, device=self.device) for t in inputs)
+        on_cuda = self.device.type == "cuda"
+        for buffer, values in zip(self.buffers[shape], inputs):
+            buffer.copy_(values.pin_memory() if on_cuda else values, non_blocking=on_cuda)
+        step = partial(forward, *self.buffers[shape])
+        return step() if self.graphs is None else self.graphs.run((name, *shape), step)
 
 
 @dataclass
@@ -292,8 +310,7 @@ class Engine:
         self.compiled = self.on_cuda if compile is None else compile
         self.tune_decode = tune_decode
         self.graphs = StepGraphs() if self.compiled and self.on_cuda else None
-        # A fresh prefill's inputs per (batch bucket, width bucket), where its graph reads them.
-        self._prefill_buffers: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._prefills = ShapeForwards(device, self.graphs)  # fresh prefills, padded
         # Collect step t after launching step t+1 (pointless where nothing is asynchronous).
         self.overlap = self.on_cuda
         self._decode_one, self._decode_many = decode_step, batched_decode_step
@@ -469,7 +486,10 @@ class Engine:
                 self.decode_rows(bucket, kv_len).argmax(-1)
             for bucket in self.buckets if self.compiled else ():
                 tokens = torch.zeros(bucket, width, dtype=torch.long)
-                self._prefill_replay(tokens, positions.repeat(bucket, 1), torch.arange(bucket))
+                rows = torch.arange(bucket)
+                self._prefills.run(
+                    "prefill", self._run_prefill, tokens, positions.repeat(bucket, 1), rows
+                )
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
 
@@ -634,7 +654,9 @@ class Engine:
         rows += [0] * (batch - len(chunks))
         positions.clamp_(max=self._last_slot)
         if graphed:
-            return self._prefill_replay(tokens, positions, torch.tensor(rows))
+            return self._prefills.run(
+                "prefill", self._run_prefill, tokens, positions, torch.tensor(rows)
+            )
         kv_len = max(start + length for _, start, length in chunks)
         tokens, positions, rows = (self._to_device(t) for t in (tokens, positions, rows))
         mask = None if fresh else attention_mask(positions, kv_len)
@@ -664,21 +686,6 @@ class Engine:
                 kv_caches=self.caches.rows(rows, positions, kv_len),
                 return_hidden=True,
             )
-
-    def _prefill_replay(self, tokens, positions, rows) -> torch.Tensor:
-        """A fresh, padded prefill through its shape's buffers (and, on CUDA, its graph)."""
-        key = tuple(tokens.shape)
-        if key not in self._prefill_buffers:
-            self._prefill_buffers[key] = tuple(
-                torch.empty_like(t, device=self.device) for t in (tokens, positions, rows)
-            )
-        buffers = self._prefill_buffers[key]
-        for buffer, values in zip(buffers, (tokens, positions, rows)):
-            buffer.copy_(values.pin_memory() if self.on_cuda else values, non_blocking=True)
-        step = partial(self._run_prefill, *buffers)
-        if self.graphs is None:
-            return step()
-        return self.graphs.run(("prefill", *key), step)
 
     def _to_device(self, values) -> torch.Tensor:
         """A host list or tensor on the device without a sync: a copy from pageable host memory

@@ -18,7 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.generate.attention import shape_free_attention
-from lmforge.generate.engine import PREFILL_FREE_TOKENS, StepGraphs, prefill_width
+from lmforge.generate.engine import (
+    PREFILL_FREE_TOKENS,
+    ShapeForwards,
+    StepGraphs,
+    prefill_width,
+)
 
 
 @torch.inference_mode()
@@ -77,7 +82,7 @@ def sequence_logprobs(
     return results  # type: ignore[return-value]
 
 
-def _forward(model: torch.nn.Module, inputs: torch.Tensor, device) -> torch.Tensor:
+def _forward(model: torch.nn.Module, inputs: torch.Tensor, *, device) -> torch.Tensor:
     with shape_free_attention(device):
         return model(inputs, return_hidden=True)  # [b, width, dim]
 
@@ -91,27 +96,7 @@ def _padded_shape(batch: int, width: int, most: int) -> tuple[int, int] | None:
     return (rows, width) if rows * width <= PREFILL_FREE_TOKENS else None
 
 
-class _ScoringForwards:
-    """One model's padded scoring forwards: an input buffer per shape and, on CUDA, each
-    shape's graph."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.graphs = StepGraphs() if device.type == "cuda" else None
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
-
-    def hidden(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-        key = tuple(inputs.shape)
-        if key not in self.buffers:
-            self.buffers[key] = torch.empty_like(inputs, device=self.device)
-        buffer = self.buffers[key]
-        on_cuda = self.graphs is not None
-        buffer.copy_(inputs.pin_memory() if on_cuda else inputs, non_blocking=on_cuda)
-        step = partial(_forward, model, buffer, self.device)
-        return step() if self.graphs is None else self.graphs.run(("score", *key), step)
-
-
-_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ScoringForwards
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ShapeForwards
 
 
 def _hidden(model, inputs: torch.Tensor, device, graphs: bool | None) -> torch.Tensor:
@@ -121,10 +106,11 @@ def _hidden(model, inputs: torch.Tensor, device, graphs: bool | None) -> torch.T
         graphs = device.type == "cuda"
     shape = _padded_shape(*inputs.shape, model.args.max_seq_len) if graphs else None
     if shape is None:
-        return _forward(model, inputs.to(device), device)
+        return _forward(model, inputs.to(device), device=device)
     padded = torch.zeros(shape, dtype=inputs.dtype)
     padded[: inputs.shape[0], : inputs.shape[1]] = inputs
     forwards = _FORWARDS.get(model)
     if forwards is None or forwards.device != device:
-        forwards = _FORWARDS[model] = _ScoringForwards(device)
-    return forwards.hidden(model, padded)
+        graphs = StepGraphs() if device.type == "cuda" else None
+        forwards = _FORWARDS[model] = ShapeForwards(device, graphs)
+    return forwards.run("score", partial(_forward, model, device=device), padded)
