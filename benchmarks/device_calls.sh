@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/device_calls.sh inference   # one H200: prefill/scoring graphs, server, decode
 #   bash benchmarks/device_calls.sh kernels     # one H200: the batch-1 step's kernel choices
+#   bash benchmarks/device_calls.sh output      # one H200: the output projection in cuBLAS, twice
+#   bash benchmarks/device_calls.sh serve-64    # one H200: the server at 64 streams, py-spy
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -14,9 +16,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | tp | train | train-3b) ;;
+inference | kernels | output | serve-64 | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve-64|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -58,6 +60,31 @@ kernels)
     --schemes int4-gemlite --new-tokens 128 --repeats 2 --out /tmp/traces
   grep -A 10 "^== " "$OUT/profile.log" | grep -v "^--$" | cut -c1-220
   tail -n 4 "$OUT/gemlite.log"
+  ;;
+output)
+  # scoring graphs against eager in bf16 and float32; then the batch-1 step with the output
+  # projection as inductor's tuned reduction or as one cuBLAS call, each compiled twice in a
+  # fresh inductor cache (the tuned reductions differ from compile to compile)
+  step 120 score python3 benchmarks/score_speed.py --preset llama3.2-1b
+  for round in 1 2; do
+    for variant in default cublas-output; do
+      step 110 "$variant-$round" env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$variant-$round" \
+        python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+        --variants "$variant" --out /tmp/traces
+    done
+  done
+  grep -h "largest log-probability" "$OUT/score.log"
+  for log in "$OUT"/default-*.log "$OUT"/cublas-output-*.log; do
+    grep -h -A 4 "^== " "$log" | cut -c1-200
+  done
+  ;;
+serve-64)
+  # 64 streams twice on one server (the spread within a call), the first level under py-spy
+  step 240 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 64 64 --requests 768 --max-tokens 128 \
+    --max-seq-len 4096 --profile-server 3 --out "$OUT"
+  tail -n 4 "$OUT/serve.log"
+  python3 benchmarks/py_spy_summary.py "$OUT/serve_py_spy.txt" --top 30 | cut -c1-160
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with

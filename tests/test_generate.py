@@ -620,6 +620,15 @@ def test_prefill_widths():
     assert shape(2000, *[1] * 40) is None  # 64 rows of 2,048: run as it is
     assert shape(700, 700, 700) is None  # 4 rows of 768 > one chunk of 2,048
     assert shape(300, 300, 300, 300) == (4, 512)  # at most twice the 1,200 real tokens
+    # Warm-up records every shape that short prompts pad to for free, and nothing wider.
+    warm = engine_module.warm_prefill_shapes(engine.buckets, 4096)
+    for count in (1, 3, 4, 9, 33, 64):
+        for length in (1, 16, 17, 100, 257, 600, 1024):
+            padded = shape(*[length] * count)
+            free = padded is not None and padded[0] * padded[1] <= 1024
+            assert (padded in warm) == free or padded[1] == 16, (count, length, padded)
+    assert warm[:8] == [(1, w) for w in (16, 32, 64, 128, 256, 512, 768, 1024)]
+    assert (64, 16) in warm and (64, 32) not in warm
 
 
 def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch):

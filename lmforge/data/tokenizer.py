@@ -22,6 +22,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -591,7 +592,7 @@ class HFTokenizer(Tokenizer):
         if decode_stream is None:
             return None
         stream = decode_stream(skip_special_tokens=False)
-        return lambda token_id: stream.step(self._plain, token_id)
+        return partial(stream.step, self._plain)
 
     def token_to_id(self, token: str) -> int | None:
         return self._plain.token_to_id(token)

@@ -117,6 +117,23 @@ def prefill_width(length: int, most: int) -> int:
     return min(width, most)
 
 
+def warm_prefill_shapes(buckets: Iterable[int], most: int) -> list[tuple[int, int]]:
+    """The fresh-prefill shapes `Engine.warmup` records: every batch bucket at the narrowest
+    width, and each wider width a prefill of that bucket pads to for free (rows x width <=
+    PREFILL_FREE_TOKENS), so that a server's first prompts of each length do not stall every
+    running stream while their graph records (three forwards and a capture)."""
+    shapes = []
+    for bucket in buckets:
+        width = prefill_width(1, most)
+        while True:
+            shapes.append((bucket, width))
+            wider = prefill_width(width + 1, most)
+            if wider == width or bucket * wider > PREFILL_FREE_TOKENS:
+                break
+            width = wider
+    return shapes
+
+
 def decode_step(
     model: nn.Module,
     caches: KVCaches,
@@ -472,24 +489,22 @@ class Engine:
         """Compile the decode steps now, and record the CUDA graphs of every batch bucket at
         the smallest KV bucket (what short sequences use) and of batch 1 at every KV bucket (a
         single stream, as `lmforge generate` runs, never pauses to record one), and those of
-        fresh prefills of every batch bucket at the narrowest width (short prompts; no
-        sequence is in the cache yet, so any rows will do). Other shapes record on first use,
-        once per process; compiling is not repeated."""
+        fresh prefills (`warm_prefill_shapes`: short prompts; no sequence is in the cache yet,
+        so any rows will do). Other shapes record on first use, once per process; compiling is
+        not repeated."""
         pairs = [(bucket, self.kv_buckets[0]) for bucket in self.buckets]
         pairs += [(1, kv_len) for kv_len in self.kv_buckets[1:]]
         if not self.compiled:
             pairs = pairs[:1]
-        width = prefill_width(1, self.max_seq_len)
-        positions = torch.arange(width).clamp(max=self._last_slot)
+        prefills = warm_prefill_shapes(self.buckets, self.max_seq_len) if self.compiled else []
         with torch.no_grad():
             for bucket, kv_len in pairs:  # the first call compiles (and records its graph)
                 self.decode_rows(bucket, kv_len).argmax(-1)
-            for bucket in self.buckets if self.compiled else ():
+            for bucket, width in prefills:
                 tokens = torch.zeros(bucket, width, dtype=torch.long)
+                positions = torch.arange(width).clamp(max=self._last_slot).repeat(bucket, 1)
                 rows = torch.arange(bucket)
-                self._prefills.run(
-                    "prefill", self._run_prefill, tokens, positions.repeat(bucket, 1), rows
-                )
+                self._prefills.run("prefill", self._run_prefill, tokens, positions, rows)
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
 

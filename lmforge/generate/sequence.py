@@ -24,7 +24,7 @@ from lmforge.generate.sampling import Sampler, SamplingParams
 Prompt = str | SequenceType[Mapping[str, Any]] | SequenceType[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     """One new token of one sequence, as streamed."""
 
@@ -161,29 +161,45 @@ class Sequence:
         return len(self.prompt_ids) + self.num_scheduled - 1
 
     def push(self, token: int) -> TokenEvent:
-        """Take one generated token; check stops; return what to stream."""
-        self.token_ids.append(token)
+        """Take one generated token; check stops; return what to stream. (The server calls
+        this for every token of every stream: at 64 streams it was half of the engine thread,
+        hence the locals and the stop-string work only where there are stop strings.)"""
+        token_ids = self.token_ids
+        token_ids.append(token)
         is_stop_token = token in self.stop_ids
+        at_length = len(token_ids) >= self.max_new_tokens
+        stops = self.params.stop
+        text = self.text
         if self.text_decoder is not None:
-            old_length = len(self.text)
+            old_length = len(text)
             if not is_stop_token:
-                self.text += self.text_decoder.push(token)
-            if is_stop_token or len(self.token_ids) >= self.max_new_tokens:
-                self.text += self.text_decoder.flush()  # bytes of an incomplete character
-            self._check_stop_strings(old_length)
-        if not self.finished and is_stop_token:
-            self.finish_reason, self.stop = "stop", token
-        elif not self.finished and len(self.token_ids) >= self.max_new_tokens:
-            self.finish_reason = "length"
-        final = len(self.text) if self.finished else len(self.text) - self._held_back()
-        delta = self.text[self.num_emitted : final]
-        self.num_emitted = max(self.num_emitted, final)
+                text += self.text_decoder.push(token)
+            if is_stop_token or at_length:
+                text += self.text_decoder.flush()  # bytes of an incomplete character
+            self.text = text
+            if stops:
+                self._check_stop_strings(old_length)
+                text = self.text
+        if self.finish_reason is None:
+            if is_stop_token:
+                self.finish_reason, self.stop = "stop", token
+            elif at_length:
+                self.finish_reason = "length"
+        finished = self.finish_reason is not None
+        final = len(text) - self._held_back() if stops and not finished else len(text)
+        emitted = self.num_emitted
+        if final > emitted:
+            delta, self.num_emitted = text[emitted:final], final
+        else:
+            delta = ""
         return TokenEvent(
             self.index,
             token,
             delta,
             self.finish_reason,
-            is_stop_token=self.finish_reason == "stop" and self.stop == token,
+            None,
+            None,
+            finished and self.stop == token and self.finish_reason == "stop",
         )
 
     def _check_stop_strings(self, old_length: int) -> None:
