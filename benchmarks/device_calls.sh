@@ -6,7 +6,7 @@
 #   bash benchmarks/device_calls.sh inference   # one H200: prefill/scoring graphs, server, decode
 #   bash benchmarks/device_calls.sh kernels     # one H200: the batch-1 step's kernel choices
 #   bash benchmarks/device_calls.sh output      # one H200: the output projection in cuBLAS, twice
-#   bash benchmarks/device_calls.sh serve-64    # one H200: the server at 64 streams, py-spy
+#   bash benchmarks/device_calls.sh serve       # one H200: the server at 1-64 streams; 64, py-spy
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -16,9 +16,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve-64 | tp | train | train-3b) ;;
+inference | kernels | output | serve | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve-64|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -78,13 +78,18 @@ output)
     grep -h -A 4 "^== " "$log" | cut -c1-200
   done
   ;;
-serve-64)
-  # 64 streams twice on one server (the spread within a call), the first level under py-spy
-  step 240 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+serve)
+  # the server at 1-64 streams as in `inference`; then a second server at 64 streams twice
+  # (the spread within a call), the first level under py-spy
+  step 200 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --out "$OUT"
+  step 200 serve-64 python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
     --max-concurrency 64 --concurrency 64 64 --requests 768 --max-tokens 128 \
-    --max-seq-len 4096 --profile-server 3 --out "$OUT"
-  tail -n 4 "$OUT/serve.log"
-  python3 benchmarks/py_spy_summary.py "$OUT/serve_py_spy.txt" --top 30 | cut -c1-160
+    --max-seq-len 4096 --profile-server 3 --out "$OUT/profiled"
+  tail -n 7 "$OUT/serve.log"
+  tail -n 4 "$OUT/serve-64.log"
+  python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 30 | cut -c1-160
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
