@@ -7,6 +7,7 @@
 #   bash benchmarks/device_calls.sh kernels     # one H200: the batch-1 step's kernel choices
 #   bash benchmarks/device_calls.sh output      # one H200: the output projection in cuBLAS, twice
 #   bash benchmarks/device_calls.sh serve       # one H200: the server at 1-64 streams; 64, py-spy
+#   bash benchmarks/device_calls.sh switch      # one H200: the server under two GIL switch intervals
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -16,9 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | tp | train | train-3b) ;;
+inference | kernels | output | serve | switch | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -90,6 +91,16 @@ serve)
   tail -n 7 "$OUT/serve.log"
   tail -n 4 "$OUT/serve-64.log"
   python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 30 | cut -c1-160
+  ;;
+switch)
+  # the server's GIL switch interval: Python's default 5 ms against 0.5 ms, alternating, at
+  # 32 and 64 streams (the engine thread waits for the GIL after each step's synchronize)
+  for run in 5-a 0.5-a 5-b 0.5-b; do
+    step 100 "switch-$run" python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+      --max-concurrency 64 --concurrency 32 64 --max-tokens 128 --max-seq-len 4096 \
+      --switch-interval-ms "${run%-*}" --out "$OUT/$run"
+  done
+  for run in 5-a 0.5-a 5-b 0.5-b; do echo "-- $run ms"; tail -n 2 "$OUT/switch-$run.log"; done
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with

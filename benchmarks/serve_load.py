@@ -223,6 +223,10 @@ def start_py_spy(server: subprocess.Popen | None, args) -> subprocess.Popen | No
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
     command = [sys.executable, "-m", "lmforge", "serve", str(args.artifact), "--port", "0"]
+    if args.switch_interval_ms is not None:  # `python -m lmforge` after setting it
+        start = f"import sys, runpy; sys.setswitchinterval({args.switch_interval_ms / 1000})"
+        start += "; sys.argv[0] = 'lmforge'; runpy.run_module('lmforge', run_name='__main__')"
+        command[1:3] = ["-c", start]
     command += ["--max-concurrency", str(args.max_concurrency), "--device", args.device]
     command += ["--max-queue", str(max(args.concurrency) * 2), "--log-level", "warning"]
     if args.max_seq_len:
@@ -268,6 +272,12 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the server's sys.setswitchinterval (how long a thread that wants the GIL waits "
+        "before the holder must drop it; Python's default 5 ms)",
+    )
     parser.add_argument(
         "--profile-server",
         type=int,
