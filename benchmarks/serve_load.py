@@ -167,6 +167,8 @@ def engine_counters(client: Client) -> dict[str, float]:
         name, _, value = line.partition(" ")
         if name in ENGINE_COUNTERS:
             counters[ENGINE_COUNTERS[name]] = float(value)
+        elif name.startswith("lmforge_gc_pause_seconds_sum{"):  # one line per generation
+            counters["gc_seconds"] = counters.get("gc_seconds", 0.0) + float(value)
     return counters
 
 
@@ -180,6 +182,7 @@ def engine_rates(before: dict, after: dict, wall: float) -> dict:
         "steps_per_s": steps / wall,
         "advanced_per_step": (after["advanced"] - before["advanced"]) / max(steps, 1),
         "engine_busy": (after["step_seconds"] - before["step_seconds"]) / wall,
+        "gc_seconds": after.get("gc_seconds", 0.0) - before.get("gc_seconds", 0.0),
     }
 
 
@@ -223,10 +226,14 @@ def start_py_spy(server: subprocess.Popen | None, args) -> subprocess.Popen | No
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
     command = [sys.executable, "-m", "lmforge", "serve", str(args.artifact), "--port", "0"]
-    if args.switch_interval_ms is not None:  # `python -m lmforge` after setting it
-        start = f"import sys, runpy; sys.setswitchinterval({args.switch_interval_ms / 1000})"
-        start += "; sys.argv[0] = 'lmforge'; runpy.run_module('lmforge', run_name='__main__')"
-        command[1:3] = ["-c", start]
+    prelude = []  # run in the server's interpreter before `python -m lmforge`
+    if args.switch_interval_ms is not None:
+        prelude.append(f"sys.setswitchinterval({args.switch_interval_ms / 1000})")
+    if args.no_gc_freeze:
+        prelude.append("gc.freeze = lambda: None")
+    if prelude:
+        start = "; ".join(["import gc, runpy, sys", *prelude, "sys.argv[0] = 'lmforge'"])
+        command[1:3] = ["-c", start + "; runpy.run_module('lmforge', run_name='__main__')"]
     command += ["--max-concurrency", str(args.max_concurrency), "--device", args.device]
     command += ["--max-queue", str(max(args.concurrency) * 2), "--log-level", "warning"]
     if args.max_seq_len:
@@ -279,6 +286,12 @@ def main() -> None:
         "before the holder must drop it; Python's default 5 ms)",
     )
     parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="keep the server from freezing its start-up objects out of the garbage "
+        "collector's sight (to measure what the freeze changes)",
+    )
+    parser.add_argument(
         "--profile-server",
         type=int,
         metavar="SECONDS",
@@ -323,7 +336,7 @@ def main() -> None:
     header = (
         f"{'concurrency':>11} {'requests':>8} {'tokens/s':>9} {'p50 lat s':>9} "
         f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10} {'steps/s':>8} "
-        f"{'seqs/step':>9} {'engine busy':>11}"
+        f"{'seqs/step':>9} {'engine busy':>11} {'gc s':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -333,7 +346,7 @@ def main() -> None:
             f"{row['p50_latency_s']:>9.3f} {row['p99_latency_s']:>9.3f} "
             f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f} "
             f"{row.get('steps_per_s', 0):>8.1f} {row.get('advanced_per_step', 0):>9.1f} "
-            f"{100 * row.get('engine_busy', 0):>10.1f}%"
+            f"{100 * row.get('engine_busy', 0):>10.1f}% {row.get('gc_seconds', 0):>6.3f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"model": model, "max_tokens": args.max_tokens, "levels": rows}

@@ -609,9 +609,30 @@ def test_api_key_guards_every_route_but_health(main_server):
     assert status == 200 and headers["content-type"].startswith("text/plain")
     text = content.decode()
     for name in ("lmforge_requests_total", "lmforge_request_latency_seconds_bucket",
-                 "lmforge_generation_tokens_total", "lmforge_queue_depth"):  # fmt: skip
+                 "lmforge_generation_tokens_total", "lmforge_queue_depth",
+                 'lmforge_gc_pause_seconds_count{generation="0"}'):  # fmt: skip
         assert name in text
     assert 'lmforge_requests_total{route="/v1/models",status="401"}' in text
+
+
+def test_gc_pauses_are_timed_until_unwatched():
+    import gc
+
+    from lmforge.serve.middleware import Metrics
+
+    metrics = Metrics()
+
+    def full_collections() -> float:
+        labels = {"generation": "2"}
+        return metrics.registry.get_sample_value("lmforge_gc_pause_seconds_count", labels) or 0
+
+    unwatch = metrics.watch_gc()
+    gc.collect()
+    assert full_collections() >= 1
+    unwatch()
+    seen = full_collections()
+    gc.collect()
+    assert full_collections() == seen
 
 
 # ---- load: 429, disconnects, timeouts, SIGTERM ---------------------------------------------

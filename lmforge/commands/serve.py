@@ -9,6 +9,7 @@ vLLM's OpenAI server with the equivalent options, when vLLM is installed.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -296,6 +297,12 @@ def main(args: argparse.Namespace) -> int:
     if generator.compiled:
         print("compiling the decode step...", file=sys.stderr, flush=True)
         print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
+    # What exists now (the model, compiled code, the libraries) lives as long as the server:
+    # out of the garbage collector's sight, a full collection under load walks only what the
+    # requests made. Before, it walked ~600k objects after compiling (0.3-0.4 s on a CPU core,
+    # every stream stalled: the server's p99 time to first token).
+    gc.collect()
+    gc.freeze()
     if not parallel.is_main():  # replay rank 0's engine until it stops
         from lmforge.serve.engine import follow
 

@@ -56,11 +56,13 @@ def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) ->
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        unwatch_gc = metrics.watch_gc()
         await engine.start()
         try:
             yield
         finally:
             await engine.stop()
+            unwatch_gc()
 
     app = FastAPI(
         title="lmforge",

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import gc
 import hmac
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -65,6 +67,28 @@ class Metrics:
             "lmforge_queue_depth", "Sequences waiting for a free row", registry=r
         )
         self.running = Gauge("lmforge_running_sequences", "Sequences being decoded", registry=r)
+        self.gc_pause = Histogram(
+            "lmforge_gc_pause_seconds",
+            "Python garbage collections: every thread waits while one runs",
+            ["generation"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time every garbage collection into `gc_pause` from now on; returns the function
+        that stops it."""
+        started = [0.0]
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                generation = str(info["generation"])
+                self.gc_pause.labels(generation).observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(callback)
+        return lambda: gc.callbacks.remove(callback)
 
     def on_step(self, num_advanced: int, seconds: float) -> None:
         self.batch_size.observe(num_advanced)
