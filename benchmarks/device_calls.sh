@@ -8,6 +8,7 @@
 #   bash benchmarks/device_calls.sh output      # one H200: the output projection in cuBLAS, twice
 #   bash benchmarks/device_calls.sh serve       # one H200: the server at 1-64 streams; 64, py-spy
 #   bash benchmarks/device_calls.sh switch      # one H200: the server under two GIL switch intervals
+#   bash benchmarks/device_calls.sh gc          # one H200: the server with and without gc.freeze
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -17,9 +18,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | tp | train | train-3b) ;;
+inference | kernels | output | serve | switch | gc | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -101,6 +102,17 @@ switch)
       --switch-interval-ms "${run%-*}" --out "$OUT/$run"
   done
   for run in 5-a 0.5-a 5-b 0.5-b; do echo "-- $run ms"; tail -n 2 "$OUT/switch-$run.log"; done
+  ;;
+gc)
+  # the server with its start-up objects frozen out of the garbage collector's sight (as it
+  # ships) and without, at 1-64 streams; the table's last column is GC seconds per level
+  step 150 gc-frozen python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --out "$OUT/frozen"
+  step 110 gc-unfrozen python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --no-gc-freeze --out "$OUT/unfrozen"
+  for run in frozen unfrozen; do echo "-- $run"; tail -n 4 "$OUT/gc-$run.log"; done
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
