@@ -9,6 +9,7 @@
 #   bash benchmarks/device_calls.sh serve       # one H200: the server at 1-64 streams; 64, py-spy
 #   bash benchmarks/device_calls.sh switch      # one H200: the server under two GIL switch intervals
 #   bash benchmarks/device_calls.sh gc          # one H200: the server with and without gc.freeze
+#   bash benchmarks/device_calls.sh sampled     # one H200: the server, greedy and sampled requests
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -18,9 +19,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | tp | train | train-3b) ;;
+inference | kernels | output | serve | switch | gc | sampled | tp | train | train-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|sampled|tp|train|train-3b" >&2
   exit 2
   ;;
 esac
@@ -113,6 +114,17 @@ gc)
     --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
     --no-gc-freeze --out "$OUT/unfrozen"
   for run in frozen unfrozen; do echo "-- $run"; tail -n 4 "$OUT/gc-$run.log"; done
+  ;;
+sampled)
+  # the server with sampled requests (temperature 1, top-k 50: unseeded rows draw together in
+  # one sampler call a step) beside greedy ones, at 1-64 streams
+  step 150 greedy python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --out "$OUT/greedy"
+  step 110 sampled python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --temperature 1 --top-k 50 --out "$OUT/sampled"
+  for run in greedy sampled; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with

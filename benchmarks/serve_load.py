@@ -120,7 +120,9 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
                 "model": model,
                 "prompt": f"{index}: {words}",
                 "max_tokens": args.max_tokens,
-                "temperature": 0,
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -273,6 +275,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="per level (4 x c, >= 8)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="with --preset's random model sample with --top-k 50 or less: its ids past the "
+        "300 of its tokenizer have logits 0, and a draw among those streams no text",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="requests before measuring")
     # For --artifact:
     parser.add_argument("--max-concurrency", type=int, default=32, help="server rows (32)")

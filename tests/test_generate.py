@@ -238,6 +238,40 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(hf_pair):
     assert mixed[0].token_ids == greedy[0]
 
 
+def test_unseeded_rows_draw_together_and_a_seeded_row_keeps_its_own_draws(hf_pair, monkeypatch):
+    """Sampled rows without a seed draw from the engine's generator, all in one sampler call a
+    step (a call per row was ~10 kernel launches a row, every step); a seeded row beside them
+    draws what it draws alone, and greedy and top-k 1 rows stay greedy."""
+    _, loaded = hf_pair
+    generator = Generator(loaded.model, max_batch=4, max_seq_len=48)
+    prompts = _random_prompts([4, 7, 5, 6], seed=12)
+    sampled = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=())
+    top1 = SamplingParams(max_new_tokens=24, temperature=1.5, top_k=1, stop_token_ids=())
+    greedy = [r.token_ids for r in generator.generate(prompts[:3], GREEDY).results]
+    seeded_alone = generator.generate([prompts[3]], sampled, seed=3).results[0].token_ids
+    engine = generator.engine
+    rows = [
+        engine.sequence(prompts[0], GREEDY),
+        engine.sequence(prompts[1], top1),
+        engine.sequence(prompts[2], sampled),
+        engine.sequence(prompts[3], sampled, seed=3),
+    ]
+    calls, real_call = [], Sampler.__call__
+
+    def counted(sampler, logits, draws=None):
+        calls.append(logits.shape[0])
+        return real_call(sampler, logits, draws)
+
+    monkeypatch.setattr(Sampler, "__call__", counted)
+    engine.add(rows)
+    while engine.has_work:
+        engine.step()
+    assert [rows[0].token_ids, rows[1].token_ids] == greedy[:2]
+    assert rows[3].token_ids == seeded_alone
+    assert len(rows[2].token_ids) == 24 and rows[2].token_ids != greedy[2]
+    assert set(calls) == {4, 1} and calls.count(4) == calls.count(1) == 24  # prefill + 23 steps
+
+
 def test_sampler_keeps_to_top_k_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
     generator = torch.Generator().manual_seed(0)

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.errors import ConfigError
 from lmforge.generate.attention import shape_free_attention
-from lmforge.generate.sampling import Sampler, SamplingParams
+from lmforge.generate.sampling import Sampler, SamplingParams, to_device
 from lmforge.generate.sequence import (
     IncrementalText,
     Prompt,
@@ -337,6 +337,8 @@ class Engine:
         self._last_slot = max_seq_len - 1
         # Each row's next input token and its position; rows not decoding sit at the last slot.
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._draws = torch.Generator(device=device)  # unseeded sampled rows, all at once
+        self._draws.seed()
         self._positions = torch.full((max_batch,), self._last_slot, device=device)
         # A decode step's inputs over rows 0..b-1, per bucket: views [b, 1] made once, so that
         # a CUDA graph reads them where they are instead of copying them in at every replay.
@@ -419,13 +421,10 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model has none")
         sampler = generator = None
-        if not params.greedy:
+        if not params.greedy and seed is not None:  # unseeded: the engine's draws
             sampler = Sampler([params], device=self.device)
             generator = torch.Generator(device=self.device)
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(seed % 2**64)
+            generator.manual_seed(seed % 2**64)
         stop_ids = params.stop_token_ids
         return Sequence(
             index=index,
@@ -703,22 +702,24 @@ class Engine:
             )
 
     def _to_device(self, values) -> torch.Tensor:
-        """A host list or tensor on the device without a sync: a copy from pageable host memory
-        would wait for the device to finish its queued work (through pinned memory on CUDA)."""
-        tensor = torch.as_tensor(values)
-        if not self.on_cuda:
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(values, self.device)
 
     # ---- sampling and collecting ----------------------------------------------------------
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """logits [n, vocab] -> each sequence's next token [n] (on the device); queues the
         log-probabilities of the sequences that ask for them."""
-        chosen = logits.argmax(dim=-1)  # greedy rows; sampled rows are replaced below
-        for index, sequence in enumerate(sequences):
-            if sequence.sampler is not None:
-                chosen[index] = sequence.sampler(logits[index : index + 1], sequence.generator)[0]
+        seeded = [i for i, s in enumerate(sequences) if s.generator is not None]
+        if any(s.generator is None and not s.params.greedy for s in sequences):
+            # One draw for the whole batch from the engine's generator (greedy rows keep
+            # their argmax); a sampler per row was ~10 kernel launches a row, every step.
+            sampler = Sampler([s.params for s in sequences], device=self.device)
+            chosen = sampler(logits, self._draws)
+        else:
+            chosen = logits.argmax(dim=-1)
+        for index in seeded:  # their own draws: the same tokens whatever runs beside them
+            sequence = sequences[index]
+            chosen[index] = sequence.sampler(logits[index : index + 1], sequence.generator)[0]
         wanted = [i for i, s in enumerate(sequences) if s.num_logprobs is not None]
         if wanted:  # rare (an API option): read them now, at the cost of a sync
             logprobs = logits[wanted].log_softmax(dim=-1)  # [w, vocab]

@@ -72,12 +72,10 @@ class Sampler:
         self.uses_top_k = any(p.top_k for p in params if not p.greedy)
         self.uses_top_p = any(p.top_p < 1 for p in params if not p.greedy)
         # Greedy rows are sampled at temperature 1 and then replaced by the argmax.
-        self.greedy = torch.tensor([p.greedy for p in params], device=device)
-        self.temperature = torch.tensor(
-            [1.0 if p.greedy else p.temperature for p in params], device=device
-        )
-        self.top_k = torch.tensor([p.top_k or 0 for p in params], device=device)
-        self.top_p = torch.tensor([p.top_p for p in params], device=device)
+        self.greedy = to_device([p.greedy for p in params], device)
+        self.temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device)
+        self.top_k = to_device([p.top_k or 0 for p in params], device)
+        self.top_p = to_device([p.top_p for p in params], device)
 
     def __call__(
         self, logits: torch.Tensor, generator: torch.Generator | None = None
@@ -104,3 +102,13 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         return torch.where(self.greedy, greedy_choice, sampled)
+
+
+def to_device(values, device: torch.device | str) -> torch.Tensor:
+    """A host list or tensor on `device` without a sync: a copy from pageable host memory
+    would wait for the device to finish its queued work (so on CUDA it goes through pinned
+    memory, and the host runs on)."""
+    tensor = torch.as_tensor(values)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

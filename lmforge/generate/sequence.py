@@ -124,8 +124,8 @@ class Sequence:
     stop_ids: frozenset[int]
     text_decoder: IncrementalText | None
     num_logprobs: int | None = None  # None: none; k: the chosen token's and the k best
-    sampler: Sampler | None = None  # None: greedy (argmax)
-    generator: torch.Generator | None = None  # this sequence's own draws
+    sampler: Sampler | None = None  # a seeded sampled sequence's own (others: the engine's)
+    generator: torch.Generator | None = None  # its own draws, from its seed
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_emitted: int = 0  # characters of `text` already streamed
