@@ -117,13 +117,15 @@ gc)
   ;;
 sampled)
   # the server with sampled requests (temperature 1, top-k 50: unseeded rows draw together in
-  # one sampler call a step) beside greedy ones, at 1-64 streams
+  # one sampler call a step) beside greedy ones, at 1-64 streams; first the draws alone
+  step 60 sample-speed python3 benchmarks/sample_speed.py --rows 64
   step 150 greedy python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
     --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
     --out "$OUT/greedy"
   step 110 sampled python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
     --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
     --temperature 1 --top-k 50 --out "$OUT/sampled"
+  cat "$OUT/sample-speed.log"
   for run in greedy sampled; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
   ;;
 tp)
