@@ -682,6 +682,18 @@ def test_padded_prefills_keep_every_rows_log_probabilities(hf_pair, monkeypatch)
     assert (4, 32) in engine._prefills.buffers
 
 
+def test_a_long_prompt_among_short_ones_prefills_in_graphed_groups(monkeypatch):
+    """Where one padded shape would cost too much (a 600-token prompt would pad three short
+    ones to 768 each), a compiled engine runs each width bucket's fresh prompts as a padded
+    shape of its own; every token's log-probabilities still equal a plain forward's."""
+    model = build_model(small_args(max_seq_len=1024), seed=0).eval()
+    monkeypatch.setattr(Engine, "_compile_decode", lambda engine: None)
+    engine = Engine(model, max_batch=4, max_seq_len=1024, prefill_chunk=1024, compile=True)
+    prompts = _random_prompts([600, 20, 30, 9], seed=13)
+    check_logprobs_against_full_forward(engine, prompts, [3, 4, 2, 3])
+    assert sorted(engine._prefills.buffers) == [(1, 16), (1, 768), (2, 32)]
+
+
 def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     """Where recording a graph fails (a step that syncs with the host, say), the step's
     result still comes back, with a warning, and no later step tries to record again."""
