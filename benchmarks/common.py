@@ -41,6 +41,12 @@ class NoCheckpoints:
         pass
 
 
+def autotuned():
+    """Inductor's max-autotune for the compiles inside: GEMMs benchmarked among cuBLAS and
+    Triton templates."""
+    return torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
+
+
 def bench_trainer(
     model: torch.nn.Module,
     layout: Layout,

@@ -157,7 +157,7 @@ def bench_lmforge(
         tune_decode=tune,
     )
     if autotune:  # inductor's max-autotune for the decode compiles (benchmarks.decode_profile)
-        from benchmarks.decode_profile import autotuned
+        from benchmarks.common import autotuned
 
         with autotuned():
             generator.warmup()

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import autotuned
 from benchmarks.decode import SCHEMES, make_model
 from benchmarks.trace_summary import summarize
 from lmforge.generate import Generator, SamplingParams
@@ -93,12 +94,6 @@ def variant_context(variant: str):
 
         return sdpa_kernel([SDPBackend.MATH])
     return contextlib.nullcontext()
-
-
-def autotuned():
-    """Inductor's max-autotune for the compiles inside: GEMMs benchmarked among cuBLAS and
-    Triton templates."""
-    return torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
 
 
 def main() -> None:

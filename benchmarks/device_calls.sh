@@ -13,15 +13,16 @@
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
+#   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
 #
 # Logs and JSON go to $OUT (at most 8 files come back: each call writes fewer); the last lines
 # printed are each step's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | sampled | tp | train | train-3b) ;;
+inference | kernels | output | serve | switch | gc | sampled | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|sampled|tp|train|train-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|sampled|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -140,6 +141,15 @@ train)
   step 210 titan env CASES=1B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
   step 200 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
     --variants ours-compile ours-float8 --out /tmp/traces
+  tail -n 8 "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-1b.log"
+  ;;
+train-autotune)
+  # the 1B step with inductor's max-autotune (GEMMs among cuBLAS and Triton templates) beside
+  # the shipped compile and torchtitan, one GPU (target: >= 1.05x torchtitan)
+  step 150 titan env CASES=1B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 400 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 \
+    --variants ours-compile ours-compile-autotune --out /tmp/traces
   tail -n 8 "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log"
   ;;

@@ -3,11 +3,16 @@ side in one run, on the same Llama shape and batch (random tokens, fp32 master w
 compute, fused AdamW). Prints a table of tokens/s, MFU and peak memory.
 
     python benchmarks/train_throughput.py --shapes 1b:8x2048 3b:4x2048 --variants ours-compile hf-compile
+
+A variant's name says what it runs: hf-compile or hf-eager (transformers' Llama); ours-compile or
+ours-eager, with any of -float8, -sac (selective activation checkpointing), -lora or -qlora, and
+-autotune (inductor's max-autotune: each GEMM benchmarked among cuBLAS and Triton templates).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_trainer
+from benchmarks.common import autotuned, bench_trainer
 from lmforge.models.llama import Transformer, get_preset
 from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
@@ -190,17 +195,20 @@ def main() -> None:
                     )
                 else:
                     lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
-                    seconds, margs, trainer = bench_ours(
-                        PRESETS[name],
-                        batch,
-                        seq,
-                        args.steps,
-                        args.warmup,
-                        compile="eager" not in variant,
-                        float8="float8" in variant,
-                        ac="selective" if "sac" in variant else "none",
-                        lora=lora,
-                    )
+                    # "autotune": inductor's max-autotune (GEMMs among cuBLAS and Triton)
+                    tuning = autotuned() if "autotune" in variant else contextlib.nullcontext()
+                    with tuning:
+                        seconds, margs, trainer = bench_ours(
+                            PRESETS[name],
+                            batch,
+                            seq,
+                            args.steps,
+                            args.warmup,
+                            compile="eager" not in variant,
+                            float8="float8" in variant,
+                            ac="selective" if "sac" in variant else "none",
+                            lora=lora,
+                        )
                     step = functools.partial(trainer.train_step, False)
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
