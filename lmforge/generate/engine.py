@@ -625,8 +625,8 @@ class Engine:
         """Run prompt pieces into their rows; returns the sequences whose prompt is now
         complete and their first tokens [n] (on the device)."""
         completed, last_hidden = [], []
-        for group in self._prefill_groups(chunks):
-            hidden = self._prefill_forward(group)  # [>= n, >= width, dim]
+        for group, padded in self._prefill_groups(chunks):
+            hidden = self._prefill_forward(group, padded)  # [>= n, >= width, dim]
             last = []
             for row, (sequence, start, length) in enumerate(group):
                 sequence.num_cached = start + length
@@ -646,35 +646,45 @@ class Engine:
         self._positions[slots] = self._to_device([len(s.prompt_ids) for s in completed])
         return completed, first
 
-    def _prefill_groups(self, chunks: list[tuple[Sequence, int, int]]) -> list[list[tuple]]:
-        """The forwards a step's prompt pieces run in: one, unless a compiled engine cannot pad
-        them all into one graphed shape (a long prompt among short ones, a piece continuing a
-        prompt); then fresh pieces of each width bucket that pads well go as a graphed shape
-        of their own (a graphed prefill took 0.8 ms of host for the 1B on an H200, an eager
-        one 16), and the rest together, eagerly."""
-        if not self.compiled or self._padded_prefill_shape(chunks) is not None:
-            return [chunks]
-        by_width: dict[int, list[tuple]] = {}
+    def _prefill_groups(
+        self, chunks: list[tuple[Sequence, int, int]]
+    ) -> list[tuple[list[tuple[Sequence, int, int]], tuple[int, int] | None]]:
+        """The forwards a step's prompt pieces run in, each with the (rows, width) it pads to
+        (None: eager, as it is): one, unless a compiled engine cannot pad them all into one
+        graphed shape (a long prompt among short ones, a piece continuing a prompt); then
+        fresh pieces of each width bucket that pads well go as a graphed shape of their own (a
+        graphed prefill took 0.8 ms of host for the 1B on an H200, an eager one 16), and the
+        rest together, eagerly."""
+        if not self.compiled:
+            return [(chunks, None)]
+        padded = self._padded_prefill_shape(chunks)
+        if padded is not None:
+            return [(chunks, padded)]
+        by_width: dict[int, list[tuple[Sequence, int, int]]] = {}
         for chunk in chunks:
             width = prefill_width(chunk[2], self.max_seq_len) if chunk[1] == 0 else 0
             by_width.setdefault(width, []).append(chunk)
-        graphed = [g for w, g in by_width.items() if w and self._padded_prefill_shape(g)]
-        rest = [chunk for group in by_width.values() if group not in graphed for chunk in group]
-        return graphed + ([rest] if rest else [])
+        groups, rest = [], []
+        for width, group in by_width.items():
+            padded = self._padded_prefill_shape(group) if width else None
+            if padded is None:
+                rest += group
+            else:
+                groups.append((group, padded))
+        return groups + ([(rest, None)] if rest else [])
 
-    def _prefill_forward(self, chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+    def _prefill_forward(
+        self, chunks: list[tuple[Sequence, int, int]], padded: tuple[int, int] | None
+    ) -> torch.Tensor:
         """The model over the pieces, right-padded into one batch, writing their K/V -> hidden
         states [b, width, dim], row i for piece i. Pieces that all start a prompt attend
         causally (a padded row's real queries see only its real keys): no mask, so
-        FlashAttention takes them; a compiled engine then pads them to a (batch bucket, width
-        bucket) and replays that shape's CUDA graph, as the eager forward's host time is most
-        of a short prompt's (~16 ms of host for ~3.4 ms of device work, 1B, 16 tokens)."""
+        FlashAttention takes them. `padded`: the (batch bucket, width bucket) fresh pieces
+        pad to, whose CUDA graph replays the forward (the eager forward's host time is most of
+        a short prompt's: ~16 ms of host for ~3.4 ms of device work, 1B, 16 tokens); None:
+        eager, as they are."""
         fresh = all(start == 0 for _, start, _ in chunks)
-        batch, width = len(chunks), max(length for _, _, length in chunks)
-        padded = self._padded_prefill_shape(chunks) if fresh and self.compiled else None
-        graphed = padded is not None
-        if graphed:
-            batch, width = padded
+        batch, width = padded or (len(chunks), max(length for _, _, length in chunks))
         tokens = torch.zeros(batch, width, dtype=torch.long)  # right-padded with id 0
         positions = torch.arange(width).repeat(batch, 1)  # [b, width]
         rows = [sequence.slot for sequence, _, _ in chunks]
@@ -687,7 +697,7 @@ class Engine:
         positions[len(chunks) :] = self._last_slot
         rows += [0] * (batch - len(chunks))
         positions.clamp_(max=self._last_slot)
-        if graphed:
+        if padded is not None:
             return self._prefills.run(
                 "prefill", self._run_prefill, tokens, positions, torch.tensor(rows)
             )

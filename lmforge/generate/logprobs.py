@@ -111,6 +111,6 @@ def _hidden(model, inputs: torch.Tensor, device, graphs: bool | None) -> torch.T
     padded[: inputs.shape[0], : inputs.shape[1]] = inputs
     forwards = _FORWARDS.get(model)
     if forwards is None or forwards.device != device:
-        graphs = StepGraphs() if device.type == "cuda" else None
-        forwards = _FORWARDS[model] = ShapeForwards(device, graphs)
+        step_graphs = StepGraphs() if device.type == "cuda" else None
+        forwards = _FORWARDS[model] = ShapeForwards(device, step_graphs)
     return forwards.run("score", partial(_forward, model, device=device), padded)
