@@ -9,7 +9,7 @@
 #   bash benchmarks/device_calls.sh serve       # one H200: the server at 1-64 streams; 64, py-spy
 #   bash benchmarks/device_calls.sh switch      # one H200: the server under two GIL switch intervals
 #   bash benchmarks/device_calls.sh gc          # one H200: the server with and without gc.freeze
-#   bash benchmarks/device_calls.sh sampled     # one H200: the server, greedy and sampled requests
+#   bash benchmarks/device_calls.sh http        # one H200: HTTP in its own process or not; sampled
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -20,9 +20,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | sampled | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|sampled|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -116,18 +116,26 @@ gc)
     --no-gc-freeze --out "$OUT/unfrozen"
   for run in frozen unfrozen; do echo "-- $run"; tail -n 4 "$OUT/gc-$run.log"; done
   ;;
-sampled)
-  # the server with sampled requests (temperature 1, top-k 50: unseeded rows draw together in
-  # one sampler call a step) beside greedy ones, at 1-64 streams; first the draws alone
-  step 60 sample-speed python3 benchmarks/sample_speed.py --rows 64
-  step 150 greedy python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+http)
+  # the server as it ships (HTTP in a process of its own) against HTTP and the engine in one
+  # process, greedy at 1-64 streams; sampled requests (temperature 1, top-k 50: unseeded rows
+  # draw together) after the draws alone; a second start at 64 streams under py-spy
+  step 40 sample-speed python3 benchmarks/sample_speed.py --rows 64
+  step 170 two python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
     --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
-    --out "$OUT/greedy"
+    --out "$OUT/two"
+  step 110 one python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --no-http-process --out "$OUT/one"
   step 110 sampled python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
     --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
     --temperature 1 --top-k 50 --out "$OUT/sampled"
+  step 110 two-64 python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 64 64 --requests 768 --max-tokens 128 \
+    --max-seq-len 4096 --profile-server 3 --out "$OUT/profiled"
   cat "$OUT/sample-speed.log"
-  for run in greedy sampled; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
+  for run in two one sampled two-64; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
+  python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 16 | cut -c1-160
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with

@@ -32,7 +32,13 @@ def summarize(path: Path, top: int) -> str:
         if not match:
             continue
         thread, *frames = match["stack"].split(";")
+        process = ""
+        while thread.startswith("process ") and frames:  # --subprocesses: parents first
+            process, thread = thread, frames.pop(0)
         thread = re.sub(r"\(\d+\)", "", thread).strip()  # the name, without the native id
+        if process:  # "process 12:"python -m lmforge serve ..."" -> "lmforge serve"
+            module = re.search(r" -m (\S+(?: serve)?)", process)
+            thread = f"{module[1] if module else process.split()[1]}: {thread}"
         count = int(match["count"])
         per_thread[thread] += count
         for name in {function(f) for f in frames}:

@@ -222,6 +222,7 @@ def start_py_spy(server: subprocess.Popen | None, args) -> subprocess.Popen | No
     args.out.mkdir(parents=True, exist_ok=True)
     command = ["py-spy", "record", "--pid", str(server.pid), "--duration"]
     command += [str(args.profile_server), "--rate", "200", "--format", "raw", "--threads"]
+    command += ["--subprocesses"]  # the HTTP process too
     return subprocess.Popen([*command, "--output", str(out), "--nonblocking"])
 
 
@@ -244,6 +245,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         command += ["--num-threads", str(args.num_threads)]
     if args.api_key:
         command += ["--api-key", args.api_key]
+    if args.no_http_process:
+        command += ["--no-http-process"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -301,6 +304,11 @@ def main() -> None:
         action="store_true",
         help="keep the server from freezing its start-up objects out of the garbage "
         "collector's sight (to measure what the freeze changes)",
+    )
+    parser.add_argument(
+        "--no-http-process",
+        action="store_true",
+        help="start the server with HTTP and the engine in one process (its --no-http-process)",
     )
     parser.add_argument(
         "--profile-server",

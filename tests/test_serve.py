@@ -350,13 +350,18 @@ def test_a_stream_interval_batches_tokens_but_not_the_first_or_last(reference):
     """With stream_interval 3 a decoding sequence's tokens reach its request every third step
     (the server's default under load); the first token and the finish go at once, and the
     text is the same as the Generator's."""
-    from lmforge.serve.engine import Engine, SequenceRequest
+    from lmforge.serve.engine import Engine, SequenceRequest, ThreadChannel
 
     params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=())
     expected = reference.generate(["the cat sat"], params).texts[0]
 
     async def batches() -> list[list]:
-        engine = Engine(reference, max_queue=4, stream_interval=3)
+        engine = Engine(
+            ThreadChannel(reference.engine),
+            max_concurrency=reference.max_batch,
+            max_queue=4,
+            stream_interval=3,
+        )
         await engine.start()
         try:
             ids = reference.engine.encode_prompt("the cat sat")
@@ -376,7 +381,7 @@ def test_a_stream_interval_batches_tokens_but_not_the_first_or_last(reference):
 def test_a_failed_step_ends_its_requests_with_error_and_serving_goes_on(reference, monkeypatch):
     """A step that raises (a bug, not the client's doing) ends the sequences it held with
     "error"; the engine thread goes on and serves the next request."""
-    from lmforge.serve.engine import Engine, SequenceRequest
+    from lmforge.serve.engine import Engine, SequenceRequest, ThreadChannel
 
     params = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=())
     real_step, calls = reference.engine.step, []
@@ -390,7 +395,9 @@ def test_a_failed_step_ends_its_requests_with_error_and_serving_goes_on(referenc
     monkeypatch.setattr(reference.engine, "step", step_failing_once)
 
     async def two_requests() -> tuple[list, list, bool]:
-        engine = Engine(reference, max_queue=4)
+        engine = Engine(
+            ThreadChannel(reference.engine), max_concurrency=reference.max_batch, max_queue=4
+        )
         await engine.start()
         try:
             ids = reference.engine.encode_prompt("the cat sat")

@@ -127,6 +127,13 @@ def register(subparsers) -> None:
         help="lmforge's own server (default) or vLLM's OpenAI server on the same artifact",
     )
     parser.add_argument(
+        "--http-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve HTTP from a process of its own, the engine from this one (default): apart, "
+        "they do not take turns on one Python interpreter lock, which bounds many streams",
+    )
+    parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], default="info"
     )
     parser.add_argument(
@@ -253,7 +260,14 @@ def main(args: argparse.Namespace) -> int:
     from lmforge.generate import Generator, parallel
 
     try:
-        from lmforge.serve import ServeSettings, bind, create_app, serve
+        from lmforge.serve import (
+            ServedModel,
+            ServeSettings,
+            ThreadChannel,
+            bind,
+            create_app,
+            serve,
+        )
     except ImportError as err:
         raise ConfigError(
             f"lmforge serve needs FastAPI, uvicorn and prometheus-client ({err}); install "
@@ -320,19 +334,26 @@ def main(args: argparse.Namespace) -> int:
         stream_interval=args.stream_interval,
     )
     mirror = parallel.send_to_others if parallel.world_size() > 1 else None
-    app = create_app(generator, settings, mirror=mirror)
     host, port = sock.getsockname()[:2]
     print(
         f"serving {settings.model_name!r} on http://{host}:{port}/v1 (max concurrency "
-        f"{args.max_concurrency}, queue {args.max_queue}, context {max_seq_len})",
+        f"{args.max_concurrency}, queue {args.max_queue}, context {max_seq_len}; HTTP in "
+        f"{'a process of its own' if args.http_process else 'this process'})",
         file=sys.stderr,
         flush=True,
     )
-    started = serve(
-        app,
-        sock,
-        shutdown_grace=args.shutdown_grace,
-        log_level=args.log_level,
-        access_log=args.access_log,
-    )
-    return 0 if started else 1
+    options = {
+        "shutdown_grace": args.shutdown_grace,
+        "log_level": args.log_level,
+        "access_log": args.access_log,
+    }
+    model = ServedModel.of(generator)
+    if args.http_process:
+        from lmforge.serve.frontend import serve_in_two_processes
+
+        code = serve_in_two_processes(
+            generator.engine, model, settings, sock, mirror=mirror, **options
+        )
+        return 0 if code == 0 else 1
+    app = create_app(model, settings, ThreadChannel(generator.engine, mirror=mirror))
+    return 0 if serve(app, sock, **options) else 1

@@ -440,6 +440,11 @@ class Tokenizer:
         except jinja2.TemplateError as err:
             raise DataError(f"chat template failed on the messages: {err}") from None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (the server's HTTP process gets a copy): the compiled template is not,
+        and is compiled again on first use."""
+        return {**self.__dict__, "_compiled_template": None}
+
     def use_chat_template(self, template: str) -> None:
         """Replace the chat template (jinja text); raises ConfigError when it does not parse."""
         try:

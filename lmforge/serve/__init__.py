@@ -3,12 +3,21 @@ the `Generator`'s prefill and decode steps for all active sequences.
 
 By layer: protocol.py (limits, request bodies, the error envelope), middleware.py (metrics, API
 key, body limit), session.py (a request's run through the engine, JSON and server-sent events),
-app.py (the FastAPI app and its routes), server.py (uvicorn with a SIGTERM drain)."""
+app.py (the FastAPI app and its routes), server.py (uvicorn with a SIGTERM drain), frontend.py
+(HTTP in a process of its own, the engine loop in the main process: `lmforge serve`'s way)."""
 
 from lmforge.serve.app import create_app
-from lmforge.serve.engine import Engine, QueueFull, SequenceRequest, Submission, TokenOutput
+from lmforge.serve.engine import (
+    Engine,
+    QueueFull,
+    SequenceRequest,
+    Submission,
+    ThreadChannel,
+    TokenOutput,
+)
 from lmforge.serve.protocol import ApiError, ServeSettings
 from lmforge.serve.server import bind, serve
+from lmforge.serve.session import ServedModel
 
 __all__ = [
     "ApiError",
@@ -16,7 +25,9 @@ __all__ = [
     "QueueFull",
     "SequenceRequest",
     "ServeSettings",
+    "ServedModel",
     "Submission",
+    "ThreadChannel",
     "TokenOutput",
     "bind",
     "create_app",

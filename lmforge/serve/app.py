@@ -1,5 +1,7 @@
-"""The OpenAI-compatible HTTP API: `create_app(generator, settings)` builds the FastAPI app
-around an `Engine` (continuous batching, engine.py) started and stopped with the app's lifespan.
+"""The OpenAI-compatible HTTP API: `create_app(model, settings, channel)` builds the FastAPI app
+around the front end of the engine (engine.py's `Engine`), which talks to the engine loop over
+`channel` (a thread of this process, or the main process when HTTP runs in a process of its
+own: frontend.py) and starts and stops with the app's lifespan.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both also as
 server-sent events with `"stream": true`, ending with `data: [DONE]`), `GET /health` (never
@@ -22,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmforge.errors import UserError
-from lmforge.generate import Generator
 from lmforge.serve.engine import Engine
 from lmforge.serve.middleware import AuthMiddleware, BodyLimitMiddleware, Metrics, MetricsMiddleware
 from lmforge.serve.protocol import (
@@ -34,23 +35,24 @@ from lmforge.serve.protocol import (
     error_response,
     validation_error,
 )
-from lmforge.serve.session import EventStream, Session, plan_request
+from lmforge.serve.session import EventStream, ServedModel, Session, plan_request
 
 logger = logging.getLogger("lmforge.serve")
 
 
-def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) -> FastAPI:
-    """The API over `generator` (its max_batch sequences run at once). The engine starts and
-    stops with the app's lifespan; `mirror`: see `Engine` (tensor parallelism, rank 0)."""
-    if generator.tokenizer is None:
+def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
+    """The API over `model` (its max_batch sequences run at once), generating through the
+    engine loop at the other end of `channel` (engine.py's `ThreadChannel`, frontend.py's
+    `PipeChannel`), which starts and stops with the app's lifespan."""
+    if model.tokenizer is None:
         raise UserError("serving needs a model with a tokenizer (tokenizer.json)")
     metrics = Metrics()
     engine = Engine(
-        generator,
+        channel,
+        max_concurrency=model.max_batch,
         max_queue=settings.max_queue,
         on_finish=metrics.on_finish,
         on_step=metrics.on_step,
-        mirror=mirror,
         stream_interval=settings.stream_interval,
     )
 
@@ -71,7 +73,7 @@ def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) ->
         docs_url=None,
         redoc_url=None,
     )
-    app.state.generator = generator
+    app.state.model = model
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
@@ -110,7 +112,7 @@ def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) ->
             "object": "model",
             "created": created,
             "owned_by": "lmforge",
-            "max_model_len": generator.max_seq_len,
+            "max_model_len": model.max_seq_len,
         }
 
     def check_model(name: str) -> None:
@@ -133,7 +135,7 @@ def create_app(generator: Generator, settings: ServeSettings, *, mirror=None) ->
 
     async def generate(request: Request, body: GenerationRequest) -> Response:
         check_model(body.model)
-        session = Session(app.state, request, body, plan_request(body, generator, settings))
+        session = Session(app.state, request, body, plan_request(body, model, settings))
         if body.stream:
             return EventStream(session)
         return await session.respond()

@@ -1,25 +1,29 @@
 """The server's side of the inference engine: requests in, token streams out, on asyncio.
 
-`Engine` wraps the generator's `lmforge.generate.Engine` (continuous batching over one KV cache
-of `max_batch` rows; see lmforge/generate/engine.py) and runs its steps one after another in an
-engine thread of its own while there is work, so the event loop serves HTTP meanwhile: the
-thread posts each step's tokens to the loop (`call_soon_threadsafe`), which hands them to their
-requests' queues, and starts the next step without waiting for the loop (a round trip through
-the loop for every step put the loop's turn and two thread hand-offs between consecutive steps).
-Only the thread touches the core engine while it runs: the loop records changes (adding
-sequences, cancelling them) as ops, which the thread applies at the start of its next step.
+Two halves that share nothing but messages, so that they can run in two processes:
+- the engine loop (`run_engine`) owns the core engine (`lmforge.generate.Engine`: continuous
+  batching over one KV cache of `max_batch` rows) and steps it while there is work: before each
+  step it takes the ops that arrived (add a sequence, cancel one), after it posts the step's
+  tokens as plain tuples, and starts the next step without waiting for anyone;
+- the front end (`Engine`) lives on the event loop: it turns requests into ops, keeps each
+  request's `Submission`, and hands the posted tokens to their requests.
 
-Under tensor parallelism (`lmforge launch --nproc N serve`) rank 0 serves HTTP and every other
-process replays its engine: the loop records each change to the core engine as an op (add,
-cancel, clear), and before each step `mirror` sends that step's ops to the other processes, which
-apply them and step too (`follow`); when idle it sends a heartbeat now and then, and a stop at
-shutdown. Ops are applied at the start of a step on every process alike, so all hold the same
-sequences in the same rows and run the same collectives, with the same shapes: a decode step's
-batch and KV lengths follow from that host state (rows, prompt lengths, tokens launched), which
-the ops and the all-gathered logits keep equal everywhere, so they need not be sent.
+A channel carries the messages. `ThreadChannel` runs the loop in a thread of the event loop's
+process (the library's way; tests). `lmforge serve` runs HTTP in a process of its own
+(serve/frontend.py: `PipeChannel`), the engine loop in the main process: on one interpreter
+the event loop and the engine thread took turns on one GIL, and at 64 streams that, not the
+GPU, set the pace.
 
-A request with n choices is one `Submission` of n sequences. Up to `max_batch` sequences run
-and `max_queue` more wait; beyond that `submit` raises `QueueFull` (HTTP 429). A sequence's
+Under tensor parallelism (`lmforge launch --nproc N serve`) rank 0 runs the engine loop and
+every other process replays it: before each step `mirror` sends that step's ops to the other
+processes, which apply them and step too (`follow`); when idle it sends a heartbeat now and
+then, and a stop at the end. Ops are applied at the start of a step on every process alike, so
+all hold the same sequences in the same rows and run the same collectives, with the same
+shapes: a decode step's batch and KV lengths follow from that host state (rows, prompt lengths,
+tokens launched), which the ops and the all-gathered logits keep equal everywhere.
+
+A request with n choices is one `Submission` of n sequences. Up to `max_concurrency` sequences
+run and `max_queue` more wait; beyond that `submit` raises `QueueFull` (HTTP 429). A sequence's
 greedy output does not depend on what runs beside it, and a seeded one draws the same tokens
 (the core engine gives each its own `torch.Generator`).
 """
@@ -32,10 +36,11 @@ import math
 import random
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from lmforge.generate import Generator, SamplingParams, TokenEvent
+from lmforge.generate import SamplingParams
 from lmforge.generate import Sequence as EngineSequence
 
 logger = logging.getLogger("lmforge.serve")
@@ -76,18 +81,38 @@ class TokenOutput:
     is_stop_token: bool = False  # the token ended the sequence and is not part of the text
 
 
+@dataclass(eq=False, slots=True)
+class Stream:
+    """The front end's view of one sequence (the engine loop holds the sequence itself)."""
+
+    key: int  # names the sequence in ops and posted tokens
+    choice: int
+    submission: Submission
+    num_tokens: int = 0  # received so far (a final stop token included)
+    finish_reason: str | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled
+
+
 @dataclass(eq=False)
 class Submission:
     """The sequences of one request; iterate `events()` for their `TokenOutput`s, which come
     in batches: one step's, or under load a few steps' (see `Engine`'s stream_interval)."""
 
     engine: Engine
-    sequences: list[EngineSequence] = field(default_factory=list)
+    sequences: list[Stream] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # of lists of outputs
     cancelled: bool = False
     cancel_reason: str = "cancelled"
     pending: list[TokenOutput] = field(default_factory=list)  # not yet in the queue
     delivered: bool = False  # whether anything went into the queue yet
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(stream.num_tokens for stream in self.sequences)
 
     async def events(self, *, deadline: float | None = None) -> AsyncIterator[list[TokenOutput]]:
         """Every sequence's outputs as they come, in batches, until each has finished (the
@@ -120,22 +145,22 @@ class Submission:
         if not self.cancelled and not all(s.done for s in self.sequences):
             self.cancelled = True
             self.cancel_reason = reason
-            for sequence in self.sequences:
-                self.engine._finish(sequence, reason, notify=False)
+            for stream in self.sequences:
+                self.engine._finish(stream, reason, notify=False)
 
 
 class Engine:
-    """The core engine of `generator`, driven from asyncio (see the module docstring).
+    """The front end: requests to ops, posted tokens to requests (see the module docstring).
 
     Args:
-        generator: its engine's `max_batch` is the number of sequences that run at once.
+        channel: carries ops to the engine loop and its messages back (`ThreadChannel`, or
+            serve/frontend.py's `PipeChannel`).
+        max_concurrency: sequences that run at once (the core engine's max_batch).
         max_queue: sequences that may wait for a free row beyond those.
-        mirror: under tensor parallelism, on rank 0: sends (ops, action) to the other
-            processes (see the module docstring).
         on_finish: called on the event loop as `on_finish(reason, num_new_tokens)` when a
             sequence leaves ("stop", "length", "error" or a cancel reason), for metrics.
         on_step: called on the event loop as `on_step(num_advanced, seconds)` after each step:
-            the sequences it advanced and the seconds the worker thread spent in it.
+            the sequences it advanced and the seconds the engine loop spent in it.
         stream_interval: steps between deliveries of a running sequence's tokens to its
             request (a sequence's first and last tokens go at once). None: one step per
             RUNNING_PER_STREAM_INTERVAL running sequences (every step below 16, every 8th at
@@ -145,45 +170,36 @@ class Engine:
 
     def __init__(
         self,
-        generator: Generator,
+        channel,
         *,
+        max_concurrency: int,
         max_queue: int,
         on_finish: Callable[[str, int], None] | None = None,
         on_step: Callable[[int, float], None] | None = None,
-        mirror: Callable[[list[tuple], str], None] | None = None,
         stream_interval: int | None = None,
     ) -> None:
-        if generator.tokenizer is None:
-            raise ValueError("the serving engine needs a generator with a tokenizer")
-        self.generator = generator
-        self.core = generator.engine
-        self.mirror = mirror  # rank 0 under tensor parallelism: (ops, action) to the others
-        self._ops: list[tuple] = []  # changes for the next step (taken under _ops_lock)
-        self._ops_lock = threading.Lock()
-        self._keys: dict[EngineSequence, int] = {}  # event loop side
-        self._sequences: dict[int, EngineSequence] = {}  # engine thread side
-        self._next_key = 0
-        self.max_concurrency = generator.max_batch
+        self.channel = channel
+        self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.on_step = on_step
         self.stream_interval = stream_interval
-        self._submissions: dict[EngineSequence, Submission] = {}  # every sequence not done
-        self._wake = threading.Event()  # set when ops are added or the engine stops
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[int, Stream] = {}  # every sequence not done, by key
+        self._num_waiting = 0  # of those, the ones without a token yet
+        self._next_key = 0
+        self._started = False
         self.num_steps = 0
 
     # ---- state ----------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
-        return self.core.num_running
+        return len(self._streams) - self._num_waiting
 
     @property
     def num_waiting(self) -> int:
-        return self.core.num_waiting + sum(op[0] == "add" for op in self._ops)
+        """Sequences without a first token yet (queued, or in their prefill)."""
+        return self._num_waiting
 
     @property
     def capacity(self) -> int:
@@ -192,37 +208,26 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._started and self.channel.alive
 
     async def start(self) -> None:
-        if self.running:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
-        self._thread.start()
+        if not self.running:
+            self.channel.start(self._receive)
+            self._started = True
 
     async def stop(self) -> None:
-        """Stop the engine thread (a step under way ends first); sequences still there finish
+        """Stop the engine loop (a step under way ends first); sequences still there finish
         with "error"."""
-        if self._thread is not None:
-            self._stopping = True
-            self._wake.set()
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-        if self.mirror is not None:
-            self.mirror([], "stop")
-            self.mirror = None
-        self._clear_core()
+        if self._started:
+            await self.channel.close()
+            self._started = False
         self._fail_all()
 
     def _fail_all(self) -> None:
-        """End every sequence with "error", on the event loop: ops not applied yet go with
-        them, and sequences already in the core are cancelled at the engine's next step (the
-        core is cleared by the engine thread after a failed step, by `stop` at the end)."""
-        self._take_ops()
-        for sequence in list(self._submissions):
-            self._finish(sequence, "error", notify=True)
+        """End every sequence with "error" (their rows are freed at the engine's next step,
+        if it has not cleared them already)."""
+        for stream in list(self._streams.values()):
+            self._finish(stream, "error", notify=True)
 
     # ---- submitting -----------------------------------------------------------------------
 
@@ -230,7 +235,7 @@ class Engine:
         """Queue sequences (all or none); raises `QueueFull` when they do not fit."""
         if not self.running:
             raise RuntimeError("the engine is not running")
-        held = len(self._submissions)
+        held = len(self._streams)
         if held + len(requests) > self.capacity:
             raise QueueFull(
                 f"{held} sequences are running or waiting; at most {self.capacity} "
@@ -239,82 +244,55 @@ class Engine:
         submission = Submission(self)
         ops = []
         for choice, request in enumerate(requests):
-            seed = request.seed
-            if seed is None and self.mirror is not None and not request.params.greedy:
-                seed = random.randrange(2**62)  # every process must draw the same tokens
-            ids = list(request.prompt_ids)
-            sequence = self.core.sequence(
-                ids, request.params, index=choice, seed=seed, num_logprobs=request.num_logprobs
-            )
-            submission.sequences.append(sequence)
             key, self._next_key = self._next_key, self._next_key + 1
-            ops.append(("add", key, ids, request.params, choice, seed, request.num_logprobs))
-            ops[-1] += (sequence,)  # this process's own object (not sent)
-        for sequence, op in zip(submission.sequences, ops):
-            self._submissions[sequence] = submission
-            self._keys[sequence] = op[1]
-        self._add_ops(ops)
+            stream = Stream(key, choice, submission)
+            submission.sequences.append(stream)
+            self._streams[key] = stream
+            ids = list(request.prompt_ids)
+            ops.append(("add", key, ids, request.params, request.seed, request.num_logprobs))
+        self._num_waiting += len(ops)
+        self.channel.send(ops)
         return submission
 
-    def _add_ops(self, ops: list[tuple]) -> None:
-        with self._ops_lock:
-            self._ops += ops
-        self._wake.set()
+    # ---- messages from the engine loop ----------------------------------------------------
 
-    def _take_ops(self) -> list[tuple]:
-        with self._ops_lock:
-            ops, self._ops = self._ops, []
-        return ops
+    def _receive(self, message: tuple) -> None:
+        """On the event loop: ("step", tokens, seconds) or ("failed", what to log)."""
+        if message[0] == "step":
+            self._dispatch(message[1], message[2])
+        else:  # a bug, not the client's doing: fail what ran, keep serving (one process)
+            logger.error("%s", message[1])
+            self._fail_all()
 
-    # ---- the loop -------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        """The engine thread: step while there is work, post each step's tokens to the event
-        loop, sleep on `_wake` otherwise (under tensor parallelism with a heartbeat to the
-        other processes, which wait in a collective that must not time out)."""
-        while not self._stopping:
-            self._wake.clear()  # before looking: ops added from here on set it again
-            ops = self._take_ops()
-            if not ops and not self.core.has_work:
-                woken = self._wake.wait(HEARTBEAT_S if self.mirror is not None else None)
-                if not woken and self.mirror is not None:
-                    self.mirror([], "wait")
-                continue
-            started = time.perf_counter()
-            try:
-                events = self._step(ops)
-            except Exception as err:
-                self._clear_core()
-                self._loop.call_soon_threadsafe(self._step_failed, err)
-                if self.mirror is not None:
-                    return  # the processes are out of step: nothing to keep serving with
-                continue
-            self._loop.call_soon_threadsafe(self._dispatch, events, time.perf_counter() - started)
-
-    def _clear_core(self) -> None:
-        """Drop every sequence from the core (the engine thread's side, or after it ended)."""
-        self.core.clear()
-        self._sequences.clear()
-
-    def _step_failed(self, err: Exception) -> None:
-        """A bug, not the client's doing: fail what ran, keep serving (one process)."""
-        logger.error("generation step failed", exc_info=err)
-        self._fail_all()
-
-    def _dispatch(self, events: list, seconds: float) -> None:
-        """On the event loop: one step's tokens to their requests."""
+    def _dispatch(self, tokens: list[tuple], seconds: float) -> None:
+        """One step's tokens to their requests."""
         self.num_steps += 1
         if self.on_step is not None:
-            self.on_step(len(events), seconds)
+            self.on_step(len(tokens), seconds)
         touched: dict[int, Submission] = {}
-        for sequence, event in events:
-            submission = self._submissions.get(sequence)
-            if submission is None or submission.cancelled:
+        for key, token_id, text, finish_reason, logprob, top, is_stop_token in tokens:
+            stream = self._streams.get(key)
+            if stream is None:  # cancelled (its cancel crossed this step)
                 continue
-            submission.pending.append(_output(event))
+            if not stream.num_tokens:
+                self._num_waiting -= 1
+            stream.num_tokens += 1
+            submission = stream.submission
+            submission.pending.append(
+                TokenOutput(
+                    stream.choice,
+                    token_id,
+                    text,
+                    finish_reason,
+                    None if logprob is None else _finite(logprob),
+                    None if top is None else [(i, _finite(v)) for i, v in top],
+                    is_stop_token,
+                )
+            )
             touched[id(submission)] = submission
-            if event.finish_reason is not None:
-                self._finish(sequence, event.finish_reason, notify=False)
+            if finish_reason is not None:
+                stream.finish_reason = finish_reason
+                self._finish(stream, finish_reason, notify=False)
         every_step = self.num_steps % self._stream_interval() == 0
         for submission in touched.values():
             submission.deliver(every_step=every_step)
@@ -323,37 +301,33 @@ class Engine:
         """Steps between deliveries of a running sequence's tokens to its request."""
         if self.stream_interval is not None:
             return self.stream_interval
-        return max(1, self.core.num_running // RUNNING_PER_STREAM_INTERVAL)
-
-    def _step(self, ops: list[tuple]) -> list:
-        """One step in the engine thread: the ops (sent to the other processes first), then
-        the core engine's step."""
-        if self.mirror is not None:
-            self.mirror([op[:-1] if op[0] == "add" else op for op in ops], "step")
-        events = apply_ops(self.core, ops, self._sequences)
-        return events
+        return max(1, self.num_running // RUNNING_PER_STREAM_INTERVAL)
 
     def shut_down_sessions(self, reason: str = "shutdown") -> None:
         """End every sequence now (the drain's grace period ran out): each submission gets a
         last output with `finish_reason = reason` and its rows are freed at the next step."""
-        for sequence, submission in list(self._submissions.items()):
+        for stream in list(self._streams.values()):
+            submission = stream.submission
             if not submission.cancelled:
                 submission.cancel(reason)
-                last = TokenOutput(sequence.index, -1, "", reason)
+                last = TokenOutput(stream.choice, -1, "", reason)
                 submission.deliver(every_step=True, last=last)
 
-    def _finish(self, sequence: EngineSequence, reason: str, *, notify: bool) -> None:
+    def _finish(self, stream: Stream, reason: str, *, notify: bool) -> None:
         """Take a sequence out (its row is free for the next step)."""
-        submission = self._submissions.pop(sequence, None)
-        if submission is None:
+        if self._streams.pop(stream.key, None) is None:
             return
-        key = self._keys.pop(sequence)
-        if not sequence.finished:  # cancelled: its row is freed at the next step
-            self._add_ops([("cancel", key)])
+        if not stream.num_tokens:
+            self._num_waiting -= 1
+        if stream.finish_reason is None:  # cancelled: the engine frees its row
+            stream.cancelled = True
+            if self.channel.alive:
+                self.channel.send([("cancel", stream.key)])
         if notify:
-            submission.deliver(every_step=True, last=TokenOutput(sequence.index, -1, "", reason))
+            last = TokenOutput(stream.choice, -1, "", reason)
+            stream.submission.deliver(every_step=True, last=last)
         if self.on_finish is not None:
-            self.on_finish(reason, len(sequence.token_ids))
+            self.on_finish(reason, stream.num_tokens)
 
 
 # Under load, tokens reach their requests every few steps (see `Engine`'s stream_interval):
@@ -363,25 +337,84 @@ RUNNING_PER_STREAM_INTERVAL = 8
 HEARTBEAT_S = 60.0  # idle rank 0 tells the other processes it is alive this often
 
 
-def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> list:
-    """Apply a step's ops to `core` and run the step; `sequences` maps op keys to this
-    process's sequences (rank 0 passes its own objects in "add" ops, others build them)."""
+# ---- the engine loop ------------------------------------------------------------------------
+
+
+def run_engine(core, channel, mirror: Callable[[list[tuple], str], None] | None = None) -> None:
+    """Step `core` while there is work, until `channel.take` says stop: the engine loop.
+
+    `channel.take(wait, timeout)` returns the ops that arrived (waiting for some when `wait`,
+    at most `timeout` seconds) or None to stop; `channel.post(message)` sends ("step", tokens,
+    seconds) after each step, ("failed", the traceback) after a step that raised. `mirror`:
+    rank 0 under tensor parallelism (see the module docstring)."""
+    sequences: dict[int, EngineSequence] = {}
+    timeout = HEARTBEAT_S if mirror is not None else None
+    while (ops := channel.take(not core.has_work, timeout)) is not None:
+        if not ops and not core.has_work:  # idle past the heartbeat interval
+            if mirror is not None:
+                mirror([], "wait")
+            continue
+        started = time.perf_counter()
+        try:
+            if mirror is not None:
+                ops = _seeded(ops)
+                mirror(ops, "step")
+            tokens = apply_ops(core, ops, sequences)
+        except Exception:
+            core.clear()
+            sequences.clear()
+            channel.post(("failed", "generation step failed:\n" + traceback.format_exc()))
+            if mirror is not None:
+                break  # the processes are out of step: nothing to keep serving with
+            continue
+        channel.post(("step", tokens, time.perf_counter() - started))
+    core.clear()
+    if mirror is not None:
+        mirror([], "stop")
+
+
+def _seeded(ops: list[tuple]) -> list[tuple]:
+    """Every process must draw the same tokens: unseeded sampled sequences get a seed here."""
+    seeded = []
+    for op in ops:
+        if op[0] == "add" and op[4] is None and not op[3].greedy:
+            op = (*op[:4], random.randrange(2**62), *op[5:])
+        seeded.append(op)
+    return seeded
+
+
+def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> list[tuple]:
+    """Apply a step's ops to `core` and run the step; `sequences` holds this process's
+    sequences by key. Returns the step's tokens as (key, token id, text, finish reason,
+    logprob, top logprobs, is stop token) tuples."""
     for op in ops:
         if op[0] == "add":
-            key, ids, params, index, seed, num_logprobs = op[1:7]
-            sequence = op[7] if len(op) > 7 else None
-            if sequence is None:
-                sequence = core.sequence(
-                    ids, params, index=index, seed=seed, num_logprobs=num_logprobs
-                )
+            key, ids, params, seed, num_logprobs = op[1:]
+            sequence = core.sequence(ids, params, seed=seed, num_logprobs=num_logprobs)
             sequences[key] = sequence
             core.add([sequence])
         elif op[0] == "cancel" and op[1] in sequences:
             core.cancel(sequences.pop(op[1]))
     events = core.step()
+    keys = {id(sequence): key for key, sequence in sequences.items()}
+    tokens = []
+    for sequence, event in events:
+        key = keys.get(id(sequence))
+        if key is not None:  # (not one cancelled before its last launch came back)
+            tokens.append(
+                (
+                    key,
+                    event.token_id,
+                    event.text,
+                    event.finish_reason,
+                    event.logprob,
+                    event.top_logprobs,
+                    event.is_stop_token,
+                )
+            )
     for key in [key for key, sequence in sequences.items() if sequence.done]:
         del sequences[key]
-    return events
+    return tokens
 
 
 def follow(core, receive: Callable[[], tuple[list[tuple], str]]) -> None:
@@ -396,17 +429,71 @@ def follow(core, receive: Callable[[], tuple[list[tuple], str]]) -> None:
             apply_ops(core, ops, sequences)
 
 
-def _output(event: TokenEvent) -> TokenOutput:
-    top = event.top_logprobs
-    return TokenOutput(
-        choice=event.index,
-        token_id=event.token_id,
-        text=event.text,
-        finish_reason=event.finish_reason,
-        logprob=None if event.logprob is None else _finite(event.logprob),
-        top_logprobs=None if top is None else [(i, _finite(v)) for i, v in top],
-        is_stop_token=event.is_stop_token,
-    )
+class ThreadChannel:
+    """The engine loop in a thread of the event loop's process.
+
+    Args:
+        core: the core engine (`Generator.engine`).
+        mirror: rank 0 under tensor parallelism (see the module docstring).
+    """
+
+    def __init__(self, core, *, mirror: Callable[[list[tuple], str], None] | None = None) -> None:
+        self.core = core
+        self.mirror = mirror
+        self._ops: list[tuple] = []  # for the next step (taken under _lock)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # set when ops are added or the loop should stop
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._deliver: Callable[[tuple], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # the front end's side (event loop)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, deliver: Callable[[tuple], None]) -> None:
+        """Run the engine loop; its messages reach `deliver` on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._deliver = deliver
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=run_engine, args=(self.core, self, self.mirror), name="lmforge-engine"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def send(self, ops: list[tuple]) -> None:
+        with self._lock:
+            self._ops += ops
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Stop the engine loop (a step under way ends first) and wait for it."""
+        if self._thread is not None:
+            self._stopping = True
+            self._wake.set()
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        with self._lock:
+            self._ops = []
+
+    # the engine loop's side (its thread)
+
+    def take(self, wait: bool, timeout: float | None) -> list[tuple] | None:
+        if wait:
+            self._wake.wait(timeout)
+        self._wake.clear()  # before taking: ops sent from here on set it again
+        if self._stopping:
+            return None
+        with self._lock:
+            ops, self._ops = self._ops, []
+        return ops
+
+    def post(self, message: tuple) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, message)
 
 
 def _finite(value: float) -> float:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmforge.errors import UserError
 from lmforge.generate import Generator, SamplingParams
+from lmforge.generate.sequence import Prompt, encode_prompt
 from lmforge.serve.engine import QueueFull, SequenceRequest, TokenOutput
 from lmforge.serve.protocol import (
     ApiError,
@@ -32,6 +33,29 @@ from lmforge.serve.protocol import (
 )
 
 # ---- turning requests into sequences --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP side knows of the model: its tokenizer and limits (picklable: it travels
+    to the server's HTTP process)."""
+
+    tokenizer: object  # lmforge.data.tokenizer.Tokenizer
+    max_seq_len: int  # the cache's context
+    max_batch: int  # sequences decoded together
+    vocab_size: int
+
+    @classmethod
+    def of(cls, generator: Generator) -> ServedModel:
+        return cls(
+            generator.tokenizer,
+            generator.max_seq_len,
+            generator.max_batch,
+            generator.args.vocab_size,
+        )
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size)
 
 
 @dataclass
@@ -76,9 +100,9 @@ def _check_unsupported(body: GenerationRequest) -> None:
             )
 
 
-def _encode_prompts(body: GenerationRequest, generator: Generator) -> tuple[list, str]:
+def _encode_prompts(body: GenerationRequest, model: ServedModel) -> tuple[list, str]:
     """The prompts' token ids and the parameter that holds them."""
-    tokenizer = generator.tokenizer
+    tokenizer = model.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = []
         for message in body.messages:
@@ -103,7 +127,7 @@ def _encode_prompts(body: GenerationRequest, generator: Generator) -> tuple[list
     ids = []
     for prompt in prompts:
         try:
-            ids.append(generator.encode_prompt(prompt))
+            ids.append(model.encode_prompt(prompt))
         except UserError as err:
             raise ApiError(400, str(err), param="prompt", code="invalid_value") from None
     for prompt_ids in ids:
@@ -112,7 +136,7 @@ def _encode_prompts(body: GenerationRequest, generator: Generator) -> tuple[list
     return ids, "prompt"
 
 
-def plan_request(body: GenerationRequest, generator: Generator, settings: ServeSettings) -> _Plan:
+def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSettings) -> _Plan:
     """Check a validated request against the model and the limits; build its sequences."""
     _check_unsupported(body)
     n = body.n or 1
@@ -120,7 +144,7 @@ def plan_request(body: GenerationRequest, generator: Generator, settings: ServeS
     if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
         # A list (never empty) of texts or of token-id lists, or one prompt's token ids.
         num_prompts = 1 if isinstance(body.prompt[0], int) else len(body.prompt)
-    limit = min(settings.max_n, generator.max_batch + settings.max_queue)
+    limit = min(settings.max_n, model.max_batch + settings.max_queue)
     if n * num_prompts > limit:
         what = f"n={n}" if num_prompts == 1 else f"n={n} for {num_prompts} prompts"
         raise ApiError(
@@ -129,8 +153,8 @@ def plan_request(body: GenerationRequest, generator: Generator, settings: ServeS
             param="n",
             code="invalid_value",
         )
-    prompts, prompt_param = _encode_prompts(body, generator)
-    context = generator.max_seq_len
+    prompts, prompt_param = _encode_prompts(body, model)
+    context = model.max_seq_len
     max_tokens = body.max_tokens
     max_tokens_param = "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
@@ -175,7 +199,7 @@ def plan_request(body: GenerationRequest, generator: Generator, settings: ServeS
         params = SamplingParams(
             max_new_tokens=limit_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=None if top_k is None else min(top_k, generator.args.vocab_size),
+            top_k=None if top_k is None else min(top_k, model.vocab_size),
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
             stop_token_ids=() if body.ignore_eos else None,
@@ -273,7 +297,7 @@ class Session:
     @property
     def usage(self) -> dict:
         prompt_tokens = sum(self.plan.prompt_lengths)
-        completion_tokens = sum(len(s.token_ids) for s in self.submission.sequences)
+        completion_tokens = self.submission.num_tokens
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -314,7 +338,7 @@ class Session:
         )
 
     def _logprobs(self, outputs: list[TokenOutput]) -> dict:
-        tokenizer = self.state.generator.tokenizer
+        tokenizer = self.state.model.tokenizer
         if self.chat:
             return _chat_logprobs(tokenizer, outputs)
         return _completion_logprobs(tokenizer, outputs)
