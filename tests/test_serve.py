@@ -119,8 +119,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(artifact, tmp_path_factory):
-    """Three servers, started together: the main one (API key, 32 rows), a small one (one row,
-    one queue place, 3 s timeout, a 64k context) and one to drain with SIGTERM."""
+    """Four servers, started together: the main one (API key, 32 rows), a small one (one row,
+    one queue place, 3 s timeout, a 64k context; HTTP and the engine in one process, the others
+    run HTTP in a process of its own), one to cut off and one to drain with SIGTERM."""
     logs = tmp_path_factory.mktemp("logs")
     started = {
         "main": Server(
@@ -150,6 +151,7 @@ def servers(artifact, tmp_path_factory):
             "3",
             "--max-request-bytes",
             str(SMALL_BODY_LIMIT),
+            "--no-http-process",
         ),
         "cutoff": Server(
             artifact,
@@ -760,6 +762,28 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(servers):
     assert status == 200
     assert json.loads(content)["usage"]["completion_tokens"] == 400
     assert drain.process.wait(timeout=60) == 0
+
+
+def test_the_http_process_ends_with_the_engine_process(artifact, tmp_path):
+    """`lmforge serve` runs HTTP in a child process; when the engine's process dies (SIGKILL:
+    no drain, no goodbye) the child sees the pipe close and exits instead of serving on."""
+    server = Server(artifact, tmp_path / "killed.log", "--max-concurrency", "1").wait_ready()
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    child = int(children[0])
+    assert "lmforge.serve.frontend" in Path(f"/proc/{child}/cmdline").read_text()
+    server.stop()  # SIGKILL
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"  # a zombie
+        except FileNotFoundError:
+            return True
+
+    _wait_for(gone)
+    with pytest.raises(OSError):
+        request(server, "GET", "/health", timeout=2)
 
 
 # ---- pieces ---------------------------------------------------------------------------------

@@ -312,6 +312,21 @@ def test_tiktoken_backend(tiny_tiktoken_dir):
     assert "<|eot_id|>" not in tok.decode(ids, skip_special=True)
 
 
+def test_both_backends_pickle_with_their_chat_template(trained, tiny_tiktoken_dir):
+    """`lmforge serve` sends the tokenizer to its HTTP process: a copy encodes text and chats
+    as the original does (the compiled template stays behind and is compiled again)."""
+    import pickle
+
+    messages = CONVERSATIONS[1]
+    for tok in (trained, load_tokenizer(tiny_tiktoken_dir)):
+        chat = tok.encode_chat(messages, add_generation_prompt=True)  # compiles the template
+        copy = pickle.loads(pickle.dumps(tok))
+        assert type(copy) is type(tok)
+        assert [copy.encode(t) for t in SAMPLE_TEXTS] == [tok.encode(t) for t in SAMPLE_TEXTS]
+        assert copy.encode_chat(messages, add_generation_prompt=True) == chat
+        assert copy.stop_ids == tok.stop_ids and copy.chat_template == tok.chat_template
+
+
 def test_tiktoken_save_converts_to_tokenizer_json(tiny_tiktoken_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     tik = load_tokenizer(tiny_tiktoken_dir)

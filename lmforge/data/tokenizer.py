@@ -566,6 +566,10 @@ class HFTokenizer(Tokenizer):
             source=source,
         )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plain.encode_special_tokens = True  # a pickled `tokenizers.Tokenizer` loses it
+
     @property
     def num_merges(self) -> int:
         return len(json.loads(self._plain.to_str())["model"].get("merges") or [])
