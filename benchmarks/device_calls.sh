@@ -10,6 +10,7 @@
 #   bash benchmarks/device_calls.sh switch      # one H200: the server under two GIL switch intervals
 #   bash benchmarks/device_calls.sh gc          # one H200: the server with and without gc.freeze
 #   bash benchmarks/device_calls.sh http        # one H200: HTTP in its own process or not; sampled
+#   bash benchmarks/device_calls.sh sampled     # one H200: top-k draws; the server sampled, greedy
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -20,9 +21,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -135,6 +136,37 @@ http)
     --max-seq-len 4096 --profile-server 3 --out "$OUT/profiled"
   cat "$OUT/sample-speed.log"
   for run in two one sampled two-64; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
+  python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 16 | cut -c1-160
+  ;;
+sampled)
+  # the sampler's draws alone (top-p: a sort of the vocabulary; top-k: the largest k only); a
+  # write of one element of a device tensor while the GPU is busy, by index and by fill_ (does
+  # either wait for the GPU?); the server greedy, then sampled with top-k 50 (and top-p 0.95),
+  # then 64 streams under py-spy
+  step 40 sample-speed python3 benchmarks/sample_speed.py --rows 64
+  step 20 scalar-write python3 -c '
+import time, torch
+t, a = torch.zeros(64, dtype=torch.long, device="cuda"), torch.randn(8192, 8192, device="cuda")
+for name, write in (("t[5] = 7", lambda: t.__setitem__(5, 7)), ("t[5:6].fill_(7)", lambda: t[5:6].fill_(7))):
+    times = []
+    for _ in range(21):
+        torch.cuda.synchronize(); a @ a; start = time.perf_counter(); write()
+        times.append(time.perf_counter() - start)
+    print(f"{name}: {1e6 * sorted(times)[10]:.1f} us on the host, behind a queued matmul")'
+  step 170 greedy python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --out "$OUT/greedy"
+  step 100 top-k python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --temperature 1 --top-k 50 --out "$OUT/top-k"
+  step 100 top-k-p python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 8 64 --max-tokens 128 --max-seq-len 4096 \
+    --temperature 0.8 --top-k 50 --top-p 0.95 --out "$OUT/top-k-p"
+  step 100 greedy-64 python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 64 64 --requests 768 --max-tokens 128 \
+    --max-seq-len 4096 --profile-server 3 --out "$OUT/profiled"
+  cat "$OUT/sample-speed.log" "$OUT/scalar-write.log"
+  for run in greedy top-k top-k-p greedy-64; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
   python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 16 | cut -c1-160
   ;;
 tp)
