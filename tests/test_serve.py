@@ -305,6 +305,15 @@ def test_openai_client_matches_lmforge_generate(main_server, artifact, reference
     assert len(logprobs.token_logprobs) == 5 == len(logprobs.tokens)
     for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert chosen <= 0 and chosen == pytest.approx(max(top.values()))
+    # vLLM's `return_tokens_as_token_ids`: the same tokens, named "token_id:N"
+    by_id = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0].logprobs  # fmt: skip
+    ids = [int(token.removeprefix("token_id:")) for token in by_id.tokens]
+    assert [reference.tokenizer.decode([i]) for i in ids] == logprobs.tokens
+    assert by_id.token_logprobs == logprobs.token_logprobs
+    assert all(key.startswith("token_id:") for top in by_id.top_logprobs for key in top)
 
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=prompt, max_tokens=2)

@@ -144,6 +144,15 @@ def test_serve_tp2_answers_as_one_process(world, tmp_path):
             ).choices]
             for _ in range(2)
         ]  # fmt: skip
+        unseeded = client.completions.create(
+            model=model,
+            prompt=PROMPTS[1],
+            max_tokens=12,
+            temperature=1.0,
+            logprobs=0,
+            n=3,
+            extra_body={"return_tokens_as_token_ids": True},
+        ).choices
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
@@ -155,6 +164,28 @@ def test_serve_tp2_answers_as_one_process(world, tmp_path):
     for prompt, text in zip(PROMPTS, greedy):
         assert f"=== {prompt}\n{text}\n" in one
     assert sampled[0] == sampled[1] and sampled[0][0] != sampled[0][1]
+    _assert_drawn_alike(artifact, PROMPTS[1], unseeded)
+
+
+def _assert_drawn_alike(artifact, prompt: str, choices) -> None:
+    """Unseeded sampled rows draw from the engine's generator, which every process seeds
+    alike: had rank 1 drawn other tokens, its half of each next token's embedding lookup would
+    be another token's, and the log-probabilities rank 0 reported would not be those of one
+    process reading rank 0's tokens (named by id: vLLM's `return_tokens_as_token_ids`)."""
+    from lmforge.generate.logprobs import sequence_logprobs
+    from lmforge.generate.sequence import encode_prompt
+
+    loaded = lmforge.load(artifact)
+    prompt_ids = encode_prompt(prompt, loaded.tokenizer, vocab_size=loaded.config.vocab_size)
+    texts = set()
+    for choice in choices:
+        ids = [int(token.removeprefix("token_id:")) for token in choice.logprobs.tokens]
+        expected, _ = sequence_logprobs(
+            loaded.model, [(prompt_ids + list(ids), len(ids))], batch_size=1, device="cpu"
+        )[0]
+        assert abs(sum(choice.logprobs.token_logprobs) - expected) < 1e-3, choice.text
+        texts.add(choice.text)
+    assert len(texts) > 1  # sampled, not greedy
 
 
 def test_a_pipeline_eval_stage_runs_tensor_parallel(world, tmp_path):

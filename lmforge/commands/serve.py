@@ -317,6 +317,8 @@ def main(args: argparse.Namespace) -> int:
     # with every stream stalled).
     gc.collect()
     gc.freeze()
+    if parallel.world_size() > 1:  # unseeded sampled sequences draw alike on every process
+        generator.engine.seed_draws(parallel.shared_seed(None))
     if not parallel.is_main():  # replay rank 0's engine until it stops
         from lmforge.serve.engine import follow
 

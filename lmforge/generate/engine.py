@@ -390,6 +390,11 @@ class Engine:
 
     # ---- sequences ------------------------------------------------------------------------
 
+    def seed_draws(self, seed: int) -> None:
+        """Seed the generator that sampled sequences without a seed of their own draw from
+        (tensor parallelism: every process seeds it alike, so all draw the same tokens)."""
+        self._draws.manual_seed(seed % 2**64)
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (see `lmforge.generate.sequence.encode_prompt`)."""
         return encode_prompt(prompt, self.tokenizer, vocab_size=self.args.vocab_size)

@@ -20,7 +20,9 @@ processes, which apply them and step too (`follow`); when idle it sends a heartb
 then, and a stop at the end. Ops are applied at the start of a step on every process alike, so
 all hold the same sequences in the same rows and run the same collectives, with the same
 shapes: a decode step's batch and KV lengths follow from that host state (rows, prompt lengths,
-tokens launched), which the ops and the all-gathered logits keep equal everywhere.
+tokens launched), which the ops and the all-gathered logits keep equal everywhere. Sampled
+sequences without a seed draw from the core engine's generator, seeded alike on every process
+(`lmforge serve` does it), so every process draws the same tokens.
 
 A request with n choices is one `Submission` of n sequences. Up to `max_concurrency` sequences
 run and `max_queue` more wait; beyond that `submit` raises `QueueFull` (HTTP 429). A sequence's
@@ -33,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import threading
 import time
 import traceback
@@ -357,7 +358,6 @@ def run_engine(core, channel, mirror: Callable[[list[tuple], str], None] | None 
         started = time.perf_counter()
         try:
             if mirror is not None:
-                ops = _seeded(ops)
                 mirror(ops, "step")
             tokens = apply_ops(core, ops, sequences)
         except Exception:
@@ -371,16 +371,6 @@ def run_engine(core, channel, mirror: Callable[[list[tuple], str], None] | None 
     core.clear()
     if mirror is not None:
         mirror([], "stop")
-
-
-def _seeded(ops: list[tuple]) -> list[tuple]:
-    """Every process must draw the same tokens: unseeded sampled sequences get a seed here."""
-    seeded = []
-    for op in ops:
-        if op[0] == "add" and op[4] is None and not op[3].greedy:
-            op = (*op[:4], random.randrange(2**62), *op[5:])
-        seeded.append(op)
-    return seeded
 
 
 def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> list[tuple]:

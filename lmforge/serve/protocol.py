@@ -199,6 +199,8 @@ class GenerationRequest(_Strict):
     logit_bias: dict[str, Float] | None = None
     user: Text | None = None
     ignore_eos: bool | None = None  # vLLM's extension: generate exactly max_tokens
+    # vLLM's extension: logprobs name their tokens "token_id:N" (not the token's text)
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(GenerationRequest):

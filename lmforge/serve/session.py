@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -221,38 +221,42 @@ class _Choice:
     logprobs: list[TokenOutput] | None = None
 
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _token_id_text(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` form: any token identified, even one whose text is
+    an incomplete UTF-8 character."""
+    return f"token_id:{token_id}"
 
 
-def _completion_logprobs(tokenizer, outputs: list[TokenOutput]) -> dict:
+def _completion_logprobs(token_text: Callable[[int], str], outputs: list[TokenOutput]) -> dict:
     tokens, offsets, offset = [], [], 0
     for output in outputs:
-        token = _token_text(tokenizer, output.token_id)
+        token = token_text(output.token_id)
         tokens.append(token)
         offsets.append(offset)
         offset += len(token)
     return {
         "tokens": tokens,
         "token_logprobs": [o.logprob for o in outputs],
-        "top_logprobs": [_top_by_text(tokenizer, o.top_logprobs) for o in outputs],
+        "top_logprobs": [_top_by_text(token_text, o.top_logprobs) for o in outputs],
         "text_offset": offsets,
     }
 
 
-def _top_by_text(tokenizer, top: list[tuple[int, float]] | None) -> dict[str, float] | None:
+def _top_by_text(
+    token_text: Callable[[int], str], top: list[tuple[int, float]] | None
+) -> dict[str, float] | None:
     """{token text: logprob}, best first; of tokens with the same text the likelier counts."""
     if top is None:
         return None
     by_text: dict[str, float] = {}
     for token_id, logprob in top:
-        by_text.setdefault(_token_text(tokenizer, token_id), logprob)
+        by_text.setdefault(token_text(token_id), logprob)
     return by_text
 
 
-def _chat_logprobs(tokenizer, outputs: list[TokenOutput]) -> dict:
+def _chat_logprobs(token_text: Callable[[int], str], outputs: list[TokenOutput]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        token = _token_text(tokenizer, token_id)
+        token = token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {
@@ -339,9 +343,15 @@ class Session:
 
     def _logprobs(self, outputs: list[TokenOutput]) -> dict:
         tokenizer = self.state.model.tokenizer
+
+        def token_text(token_id: int) -> str:
+            if self.body.return_tokens_as_token_ids:
+                return _token_id_text(token_id)
+            return tokenizer.decode([token_id])
+
         if self.chat:
-            return _chat_logprobs(tokenizer, outputs)
-        return _completion_logprobs(tokenizer, outputs)
+            return _chat_logprobs(token_text, outputs)
+        return _completion_logprobs(token_text, outputs)
 
     def _header(self, object_name: str) -> dict:
         return {
