@@ -11,6 +11,7 @@
 #   bash benchmarks/device_calls.sh gc          # one H200: the server with and without gc.freeze
 #   bash benchmarks/device_calls.sh http        # one H200: HTTP in its own process or not; sampled
 #   bash benchmarks/device_calls.sh sampled     # one H200: top-k draws; the server sampled, greedy
+#   bash benchmarks/device_calls.sh decode-table  # one H200: issue 14's decode rows, 1B and 3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -21,9 +22,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -168,6 +169,17 @@ for name, write in (("t[5] = 7", lambda: t.__setitem__(5, 7)), ("t[5:6].fill_(7)
   cat "$OUT/sample-speed.log" "$OUT/scalar-write.log"
   for run in greedy top-k top-k-p greedy-64; do echo "-- $run"; tail -n 4 "$OUT/$run.log"; done
   python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 16 | cut -c1-160
+  ;;
+decode-table)
+  # issue 14's decode rows again with the code as it ships, one call: 1B bf16 / int8 / int4
+  # beside transformers' static-cache generate, 3B bf16 / int4 (batch 1, 128 new tokens)
+  step 300 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge hf-static --schemes bf16 int8-wo int4-wo --new-tokens 128 --repeats 2 \
+    --out "$OUT/1b"
+  step 250 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  tail -n 8 "$OUT/decode-1b.log"
+  tail -n 5 "$OUT/decode-3b.log"
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
