@@ -389,6 +389,31 @@ def test_a_stream_interval_batches_tokens_but_not_the_first_or_last(reference):
     assert "".join(output.text for batch in got for output in batch) == expected
 
 
+def test_an_engine_that_is_not_running_refuses_work(reference):
+    """Before start and after stop `submit` raises EngineStopped (the API answers 503)."""
+    from lmforge.serve.engine import Engine, EngineStopped, SequenceRequest, ThreadChannel
+
+    params = SamplingParams(max_new_tokens=2, temperature=0)
+    request = SequenceRequest(reference.engine.encode_prompt("the cat"), params)
+
+    async def submit_around_a_run() -> list[bool]:
+        engine = Engine(ThreadChannel(reference.engine), max_concurrency=2, max_queue=0)
+        refused = []
+        for stage in ("before", "run", "after"):
+            if stage == "run":
+                await engine.start()
+                done = engine.submit([request])
+                assert [o.finish_reason async for b in done.events() for o in b][-1] == "length"
+                await engine.stop()
+                continue
+            with pytest.raises(EngineStopped):
+                engine.submit([request])
+            refused.append(not engine.running)
+        return refused
+
+    assert asyncio.run(submit_around_a_run()) == [True, True]
+
+
 def test_a_failed_step_ends_its_requests_with_error_and_serving_goes_on(reference, monkeypatch):
     """A step that raises (a bug, not the client's doing) ends the sequences it held with
     "error"; the engine thread goes on and serves the next request."""

@@ -51,6 +51,10 @@ class QueueFull(Exception):
     """No room for more sequences: `max_concurrency` run and `max_queue` wait already."""
 
 
+class EngineStopped(Exception):
+    """The engine loop is not running (stopped, or ended by a failure it cannot serve past)."""
+
+
 @dataclass(frozen=True)
 class SequenceRequest:
     """One sequence to generate (a request with n choices asks for n of them).
@@ -233,9 +237,10 @@ class Engine:
     # ---- submitting -----------------------------------------------------------------------
 
     def submit(self, requests: Sequence[SequenceRequest]) -> Submission:
-        """Queue sequences (all or none); raises `QueueFull` when they do not fit."""
+        """Queue sequences (all or none); raises `QueueFull` when they do not fit,
+        `EngineStopped` when the engine loop is not running."""
         if not self.running:
-            raise RuntimeError("the engine is not running")
+            raise EngineStopped("the engine is not running")
         held = len(self._streams)
         if held + len(requests) > self.capacity:
             raise QueueFull(

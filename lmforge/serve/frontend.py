@@ -38,6 +38,7 @@ class PipeChannel:
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
         self._alive = False
+        self._closing = False
         self._deliver: Callable[[tuple], None] | None = None
         self._stopped: asyncio.Future | None = None
 
@@ -59,12 +60,14 @@ class PipeChannel:
                 message = self.connection.recv()
                 if message[0] == "stopped":
                     self._end()
+                    if not self._closing:  # a failure it could not serve past
+                        os.kill(os.getpid(), signal.SIGTERM)
                     return
                 self._deliver(message)
         except (EOFError, OSError):  # the engine's process is gone
             self._end()
             self._deliver(("failed", "the engine's process exited; shutting down"))
-            os.kill(os.getpid(), signal.SIGTERM)  # nothing to serve with: shut down
+            os.kill(os.getpid(), signal.SIGTERM)  # nothing to serve with
 
     def _end(self) -> None:
         if self._alive:
@@ -79,6 +82,7 @@ class PipeChannel:
     async def close(self) -> None:
         """Ask the engine loop to stop and wait until it has."""
         if self._alive:
+            self._closing = True
             self.send(None)
             await self._stopped
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmforge.errors import UserError
 from lmforge.generate import Generator, SamplingParams
 from lmforge.generate.sequence import Prompt, encode_prompt
-from lmforge.serve.engine import QueueFull, SequenceRequest, TokenOutput
+from lmforge.serve.engine import EngineStopped, QueueFull, SequenceRequest, TokenOutput
 from lmforge.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -294,6 +294,13 @@ class Session:
                 type="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(state.settings.retry_after)},
+            ) from None
+        except EngineStopped:
+            raise ApiError(
+                503,
+                "the server's engine is not running (see the server log); retry on another server",
+                type="server_error",
+                code="engine_stopped",
             ) from None
         state.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in plan.sequences))
         self._first_token_seen = False
