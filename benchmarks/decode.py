@@ -81,6 +81,32 @@ def _gemlite(bit_width: int, group_size: int | None) -> Callable[[nn.Module], nn
     return apply
 
 
+def _mslk(scheme: str) -> Callable[[nn.Module], nn.Module]:
+    """torchao's preshuffled int4 layout (`Int4PreshuffledTensor`: MSLK's CUTLASS kernels for
+    Hopper, bf16 activations with int4 weights, or float8 activations with int4 weights), tried
+    here before lmforge's quantize stage offers it. Needs the mslk-cuda package (the kernels
+    formerly in fbgemm-gpu-genai), which the device image lacks."""
+
+    def apply(model: nn.Module) -> nn.Module:
+        from torchao.quantization import (
+            Float8DynamicActivationInt4WeightConfig,
+            Int4WeightOnlyConfig,
+            quantize_,
+        )
+
+        from lmforge.quantize.quantize import quantized_module_names
+
+        chosen = set(quantized_module_names(model.args, quantize_output=False))
+        if scheme == "int4-preshuffled":
+            config = Int4WeightOnlyConfig(group_size=128, int4_packing_format="preshuffled")
+        else:
+            config = Float8DynamicActivationInt4WeightConfig()
+        quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
+        return model
+
+    return apply
+
+
 SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "bf16": lambda model: model,
     "fp32": lambda model: model.float(),  # CPUs without fast bf16 matmuls
@@ -88,6 +114,8 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-wo": _quantized("int4-wo", 128),
     "int4-gemlite": _gemlite(4, 128),
     "int8-gemlite": _gemlite(8, None),
+    "int4-preshuffled": _mslk("int4-preshuffled"),
+    "fp8-int4": _mslk("fp8-int4"),
 }
 
 VARIANTS = (

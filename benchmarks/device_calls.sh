@@ -12,6 +12,7 @@
 #   bash benchmarks/device_calls.sh http        # one H200: HTTP in its own process or not; sampled
 #   bash benchmarks/device_calls.sh sampled     # one H200: top-k draws; the server sampled, greedy
 #   bash benchmarks/device_calls.sh decode-table  # one H200: issue 14's decode rows, 1B and 3B
+#   bash benchmarks/device_calls.sh mslk        # one H200: int4 on MSLK's kernels (carry .whl-mslk)
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -22,14 +23,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
+wheels=.whl
+[ "$1" = mslk ] && wheels=.whl-mslk  # `bash benchmarks/device_wheels.sh mslk`
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+  --target /tmp/site "$wheels"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device-calls}
 mkdir -p "$OUT" /tmp/traces
@@ -180,6 +183,16 @@ decode-table)
     --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
   tail -n 8 "$OUT/decode-1b.log"
   tail -n 5 "$OUT/decode-3b.log"
+  ;;
+mslk)
+  # torchao's preshuffled int4 layout on MSLK's Hopper kernels (bf16 or float8 activations,
+  # int4 weights) beside tinygemm and bf16, the 1B at batch 1; carry [".whl-mslk"]
+  step 20 mslk python3 -c 'import mslk, torch; print("mslk", mslk.__version__, "torch", torch.__version__)'
+  step 330 decode python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes int4-preshuffled fp8-int4 bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT"
+  cat "$OUT/mslk.log"
+  grep -h "Error" "$OUT/decode.log" | head -n 6
+  tail -n 7 "$OUT/decode.log"
   ;;
 tp)
   # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with

@@ -8,8 +8,24 @@
 # Each device call then starts with:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+#
+# `bash benchmarks/device_wheels.sh mslk` instead fills .whl-mslk/ for `device_calls.sh mslk`
+# (carry [".whl-mslk"]): torchao and pydantic, and mslk-cuda (the Hopper kernels of torchao's
+# preshuffled int4 layout, formerly fbgemm-gpu-genai's; 42 MiB, too large to travel beside
+# .whl/ within a call's 64 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = mslk ]; then
+  grep -qx '/.whl-mslk/' .git/info/exclude 2>/dev/null || echo /.whl-mslk/ >>.git/info/exclude
+  mkdir -p .whl-mslk
+  for spec in torchao pydantic pydantic-core annotated-types typing-inspection mslk-cuda==1.1.0; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl-mslk "$(grep -i -m1 "^$spec==" constraints.txt || echo "$spec")"
+  done
+  du -sh .whl-mslk
+  exit 0
+fi
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
 mkdir -p .whl
 
