@@ -6,12 +6,13 @@ Why: in one process the event loop (HTTP parsing and writing, JSON, the requests
 and the engine thread (launching steps, detokenizing, stop checks) take turns on one GIL; at 64
 streams each held it about half the time, so the GPU waited for Python. Apart, each has an
 interpreter of its own and the pipe carries only ops one way (add a sequence, cancel one) and
-each step's tokens the other (engine.py's message format).
+each step's tokens the other (engine.py's message format). 1B on an H200, 64 streams: 25.2k
+tokens/s in one process, 32.4k in two (docs/benchmarks.md, session 11).
 
 Lifecycle: the main process binds the socket, loads and warms the model, then starts the HTTP
 process with the socket and its end of the pipe (inherited file descriptors) and sends it the
 tokenizer and settings. SIGTERM to the main process is passed on: the HTTP process drains
-(serve.py), tells the engine loop to stop and exits; the main process then exits with its
+(server.py), tells the engine loop to stop and exits; the main process then exits with its
 code. Ctrl+C reaches both from the terminal: the HTTP process drains, the main process waits
 for it. If either process dies, the other sees the pipe close and ends too.
 """
