@@ -339,6 +339,7 @@ class Engine:
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
         self._draws = torch.Generator(device=device)  # unseeded sampled rows, all at once
         self._draws.seed()
+        self._last_sampler: tuple[list[SamplingParams], Sampler | None] = ([], None)
         self._positions = torch.full((max_batch,), self._last_slot, device=device)
         # A decode step's inputs over rows 0..b-1, per bucket: views [b, 1] made once, so that
         # a CUDA graph reads them where they are instead of copying them in at every replay.
@@ -745,6 +746,17 @@ class Engine:
 
     # ---- sampling and collecting ----------------------------------------------------------
 
+    def _batch_sampler(self, params: list[SamplingParams]) -> Sampler:
+        """The sampler of these rows' settings: the last step's while the rows are the same (a
+        new one copies four settings tensors to the device)."""
+        last_params, sampler = self._last_sampler
+        if len(params) != len(last_params) or any(
+            a is not b for a, b in zip(params, last_params, strict=True)
+        ):
+            sampler = Sampler(params, device=self.device)
+            self._last_sampler = (params, sampler)
+        return sampler
+
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """logits [n, vocab] -> each sequence's next token [n] (on the device); queues the
         log-probabilities of the sequences that ask for them."""
@@ -752,8 +764,7 @@ class Engine:
         if any(s.generator is None and not s.params.greedy for s in sequences):
             # One draw for the whole batch from the engine's generator (greedy rows keep
             # their argmax); a sampler call per row launched ~20 kernels a row, every step.
-            sampler = Sampler([s.params for s in sequences], device=self.device)
-            chosen = sampler(logits, self._draws)
+            chosen = self._batch_sampler([s.params for s in sequences])(logits, self._draws)
         else:
             chosen = logits.argmax(dim=-1)
         for index in seeded:  # their own draws: the same tokens whatever runs beside them

@@ -197,7 +197,7 @@ class Sequence:
             token,
             delta,
             self.finish_reason,
-            is_stop_token=finished and self.stop == token and self.finish_reason == "stop",
+            is_stop_token=self.finish_reason == "stop" and self.stop == token,
         )
 
     def _check_stop_strings(self, old_length: int) -> None:

@@ -348,14 +348,11 @@ class Session:
             code="request_timeout",
         )
 
+    def _decode_one(self, token_id: int) -> str:
+        return self.state.model.tokenizer.decode([token_id])
+
     def _logprobs(self, outputs: list[TokenOutput]) -> dict:
-        tokenizer = self.state.model.tokenizer
-
-        def token_text(token_id: int) -> str:
-            if self.body.return_tokens_as_token_ids:
-                return _token_id_text(token_id)
-            return tokenizer.decode([token_id])
-
+        token_text = _token_id_text if self.body.return_tokens_as_token_ids else self._decode_one
         if self.chat:
             return _chat_logprobs(token_text, outputs)
         return _completion_logprobs(token_text, outputs)
