@@ -124,6 +124,8 @@ VARIANTS = (
     "lmforge-untuned",
     "lmforge-autotune",
     "lmforge-eager",
+    "lmforge-torchao",  # quantized linears through torchao's kernels, not lmforge's
+    "lmforge-inductor",  # plain weights' batch-1 products as inductor's reductions, no GEMV
     "hf",
     "hf-static",
 )
@@ -174,6 +176,8 @@ def bench_lmforge(
     fuse: bool = True,
     tune: bool = True,
     autotune: bool = False,
+    kernels: bool = True,
+    gemv: bool = True,
 ):
     generator = Generator(
         model,
@@ -183,6 +187,8 @@ def bench_lmforge(
         compile=compile,
         fuse=fuse,
         tune_decode=tune,
+        quantized_kernels=kernels,
+        gemv=gemv,
     )
     if autotune:  # inductor's max-autotune for the decode compiles (benchmarks.decode_profile)
         from benchmarks.common import autotuned
@@ -290,6 +296,10 @@ def main() -> None:
             for variant in [v for v in args.variants if v.startswith("lmforge")]:
                 if variant == "lmforge-unfused" and scheme not in ("bf16", "fp32"):
                     continue  # only plain weights fuse
+                if variant == "lmforge-torchao" and scheme in ("bf16", "fp32"):
+                    continue  # nothing quantized
+                if variant == "lmforge-inductor" and scheme not in ("bf16", "fp32"):
+                    continue  # the bf16 comparison
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:
                     model = make_model(preset, scheme)
@@ -303,8 +313,12 @@ def main() -> None:
                         fuse=variant != "lmforge-unfused",
                         tune=variant != "lmforge-untuned",
                         autotune=variant == "lmforge-autotune",
+                        kernels=variant != "lmforge-torchao",
+                        gemv=variant != "lmforge-inductor",
                     )
                     if scheme == "bf16":
+                        if reference is not None:  # another bf16 variant: same tokens?
+                            row["same_tokens_as_first"] = _agreement(reference, tokens)
                         bf16_bytes, reference = num_bytes, reference or tokens
                     limit = bandwidth / num_bytes
                     row.update(

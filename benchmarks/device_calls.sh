@@ -13,6 +13,7 @@
 #   bash benchmarks/device_calls.sh sampled     # one H200: top-k draws; the server sampled, greedy
 #   bash benchmarks/device_calls.sh decode-table  # one H200: issue 14's decode rows, 1B and 3B
 #   bash benchmarks/device_calls.sh mslk        # one H200: int4 on MSLK's kernels (carry .whl-mslk)
+#   bash benchmarks/device_calls.sh gemv        # one H200: decode on lmforge's Triton GEMV, 1B and 3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -23,9 +24,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -183,6 +184,22 @@ decode-table)
     --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
   tail -n 8 "$OUT/decode-1b.log"
   tail -n 5 "$OUT/decode-3b.log"
+  ;;
+gemv)
+  # batch-1 decode with lmforge's Triton GEMV (plain and quantized weights) beside the step as
+  # inductor compiles it (lmforge-inductor), 1B and 3B; then the products one at a time
+  export TRITON_PRINT_AUTOTUNING=1
+  step 300 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-inductor --schemes bf16 int8-wo int4-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/1b"
+  step 200 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b \
+    --variants lmforge lmforge-inductor --schemes bf16 int4-wo --new-tokens 128 --repeats 2 \
+    --out "$OUT/3b"
+  step 60 gemv python3 benchmarks/gemv.py --shapes 1b 3b --rows 1 --out "$OUT"
+  grep '^{' "$OUT/decode-1b.log" | cut -c1-400
+  grep '^{' "$OUT/decode-3b.log" | cut -c1-400
+  grep '^|' "$OUT/gemv.log"
+  grep -h -E "Error|error" "$OUT"/*.log | sort | uniq -c | head -n 20
   ;;
 mslk)
   # torchao's preshuffled int4 layout on MSLK's Hopper kernels (bf16 or float8 activations,

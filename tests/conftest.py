@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+# Triton kernels (lmforge/generate/kernels.py) run on the CPU through Triton's interpreter. It
+# must be on before anything imports triton (torchao does), or kernels half-interpret.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -167,6 +167,34 @@ def local_kv_heads(model: nn.Module) -> int:
     return kv_dim // model.args.head_dim
 
 
+def use_quantized_kernels(model: nn.Module, device: torch.device) -> int:
+    """On a CUDA GPU, swap the model's torchao weight-only linears for lmforge's kernels
+    (lmforge/generate/kernels.py); returns how many were swapped."""
+    if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
+        return 0  # nothing quantized
+    kernels = _kernels(device)
+    return kernels.use_quantized_kernels(model) if kernels else 0
+
+
+def use_gemv(model: nn.Module, device: torch.device) -> int:
+    """On a CUDA GPU, multiply the model's plain weights by a single row with lmforge's GEMV
+    (lmforge/generate/kernels.py); returns how many linears were swapped."""
+    kernels = _kernels(device)
+    return kernels.use_gemv(model) if kernels else 0
+
+
+def _kernels(device: torch.device):
+    """lmforge's Triton kernels where they run: CUDA, compute capability 8.0 or later."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return None
+    try:
+        from lmforge.generate import kernels
+    except ImportError as error:  # a CUDA build of torch comes with Triton; in case not
+        log.warning("lmforge's decode kernels are off: %s", error)
+        return None
+    return kernels
+
+
 def plain_quantized_weights(model: nn.Module) -> None:
     """Quantized (torchao) weights as plain tensors to the compiled graph: each weight becomes a
     parametrization over its inner tensors, rebuilt inside the graph. A tensor-subclass input is
@@ -277,6 +305,10 @@ class Engine:
             weights only; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
+        quantized_kernels: on CUDA, run torchao weight-only int8 / int4 linears through
+            lmforge's Triton kernels (lmforge/generate/kernels.py) instead of torchao's.
+        gemv: on CUDA, multiply plain bf16 / fp16 weights by one row of activations (the
+            batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
     """
 
     def __init__(
@@ -291,6 +323,8 @@ class Engine:
         prefill_chunk: int | None = None,
         fuse: bool = True,
         tune_decode: bool = True,
+        quantized_kernels: bool = True,
+        gemv: bool = True,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -305,7 +339,9 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
+        self.quantized_kernels = quantized_kernels and use_quantized_kernels(model, device)
         self.fused = fuse and model.fuse_projections()
+        self.gemv = gemv and use_gemv(model, device)
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

@@ -65,9 +65,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def fusable(module: nn.Module, names: list[str]) -> bool:
-    """Whether the linears `names` of `module` are plain, bias-free and materialized (not
-    quantized, sharded or LoRA-wrapped), so that `fuse_linears` can join them."""
+    """Whether `fuse_linears` can join the linears `names` of `module`: plain, bias-free and
+    materialized (not quantized by torchao, sharded or LoRA-wrapped), or inference layers of
+    one kind that join themselves (`joinable` / `concatenate`, lmforge/generate/kernels.py)."""
     linears = [getattr(module, name, None) for name in names]
+    joinable = getattr(linears[0], "joinable", None)
+    if joinable is not None:
+        return joinable(linears)
     return all(
         type(linear) is nn.Linear
         and linear.bias is None
@@ -82,6 +86,12 @@ def fuse_linears(module: nn.Module, names: list[str], fused_name: str) -> None:
     is theirs concatenated (for inference: one matmul instead of several). The state dict keeps
     the original names: split on `state_dict()`, joined on `load_state_dict()`."""
     linears = [getattr(module, name) for name in names]
+    if hasattr(linears[0], "concatenate"):  # an inference layer (see `fusable`)
+        for name in names:
+            delattr(module, name)
+        setattr(module, fused_name, type(linears[0]).concatenate(linears))
+        module.fused_sizes = [linear.out_features for linear in linears]
+        return
     sizes = [linear.weight.shape[0] for linear in linears]  # a TP shard: its own rows
     weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(sizes), in]
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -250,7 +260,8 @@ class Transformer(nn.Module):
         """For inference: wq/wk/wv and w1/w3 of every block become one matmul each (batch-1
         decoding is a chain of small matmuls; fewer, larger ones run faster). The state dict
         keeps Meta's names. Returns whether the model is fused: False (nothing changed) unless
-        every block's weights are plain tensors; quantized, sharded and LoRA models stay as
+        every block's weights are plain tensors or inference layers that join themselves
+        (the engine's quantized kernels); torchao-quantized, sharded and LoRA models stay as
         they are."""
         blocks = list(self.layers.values())
         if all(b.attention.wqkv is not None and b.feed_forward.w13 is not None for b in blocks):

@@ -1,0 +1,377 @@
+"""Matrix-vector products for batch-1 decoding on CUDA, written in Triton, and the layers that
+use them.
+
+A batch-1 decode step reads every weight once for a handful of multiply-adds per byte, so it
+runs as fast as the weights stream from memory. Measured on an H200 one product at a time
+(benchmarks/gemv.py, docs/benchmarks.md), `_gemv` reads a bf16 weight at 3.0-4.3 TB/s where
+inductor's tuned reduction (the compiled step's default) reads it at 2.0-3.8 TB/s (the 1B
+output projection: 121 against 232 us). `_gemv` keeps a [BLOCK_N, BLOCK_K] fp32 accumulator
+over the whole row and reduces it once at the end, so its loop is loads, conversions and
+fused multiply-adds only.
+
+Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K]; 4: uint8 [N, K/2], byte j of a
+row holding q[j] in its low and q[j + K/2] in its high nibble (so a tile reads two contiguous
+runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * scale + zero
+(int4, tinygemm's convention), scale and zero [N, K / group]. With more than one row of
+activations (batched decoding, prefill), a quantized weight is expanded to bf16 by
+`_dequantize` and multiplied by cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.9-4.8
+ms a product and tinygemm 23-1,175 us, against ~20 us for bf16.
+
+The ops are registered with torch.library, so torch.compile treats them as opaque kernels and
+a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _gemv(
+    x_ptr,  # [K] activations
+    w_ptr,  # [N, K] (bf16, int8) or [N, K/2] (int4 pairs)
+    scale_ptr,  # [N, groups] (quantized)
+    zero_ptr,  # [N, groups] (int4)
+    y_ptr,  # [N]
+    N,
+    K,
+    GROUP: tl.constexpr,  # columns a scale covers (K for one per row)
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # stored columns a tile reads (within one group)
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    stored = K // 2 if BITS == 4 else K  # columns a row stores
+    groups = K // GROUP
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, stored, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + rows[:, None] * stored + cols[None, :],
+            mask=row_ok[:, None],
+            other=0,
+            eviction_policy="evict_first",  # read once; x stays cached
+        )
+        x = tl.load(x_ptr + cols).to(tl.float32)
+        if BITS == 16 or (BITS == 8 and groups == 1):  # one scale a row: applied at the end
+            acc += w.to(tl.float32) * x[None, :]
+        elif BITS == 8:
+            scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
+            acc += w.to(tl.float32) * scale.to(tl.float32)[:, None] * x[None, :]
+        else:
+            x_high = tl.load(x_ptr + stored + cols).to(tl.float32)
+            acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, rows * groups + k0 // GROUP, row_ok)
+            high = rows * groups + (stored + k0) // GROUP
+            acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
+    y = tl.sum(acc, axis=1)
+    if BITS == 8 and groups == 1:
+        y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _int4_times(q, x, scale_ptr, zero_ptr, at, row_ok):
+    """((q - 8) * scale + zero) * x for a tile q [rows, cols] within one group per row."""
+    scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)
+    offset = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32) - 8 * scale
+    return (q.to(tl.float32) * scale[:, None] + offset[:, None]) * x[None, :]
+
+
+@triton.jit
+def _dequantize(
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    out_ptr,  # [N, K] bf16
+    N,
+    K,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    stored = K // 2 if BITS == 4 else K
+    ok = (rows < N)[:, None] & (cols < stored)[None, :]
+    groups = K // GROUP
+    q = tl.load(w_ptr + rows[:, None] * stored + cols[None, :], mask=ok, other=0)
+    at = rows[:, None] * groups + cols[None, :] // GROUP
+    out = out_ptr + rows[:, None] * K + cols[None, :]
+    if BITS == 8:
+        scale = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.float32)
+        tl.store(out, (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=ok)
+    else:  # the low nibbles are columns 0..K/2-1, the high ones K/2..K-1
+        _store_int4(q & 0xF, scale_ptr, zero_ptr, at, out, ok)
+        _store_int4(q >> 4, scale_ptr, zero_ptr, at + stored // GROUP, out + stored, ok)
+
+
+@triton.jit
+def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
+    scale = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.float32)
+    zero = tl.load(zero_ptr + at, mask=ok, other=0).to(tl.float32)
+    w = (q.to(tl.float32) - 8) * scale + zero
+    tl.store(out, w.to(out.dtype.element_ty), mask=ok)
+
+
+def _gemv_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n in (2, 4, 8, 16)
+        for k in (32, 64, 128, 256, 512, 1024)
+        for w in (4, 8)
+        for s in (1, 3)
+    ]
+
+
+def _fits(configs, named_args, **kwargs):
+    """The configs to try: tiles that divide a row, up to three widths where one scale covers a
+    row, and the widest that lies within a group where scales are grouped."""
+    args = {**named_args, **kwargs}
+    k, group = args["K"], args["GROUP"]
+    stored = k // 2 if args["BITS"] == 4 else k
+    span = stored if group >= k else group  # columns one scale covers
+    widths = [w for w in (1024, 512, 256, 128, 64, 32) if span % w == 0]
+    widths = widths[:3] if group >= k else widths[:1]
+    return [c for c in configs if c.kwargs["BLOCK_K"] in widths]
+
+
+if INTERPRETED:  # the CPU (tests): one small configuration
+    _gemv_tuned = _gemv
+    _GEMV_FIXED = {"BLOCK_N": 4, "BLOCK_K": 32}
+else:
+    _gemv_tuned = triton.autotune(
+        _gemv_configs(),
+        key=["N", "K", "BITS", "GROUP"],
+        prune_configs_by={"early_config_prune": _fits},
+    )(_gemv)
+    _GEMV_FIXED = {}
+
+
+def _launch_gemv(x, w, scale, zero, bits: int) -> torch.Tensor:
+    k = x.shape[1]
+    n = w.shape[0]
+    group = k // scale.shape[1] if scale.numel() else k
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _gemv_tuned[grid](
+        x.contiguous(), w, scale, zero, y, n, k, GROUP=group, BITS=bits, **_GEMV_FIXED
+    )
+    return y
+
+
+@torch.library.custom_op("lmforge::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] @ weight.T, weight [N, K] a plain (bf16) tensor: [1, N]."""
+    return _launch_gemv(x, weight, weight.new_empty(0, 0), weight.new_empty(0, 0), 16)
+
+
+@gemv.register_fake
+def _(x, weight):
+    return x.new_empty(1, weight.shape[0])
+
+
+@torch.library.custom_op("lmforge::quantized_matmul", mutates_args=())
+def quantized_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """x [M, K] @ w.T for a quantized w (module docstring's layouts): [M, N] in x's dtype. One
+    row: `_gemv`; more: w expanded to x's dtype, then one matmul."""
+    if x.shape[0] == 1:
+        return _launch_gemv(x, q, scale, zero, bits)
+    return F.linear(x, dequantize(q, scale, zero, bits, x.dtype))
+
+
+@quantized_matmul.register_fake
+def _(x, q, scale, zero, bits):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def dequantize(q, scale, zero, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` from its quantized layout."""
+    n, stored = q.shape
+    k = 2 * stored if bits == 4 else stored
+    out = torch.empty(n, k, dtype=dtype, device=q.device)
+    block_n, block_k = 16, 64  # 64 divides every group size lmforge writes
+    grid = (triton.cdiv(n, block_n), triton.cdiv(stored, block_k))
+    group = k // scale.shape[1]
+    _dequantize[grid](
+        q, scale, zero, out, n, k, GROUP=group, BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k
+    )
+    return out
+
+
+class GemvLinear(nn.Module):
+    """A bias-free linear over a plain weight that multiplies one row of activations with
+    `_gemv` (on CUDA, or under the interpreter) and more rows with `F.linear`. It holds the
+    linear's own parameter, so state dicts and tied weights stay as they were."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1] or not (x.is_cuda or INTERPRETED):
+            return F.linear(x, self.weight)
+        y = gemv(x.reshape(1, -1), self.weight)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free linear over a quantized weight in the kernels' layout (module docstring):
+    `from_linear` converts a torchao weight-only linear, `concatenate` joins several along
+    their outputs (fused projections). Inference only: the weight is buffers, not parameters."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int):
+        super().__init__()
+        self.bits = bits
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = quantized_matmul(rows, self.q, self.scale, self.zero, self.bits)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> QuantizedLinear | None:
+        """The kernels' copy of a bias-free linear's torchao weight (int8 weight-only per row
+        or group; int4 tinygemm or unpacked), or None for any other weight."""
+        if type(linear) is not nn.Linear or linear.bias is not None:
+            return None
+        values = quantized_values(linear.weight.data)
+        if values is None:
+            return None
+        bits, q, scale, zero = values
+        if bits == 4:
+            half = q.shape[1] // 2
+            q = (q[:, :half] | (q[:, half:] << 4)).to(torch.uint8)  # [N, K/2]
+        return cls(q.contiguous(), scale.contiguous(), zero.contiguous(), bits)
+
+    @staticmethod
+    def joinable(linears: list[nn.Module]) -> bool:
+        """Whether `concatenate` takes `linears`: all of this type, one layout and group size."""
+        first = linears[0]
+        return all(
+            type(lin) is QuantizedLinear
+            and lin.bits == first.bits
+            and lin.q.shape[1] == first.q.shape[1]
+            and lin.scale.shape[1] == first.scale.shape[1]
+            for lin in linears
+        )
+
+    @classmethod
+    def concatenate(cls, linears: list[QuantizedLinear]) -> QuantizedLinear:
+        """One linear whose outputs are `linears`' in order (`joinable`)."""
+        first = linears[0]
+        if not cls.joinable(linears):
+            raise ValueError("only linears of one layout and group size can be joined")
+        joined = [
+            torch.cat([getattr(lin, name) for lin in linears]) for name in ("q", "scale", "zero")
+        ]
+        return cls(*joined, first.bits)
+
+
+def quantized_values(weight: torch.Tensor):
+    """(bits, q [N, K], scale [N, groups], zero [N, groups]) of a torchao weight-only tensor,
+    w = q * scale (bits 8) or (q - 8) * scale + zero (bits 4, q in 0..15); None for a layout
+    these kernels do not read (activation quantization, pre-scales, other formats)."""
+    kind = type(weight).__name__
+    if kind not in ("Int8Tensor", "IntxUnpackedToInt8Tensor", "Int4TilePackedTo4dTensor"):
+        return None
+    if getattr(weight, "act_quant_kwargs", None) is not None:
+        return None
+    if getattr(weight, "act_pre_scale", None) is not None:
+        return None
+    n, k = weight.shape
+    if kind == "Int8Tensor" and weight.qdata.dim() == 2:
+        if weight.zero_point is not None and bool(weight.zero_point.any()):
+            return None
+        scale = weight.scale.reshape(n, -1)
+        return 8, weight.qdata, scale, scale.new_empty(n, 0)  # no zero (symmetric)
+    if k % 2 or (k // 2) % weight.block_size[-1]:
+        return None  # int4 pairs q[j], q[j + K/2] must sit in whole groups
+    if kind == "IntxUnpackedToInt8Tensor" and weight.target_dtype == torch.int4:
+        scale = weight.scale.reshape(n, -1)
+        zero = -weight.zero_point.reshape(n, -1).to(scale.dtype) * scale  # w = (q - zp) s
+        return 4, (weight.qdata.to(torch.int16) + 8).to(torch.uint8), scale, zero
+    if kind == "Int4TilePackedTo4dTensor":
+        return _tinygemm_values(weight)
+    return None  # int8 with more dimensions, int8 as int4's storage of other widths
+
+
+def _tinygemm_values(weight: torch.Tensor):
+    """tinygemm's int4 values, recovered exactly from its packed tiles: the kernel applied to
+    rows of the identity gives the dequantized weight, (q - 8) * scale + zero, in bf16."""
+    n, k = weight.shape
+    group = weight.block_size[-1]
+    pairs = weight.scale_and_zero.transpose(0, 1)  # [N_padded, K_padded / group, 2]
+    scale = pairs[:n, : k // group, 0].contiguous()
+    zero = pairs[:n, : k // group, 1].contiguous()
+    padded_k = weight.scale_and_zero.shape[0] * group
+    q = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    for start in range(0, k, 2048):
+        stop = min(start + 2048, k)
+        eye = torch.zeros(stop - start, padded_k, dtype=torch.bfloat16, device=weight.device)
+        at = torch.arange(stop - start, device=weight.device)
+        eye[at, start + at] = 1
+        w = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, group, weight.scale_and_zero)
+        w = w[:, :n].t().float()  # [N, columns start..stop]
+        cols = torch.arange(start, stop, device=weight.device) // group
+        s, z = scale[:, cols].float(), zero[:, cols].float()
+        values = torch.round((w - z) / s + 8).clamp_(0, 15)
+        if not bool((((values - 8) * s + z - w).abs() <= 0.25 * s.abs()).all()):
+            return None  # a value the formula does not give back: keep torchao's kernel
+        q[:, start:stop] = values.to(torch.uint8)
+    return 4, q, scale, zero
+
+
+def use_quantized_kernels(model: nn.Module) -> int:
+    """Swap every torchao weight-only linear of `model` that these kernels read for a
+    `QuantizedLinear`; returns how many were swapped."""
+    return _swap(model, QuantizedLinear.from_linear)
+
+
+def use_gemv(model: nn.Module) -> int:
+    """Swap every bias-free linear of `model` over a plain bf16 / fp16 weight for a
+    `GemvLinear` (same parameter); returns how many were swapped."""
+
+    def swap(linear: nn.Module) -> GemvLinear | None:
+        plain = (
+            type(linear) is nn.Linear
+            and linear.bias is None
+            and type(linear.weight.data) is torch.Tensor
+            and linear.weight.dtype in (torch.bfloat16, torch.float16)
+        )
+        return GemvLinear(linear.weight) if plain else None
+
+    return _swap(model, swap)
+
+
+def _swap(model: nn.Module, replacement) -> int:
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            new = replacement(child)
+            if new is not None:
+                setattr(module, name, new)
+                swapped += 1
+    return swapped

@@ -1,0 +1,181 @@
+"""The decode engine's quantized Triton kernels (lmforge/generate/kernels.py), run on the CPU by
+Triton's interpreter: against the dequantized weight, and against torchao's own linears."""
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+pytest.importorskip("triton")  # Linux only (pyproject's test extra)
+from lmforge.generate import kernels
+from lmforge.generate.kernels import GemvLinear, QuantizedLinear, use_gemv, use_quantized_kernels
+
+
+def dequantized(bits, q, scale, zero):
+    """The weight [N, K] in fp32 from the module docstring's formulas (q unpacked)."""
+    group = q.shape[1] // scale.shape[1]
+    s = scale.float().repeat_interleave(group, dim=1)
+    if bits == 8:
+        return q.float() * s
+    return (q.float() - 8) * s + zero.float().repeat_interleave(group, dim=1)
+
+
+def random_layout(bits, n, k, group):
+    g = torch.Generator().manual_seed(n * k + group + bits)
+    if bits == 8:
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
+        return q, scale, scale.new_empty(n, 0)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-3).bfloat16()
+    zero = (torch.randn(n, k // group, generator=g) * 0.01).bfloat16()
+    return q, scale, zero
+
+
+@pytest.mark.parametrize(
+    "bits,group",
+    [(8, 256), (8, 32), (4, 128), (4, 32)],  # per row; tiles spanning groups; one group a tile
+    ids=["int8-row", "int8-group32", "int4-group128", "int4-group32"],
+)
+@pytest.mark.parametrize("rows", [1, 3], ids=["gemv", "matmul"])
+def test_kernels_equal_the_dequantized_product(bits, group, rows):
+    assert kernels.INTERPRETED
+    n, k = 24, 256  # 24: the last block of outputs is partly masked
+    q, scale, zero = random_layout(bits, n, k, group)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    packed = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
+    layer = QuantizedLinear(packed, scale, zero, bits)
+    expected = x.float() @ dequantized(bits, q, scale, zero).t()
+    got = layer(x)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    # bf16 output (and, in the tensor-core path, bf16 weight tiles): ~3 significant digits
+    torch.testing.assert_close(
+        got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()
+    )
+
+
+def quantized_model(config):
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 40, bias=False), torch.nn.Linear(256, 24, bias=False)
+    )
+    model = model.bfloat16()
+    quantize_(model, config)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_torchao_linears_convert_and_agree(scheme):
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
+
+    config = (
+        Int8WeightOnlyConfig(set_inductor_config=False)
+        if scheme == "int8"
+        else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64))
+    )
+    model = quantized_model(config)
+    x = torch.randn(2, 1, 256).bfloat16()
+    with torch.no_grad():
+        expected = [layer(x).float() for layer in model]
+    assert use_quantized_kernels(model) == 2
+    assert all(type(layer) is QuantizedLinear for layer in model)
+    for layer, want in zip(model, expected, strict=True):
+        for inputs in (x[:1], x):  # one row (gemv) and two (matmul)
+            got = layer(inputs).float()
+            torch.testing.assert_close(
+                got, want[: len(inputs)], rtol=2e-2, atol=2e-2 * want.abs().max().item()
+            )
+    joined = QuantizedLinear.concatenate(list(model))
+    assert torch.equal(joined(x[:1]), torch.cat([layer(x[:1]) for layer in model], dim=-1))
+
+
+def test_other_weights_stay():
+    plain = torch.nn.Linear(64, 8, bias=False)
+    biased = torch.nn.Linear(64, 8)
+    assert QuantizedLinear.from_linear(plain) is None
+    assert QuantizedLinear.from_linear(biased) is None
+    with pytest.raises(ValueError, match="one layout"):
+        a = QuantizedLinear(
+            torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), torch.ones(4, 0), 8
+        )
+        b = QuantizedLinear(
+            torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 2), 4
+        )
+        QuantizedLinear.concatenate([a, b])
+
+
+@pytest.mark.parametrize("scheme", ["int8-wo", "int4-wo"])
+def test_the_engine_on_the_kernels_generates_what_torchao_does(scheme):
+    """The engine's CUDA path, here on the interpreter: a quantized model's linears swapped for
+    the kernels, then fused (q/k/v, gate/up), gives torchao's logits and greedy tokens."""
+    import copy
+
+    from lmforge.api import build_model
+    from lmforge.generate import Generator, SamplingParams
+    from lmforge.models import get_preset
+    from lmforge.quantize.quantize import QuantSpec, quantize_model
+
+    args = get_preset("tiny").replace(
+        dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=256, vocab_size=256
+    )
+    model = build_model(args, dtype=torch.float32, seed=0)
+    quantize_model(model, QuantSpec(scheme, group_size=32 if scheme == "int4-wo" else None))
+    reference = copy.deepcopy(model)
+    assert use_quantized_kernels(model) == 7 * args.num_layers
+    assert model.fuse_projections()
+    block = model.layers["0"]
+    assert type(block.attention.wqkv) is QuantizedLinear
+    assert type(block.feed_forward.w13) is QuantizedLinear
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(tokens), model(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
+    prompts = [tokens[0].tolist(), tokens[1, :5].tolist()]
+    outputs = [
+        [r.token_ids for r in Generator(m, max_batch=2).generate(prompts, params).results]
+        for m in (reference, model)
+    ]
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_equals_f_linear(dtype):
+    weight = torch.nn.Parameter((torch.randn(40, 256) * 0.05).to(dtype))
+    layer = GemvLinear(weight)
+    x = torch.randn(1, 1, 256).to(dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float())
+    got = layer(x)
+    assert got.shape == (1, 1, 40) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    batch = torch.randn(3, 256).to(dtype)  # more rows: F.linear itself
+    assert torch.equal(layer(batch), torch.nn.functional.linear(batch, weight))
+
+
+def test_gemv_swap_keeps_parameters_names_and_the_tie():
+    from lmforge.api import build_model
+    from lmforge.models import get_preset
+
+    args = get_preset("tiny").replace(
+        dim=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=256,
+        vocab_size=256,
+        tie_embeddings=True,
+    )
+    model = build_model(args, dtype=torch.bfloat16, seed=0)
+    names = sorted(model.state_dict())
+    tokens = torch.tensor([[3]])
+    with torch.no_grad():
+        want = model(tokens).float()
+    assert model.fuse_projections()
+    assert use_gemv(model) == 5  # wqkv, wo, w13, w2, output
+    assert type(model.output) is GemvLinear
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sorted(model.state_dict()) == names
+    with torch.no_grad():
+        got = model(tokens).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
