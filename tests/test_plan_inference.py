@@ -108,3 +108,18 @@ def test_refusals():
         plan_inference(InferenceSetup(args=TINY, tp=4))
     with pytest.raises(ConfigError, match="quantized"):
         plan_inference(InferenceSetup(args=TINY, tp=2, quantization="int4-wo"))
+
+
+def test_quantized_products_of_many_rows_plan_the_expanded_weight():
+    """More than one row through a quantized linear expands its weight to bf16 first
+    (lmforge/generate/kernels.py): the largest, the fused gate/up, in prefill and scoring;
+    batch-1 decoding (the GEMV) needs none."""
+    setup = InferenceSetup(args=TINY, quantization="int8-wo", task="eval", batch=1)
+    plan = plan_inference(setup)
+    fused_gate_up = 2 * (2 * TINY.ffn_dim * TINY.dim)
+    assert plan.phases["prefill"]["expanded weight"] == fused_gate_up
+    assert plan.phases["scoring forward"]["expanded weight"] == fused_gate_up
+    assert "expanded weight" not in plan.phases["decode"]
+    assert (
+        "expanded weight" not in plan_inference(setup.replace(quantization=None)).phases["prefill"]
+    )

@@ -241,6 +241,17 @@ def score_bytes(setup: InferenceSetup) -> dict[str, int]:
     }
 
 
+def expanded_weight_bytes(setup: InferenceSetup, rows: int) -> int:
+    """A quantized artifact multiplies more than one row of activations by its weights expanded
+    to bf16 one linear at a time (lmforge/generate/kernels.py): the largest, the fused gate/up
+    projection or a quantized output projection. One row (batch-1 decoding) needs none."""
+    if setup.quantization is None or rows <= 1:
+        return 0
+    a = setup.args
+    largest = max(2 * a.ffn_dim * a.dim, a.vocab_size * a.dim if setup.quantize_output else 0)
+    return 2 * largest
+
+
 def quantize_device_bytes(setup: InferenceSetup) -> int:
     """Streaming quantization holds one tensor on the device: the largest (the embedding or a
     projection) as read, cast to bf16, torchao's fp32 working copy, and the result."""
@@ -297,6 +308,14 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
                 "KV cache": cache,
                 "decode step": decode_bytes(setup),
             }
+        rows = {
+            "scoring forward": setup.batch * setup.seq_len,
+            "prefill": setup.prefill_chunk,
+            "decode": setup.batch,
+        }
+        for name, phase in phases.items():
+            if expanded := expanded_weight_bytes(setup, rows[name]):
+                phase["expanded weight"] = expanded
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     peak = sum(phases[peak_phase].values())
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.tp > 1 else 0)
