@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # CPU machines take this torch from a local wheel; GPU users install their CUDA torch first
 # (see README) and run `make TORCH_SPEC= test` so it is left alone.
 TORCH_SPEC ?= torch==2.13.0
+# Triton beside that CPU torch: its interpreter runs the decode kernels' tests on the CPU. A CUDA
+# torch brings the Triton it was built with (constraints.txt leaves Triton out, as torch).
+TRITON_SPEC ?= triton==3.9.0
 # Every other package at the version CI tests (the Dockerfile installs with it too).
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
@@ -15,7 +18,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)" $(TRITON_SPEC); fi
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
