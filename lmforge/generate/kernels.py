@@ -123,26 +123,42 @@ def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
     tl.store(out, w.to(out.dtype.element_ty), mask=ok)
 
 
+# (BLOCK_N, num_warps, num_stages) the autotuner tries at a tile width: the winners over the 1B
+# and 3B presets' shapes on an H200 out of 2-16 rows × 4 or 8 warps × 1 or 3 stages (2026-12-01,
+# docs/benchmarks.md), so that a model tunes in seconds. Where one scale covers a row, at the
+# widest width that divides it and at half that width; where scales are grouped, at the group.
+_ROW_WIDE = [(2, 4, 1), (2, 4, 3), (4, 8, 1), (8, 8, 3)]
+_ROW_HALF = [(4, 4, 3), (8, 8, 3)]
+_GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
+
+
 def _gemv_configs() -> list[triton.Config]:
+    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED}
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n in (2, 4, 8, 16)
-        for k in (32, 64, 128, 256, 512, 1024)
-        for w in (4, 8)
-        for s in (1, 3)
+        for k in (16, 32, 64, 128, 256, 512, 1024)
+        for n, w, s in sorted(shapes)
     ]
 
 
 def _fits(configs, named_args, **kwargs):
-    """The configs to try: tiles that divide a row, up to three widths where one scale covers a
-    row, and the widest that lies within a group where scales are grouped."""
+    """The configs to try for one product (see `_ROW_WIDE`): tiles that divide a row and, where
+    scales are grouped, lie within a group."""
     args = {**named_args, **kwargs}
     k, group = args["K"], args["GROUP"]
     stored = k // 2 if args["BITS"] == 4 else k
     span = stored if group >= k else group  # columns one scale covers
-    widths = [w for w in (1024, 512, 256, 128, 64, 32) if span % w == 0]
-    widths = widths[:3] if group >= k else widths[:1]
-    return [c for c in configs if c.kwargs["BLOCK_K"] in widths]
+    width = next(w for w in (1024, 512, 256, 128, 64, 32, 16) if span % w == 0)
+    if group < k:
+        chosen = {(width, *shape) for shape in _GROUPED}
+    else:
+        chosen = {(width, *shape) for shape in _ROW_WIDE}
+        chosen |= {(width // 2, *shape) for shape in _ROW_HALF}
+    return [
+        c
+        for c in configs
+        if (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in chosen
+    ]
 
 
 if INTERPRETED:  # the CPU (tests): one small configuration
