@@ -32,6 +32,10 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
 4. collect: the step's tokens are copied to the host and pushed to their sequences (stop
    tokens, stop strings, length, text).
 
+On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
+GEMV (lmforge/generate/kernels.py), plain and int8 / int4 weight-only weights alike; a quantized
+weight meets more rows expanded to bf16, then cuBLAS.
+
 The last token and position of every row live on the device, so a decode step needs nothing
 from the host. On CUDA the engine collects step t's tokens only after it launched step t+1, so
 the device never waits for Python; a sequence that stopped at step t costs one wasted row in
@@ -395,11 +399,10 @@ class Engine:
         """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile), both
         with a dynamic KV length (on CUDA a graph is still recorded per batch and KV bucket
         pair). The KV length's range starts at the smallest bucket, so dynamo never sees it as
-        0 or 1, which it specializes on. On CUDA, batch 1 turns on inductor's
-        coordinate descent tuning, under which each matrix-vector product becomes one tuned
-        reduction kernel, with an int8 weight's conversion fused into it (gpt-fast's setting):
-        without it inductor hands int8 weight-only matmuls to aten's slow
-        `_weight_int8pack_mm`."""
+        0 or 1, which it specializes on. On CUDA, the batch-1 step's matrix-vector products
+        are lmforge's Triton GEMV (`use_gemv`, `use_quantized_kernels`: opaque ops to
+        inductor); its other reductions (the norms) compile with inductor's coordinate descent
+        tuning, as do its products when the GEMV is off (`gemv=False`)."""
         # The engine's model is fixed from here on: the steps skip the guards on its modules
         # (checked on every call otherwise: 0.7 ms of a 1.7 ms int4 1B step on an H200); an
         # engine over another model still gets graphs of its own (tests/test_generate.py).
