@@ -179,14 +179,3 @@ def test_gemv_swap_keeps_parameters_names_and_the_tie():
     with torch.no_grad():
         got = model(tokens).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-def test_int8_rows_in_torch_ops_equal_the_gemv():
-    """One row by an int8 weight with a scale a row: the torch ops inductor fuses on CUDA
-    (`int8_row_product`) and the GEMV give the same product."""
-    q, scale, zero = random_layout(8, 24, 256, 256)
-    x = torch.randn(1, 256).bfloat16()
-    gemv_path = QuantizedLinear(q, scale, zero, 8)(x)
-    torch.testing.assert_close(
-        kernels.int8_row_product(x, q, scale).float(), gemv_path.float(), rtol=2e-2, atol=2e-2
-    )

@@ -266,10 +266,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.bits == 8 and self.scale.shape[1] == 1 and rows.shape[0] == 1 and x.is_cuda:
-            y = int8_row_product(rows, self.q, self.scale)
-        else:
-            y = quantized_matmul(rows, self.q, self.scale, self.zero, self.bits)
+        y = quantized_matmul(rows, self.q, self.scale, self.zero, self.bits)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @classmethod
@@ -309,14 +306,6 @@ class QuantizedLinear(nn.Module):
             torch.cat([getattr(lin, name) for lin in linears]) for name in ("q", "scale", "zero")
         ]
         return cls(*joined, first.bits)
-
-
-def int8_row_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ (q * scale).T for int8 q [N, K] with one scale a row, in torch ops: compiled
-    with coordinate descent tuning (the engine's batch-1 step), inductor writes it as one
-    reduction that converts the int8 weight as it reads it, measured faster than `_gemv` for
-    these weights (1B on an H200: 27.7 against 32.1 us a block)."""
-    return (F.linear(x, q.to(x.dtype)) * scale[:, 0]).to(x.dtype)
 
 
 def quantized_values(weight: torch.Tensor):
