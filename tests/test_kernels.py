@@ -95,6 +95,8 @@ def test_other_weights_stay():
     biased = torch.nn.Linear(64, 8)
     assert QuantizedLinear.from_linear(plain) is None
     assert QuantizedLinear.from_linear(biased) is None
+    narrow = torch.nn.Sequential(torch.nn.Linear(8, 64, bias=False)).bfloat16()  # LoRA's B
+    assert use_gemv(narrow) == 0 and type(narrow[0]) is torch.nn.Linear
     with pytest.raises(ValueError, match="one layout"):
         a = QuantizedLinear(
             torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), torch.ones(4, 0), 8

@@ -134,11 +134,15 @@ _ROW_HALF = [(4, 4, 3), (8, 8, 3)]
 _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
 
 
+MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
+_WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
+
+
 def _gemv_configs() -> list[triton.Config]:
     shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED}
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for k in (16, 32, 64, 128, 256, 512, 1024)
+        for k in _WIDTHS
         for n, w, s in sorted(shapes)
     ]
 
@@ -150,7 +154,7 @@ def _fits(configs, named_args, **kwargs):
     k, group = args["K"], args["GROUP"]
     stored = k // 2 if args["BITS"] == 4 else k
     span = stored if group >= k else group  # columns one scale covers
-    width = next(w for w in (1024, 512, 256, 128, 64, 32, 16) if span % w == 0)
+    width = next(w for w in _WIDTHS if span % w == 0)
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
     else:
@@ -320,6 +324,8 @@ def quantized_values(weight: torch.Tensor):
     if getattr(weight, "act_pre_scale", None) is not None:
         return None
     n, k = weight.shape
+    if k % (2 * MIN_TILE) or weight.block_size[-1] % MIN_TILE:
+        return None  # rows or groups the GEMV's narrowest tile does not divide
     if kind == "Int8Tensor" and weight.qdata.dim() == 2:
         if weight.zero_point is not None and bool(weight.zero_point.any()):
             return None
@@ -350,6 +356,7 @@ def use_gemv(model: nn.Module) -> int:
             and linear.bias is None
             and type(linear.weight.data) is torch.Tensor
             and linear.weight.dtype in (torch.bfloat16, torch.float16)
+            and linear.in_features % MIN_TILE == 0  # (a LoRA's B of rank 8 stays)
         )
         return GemvLinear(linear.weight) if plain else None
 
