@@ -42,6 +42,7 @@ from lmforge.api import LoadedModel, resolve_device
 from lmforge.artifact import LINEAGE_NAME, artifact_hash, read_json
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 from lmforge.generate import Generator, SamplingParams, parallel
+from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import peak_memory_bytes
 from lmforge.generate.logprobs import sequence_logprobs
 from lmforge.progress import Progress
@@ -100,6 +101,9 @@ class LmforgeLM(LM):
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.loaded = loaded
         self.model = loaded.model.eval()
+        # Scoring multiplies many rows at once: on CUDA, int8 weights expanded to bf16 for cuBLAS
+        # instead of torchao's int8 kernel (0.6-4.8 ms a 1B product at 64 rows; H200)
+        use_quantized_kernels(self.model, self._device)
         self.tokenizer = loaded.tokenizer
         self.batch_size = batch_size
         self.max_length = max_length or loaded.config.max_seq_len
