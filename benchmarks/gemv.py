@@ -119,7 +119,7 @@ def rows_for(name: str, n: int, k: int, m: int) -> list[dict]:
             row("int8 torchao", lambda c=compiled: c(x), scheme_bytes)
         else:
             row("int4 tinygemm", lambda lin=linear: lin(x), scheme_bytes)
-        ours = QuantizedLinear.from_linear(linear)
+        ours = QuantizedLinear.from_linear(linear, tinygemm=True)
         if ours is None:
             out.append(
                 {"shape": name, "rows": m, "kernel": f"{scheme} lmforge", "error": "not converted"}

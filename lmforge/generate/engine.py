@@ -171,13 +171,14 @@ def local_kv_heads(model: nn.Module) -> int:
     return kv_dim // model.args.head_dim
 
 
-def use_quantized_kernels(model: nn.Module, device: torch.device) -> int:
+def use_quantized_kernels(model: nn.Module, device: torch.device, *, tinygemm: bool = False) -> int:
     """On a CUDA GPU, swap the model's torchao weight-only linears for lmforge's kernels
-    (lmforge/generate/kernels.py); returns how many were swapped."""
+    (lmforge/generate/kernels.py; tinygemm's int4 too when `tinygemm`: for work of many rows,
+    such as scoring); returns how many were swapped."""
     if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
         return 0  # nothing quantized
     kernels = _kernels(device)
-    return kernels.use_quantized_kernels(model) if kernels else 0
+    return kernels.use_quantized_kernels(model, tinygemm=tinygemm) if kernels else 0
 
 
 def use_gemv(model: nn.Module, device: torch.device) -> int:

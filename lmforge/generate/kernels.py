@@ -16,8 +16,9 @@ runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * s
 activations (batched decoding, prefill), a quantized weight is expanded to bf16 by
 `_dequantize` and multiplied by cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.6-4.8
 ms a product of the 1B, this 10-57 us. Which weights come here (`quantized_values`): int8 and
-the int4 made on the CPU. tinygemm's int4 (made on CUDA) stays torchao's: at one row tinygemm
-read it 1.2-1.4x faster than `_gemv` does.
+the int4 made on the CPU. tinygemm's int4 (made on CUDA) stays torchao's where one row matters
+(decoding: tinygemm read it 1.2-1.4x faster than `_gemv` does) and comes here where many rows do
+(lm-eval's scoring: tinygemm took 2x as long at 64 rows).
 
 The ops are registered with torch.library, so torch.compile treats them as opaque kernels and
 a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tests).
@@ -26,6 +27,7 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -274,12 +276,13 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @classmethod
-    def from_linear(cls, linear: nn.Module) -> QuantizedLinear | None:
+    def from_linear(cls, linear: nn.Module, *, tinygemm: bool = False) -> QuantizedLinear | None:
         """The kernels' copy of a bias-free linear's torchao weight (int8 weight-only per row
-        or group; int4 unpacked, as made on the CPU), or None for any other weight."""
+        or group; int4 unpacked, as made on the CPU; tinygemm's int4 when `tinygemm`), or None
+        for any other weight."""
         if type(linear) is not nn.Linear or linear.bias is not None:
             return None
-        values = quantized_values(linear.weight.data)
+        values = quantized_values(linear.weight.data, tinygemm=tinygemm)
         if values is None:
             return None
         bits, q, scale, zero = values
@@ -312,13 +315,18 @@ class QuantizedLinear(nn.Module):
         return cls(*joined, first.bits)
 
 
-def quantized_values(weight: torch.Tensor):
+def quantized_values(weight: torch.Tensor, *, tinygemm: bool = False):
     """(bits, q [N, K], scale [N, groups], zero [N, groups]) of a torchao weight-only tensor,
     w = q * scale (bits 8) or (q - 8) * scale + zero (bits 4, q in 0..15); None for a layout
-    these kernels do not read (activation quantization, pre-scales, other formats)."""
+    these kernels do not read (activation quantization, pre-scales, other formats). tinygemm's
+    int4 (`Int4TilePackedTo4dTensor`) only when `tinygemm`: at one row tinygemm is faster than
+    `_gemv`, at many far slower than bf16 expansion + cuBLAS."""
     kind = type(weight).__name__
-    if kind not in ("Int8Tensor", "IntxUnpackedToInt8Tensor"):
-        return None  # tinygemm's int4 (Int4TilePackedTo4dTensor) stays: faster at one row
+    known = {"Int8Tensor", "IntxUnpackedToInt8Tensor"}
+    if tinygemm:
+        known.add("Int4TilePackedTo4dTensor")
+    if kind not in known:
+        return None
     if getattr(weight, "act_quant_kwargs", None) is not None:
         return None
     if getattr(weight, "act_pre_scale", None) is not None:
@@ -337,13 +345,41 @@ def quantized_values(weight: torch.Tensor):
         scale = weight.scale.reshape(n, -1)
         zero = -weight.zero_point.reshape(n, -1).to(scale.dtype) * scale  # w = (q - zp) s
         return 4, (weight.qdata.to(torch.int16) + 8).to(torch.uint8), scale, zero
+    if kind == "Int4TilePackedTo4dTensor":
+        return _tinygemm_values(weight)
     return None  # int8 with more dimensions, int8 as int4's storage of other widths
 
 
-def use_quantized_kernels(model: nn.Module) -> int:
+def _tinygemm_values(weight: torch.Tensor):
+    """tinygemm's int4 values, recovered exactly from its packed tiles: the kernel applied to
+    rows of the identity gives the dequantized weight, (q - 8) * scale + zero, in bf16."""
+    n, k = weight.shape
+    group = weight.block_size[-1]
+    pairs = weight.scale_and_zero.transpose(0, 1)  # [N_padded, K_padded / group, 2]
+    scale = pairs[:n, : k // group, 0].contiguous()
+    zero = pairs[:n, : k // group, 1].contiguous()
+    padded_k = weight.scale_and_zero.shape[0] * group
+    q = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    for start in range(0, k, 2048):
+        stop = min(start + 2048, k)
+        eye = torch.zeros(stop - start, padded_k, dtype=torch.bfloat16, device=weight.device)
+        at = torch.arange(stop - start, device=weight.device)
+        eye[at, start + at] = 1
+        w = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, group, weight.scale_and_zero)
+        w = w[:, :n].t().float()  # [N, columns start..stop]
+        cols = torch.arange(start, stop, device=weight.device) // group
+        s, z = scale[:, cols].float(), zero[:, cols].float()
+        values = torch.round((w - z) / s + 8).clamp_(0, 15)
+        if not bool((((values - 8) * s + z - w).abs() <= 0.25 * s.abs()).all()):
+            return None  # a value the formula does not give back: keep torchao's kernel
+        q[:, start:stop] = values.to(torch.uint8)
+    return 4, q, scale, zero
+
+
+def use_quantized_kernels(model: nn.Module, *, tinygemm: bool = False) -> int:
     """Swap every torchao weight-only linear of `model` that these kernels read for a
-    `QuantizedLinear`; returns how many were swapped."""
-    return _swap(model, QuantizedLinear.from_linear)
+    `QuantizedLinear` (tinygemm's int4 too when `tinygemm`); returns how many were swapped."""
+    return _swap(model, partial(QuantizedLinear.from_linear, tinygemm=tinygemm))
 
 
 def use_gemv(model: nn.Module) -> int:
