@@ -33,8 +33,9 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
    tokens, stop strings, length, text).
 
 On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
-GEMV (lmforge/generate/kernels.py), plain and int8 / int4 weight-only weights alike; a quantized
-weight meets more rows expanded to bf16, then cuBLAS.
+GEMV (lmforge/generate/kernels.py) for plain and int8 weight-only weights (and int4 made on the
+CPU); such a quantized weight meets more rows expanded to bf16, then cuBLAS. tinygemm's int4
+(made on CUDA) stays torchao's: at one row it is faster than the GEMV.
 
 The last token and position of every row live on the device, so a decode step needs nothing
 from the host. On CUDA the engine collects step t's tokens only after it launched step t+1, so
@@ -310,8 +311,9 @@ class Engine:
             weights only; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
-        quantized_kernels: on CUDA, run torchao weight-only int8 / int4 linears through
-            lmforge's Triton kernels (lmforge/generate/kernels.py) instead of torchao's.
+        quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
+            the CPU) through lmforge's Triton kernels (lmforge/generate/kernels.py) instead of
+            torchao's.
         gemv: on CUDA, multiply plain bf16 / fp16 weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
     """
