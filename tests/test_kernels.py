@@ -6,8 +6,14 @@ import torch
 
 pytest.importorskip("torchao")
 pytest.importorskip("triton")  # Linux only (pyproject's test extra)
+from lmforge.api import build_model
 from lmforge.generate import kernels
 from lmforge.generate.kernels import GemvLinear, QuantizedLinear, use_gemv, use_quantized_kernels
+from lmforge.models import get_preset
+
+SMALL = get_preset("tiny").replace(
+    dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=256, vocab_size=256
+)
 
 
 def dequantized(bits, q, scale, zero):
@@ -113,14 +119,10 @@ def test_the_engine_on_the_kernels_generates_what_torchao_does(scheme):
     the kernels, then fused (q/k/v, gate/up), gives torchao's logits and greedy tokens."""
     import copy
 
-    from lmforge.api import build_model
     from lmforge.generate import Generator, SamplingParams
-    from lmforge.models import get_preset
     from lmforge.quantize.quantize import QuantSpec, quantize_model
 
-    args = get_preset("tiny").replace(
-        dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=256, vocab_size=256
-    )
+    args = SMALL
     model = build_model(args, dtype=torch.float32, seed=0)
     quantize_model(model, QuantSpec(scheme, group_size=32 if scheme == "int4-wo" else None))
     reference = copy.deepcopy(model)
@@ -156,18 +158,7 @@ def test_gemv_equals_f_linear(dtype):
 
 
 def test_gemv_swap_keeps_parameters_names_and_the_tie():
-    from lmforge.api import build_model
-    from lmforge.models import get_preset
-
-    args = get_preset("tiny").replace(
-        dim=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=256,
-        vocab_size=256,
-        tie_embeddings=True,
-    )
+    args = SMALL.replace(num_layers=1, tie_embeddings=True)
     model = build_model(args, dtype=torch.bfloat16, seed=0)
     names = sorted(model.state_dict())
     tokens = torch.tensor([[3]])

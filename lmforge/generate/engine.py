@@ -346,9 +346,11 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        self.quantized_kernels = quantized_kernels and use_quantized_kernels(model, device)
+        if quantized_kernels:
+            use_quantized_kernels(model, device)
         self.fused = fuse and model.fuse_projections()
-        self.gemv = gemv and use_gemv(model, device)
+        if gemv:
+            use_gemv(model, device)
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

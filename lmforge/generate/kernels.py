@@ -334,12 +334,12 @@ def quantized_values(weight: torch.Tensor, *, tinygemm: bool = False):
     n, k = weight.shape
     if k % (2 * MIN_TILE) or weight.block_size[-1] % MIN_TILE:
         return None  # rows or groups the GEMV's narrowest tile does not divide
-    if kind == "Int8Tensor" and weight.qdata.dim() == 2:
+    if kind == "Int8Tensor":
         if weight.zero_point is not None and bool(weight.zero_point.any()):
             return None
         scale = weight.scale.reshape(n, -1)
         return 8, weight.qdata, scale, scale.new_empty(n, 0)  # no zero (symmetric)
-    if k % 2 or (k // 2) % weight.block_size[-1]:
+    if (k // 2) % weight.block_size[-1]:
         return None  # int4 pairs q[j], q[j + K/2] must sit in whole groups
     if kind == "IntxUnpackedToInt8Tensor" and weight.target_dtype == torch.int4:
         scale = weight.scale.reshape(n, -1)
@@ -347,7 +347,7 @@ def quantized_values(weight: torch.Tensor, *, tinygemm: bool = False):
         return 4, (weight.qdata.to(torch.int16) + 8).to(torch.uint8), scale, zero
     if kind == "Int4TilePackedTo4dTensor":
         return _tinygemm_values(weight)
-    return None  # int8 with more dimensions, int8 as int4's storage of other widths
+    return None  # int8 as the storage of other integer widths
 
 
 def _tinygemm_values(weight: torch.Tensor):
