@@ -126,6 +126,7 @@ VARIANTS = (
     "lmforge-eager",
     "lmforge-torchao",  # quantized linears through torchao's kernels, not lmforge's
     "lmforge-inductor",  # plain weights' batch-1 products as inductor's reductions, no GEMV
+    "lmforge-unfused-blocks",  # the GEMVs without the norms, SiLU·up and residual adds inside
     "hf",
     "hf-static",
 )
@@ -178,6 +179,7 @@ def bench_lmforge(
     autotune: bool = False,
     kernels: bool = True,
     gemv: bool = True,
+    fuse_blocks: bool = True,
 ):
     generator = Generator(
         model,
@@ -189,6 +191,7 @@ def bench_lmforge(
         tune_decode=tune,
         quantized_kernels=kernels,
         gemv=gemv,
+        fuse_blocks=fuse_blocks,
     )
     if autotune:  # inductor's max-autotune for the decode compiles (benchmarks.decode_profile)
         from benchmarks.common import autotuned
@@ -296,8 +299,10 @@ def main() -> None:
             for variant in [v for v in args.variants if v.startswith("lmforge")]:
                 if variant == "lmforge-unfused" and scheme not in ("bf16", "fp32"):
                     continue  # only plain weights fuse
-                if variant == "lmforge-torchao" and scheme in ("bf16", "fp32"):
-                    continue  # nothing quantized
+                if variant == "lmforge-torchao" and scheme not in ("int4-wo",):
+                    continue  # nothing quantized; torchao's int8 is far behind (~900 tok/s, 1B)
+                if variant == "lmforge-unfused-blocks" and scheme not in ("bf16", "fp32"):
+                    continue  # the A/B of fusing blocks (quantized blocks fuse alike)
                 if variant == "lmforge-inductor" and scheme not in ("bf16", "fp32"):
                     continue  # the bf16 comparison
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
@@ -315,6 +320,7 @@ def main() -> None:
                         autotune=variant == "lmforge-autotune",
                         kernels=variant != "lmforge-torchao",
                         gemv=variant != "lmforge-inductor",
+                        fuse_blocks=variant not in ("lmforge-inductor", "lmforge-unfused-blocks"),
                     )
                     if scheme == "bf16":
                         if reference is not None:  # another bf16 variant: same tokens?

@@ -14,6 +14,7 @@
 #   bash benchmarks/device_calls.sh decode-table  # one H200: issue 14's decode rows, 1B and 3B
 #   bash benchmarks/device_calls.sh mslk        # one H200: int4 on MSLK's kernels (carry .whl-mslk)
 #   bash benchmarks/device_calls.sh gemv        # one H200: decode on lmforge's Triton GEMV, 1B and 3B
+#   bash benchmarks/device_calls.sh fused       # one H200: decode with the norms, SiLU·up, residuals in the GEMVs
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -24,9 +25,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -197,6 +198,22 @@ gemv)
     --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
   grep '^{' "$OUT/decode-1b.log" | cut -c1-400
   grep '^{' "$OUT/decode-3b.log" | cut -c1-400
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+fused)
+  # batch-1 decode with each block as four GEMVs around attention (norms, SiLU·up and residual
+  # adds inside them) against the GEMVs alone, bf16 / int8 / int4 (int4 also as torchao's
+  # tinygemm); then the products one at a time (int8 and int4 values converted without the
+  # integer-to-float unit)
+  step 290 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-unfused-blocks lmforge-torchao --schemes bf16 int8-wo int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  step 170 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  step 90 gemv python3 benchmarks/gemv.py --shapes 1b --rows 1 --out "$OUT"
+  grep '^{' "$OUT/decode-1b.log" | cut -c1-330
+  grep '^{' "$OUT/decode-3b.log" | cut -c1-330
+  grep '^|' "$OUT/gemv.log"
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 mslk)

@@ -172,3 +172,59 @@ def test_gemv_swap_keeps_parameters_names_and_the_tie():
     with torch.no_grad():
         got = model(tokens).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "scheme,dtype",
+    [
+        ("bf16", torch.bfloat16),
+        ("fp32", torch.float32),
+        ("int8-wo", torch.float32),
+        ("int4-wo", torch.float32),
+    ],
+)
+def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype):
+    """`FusedDecodeBlock` (norms, SiLU·up and residual adds inside the GEMVs) gives the unfused
+    blocks' logits for one row, leaves several rows to the block's own forward, and (fp32)
+    decodes the same greedy tokens through a KV cache."""
+    import copy
+
+    from lmforge.generate import Generator, SamplingParams
+    from lmforge.quantize.quantize import QuantSpec, quantize_model
+
+    model = build_model(SMALL.replace(tie_embeddings=True), dtype=dtype, seed=0)
+    if scheme.endswith("-wo"):
+        quantize_model(model, QuantSpec(scheme, group_size=32 if scheme == "int4-wo" else None))
+        use_quantized_kernels(model)
+    assert model.fuse_projections()
+    use_gemv(model)
+    reference = copy.deepcopy(model)
+    names = sorted(model.state_dict())
+    assert kernels.use_fused_blocks(model) == SMALL.num_layers
+    assert type(model.layers["0"]) is kernels.FusedDecodeBlock
+    assert sorted(model.state_dict()) == names
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    for tokens in (torch.tensor([[7]]), torch.tensor([[7, 9, 11]])):
+        with torch.no_grad():
+            want, got = reference(tokens).float(), model(tokens).float()
+        torch.testing.assert_close(got, want, **tolerance)
+    if scheme == "fp32":  # through the KV cache (the quantized layouts: the logits above)
+        params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
+        prompts = [[5, 17, 33, 2], [9]]
+        outputs = [
+            [r.token_ids for r in Generator(m, fuse_blocks=False).generate(prompts, params).results]
+            for m in (reference, model)
+        ]
+        assert outputs[0] == outputs[1]
+
+
+def test_linears_with_hooks_stay():
+    """A linear with hooks (tensor parallelism's all-reduce after wo and w2) keeps them: the
+    swaps pass it by, and so its block is not fused."""
+    model = build_model(SMALL.replace(num_layers=1), dtype=torch.bfloat16, seed=0)
+    assert model.fuse_projections()
+    wo = model.layers["0"].attention.wo
+    wo.register_forward_hook(lambda module, inputs, output: output)
+    assert use_gemv(model) == 4  # wqkv, w13, w2, output
+    assert model.layers["0"].attention.wo is wo
+    assert kernels.use_fused_blocks(model) == 0

@@ -189,6 +189,14 @@ def use_gemv(model: nn.Module, device: torch.device) -> int:
     return kernels.use_gemv(model) if kernels else 0
 
 
+def use_fused_blocks(model: nn.Module, device: torch.device) -> int:
+    """On a CUDA GPU, run each block's batch-1 forward as four GEMV launches around attention
+    (norms, SiLU·up and residual adds inside them: lmforge/generate/kernels.py); returns how
+    many blocks."""
+    kernels = _kernels(device)
+    return kernels.use_fused_blocks(model) if kernels else 0
+
+
 def _kernels(device: torch.device):
     """lmforge's Triton kernels where they run: CUDA, compute capability 8.0 or later."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
@@ -311,11 +319,13 @@ class Engine:
             weights only; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
-        quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
-            the CPU) through lmforge's Triton kernels (lmforge/generate/kernels.py) instead of
-            torchao's.
-        gemv: on CUDA, multiply plain bf16 / fp16 weights by one row of activations (the
+        quantized_kernels: on CUDA, run torchao weight-only int8 and int4 linears through
+            lmforge's Triton kernels (lmforge/generate/kernels.py) instead of torchao's.
+        gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
+        fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
+            its batch-1 forward is four GEMV launches around attention, the norms, SiLU·up and
+            residual adds inside them (`FusedDecodeBlock`).
     """
 
     def __init__(
@@ -332,6 +342,7 @@ class Engine:
         tune_decode: bool = True,
         quantized_kernels: bool = True,
         gemv: bool = True,
+        fuse_blocks: bool = True,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -347,10 +358,12 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
         if quantized_kernels:
-            use_quantized_kernels(model, device)
+            use_quantized_kernels(model, device, tinygemm=True)
         self.fused = fuse and model.fuse_projections()
         if gemv:
             use_gemv(model, device)
+        if fuse_blocks:
+            use_fused_blocks(model, device)
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

@@ -35,20 +35,28 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from lmforge.models.llama.model import TransformerBlock
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _gemv(
-    x_ptr,  # [K] activations
+    x_ptr,  # [K] activations; [2K] (gate, up) when GATED
     w_ptr,  # [N, K] (bf16, int8) or [N, K/2] (int4 pairs)
     scale_ptr,  # [N, groups] (quantized)
     zero_ptr,  # [N, groups] (int4)
+    norm_ptr,  # [K] RMSNorm weight (NORM)
+    residual_ptr,  # [N] (RESIDUAL)
     y_ptr,  # [N]
     N,
     K,
+    eps,  # RMSNorm's (NORM)
     GROUP: tl.constexpr,  # columns a scale covers (K for one per row)
     BITS: tl.constexpr,
+    NORM: tl.constexpr,  # x is the residual stream: the product takes RMSNorm(x)
+    GATED: tl.constexpr,  # x is a gate and an up projection: the product takes silu(gate) * up
+    RESIDUAL: tl.constexpr,  # y = residual + the product
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # stored columns a tile reads (within one group)
 ):
@@ -56,6 +64,7 @@ def _gemv(
     row_ok = rows < N
     stored = K // 2 if BITS == 4 else K  # columns a row stores
     groups = K // GROUP
+    inverse_rms = _inverse_rms(x_ptr, K, eps, BLOCK_K) if NORM else 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, stored, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -65,29 +74,71 @@ def _gemv(
             other=0,
             eviction_policy="evict_first",  # read once; x stays cached
         )
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        if BITS == 16 or (BITS == 8 and groups == 1):  # one scale a row: applied at the end
+        x = _activation(x_ptr, norm_ptr, cols, K, inverse_rms, NORM, GATED)
+        if BITS == 16:
             acc += w.to(tl.float32) * x[None, :]
+        elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
+            acc += _int8_values(w) * x[None, :]
         elif BITS == 8:
             scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
-            acc += w.to(tl.float32) * scale.to(tl.float32)[:, None] * x[None, :]
+            acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x[None, :]
         else:
-            x_high = tl.load(x_ptr + stored + cols).to(tl.float32)
+            x_high = _activation(x_ptr, norm_ptr, stored + cols, K, inverse_rms, NORM, GATED)
             acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, rows * groups + k0 // GROUP, row_ok)
             high = rows * groups + (stored + k0) // GROUP
             acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
     y = tl.sum(acc, axis=1)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+    if RESIDUAL:  # rounded as the unfused block rounds: the product, then the sum
+        residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
+def _inverse_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over x [K]: every program computes it (x is a few KB, cached)."""
+    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK)).to(tl.float32)
+        squares += x * x
+    return 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def _activation(x_ptr, norm_ptr, cols, K, inverse_rms, NORM: tl.constexpr, GATED: tl.constexpr):
+    """The product's input at `cols` in fp32, rounded where the unfused block rounds (to x's
+    dtype after the norm's scaling, its weight, SiLU and the gating)."""
+    dtype = x_ptr.dtype.element_ty
+    if GATED:
+        gate = tl.load(x_ptr + cols).to(tl.float32)
+        up = tl.load(x_ptr + K + cols).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        return (silu * up).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + cols).to(tl.float32)
+    if NORM:
+        weight = tl.load(norm_ptr + cols).to(tl.float32)
+        return (weight * (x * inverse_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _int8_values(q):
+    """int8 [rows, cols] as exact fp32 without the integer-to-float converter (a quarter of
+    the FMA rate): as bits, 2^23 + 128 + q is 0x4B000000 | (q ^ 0x80)."""
+    bits = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _int4_times(q, x, scale_ptr, zero_ptr, at, row_ok):
-    """((q - 8) * scale + zero) * x for a tile q [rows, cols] within one group per row."""
+    """((q - 8) * scale + zero) * x for a tile q [rows, cols] (0..15) within one group per row;
+    q - 8 as `_int8_values` makes it: 2^23 + q is 0x4B000000 | q."""
     scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)
-    offset = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32) - 8 * scale
-    return (q.to(tl.float32) * scale[:, None] + offset[:, None]) * x[None, :]
+    zero = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32)
+    centred = (q.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return (centred * scale[:, None] + zero[:, None]) * x[None, :]
 
 
 @triton.jit
@@ -149,14 +200,19 @@ def _gemv_configs() -> list[triton.Config]:
     ]
 
 
+def _tile_width(k: int, group: int, bits: int) -> int:
+    """The widest tile (stored columns) that divides a row and lies within a scale's group."""
+    stored = k // 2 if bits == 4 else k
+    span = stored if group >= k else group  # columns one scale covers
+    return next(w for w in _WIDTHS if span % w == 0)
+
+
 def _fits(configs, named_args, **kwargs):
     """The configs to try for one product (see `_ROW_WIDE`): tiles that divide a row and, where
     scales are grouped, lie within a group."""
     args = {**named_args, **kwargs}
     k, group = args["K"], args["GROUP"]
-    stored = k // 2 if args["BITS"] == 4 else k
-    span = stored if group >= k else group  # columns one scale covers
-    width = next(w for w in _WIDTHS if span % w == 0)
+    width = _tile_width(k, group, args["BITS"])
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
     else:
@@ -169,38 +225,68 @@ def _fits(configs, named_args, **kwargs):
     ]
 
 
-if INTERPRETED:  # the CPU (tests): one small configuration
+if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs programs in turn)
     _gemv_tuned = _gemv
-    _GEMV_FIXED = {"BLOCK_N": 4, "BLOCK_K": 32}
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
         key=["N", "K", "BITS", "GROUP"],
         prune_configs_by={"early_config_prune": _fits},
     )(_gemv)
-    _GEMV_FIXED = {}
 
 
-def _launch_gemv(x, w, scale, zero, bits: int) -> torch.Tensor:
-    k = x.shape[1]
-    n = w.shape[0]
+def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, residual=None):
+    n, stored = w.shape
+    k = 2 * stored if bits == 4 else stored
     group = k // scale.shape[1] if scale.numel() else k
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_tuned[grid](
-        x.contiguous(), w, scale, zero, y, n, k, GROUP=group, BITS=bits, **_GEMV_FIXED
+        x.contiguous(),
+        w,
+        scale,
+        zero,
+        norm if norm is not None else y,  # (any pointer where unused)
+        residual.contiguous() if residual is not None else y,
+        y,
+        n,
+        k,
+        eps,
+        GROUP=group,
+        BITS=bits,
+        NORM=norm is not None,
+        GATED=gated,
+        RESIDUAL=residual is not None,
+        **({"BLOCK_N": 16, "BLOCK_K": _tile_width(k, group, bits)} if INTERPRETED else {}),
     )
     return y
 
 
 @torch.library.custom_op("lmforge::gemv", mutates_args=())
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight.T, weight [N, K] a plain bf16 / fp16 tensor: [1, N]."""
-    return _launch_gemv(x, weight, weight.new_empty(0, 0), weight.new_empty(0, 0), 16)
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+    bits: int = 16,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One row of activations times a weight: [1, N]. The weight is plain (bits 16: [N, K],
+    bf16, fp16, fp32) or quantized (`q`, `scale`, `zero` in the module docstring's layouts). What the
+    decode step did around the product can happen inside it: `norm` (the RMSNorm weight, with
+    `eps`): x [1, K] is the residual stream and the product takes its norm; `gated`: x [1, 2K]
+    is a gate and an up projection and the product takes silu(gate) * up; `residual` [N]: it
+    is added to the product."""
+    empty = weight.new_empty(0, 0)
+    scale, zero = (t if t is not None else empty for t in (scale, zero))
+    return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual)
 
 
 @gemv.register_fake
-def _(x, weight):
+def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None):
     return x.new_empty(1, weight.shape[0])
 
 
@@ -208,10 +294,8 @@ def _(x, weight):
 def quantized_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
 ) -> torch.Tensor:
-    """x [M, K] @ w.T for a quantized w (module docstring's layouts): [M, N] in x's dtype. One
-    row: `_gemv`; more: w expanded to x's dtype, then one matmul."""
-    if x.shape[0] == 1:
-        return _launch_gemv(x, q, scale, zero, bits)
+    """x [M, K] @ w.T for a quantized w (module docstring's layouts) and several rows: w
+    expanded to x's dtype, then one matmul: [M, N] in x's dtype."""
     return F.linear(x, dequantize(q, scale, zero, bits, x.dtype))
 
 
@@ -234,7 +318,41 @@ def dequantize(q, scale, zero, bits: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class GemvLinear(nn.Module):
+def one_row(x: torch.Tensor) -> bool:
+    """Whether x is a single row of activations where the GEMV runs (CUDA, the interpreter)."""
+    return x.numel() == x.shape[-1] and (x.is_cuda or INTERPRETED)
+
+
+class _MatvecLayer(nn.Module):
+    """A bias-free linear whose single-row products run in `_gemv`; `matvec` takes what the
+    decode step does around the product into the same kernel (`FusedDecodeBlock`)."""
+
+    def weight_args(self) -> tuple:
+        """`gemv`'s weight arguments: (weight or q, scale, zero, bits)."""
+        raise NotImplementedError
+
+    def matvec(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: nn.Module | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One row x [..., K] (or [..., 2K] gated) -> [..., N]: the product of RMSNorm(x)
+        with `norm` (an RMSNorm), of silu(gate) * up when `gated`, plus `residual` [..., N]."""
+        y = gemv(
+            x.reshape(1, -1),
+            *self.weight_args(),
+            norm=norm.weight if norm is not None else None,
+            eps=norm.eps if norm is not None else 0.0,
+            gated=gated,
+            residual=residual.reshape(-1) if residual is not None else None,
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class GemvLinear(_MatvecLayer):
     """A bias-free linear over a plain weight that multiplies one row of activations with
     `_gemv` (on CUDA, or under the interpreter) and more rows with `F.linear`. It holds the
     linear's own parameter, so state dicts and tied weights stay as they were."""
@@ -247,17 +365,18 @@ class GemvLinear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def weight_args(self) -> tuple:
+        return self.weight, None, None, 16
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1] or not (x.is_cuda or INTERPRETED):
-            return F.linear(x, self.weight)
-        y = gemv(x.reshape(1, -1), self.weight)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return self.matvec(x) if one_row(x) else F.linear(x, self.weight)
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(_MatvecLayer):
     """A bias-free linear over a quantized weight in the kernels' layout (module docstring):
     `from_linear` converts a torchao weight-only linear, `concatenate` joins several along
-    their outputs (fused projections). Inference only: the weight is buffers, not parameters."""
+    their outputs (fused projections). Inference only: the weight is buffers, not parameters.
+    One row goes through `_gemv`; more through bf16 expansion and one matmul."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int):
         super().__init__()
@@ -270,7 +389,12 @@ class QuantizedLinear(nn.Module):
     def out_features(self) -> int:
         return self.q.shape[0]
 
+    def weight_args(self) -> tuple:
+        return self.q, self.scale, self.zero, self.bits
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if one_row(x):
+            return self.matvec(x)
         rows = x.reshape(-1, x.shape[-1])
         y = quantized_matmul(rows, self.q, self.scale, self.zero, self.bits)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -383,7 +507,7 @@ def use_quantized_kernels(model: nn.Module, *, tinygemm: bool = False) -> int:
 
 
 def use_gemv(model: nn.Module) -> int:
-    """Swap every bias-free linear of `model` over a plain bf16 / fp16 weight for a
+    """Swap every bias-free linear of `model` over a plain floating-point weight for a
     `GemvLinear` (same parameter); returns how many were swapped."""
 
     def swap(linear: nn.Module) -> GemvLinear | None:
@@ -391,7 +515,7 @@ def use_gemv(model: nn.Module) -> int:
             type(linear) is nn.Linear
             and linear.bias is None
             and type(linear.weight.data) is torch.Tensor
-            and linear.weight.dtype in (torch.bfloat16, torch.float16)
+            and linear.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and linear.in_features % MIN_TILE == 0  # (a LoRA's B of rank 8 stays)
         )
         return GemvLinear(linear.weight) if plain else None
@@ -399,10 +523,48 @@ def use_gemv(model: nn.Module) -> int:
     return _swap(model, swap)
 
 
+class FusedDecodeBlock(TransformerBlock):
+    """A transformer block whose single-row forward (batch-1 decoding) is four GEMV launches
+    around attention, with the block's other work inside them: each RMSNorm in the prologue
+    of the product that reads it (wqkv, w13), SiLU·up in w2's, the residual adds in the
+    epilogues of wo and w2. Unfused, each of those is a kernel of its own, and a 1B step is
+    ~160 kernels of a few microseconds. More rows take the block's own forward. Made by
+    `use_fused_blocks` (a class swap: names and state dict stay)."""
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        if not one_row(x):
+            return super().forward(x, cos, sin, attn_mask, kv_cache)
+        attention, ffn = self.attention, self.feed_forward
+        q, k, v = attention.wqkv.matvec(x, norm=self.attention_norm).split(
+            attention.fused_sizes, dim=-1
+        )
+        heads = attention.attend(q, k, v, cos, sin, attn_mask, kv_cache)
+        h = attention.wo.matvec(heads, residual=x)
+        gate_up = ffn.w13.matvec(h, norm=self.ffn_norm)
+        return ffn.w2.matvec(gate_up, gated=True, residual=h)
+
+
+def use_fused_blocks(model: nn.Module) -> int:
+    """Make every block of `model` whose projections are fused (`fuse_projections`) and run in
+    these kernels a `FusedDecodeBlock`; returns how many."""
+    fused = 0
+    for block in model.layers.values():
+        attention, ffn = block.attention, block.feed_forward
+        linears = (attention.wqkv, attention.wo, ffn.w13, ffn.w2)
+        if type(block) is TransformerBlock and all(
+            isinstance(linear, _MatvecLayer) for linear in linears
+        ):
+            block.__class__ = FusedDecodeBlock
+            fused += 1
+    return fused
+
+
 def _swap(model: nn.Module, replacement) -> int:
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
+            if child._forward_hooks or child._forward_pre_hooks:
+                continue  # e.g. tensor parallelism's all-reduce after a row-parallel linear
             new = replacement(child)
             if new is not None:
                 setattr(module, name, new)

@@ -160,11 +160,17 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
     ) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        return self.wo(self.attend(*self.project(x), cos, sin, attn_mask, kv_cache))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> q [b, s, q_dim], k and v [b, s, kv_dim]."""
         if self.wqkv is None:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        else:
-            q, k, v = self.wqkv(x).split(self.fused_sizes, dim=-1)
+            return self.wq(x), self.wk(x), self.wv(x)
+        return self.wqkv(x).split(self.fused_sizes, dim=-1)
+
+    def attend(self, q, k, v, cos, sin, attn_mask=None, kv_cache=None) -> torch.Tensor:
+        """Attention of projected q, k, v (`project`) -> [b, s, heads * hd], before `wo`."""
+        batch, seq, _ = q.shape
         q = q.view(batch, seq, -1, self.head_dim)  # [b, s, heads, hd]
         k = k.view(batch, seq, -1, self.head_dim)  # [b, s, kv_heads, hd]
         v = v.view(batch, seq, -1, self.head_dim)
@@ -180,8 +186,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
-        return self.wo(out)
+        return out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
