@@ -230,7 +230,7 @@ if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs 
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
-        key=["N", "K", "BITS", "GROUP"],
+        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL"],
         prune_configs_by={"early_config_prune": _fits},
     )(_gemv)
 
