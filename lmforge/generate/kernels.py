@@ -26,6 +26,7 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 
 from __future__ import annotations
 
+import itertools
 import os
 from functools import partial
 
@@ -64,8 +65,8 @@ def _gemv(
     row_ok = rows < N
     stored = K // 2 if BITS == 4 else K  # columns a row stores
     groups = K // GROUP
-    inverse_rms = _inverse_rms(x_ptr, K, eps, BLOCK_K) if NORM else 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
     for k0 in range(0, stored, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(
@@ -74,7 +75,7 @@ def _gemv(
             other=0,
             eviction_policy="evict_first",  # read once; x stays cached
         )
-        x = _activation(x_ptr, norm_ptr, cols, K, inverse_rms, NORM, GATED)
+        x, squares = _activation(x_ptr, norm_ptr, cols, K, squares, NORM, GATED)
         if BITS == 16:
             acc += w.to(tl.float32) * x[None, :]
         elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
@@ -83,11 +84,13 @@ def _gemv(
             scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
             acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x[None, :]
         else:
-            x_high = _activation(x_ptr, norm_ptr, stored + cols, K, inverse_rms, NORM, GATED)
+            x_high, squares = _activation(x_ptr, norm_ptr, stored + cols, K, squares, NORM, GATED)
             acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, rows * groups + k0 // GROUP, row_ok)
             high = rows * groups + (stored + k0) // GROUP
             acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
     y = tl.sum(acc, axis=1)
+    if NORM:  # the norm's 1 / rms scales the whole product: applied once, at the end
+        y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
     if RESIDUAL:  # rounded as the unfused block rounds: the product, then the sum
@@ -97,30 +100,20 @@ def _gemv(
 
 
 @triton.jit
-def _inverse_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) over x [K]: every program computes it (x is a few KB, cached)."""
-    squares = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK)).to(tl.float32)
-        squares += x * x
-    return 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-
-
-@triton.jit
-def _activation(x_ptr, norm_ptr, cols, K, inverse_rms, NORM: tl.constexpr, GATED: tl.constexpr):
-    """The product's input at `cols` in fp32, rounded where the unfused block rounds (to x's
-    dtype after the norm's scaling, its weight, SiLU and the gating)."""
+def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl.constexpr):
+    """(the product's input at `cols` in fp32, `squares` + x^2 there when NORM). GATED: silu(gate)
+    * up, rounded where the unfused block rounds; NORM: x times the norm's weight (the 1 / rms
+    factor comes at the end, so the GEMV reads x once)."""
     dtype = x_ptr.dtype.element_ty
     if GATED:
         gate = tl.load(x_ptr + cols).to(tl.float32)
         up = tl.load(x_ptr + K + cols).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        return (silu * up).to(dtype).to(tl.float32)
+        return (silu * up).to(dtype).to(tl.float32), squares
     x = tl.load(x_ptr + cols).to(tl.float32)
     if NORM:
-        weight = tl.load(norm_ptr + cols).to(tl.float32)
-        return (weight * (x * inverse_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return x
+        return x * tl.load(norm_ptr + cols).to(tl.float32), squares + x * x
+    return x, squares
 
 
 @triton.jit
@@ -185,14 +178,22 @@ def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
 _ROW_WIDE = [(2, 4, 1), (2, 4, 3), (4, 8, 1), (8, 8, 3)]
 _ROW_HALF = [(4, 4, 3), (8, 8, 3)]
 _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
+# LMFORGE_GEMV_SEARCH=wide: quantized products try every combination of these instead (minutes
+# of tuning a model; to find the lists above again on other hardware, with
+# TRITON_PRINT_AUTOTUNING=1).
+_WIDE_SEARCH = os.environ.get("LMFORGE_GEMV_SEARCH") == "wide"
+_SEARCH_ROWS, _SEARCH_WARPS, _SEARCH_STAGES = (4, 8, 16, 32, 64), (4, 8), (1, 2, 3, 4)
 
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
-_WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
+_WIDTHS = (2048, 1024, 512, 256, 128, 64, 32, MIN_TILE)
+_TILE_BYTES = 2048  # of a weight row, in one step of a program
 
 
 def _gemv_configs() -> list[triton.Config]:
     shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED}
+    if _WIDE_SEARCH:
+        shapes |= set(itertools.product(_SEARCH_ROWS, _SEARCH_WARPS, _SEARCH_STAGES))
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for k in _WIDTHS
@@ -201,10 +202,12 @@ def _gemv_configs() -> list[triton.Config]:
 
 
 def _tile_width(k: int, group: int, bits: int) -> int:
-    """The widest tile (stored columns) that divides a row and lies within a scale's group."""
+    """The widest tile (stored columns, at most `_TILE_BYTES` of bf16 / int8 / int4 pairs) that
+    divides a row and lies within a scale's group."""
     stored = k // 2 if bits == 4 else k
     span = stored if group >= k else group  # columns one scale covers
-    return next(w for w in _WIDTHS if span % w == 0)
+    widest = _TILE_BYTES // (2 if bits == 16 else 1)
+    return next(w for w in _WIDTHS if w <= widest and span % w == 0)
 
 
 def _fits(configs, named_args, **kwargs):
@@ -213,7 +216,11 @@ def _fits(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     k, group = args["K"], args["GROUP"]
     width = _tile_width(k, group, args["BITS"])
-    if group < k:
+    if _WIDE_SEARCH and args["BITS"] != 16:
+        search = itertools.product(_SEARCH_ROWS, _SEARCH_WARPS, _SEARCH_STAGES)
+        widths = (width,) if group < k else (width, width // 2)
+        chosen = {(w, *shape) for shape in search for w in widths}
+    elif group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
     else:
         chosen = {(width, *shape) for shape in _ROW_WIDE}
