@@ -8,7 +8,9 @@ skipped CUDA graphs.
     python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 int8-wo int4-wo
     python3 benchmarks/decode_profile.py --schemes bf16 --variants default autotune
 
-Variants (each a fresh compile): default (the engine as it is); no-tuning (no coordinate
+Variants (each a fresh compile): default (the engine as it is); unfused-blocks (the GEMVs
+without the norms, SiLU·up and residual adds inside them: those run as kernels of their own);
+no-tuning (no coordinate
 descent tuning: inductor keeps bf16 matrix-vector products as cuBLAS calls instead of its own
 reductions); wide-tuning (coordinate descent tuning that tries every direction, two steps out,
 for better reduction configurations); cublas-output (the output projection an opaque cuBLAS
@@ -111,6 +113,7 @@ def main() -> None:
         default=["default"],
         choices=[
             "default",
+            "unfused-blocks",
             "no-tuning",
             "wide-tuning",
             "cublas-output",
@@ -142,6 +145,7 @@ def profile(args, scheme: str, variant: str) -> None:
         device="cuda",
         compile=True,
         tune_decode=variant != "no-tuning",
+        fuse_blocks=variant != "unfused-blocks",
     )
     with variant_context(variant):
         generator.warmup()

@@ -15,7 +15,7 @@
 #   bash benchmarks/device_calls.sh mslk        # one H200: int4 on MSLK's kernels (carry .whl-mslk)
 #   bash benchmarks/device_calls.sh gemv        # one H200: decode on lmforge's Triton GEMV, 1B and 3B
 #   bash benchmarks/device_calls.sh fused       # one H200: decode with the norms, SiLU·up, residuals in the GEMVs
-#   bash benchmarks/device_calls.sh search      # one H200: 1B decode, quantized GEMVs tuned over a wide search
+#   bash benchmarks/device_calls.sh profile-fused  # one H200: the 1B bf16 step profiled, blocks fused or not
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -26,9 +26,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | search | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|search|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -217,19 +217,12 @@ fused)
   grep '^|' "$OUT/gemv.log"
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
-search)
-  # the 1B bf16 with fused blocks against the GEMVs alone; then int8 and int4 (ours, and
-  # torchao's tinygemm) with the quantized GEMVs tuned over LMFORGE_GEMV_SEARCH=wide, the
-  # winners printed (to prune the shipped lists to)
-  step 150 decode-bf16 python3 benchmarks/decode.py --presets llama3.2-1b \
-    --variants lmforge lmforge-unfused-blocks --schemes bf16 --new-tokens 128 --repeats 2 \
-    --out "$OUT/bf16"
-  step 400 decode-quantized env LMFORGE_GEMV_SEARCH=wide TRITON_PRINT_AUTOTUNING=1 \
-    python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge lmforge-torchao \
-    --schemes int8-wo int4-wo --new-tokens 128 --repeats 2 --out "$OUT/quantized"
-  grep '^{' "$OUT/decode-bf16.log" | cut -c1-330
-  grep '^{' "$OUT/decode-quantized.log" | cut -c1-330
-  grep -h "best config" "$OUT/decode-quantized.log" | sort | uniq -c | cut -c1-250
+profile-fused)
+  # where the 1B bf16 step's time goes with fused blocks and without (torch.profiler over 20
+  # steps of the recorded graph, the largest kernels)
+  step 280 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default unfused-blocks --out /tmp/traces
+  grep -A 16 "^== " "$OUT/profile.log" | cut -c1-240
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 mslk)

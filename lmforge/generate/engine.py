@@ -319,8 +319,9 @@ class Engine:
             weights only; the state dict keeps Meta's names).
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
-        quantized_kernels: on CUDA, run torchao weight-only int8 and int4 linears through
-            lmforge's Triton kernels (lmforge/generate/kernels.py) instead of torchao's.
+        quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
+            the CPU) through lmforge's Triton kernels (lmforge/generate/kernels.py) instead of
+            torchao's (tinygemm's int4 stays: at one row it is faster than the kernels).
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
@@ -358,7 +359,7 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
         if quantized_kernels:
-            use_quantized_kernels(model, device, tinygemm=True)
+            use_quantized_kernels(model, device)
         self.fused = fuse and model.fuse_projections()
         if gemv:
             use_gemv(model, device)

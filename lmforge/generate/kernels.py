@@ -26,7 +26,6 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 
 from __future__ import annotations
 
-import itertools
 import os
 from functools import partial
 
@@ -178,22 +177,14 @@ def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
 _ROW_WIDE = [(2, 4, 1), (2, 4, 3), (4, 8, 1), (8, 8, 3)]
 _ROW_HALF = [(4, 4, 3), (8, 8, 3)]
 _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
-# LMFORGE_GEMV_SEARCH=wide: quantized products try every combination of these instead (minutes
-# of tuning a model; to find the lists above again on other hardware, with
-# TRITON_PRINT_AUTOTUNING=1).
-_WIDE_SEARCH = os.environ.get("LMFORGE_GEMV_SEARCH") == "wide"
-_SEARCH_ROWS, _SEARCH_WARPS, _SEARCH_STAGES = (4, 8, 16, 32, 64), (4, 8), (1, 2, 3, 4)
 
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
-_WIDTHS = (2048, 1024, 512, 256, 128, 64, 32, MIN_TILE)
-_TILE_BYTES = 2048  # of a weight row, in one step of a program
+_WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
 def _gemv_configs() -> list[triton.Config]:
     shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED}
-    if _WIDE_SEARCH:
-        shapes |= set(itertools.product(_SEARCH_ROWS, _SEARCH_WARPS, _SEARCH_STAGES))
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for k in _WIDTHS
@@ -202,12 +193,10 @@ def _gemv_configs() -> list[triton.Config]:
 
 
 def _tile_width(k: int, group: int, bits: int) -> int:
-    """The widest tile (stored columns, at most `_TILE_BYTES` of bf16 / int8 / int4 pairs) that
-    divides a row and lies within a scale's group."""
+    """The widest tile (stored columns) that divides a row and lies within a scale's group."""
     stored = k // 2 if bits == 4 else k
     span = stored if group >= k else group  # columns one scale covers
-    widest = _TILE_BYTES // (2 if bits == 16 else 1)
-    return next(w for w in _WIDTHS if w <= widest and span % w == 0)
+    return next(w for w in _WIDTHS if span % w == 0)
 
 
 def _fits(configs, named_args, **kwargs):
@@ -216,11 +205,7 @@ def _fits(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     k, group = args["K"], args["GROUP"]
     width = _tile_width(k, group, args["BITS"])
-    if _WIDE_SEARCH and args["BITS"] != 16:
-        search = itertools.product(_SEARCH_ROWS, _SEARCH_WARPS, _SEARCH_STAGES)
-        widths = (width,) if group < k else (width, width // 2)
-        chosen = {(w, *shape) for shape in search for w in widths}
-    elif group < k:
+    if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
     else:
         chosen = {(width, *shape) for shape in _ROW_WIDE}
