@@ -4,7 +4,8 @@ and 3B presets, for 1, 64 and 2048 rows of activations, timed inside a CUDA grap
 bytes read.
 
 Rows per shape: bf16 through cuBLAS (`F.linear`), bf16 as inductor's tuned reduction (what the
-engine's batch-1 step compiled to before lmforge's GEMV), bf16 in lmforge's Triton GEMV; int8
+engine's batch-1 step compiled to before lmforge's GEMV), bf16 in lmforge's Triton GEMV, alone
+and with what a fused decode block takes into it (the norm, SiLU·up, the residual add); int8
 weight-only through torchao (compiled, coordinate descent tuning at one row) and in lmforge's
 kernels; int4 (group 128) through tinygemm and in lmforge's kernels (one row: the GEMV; more:
 expanded to bf16, then cuBLAS). Each lmforge output is checked against torchao's on the same
@@ -37,6 +38,27 @@ SHAPES = {  # (name, outputs N, inputs K), fused q/k/v and gate/up as the engine
     ],
     "3b": [("wqkv", 5120, 3072), ("wo", 3072, 3072), ("w13", 16384, 3072), ("w2", 3072, 8192)],
 }
+
+
+# The work each product of a fused decode block (`FusedDecodeBlock`) takes in with it.
+FUSED = {"wqkv": "norm", "wo": "residual", "w13": "norm", "w2": "gated+residual"}
+
+
+def fused_inputs(fused: str, x: torch.Tensor, weight: torch.Tensor):
+    """`gemv`'s arguments for a fused product of x [1, K] and its reference output, unfused."""
+    n, k = weight.shape
+    if fused == "norm":
+        norm = torch.rand(k, device=x.device, dtype=x.dtype) + 0.5
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        inputs = {"x": x, "weight": weight, "norm": norm, "eps": 1e-5}
+        return inputs, F.linear((normed * norm.float()).to(x.dtype), weight)
+    residual = torch.randn(n, device=x.device, dtype=x.dtype)
+    if fused == "residual":
+        return {"x": x, "weight": weight, "residual": residual}, F.linear(x, weight) + residual
+    gate_up = torch.randn(1, 2 * k, device=x.device, dtype=x.dtype)  # gated+residual
+    gate, up = gate_up.chunk(2, dim=-1)
+    inputs = {"x": gate_up, "weight": weight, "gated": True, "residual": residual}
+    return inputs, F.linear(F.silu(gate) * up, weight) + residual
 
 
 def timed(fn) -> float:
@@ -110,6 +132,10 @@ def rows_for(name: str, n: int, k: int, m: int) -> list[dict]:
         )
         row("bf16 inductor", lambda: tuned(x, weight), bf16_bytes)
         row("bf16 lmforge", lambda: gemv(x, weight), bf16_bytes, reference=F.linear(x, weight))
+        fused = FUSED.get(name.split()[-1])
+        if fused is not None:  # as the engine's fused blocks call it
+            inputs, reference = fused_inputs(fused, x, weight)
+            row(f"bf16 lmforge {fused}", lambda: gemv(**inputs), bf16_bytes, reference=reference)
     for scheme in ("int8", "int4"):
         linear = quantized(weight, scheme)
         scheme_bytes = nbytes(linear)

@@ -271,11 +271,11 @@ def gemv(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One row of activations times a weight: [1, N]. The weight is plain (bits 16: [N, K],
-    bf16, fp16, fp32) or quantized (`q`, `scale`, `zero` in the module docstring's layouts). What the
-    decode step did around the product can happen inside it: `norm` (the RMSNorm weight, with
-    `eps`): x [1, K] is the residual stream and the product takes its norm; `gated`: x [1, 2K]
-    is a gate and an up projection and the product takes silu(gate) * up; `residual` [N]: it
-    is added to the product."""
+    bf16, fp16, fp32) or quantized (`q`, `scale`, `zero` in the module docstring's layouts).
+    What the decode step did around the product can happen inside it: `norm` (the RMSNorm
+    weight, with `eps`): x [1, K] is the residual stream and the product takes its norm;
+    `gated`: x [1, 2K] is a gate and an up projection and the product takes silu(gate) * up;
+    `residual` [N]: it is added to the product."""
     empty = weight.new_empty(0, 0)
     scale, zero = (t if t is not None else empty for t in (scale, zero))
     return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual)
