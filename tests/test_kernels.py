@@ -201,7 +201,7 @@ def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype):
     reference = copy.deepcopy(model)
     names = sorted(model.state_dict())
     assert kernels.use_fused_blocks(model) == SMALL.num_layers
-    assert type(model.layers["0"]) is kernels.FusedDecodeBlock
+    assert isinstance(model.layers["0"], kernels.FusedDecodeBlock)
     assert sorted(model.state_dict()) == names
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
     for tokens in (torch.tensor([[7]]), torch.tensor([[7, 9, 11]])):

@@ -30,15 +30,13 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 from __future__ import annotations
 
 import os
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
-
-from lmforge.models.llama.model import TransformerBlock
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -519,7 +517,7 @@ def use_gemv(model: nn.Module) -> int:
     return _swap(model, swap)
 
 
-class FusedDecodeBlock(TransformerBlock):
+class FusedDecodeBlock:
     """A transformer block whose single-row forward (batch-1 decoding) is four GEMV launches
     around attention, with the block's other work inside them: each RMSNorm in the product
     that reads it (wqkv, w13: x times the norm's weight as it is loaded, 1 / rms at the end),
@@ -527,7 +525,8 @@ class FusedDecodeBlock(TransformerBlock):
     each of those is a kernel of its own: on an H200 the 1B step had 183 kernels and took
     1.054 ms, fused 136 and 0.983 ms (one call, torch.profiler; a second call's decode
     tokens/s were equal within the autotuner's spread). More rows take the block's own
-    forward. Made by `use_fused_blocks` (a class swap: names and state dict stay)."""
+    forward. A mixin: `use_fused_blocks` swaps a block's class for one deriving from this and
+    the family's own block class, so names and the state dict stay."""
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         if not one_row(x):
@@ -542,6 +541,12 @@ class FusedDecodeBlock(TransformerBlock):
         return ffn.w2.matvec(gate_up, gated=True, residual=h)
 
 
+@cache
+def _fused_class(block_class: type) -> type:
+    """`FusedDecodeBlock` over a family's block class."""
+    return type(f"FusedDecode{block_class.__name__}", (FusedDecodeBlock, block_class), {})
+
+
 def use_fused_blocks(model: nn.Module) -> int:
     """Make every block of `model` whose projections are fused (`fuse_projections`) and run in
     these kernels a `FusedDecodeBlock`; returns how many."""
@@ -549,10 +554,10 @@ def use_fused_blocks(model: nn.Module) -> int:
     for block in model.layers.values():
         attention, ffn = block.attention, block.feed_forward
         linears = (attention.wqkv, attention.wo, ffn.w13, ffn.w2)
-        if type(block) is TransformerBlock and all(
+        if not isinstance(block, FusedDecodeBlock) and all(
             isinstance(linear, _MatvecLayer) for linear in linears
         ):
-            block.__class__ = FusedDecodeBlock
+            block.__class__ = _fused_class(type(block))
             fused += 1
     return fused
 
