@@ -42,9 +42,12 @@ def random_layout(bits, n, k, group):
     [(8, 256), (8, 32), (4, 128), (4, 32)],  # per row; tiles spanning groups; one group a tile
     ids=["int8-row", "int8-group32", "int4-group128", "int4-group32"],
 )
-@pytest.mark.parametrize("rows", [1, 3], ids=["gemv", "matmul"])
-def test_kernels_equal_the_dequantized_product(bits, group, rows):
+@pytest.mark.parametrize(
+    "rows,x_tile", [(1, True), (1, False), (3, False)], ids=["gemv", "gemv-x-vector", "matmul"]
+)
+def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkeypatch):
     assert kernels.INTERPRETED
+    monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", x_tile)
     n, k = 24, 256  # 24: the last block of outputs is partly masked
     q, scale, zero = random_layout(bits, n, k, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -183,7 +186,8 @@ def test_gemv_swap_keeps_parameters_names_and_the_tie():
         ("int4-wo", torch.float32),
     ],
 )
-def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype):
+@pytest.mark.parametrize("x_tile", [True, False], ids=["x-tile", "x-vector"])
+def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype, x_tile, monkeypatch):
     """`FusedDecodeBlock` (norms, SiLU·up and residual adds inside the GEMVs) gives the unfused
     blocks' logits for one row, leaves several rows to the block's own forward, and (fp32)
     decodes the same greedy tokens through a KV cache."""
@@ -192,6 +196,7 @@ def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype):
     from lmforge.generate import Generator, SamplingParams
     from lmforge.quantize.quantize import QuantSpec, quantize_model
 
+    monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", x_tile)
     model = build_model(SMALL.replace(tie_embeddings=True), dtype=dtype, seed=0)
     if scheme.endswith("-wo"):
         quantize_model(model, QuantSpec(scheme, group_size=32 if scheme == "int4-wo" else None))
@@ -208,7 +213,7 @@ def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype):
         with torch.no_grad():
             want, got = reference(tokens).float(), model(tokens).float()
         torch.testing.assert_close(got, want, **tolerance)
-    if scheme == "fp32":  # through the KV cache (the quantized layouts: the logits above)
+    if scheme == "fp32" and x_tile:  # through the KV cache (the others: the logits above)
         params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
         prompts = [[5, 17, 33, 2], [9]]
         outputs = [
@@ -228,3 +233,54 @@ def test_linears_with_hooks_stay():
     assert use_gemv(model) == 4  # wqkv, w13, w2, output
     assert model.layers["0"].attention.wo is wo
     assert kernels.use_fused_blocks(model) == 0
+
+
+COMPILE_FOR_SM90 = """
+import itertools, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmforge.generate import kernels
+
+target = GPUTarget("cuda", 90, 32)
+pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
+flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE"]
+cases = [  # (bits, group, fusions, x_tile): what the engine's blocks and harness launch
+    (16, 2048, "NORM", True), (16, 2048, "GATED RESIDUAL", False), (16, 2048, "RESIDUAL", False),
+    (8, 2048, "NORM", True), (8, 2048, "", False), (8, 128, "RESIDUAL", True),
+    (4, 128, "NORM", True), (4, 128, "GATED RESIDUAL", False),
+]
+for bits, group, fusions, x_tile in cases:
+    weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
+    signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
+    signature |= {"N": "i32", "K": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags}
+    constants = {"GROUP": group, "BITS": bits, "BLOCK_N": 8, "BLOCK_K": 128, "X_TILE": x_tile}
+    constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
+    names = list(signature)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N", "K"]}
+    source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
+    triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 3})
+for bits in (8, 4):
+    signature = {"w_ptr": "*i8" if bits == 8 else "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
+                 "out_ptr": "*bf16", "N": "i32", "K": "i32"}
+    signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
+    constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
+    triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
+print("compiled", len(cases) + 2)
+"""
+
+
+def test_the_kernels_compile_for_a_gpu():
+    """The interpreter runs code the GPU compiler refuses (e.g. returns of two shapes from one
+    function), so the kernels are also compiled, without a GPU, for an H100/H200 (sm_90) with
+    the ptxas that Triton ships, in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 10" in done.stdout
