@@ -245,21 +245,23 @@ from lmforge.generate import kernels
 target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE"]
-cases = [  # (bits, group, fusions, x_tile): what the engine's blocks and harness launch
-    (16, 2048, "NORM", True), (16, 2048, "GATED RESIDUAL", False), (16, 2048, "RESIDUAL", False),
-    (8, 2048, "NORM", True), (8, 2048, "", False), (8, 128, "RESIDUAL", True),
-    (4, 128, "NORM", True), (4, 128, "GATED RESIDUAL", False),
+cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
+    (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
+    (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
+    (8, 2048, "", False, (8, 128, 4)), (8, 128, "RESIDUAL", True, (8, 128, 4)),
+    (4, 128, "NORM", True, (16, 128, 8)), (4, 128, "GATED RESIDUAL", False, (8, 128, 4)),
 ]
-for bits, group, fusions, x_tile in cases:
+for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
     signature |= {"N": "i32", "K": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags}
-    constants = {"GROUP": group, "BITS": bits, "BLOCK_N": 8, "BLOCK_K": 128, "X_TILE": x_tile}
+    constants = {"GROUP": group, "BITS": bits, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constants["X_TILE"] = x_tile
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N", "K"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
-    triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 3})
+    triton.compile(source, target=target, options={"num_warps": warps, "num_stages": 3})
 for bits in (8, 4):
     signature = {"w_ptr": "*i8" if bits == 8 else "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                  "out_ptr": "*bf16", "N": "i32", "K": "i32"}
