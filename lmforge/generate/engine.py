@@ -34,7 +34,8 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
 
 On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
 GEMV (lmforge/generate/kernels.py) for plain and int8 weight-only weights (and int4 made on the
-CPU); such a quantized weight meets more rows expanded to bf16, then cuBLAS. tinygemm's int4
+CPU), each block as four GEMVs around attention with its norms, SiLU·up and residual adds inside
+them; such a quantized weight meets more rows expanded to bf16, then cuBLAS. tinygemm's int4
 (made on CUDA) stays torchao's: at one row it is faster than the GEMV.
 
 The last token and position of every row live on the device, so a decode step needs nothing
@@ -180,21 +181,6 @@ def use_quantized_kernels(model: nn.Module, device: torch.device, *, tinygemm: b
         return 0  # nothing quantized
     kernels = _kernels(device)
     return kernels.use_quantized_kernels(model, tinygemm=tinygemm) if kernels else 0
-
-
-def use_gemv(model: nn.Module, device: torch.device) -> int:
-    """On a CUDA GPU, multiply the model's plain weights by a single row with lmforge's GEMV
-    (lmforge/generate/kernels.py); returns how many linears were swapped."""
-    kernels = _kernels(device)
-    return kernels.use_gemv(model) if kernels else 0
-
-
-def use_fused_blocks(model: nn.Module, device: torch.device) -> int:
-    """On a CUDA GPU, run each block's batch-1 forward as four GEMV launches around attention
-    (norms, SiLU·up and residual adds inside them: lmforge/generate/kernels.py); returns how
-    many blocks."""
-    kernels = _kernels(device)
-    return kernels.use_fused_blocks(model) if kernels else 0
 
 
 def _kernels(device: torch.device):
@@ -361,10 +347,11 @@ class Engine:
         if quantized_kernels:
             use_quantized_kernels(model, device)
         self.fused = fuse and model.fuse_projections()
-        if gemv:
-            use_gemv(model, device)
-        if fuse_blocks:
-            use_fused_blocks(model, device)
+        kernels = _kernels(device)
+        if kernels and gemv:
+            kernels.use_gemv(model)
+        if kernels and fuse_blocks:
+            kernels.use_fused_blocks(model)
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

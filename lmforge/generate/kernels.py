@@ -271,15 +271,15 @@ def _interpreted_tiles(k: int, group: int, bits: int, gated: bool) -> dict:
 def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, residual=None):
     n, stored = w.shape
     k = 2 * stored if bits == 4 else stored
-    group = k // scale.shape[1] if scale.numel() else k
+    group = k // scale.shape[1] if scale is not None and scale.numel() else k
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_tuned[grid](
         x.contiguous(),
         w,
-        scale,
-        zero,
-        norm if norm is not None else y,  # (any pointer where unused)
+        scale if scale is not None else y,  # (any pointer where unused)
+        zero if zero is not None else y,
+        norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
         n,
@@ -313,8 +313,6 @@ def gemv(
     weight, with `eps`): x [1, K] is the residual stream and the product takes its norm;
     `gated`: x [1, 2K] is a gate and an up projection and the product takes silu(gate) * up;
     `residual` [N]: it is added to the product."""
-    empty = weight.new_empty(0, 0)
-    scale, zero = (t if t is not None else empty for t in (scale, zero))
     return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual)
 
 
@@ -358,11 +356,8 @@ def one_row(x: torch.Tensor) -> bool:
 
 class _MatvecLayer(nn.Module):
     """A bias-free linear whose single-row products run in `_gemv`; `matvec` takes what the
-    decode step does around the product into the same kernel (`FusedDecodeBlock`)."""
-
-    def weight_args(self) -> tuple:
-        """`gemv`'s weight arguments: (weight or q, scale, zero, bits)."""
-        raise NotImplementedError
+    decode step does around the product into the same kernel (`FusedDecodeBlock`). A subclass
+    defines `weight_args()`: `gemv`'s weight arguments (weight or q, scale, zero, bits)."""
 
     def matvec(
         self,
