@@ -16,6 +16,7 @@
 #   bash benchmarks/device_calls.sh gemv        # one H200: decode on lmforge's Triton GEMV, 1B and 3B
 #   bash benchmarks/device_calls.sh fused       # one H200: decode with the norms, SiLU·up, residuals in the GEMVs
 #   bash benchmarks/device_calls.sh profile-fused  # one H200: the 1B bf16 step profiled, blocks fused or not
+#   bash benchmarks/device_calls.sh xtile       # one H200: x as a tile or a vector in the GEMV (autotuner's picks)
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -26,9 +27,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -223,6 +224,21 @@ profile-fused)
   step 280 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
     --variants default unfused-blocks --out /tmp/traces
   grep -A 16 "^== " "$OUT/profile.log" | cut -c1-240
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+xtile)
+  # the products one at a time with the autotuner's picks printed (x loaded as a vector or as a
+  # tile of the weight's shape), then batch-1 decode of the 1B and 3B in bf16 and int8
+  export TRITON_PRINT_AUTOTUNING=1
+  step 150 gemv python3 benchmarks/gemv.py --shapes 1b 3b --rows 1 --out "$OUT"
+  step 150 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  step 150 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  grep '^|' "$OUT/gemv.log"
+  grep -h -B2 "best config" "$OUT"/gemv.log | cut -c1-200
+  grep '^{' "$OUT/decode-1b.log" | cut -c1-330
+  grep '^{' "$OUT/decode-3b.log" | cut -c1-330
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 mslk)
