@@ -17,6 +17,7 @@
 #   bash benchmarks/device_calls.sh fused       # one H200: decode with the norms, SiLU·up, residuals in the GEMVs
 #   bash benchmarks/device_calls.sh profile-fused  # one H200: the 1B bf16 step profiled, blocks fused or not
 #   bash benchmarks/device_calls.sh xtile       # one H200: x as a tile or a vector in the GEMV (autotuner's picks)
+#   bash benchmarks/device_calls.sh attention   # one H200: decode with RoPE, cache write and attention in one kernel
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -27,9 +28,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -239,6 +240,26 @@ xtile)
   grep -h -B2 "best config" "$OUT"/gemv.log | cut -c1-200
   grep '^{' "$OUT/decode-1b.log" | cut -c1-330
   grep '^{' "$OUT/decode-3b.log" | cut -c1-330
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+attention)
+  # batch-1 decode with each fused block's attention in one kernel (RoPE, the cache write and
+  # attention; blocks unfused as before beside it), the 1B step profiled, then the 1B's fused
+  # products one at a time (taller tiles tried where a product takes a norm or SiLU·up)
+  step 150 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-unfused-blocks --schemes bf16 int8-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/1b"
+  step 150 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  step 120 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default --out /tmp/traces
+  TRITON_PRINT_AUTOTUNING=1 step 100 gemv python3 benchmarks/gemv.py --shapes 1b --rows 1 \
+    --out "$OUT"
+  grep '^{' "$OUT/decode-1b.log" | cut -c1-330
+  grep '^{' "$OUT/decode-3b.log" | cut -c1-330
+  grep -A 14 "^== " "$OUT/profile.log" | cut -c1-200
+  grep '^|' "$OUT/gemv.log"
+  grep -h -B1 "best config" "$OUT"/gemv.log | grep -v "^--" | cut -c1-120
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 mslk)

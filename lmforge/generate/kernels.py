@@ -38,6 +38,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from lmforge.generate.decode_attention import decode_attention, supported
+from lmforge.modules.kv_cache import StaticKVCache
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -205,6 +208,10 @@ def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
 _ROW_WIDE = [(2, 4, 1), (2, 4, 3), (4, 8, 1), (8, 8, 3)]
 _ROW_HALF = [(4, 4, 3), (8, 8, 3)]
 _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
+# Where the product takes a norm or SiLU·up, every program redoes that work on the whole of x:
+# taller tiles spread it over more rows (at 2 rows, 1B w13 with its norm took 20.1 us against
+# 17.2 without, w2 with SiLU·up 11.0 against 9.2; 2026-12-02). At half the widest width.
+_FUSED = [(16, 8, 3), (32, 8, 3)]
 
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
@@ -212,7 +219,7 @@ _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
 def _gemv_configs() -> list[triton.Config]:
-    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED}
+    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED}
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile}, num_warps=w, num_stages=s)
         for k in _WIDTHS
@@ -232,7 +239,9 @@ def _fits(configs, named_args, **kwargs):
     """The configs to try for one product (see `_ROW_WIDE`): tiles that divide a row and, where
     scales are grouped, lie within a group; x as a vector and as a tile (`_input`; a gated
     input only as a vector: as a tile, every row of a program would recompute its SiLU).
-    (X_TILE's configs are new on 2026-12-01 and not yet measured: the autotuner picks.)"""
+    On an H200 (2026-12-02) the autotuner chose x as a tile for 12 of the 24 products it
+    tuned in benchmarks/gemv.py (1B and 3B; bf16, int8, int4) and as a vector for 12: both
+    stay."""
     args = {**named_args, **kwargs}
     k, group = args["K"], args["GROUP"]
     width = _tile_width(k, group, args["BITS"])
@@ -241,6 +250,8 @@ def _fits(configs, named_args, **kwargs):
     else:
         chosen = {(width, *shape) for shape in _ROW_WIDE}
         chosen |= {(width // 2, *shape) for shape in _ROW_HALF}
+        if args["NORM"] or args["GATED"]:
+            chosen |= {(width // 2, *shape) for shape in _FUSED}
     return [
         c
         for c in configs
@@ -566,13 +577,34 @@ class FusedDecodeBlock:
         if not one_row(x):
             return super().forward(x, cos, sin, attn_mask, kv_cache)
         attention, ffn = self.attention, self.feed_forward
-        q, k, v = attention.wqkv.matvec(x, norm=self.attention_norm).split(
-            attention.fused_sizes, dim=-1
-        )
-        heads = attention.attend(q, k, v, cos, sin, attn_mask, kv_cache)
+        qkv = attention.wqkv.matvec(x, norm=self.attention_norm)
+        if _cached_attention(attention, kv_cache):
+            kv_len = kv_cache.k.shape[2] if kv_cache.slots is None else kv_cache.slots.shape[0]
+            heads = decode_attention(
+                qkv.view(1, -1),
+                cos.view(1, -1),
+                sin.view(1, -1),
+                kv_cache.k,
+                kv_cache.v,
+                kv_cache.positions.view(1),
+                attention.fused_sizes[0] // attention.head_dim,
+                kv_len,
+            ).view(1, 1, -1)
+        else:  # a prefill's view of the cache, no cache, or shapes the kernel does not take
+            q, k, v = qkv.split(attention.fused_sizes, dim=-1)
+            heads = attention.attend(q, k, v, cos, sin, attn_mask, kv_cache)
         h = attention.wo.matvec(heads, residual=x)
         gate_up = ffn.w13.matvec(h, norm=self.ffn_norm)
         return ffn.w2.matvec(gate_up, gated=True, residual=h)
+
+
+def _cached_attention(attention: nn.Module, kv_cache) -> bool:
+    """Whether a decoding row's attention runs in `decode_attention` (RoPE, the cache write and
+    attention in one kernel): against a decode step's static cache, without per-head norms."""
+    if not isinstance(kv_cache, StaticKVCache) or attention.q_norm is not None:
+        return False
+    heads = attention.fused_sizes[0] // attention.head_dim
+    return supported(heads, kv_cache.k.shape[1], attention.head_dim)
 
 
 @cache
