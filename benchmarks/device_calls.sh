@@ -18,6 +18,7 @@
 #   bash benchmarks/device_calls.sh profile-fused  # one H200: the 1B bf16 step profiled, blocks fused or not
 #   bash benchmarks/device_calls.sh xtile       # one H200: x as a tile or a vector in the GEMV (autotuner's picks)
 #   bash benchmarks/device_calls.sh attention   # one H200: decode with RoPE, cache write and attention in one kernel
+#   bash benchmarks/device_calls.sh search      # one H200: the GEMV's tiles over a wide grid, 1B and 3B products
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -28,9 +29,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -260,6 +261,13 @@ attention)
   grep -A 14 "^== " "$OUT/profile.log" | cut -c1-200
   grep '^|' "$OUT/gemv.log"
   grep -h -B1 "best config" "$OUT"/gemv.log | grep -v "^--" | cut -c1-120
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+search)
+  # every 1B/3B product at one row, bf16 and int8, plain and fused, over a wide grid of tiles:
+  # the best of the grid against the best of the tiles the autotuner tries
+  step 420 search python3 benchmarks/gemv_search.py --out "$OUT"
+  grep '^|' "$OUT/search.log"
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 mslk)

@@ -301,16 +301,16 @@ def test_fused_blocks_attend_in_one_kernel_through_the_engine(monkeypatch):
     monkeypatch.setattr(kernels, "decode_attention", counted)
     model = build_model(SMALL, dtype=torch.float32, seed=0)
     assert model.fuse_projections()
+    reference = copy.deepcopy(model)  # nn.Linear and SDPA (quicker than the interpreter)
     use_gemv(model)
-    reference = copy.deepcopy(model)
     kernels.use_fused_blocks(model)
-    params = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
+    params = SamplingParams(max_new_tokens=18, temperature=0, stop_token_ids=())
     outputs = [
         Generator(m, max_batch=1, fuse_blocks=False).generate([[5, 17, 33, 2]], params).results
         for m in (reference, model)
     ]
     assert outputs[0][0].token_ids == outputs[1][0].token_ids
-    assert len(kv_lengths) >= 20 * SMALL.num_layers and max(kv_lengths) > 16
+    assert len(kv_lengths) >= 16 * SMALL.num_layers and max(kv_lengths) > 16
 
 
 def test_linears_with_hooks_stay():

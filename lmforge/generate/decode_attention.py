@@ -140,9 +140,7 @@ def _decode_attention(
 
 
 @triton.jit
-def _combine(
-    partial_ptr, stats_ptr, out_ptr, splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr
-):
+def _combine(partial_ptr, stats_ptr, out_ptr, splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
     """One (row, head): the splits' partial sums merged by their running maxima."""
     head = tl.program_id(0)
     s = tl.arange(0, SPLITS)
