@@ -18,7 +18,8 @@ call); autotune (inductor max-autotune); realize-N (inductor stores pointwise re
 than N operations, e.g. SiLU·up and the normalized activations, as buffers of their own instead of
 recomputing them inside every row of the matrix-vector product that reads them); sdpa-math (attention traced through the math backend,
 so inductor writes its kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may
-serve the default graph).
+serve the default graph); attention-split-N (the fused blocks' attention kernel reads at most N
+cache slots a program, default 256: more programs, then a kernel that merges them).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -80,6 +81,16 @@ def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def variant_context(variant: str):
     """What the decode steps compile under, for `variant`."""
     if variant == "autotune":
@@ -91,6 +102,10 @@ def variant_context(variant: str):
     if variant.startswith("realize"):  # realize-N: pointwise bodies of more than N ops
         threshold = int(variant.split("-")[1])
         return torch._inductor.config.patch(realize_opcount_threshold=threshold)
+    if variant.startswith("attention-split"):  # attention-split-N: N cache slots a program
+        from lmforge.generate import decode_attention
+
+        return _patched(decode_attention, "SPLIT_SLOTS", int(variant.rsplit("-", 1)[1]))
     if variant == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -119,6 +134,8 @@ def main() -> None:
             "cublas-output",
             "autotune",
             "sdpa-math",
+            "attention-split-32",
+            "attention-split-64",
             "realize-0",
             "realize-4",
             "realize-8",
@@ -147,25 +164,25 @@ def profile(args, scheme: str, variant: str) -> None:
         tune_decode=variant != "no-tuning",
         fuse_blocks=variant != "unfused-blocks",
     )
-    with variant_context(variant):
+    with variant_context(variant):  # (the graphs record the attention kernel's split)
         generator.warmup()
-    # The step alone, at the KV lengths the generation below attends to, weighted as it is.
-    prompt = list(range(1, 17))
-    kv_steps = steps_per_kv_len(generator, len(prompt), args.new_tokens)
-    per_kv = {kv_len: step_ms(generator, kv_len) for kv_len in sorted(kv_steps)}
-    decode_only = sum(per_kv[kv_len] * n for kv_len, n in kv_steps.items()) / kv_steps.total()
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
-    generator.generate([prompt], params)
-    loop = generator.generate([prompt], params).stats
-    name = f"{args.preset}-{scheme}-{variant}"
-    trace = args.out / f"decode-{name}.trace.json"
-    trace_steps(generator, trace, kv_len=kv_steps.most_common(1)[0][0])
-    by_kv = ", ".join(f"{per_kv[kv_len]:.3f} ms at {kv_len} slots" for kv_len in per_kv)
-    print(
-        f"\n== {name}: compiled step alone {decode_only:.3f} ms ({by_kv}); "
-        f"loop {1000 / loop.decode_tokens_per_s:.3f} ms/token",
-        flush=True,
-    )
+        # The step alone, at the KV lengths the generation below attends to, weighted as it is.
+        prompt = list(range(1, 17))
+        kv_steps = steps_per_kv_len(generator, len(prompt), args.new_tokens)
+        per_kv = {kv_len: step_ms(generator, kv_len) for kv_len in sorted(kv_steps)}
+        decode_only = sum(per_kv[kv_len] * n for kv_len, n in kv_steps.items()) / kv_steps.total()
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, stop_token_ids=())
+        generator.generate([prompt], params)
+        loop = generator.generate([prompt], params).stats
+        name = f"{args.preset}-{scheme}-{variant}"
+        trace = args.out / f"decode-{name}.trace.json"
+        trace_steps(generator, trace, kv_len=kv_steps.most_common(1)[0][0])
+        by_kv = ", ".join(f"{per_kv[kv_len]:.3f} ms at {kv_len} slots" for kv_len in per_kv)
+        print(
+            f"\n== {name}: compiled step alone {decode_only:.3f} ms ({by_kv}); "
+            f"loop {1000 / loop.decode_tokens_per_s:.3f} ms/token",
+            flush=True,
+        )
     print(summarize(trace, top=14), flush=True)
     del generator, model
     torch._dynamo.reset()

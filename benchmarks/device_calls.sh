@@ -18,7 +18,7 @@
 #   bash benchmarks/device_calls.sh profile-fused  # one H200: the 1B bf16 step profiled, blocks fused or not
 #   bash benchmarks/device_calls.sh xtile       # one H200: x as a tile or a vector in the GEMV (autotuner's picks)
 #   bash benchmarks/device_calls.sh attention   # one H200: decode with RoPE, cache write and attention in one kernel
-#   bash benchmarks/device_calls.sh search      # one H200: the GEMV's tiles over a wide grid, 1B and 3B products
+#   bash benchmarks/device_calls.sh search      # one H200: attention splits; the GEMV's tiles over a wide grid
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -266,7 +266,11 @@ attention)
 search)
   # every 1B/3B product at one row, bf16 and int8, plain and fused, over a wide grid of tiles:
   # the best of the grid against the best of the tiles the autotuner tries
-  step 420 search python3 benchmarks/gemv_search.py --out "$OUT"
+  # (first: the 1B bf16 step with the attention kernel's slots split 256 / 64 / 32 a program)
+  step 150 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default attention-split-64 attention-split-32 --out /tmp/traces
+  step 330 search python3 benchmarks/gemv_search.py --out "$OUT"
+  grep -A 6 "^== " "$OUT/profile.log" | cut -c1-200
   grep '^|' "$OUT/search.log"
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
