@@ -269,7 +269,7 @@ search)
   # (first: the 1B bf16 step with the attention kernel's slots split 256 / 64 / 32 a program)
   step 150 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
     --variants default attention-split-64 attention-split-32 --out /tmp/traces
-  step 330 search python3 benchmarks/gemv_search.py --out "$OUT"
+  step 330 search python3 benchmarks/gemv_search.py --deadline 290 --out "$OUT"
   grep -A 6 "^== " "$OUT/profile.log" | cut -c1-200
   grep '^|' "$OUT/search.log"
   grep -h -c Traceback "$OUT"/*.log || true
