@@ -19,6 +19,7 @@
 #   bash benchmarks/device_calls.sh xtile       # one H200: x as a tile or a vector in the GEMV (autotuner's picks)
 #   bash benchmarks/device_calls.sh attention   # one H200: decode with RoPE, cache write and attention in one kernel
 #   bash benchmarks/device_calls.sh search      # one H200: attention splits; the GEMV's tiles over a wide grid
+#   bash benchmarks/device_calls.sh final       # one H200: the attention kernel checked on the GPU; decode 1B/3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -29,9 +30,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -272,6 +273,24 @@ search)
   step 330 search python3 benchmarks/gemv_search.py --deadline 290 --out "$OUT"
   grep -A 6 "^== " "$OUT/profile.log" | cut -c1-200
   grep '^|' "$OUT/search.log"
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+final)
+  # the attention kernel compiled for the GPU against SDPA (its splits merged by the last
+  # program of each group, run twice: the counters must be zero again), then batch-1 decode of
+  # the 1B and 3B in bf16 and int8, and the 1B bf16 step profiled
+  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k decode_attention_equals
+  step 150 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  step 150 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  step 100 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default --out /tmp/traces
+  tail -n 4 "$OUT/check.log"
+  grep '^{' "$OUT/decode-1b.log" | cut -c1-330
+  grep '^{' "$OUT/decode-3b.log" | cut -c1-330
+  grep -A 8 "^== " "$OUT/profile.log" | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 mslk)

@@ -251,6 +251,8 @@ def sdpa_decode(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_len):
         (4, 4, 32, [0, 37], 40, 16),  # no GQA; the first slot; three splits
         (8, 2, 64, [63, 17, 2], 64, 16),  # rows at their own positions; four splits
         (4, 2, 16, [70, 3], 48, 16),  # a row beyond kv_len: its slot is still written
+        (32, 8, 64, [1000], 1024, 64),  # the 1B's heads, 16 splits
+        (24, 8, 128, [300, 511], 512, 64),  # the 3B's heads, 8 splits
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -263,16 +265,23 @@ def test_decode_attention_equals_sdpa(
     from lmforge.generate import decode_attention as da
 
     monkeypatch.setattr(da, "SPLIT_SLOTS", split)
-    monkeypatch.setattr(da, "BLOCK_SLOTS", 16)
+    monkeypatch.setattr(da, "BLOCK_SLOTS", 16 if kernels.INTERPRETED else 64)
     g = torch.Generator().manual_seed(heads * head_dim + kv_len)
     batch = len(positions)
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     angles = torch.rand(batch, head_dim // 2, generator=g) * 6
     cos, sin = (torch.cat([f(angles), f(angles)], -1).to(dtype) for f in (torch.cos, torch.sin))
-    caches = [torch.randn(4, kv_heads, 80, head_dim, generator=g).to(dtype) for _ in range(2)]
+    slots = max(80, kv_len + 8)
+    caches = [torch.randn(4, kv_heads, slots, head_dim, generator=g).to(dtype) for _ in range(2)]
     want_caches = [c.clone() for c in caches]
     positions = torch.tensor(positions)
-    got = da.decode_attention(qkv, cos, sin, *caches, positions, heads, kv_len)
+    # On a GPU without the interpreter (TRITON_INTERPRET=0) the compiled kernel runs, twice: the
+    # second run finds the counters its first run left (they must be zero again).
+    device = "cpu" if kernels.INTERPRETED else "cuda"
+    on_device = [t.to(device) for t in (qkv, cos, sin, *caches, positions)]
+    for _ in range(1 if kernels.INTERPRETED else 2):
+        got = da.decode_attention(*on_device, heads, kv_len).cpu()
+    caches = [c.cpu() for c in on_device[3:5]]
     want = sdpa_decode(qkv, cos, sin, *want_caches, positions, heads, kv_len)
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
     for got_cache, want_cache in zip(caches, want_caches):
@@ -340,7 +349,7 @@ cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and 
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
     (8, 2048, "", False, (8, 128, 4)), (8, 128, "RESIDUAL", True, (8, 128, 4)),
     (4, 128, "NORM", True, (16, 128, 8)), (4, 128, "GATED RESIDUAL", False, (8, 128, 4)),
-    (16, 8192, "GATED RESIDUAL", False, (32, 512, 8)), (8, 2048, "NORM", True, (32, 512, 8)),
+    (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM", False, (8, 512, 4)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
@@ -360,25 +369,20 @@ for bits in (8, 4):
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
     triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
 from lmforge.generate import decode_attention as da
-for dtype, head_dim, group in (("bf16", 64, 4), ("bf16", 128, 3), ("fp32", 64, 4)):
+for dtype, head_dim, group, splits in (("bf16", 64, 4, 1), ("bf16", 128, 3, 16), ("fp32", 64, 4, 4)):
     signature = {name: "*" + dtype for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
                                                 "v_cache_ptr", "out_ptr")}
-    signature |= {"positions_ptr": "*i64", "partial_ptr": "*fp32", "stats_ptr": "*fp32"}
+    signature |= {"positions_ptr": "*i64", "partial_ptr": "*fp32", "stats_ptr": "*fp32",
+                  "counts_ptr": "*i32"}
     signature |= {"qkv_row_stride": "i32", "cache_row_stride": "i32", "cache_head_stride": "i32",
-                  "splits": "i32", "scale": "fp32"}
+                  "split_slots": "i32", "splits": "i32", "scale": "fp32"}
     constants = {"HEADS": 8 * group, "KV_HEADS": 8, "HEAD_DIM": head_dim, "GROUP_ROWS": 16,
-                 "SPLIT_SLOTS": da.SPLIT_SLOTS, "BLOCK_SLOTS": da.BLOCK_SLOTS,
-                 "EXACT": dtype == "fp32"}
+                 "SPLITS": splits, "BLOCK_SLOTS": da.BLOCK_SLOTS, "EXACT": dtype == "fp32"}
     signature = {**signature, **{name: "constexpr" for name in constants}}
-    names = list(signature)
     source = ASTSource(da._decode_attention, {n: signature[n] for n in da._decode_attention.arg_names},
                        constexprs=constants)
     triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})
-signature = {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "splits": "i32",
-             "HEAD_DIM": "constexpr", "SPLITS": "constexpr"}
-triton.compile(ASTSource(da._combine, signature, constexprs={"HEAD_DIM": 64, "SPLITS": 16}),
-               target=target)
-print("compiled", len(cases) + 2 + 4)
+print("compiled", len(cases) + 2 + 3)
 """
 
 
@@ -395,4 +399,4 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 16" in done.stdout
+    assert "compiled 15" in done.stdout

@@ -208,18 +208,19 @@ def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
 _ROW_WIDE = [(2, 4, 1), (2, 4, 3), (4, 8, 1), (8, 8, 3)]
 _ROW_HALF = [(4, 4, 3), (8, 8, 3)]
 _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
-# Where the product takes a norm or SiLU·up, every program redoes that work on the whole of x:
-# taller tiles spread it over more rows (at 2 rows, 1B w13 with its norm took 20.1 us against
-# 17.2 without, w2 with SiLU·up 11.0 against 9.2; 2026-12-02). At half the widest width.
-_FUSED = [(16, 8, 3), (32, 8, 3)]
-
+# Where the product takes a norm or SiLU·up (one scale a row): 8 rows a program, 4 warps, won
+# in a search over 2-32 rows, 512-2048 columns, 4/8 warps, 1/3 stages, x as tile or vector
+# (benchmarks/gemv_search.py on an H200, 2026-12-02: 1B w13 with its norm 18.45 us against
+# 19.66 for the best of the plain products' tiles; 3B w13 25.91 against 27.29).
+_FUSED_WIDE = [(8, 4, 3), (8, 8, 3), (4, 4, 3)]
+_FUSED_HALF = [(8, 4, 3), (8, 8, 3)]
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
 _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
 def _gemv_configs() -> list[triton.Config]:
-    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED}
+    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF}
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile}, num_warps=w, num_stages=s)
         for k in _WIDTHS
@@ -247,11 +248,12 @@ def _fits(configs, named_args, **kwargs):
     width = _tile_width(k, group, args["BITS"])
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
+    elif args["NORM"] or args["GATED"]:
+        chosen = {(width, *shape) for shape in _FUSED_WIDE}
+        chosen |= {(width // 2, *shape) for shape in _FUSED_HALF}
     else:
         chosen = {(width, *shape) for shape in _ROW_WIDE}
         chosen |= {(width // 2, *shape) for shape in _ROW_HALF}
-        if args["NORM"] or args["GATED"]:
-            chosen |= {(width // 2, *shape) for shape in _FUSED}
     return [
         c
         for c in configs
