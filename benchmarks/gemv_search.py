@@ -5,8 +5,8 @@ or a vector). Prints, per product, the best tile of the grid against the best of
 autotuner tries today (`_fits`), so that the candidate lists can follow the measurement.
 
 Compiling the grid is most of the work: worker processes compile it into Triton's cache in
-parallel (each launching the kernel once), then one process times every tile, each as 50
-launches replayed in a CUDA graph (kernel time, no launch overhead).
+parallel (each launching the kernel once), then one process times every tile as the autotuner
+does, with L2 flushed before each launch.
 
     python benchmarks/gemv_search.py --out $OUT          # writes gemv_search.json
 """
@@ -103,27 +103,13 @@ def compile_share(share: list[tuple]) -> int:
     return failed
 
 
-def timed(case: tuple, config: dict, launches: int = 50) -> float:
-    """Microseconds a launch, replayed in a CUDA graph."""
-    launch(case, config)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        launch(case, config)  # warm on the side stream, as capture needs
-        stream.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(launches):
-                launch(case, config)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return sorted(times)[2]
+def timed(case: tuple, config: dict) -> float:
+    """Median microseconds of a launch with L2 flushed before each (`triton.testing.do_bench`,
+    as the autotuner times): in a decode step every weight comes from memory. (Replaying 50
+    launches back to back, as the first version did, leaves weights under ~50 MB in L2.)"""
+    import triton.testing
+
+    return triton.testing.do_bench(lambda: launch(case, config), warmup=5, rep=20) * 1e3
 
 
 def autotuner_choices(case: tuple) -> set[tuple]:

@@ -208,10 +208,12 @@ def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
 _ROW_WIDE = [(2, 4, 1), (2, 4, 3), (4, 8, 1), (8, 8, 3)]
 _ROW_HALF = [(4, 4, 3), (8, 8, 3)]
 _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
-# Where the product takes a norm or SiLU·up (one scale a row): 8 rows a program, 4 warps, won
-# in a search over 2-32 rows, 512-2048 columns, 4/8 warps, 1/3 stages, x as tile or vector
-# (benchmarks/gemv_search.py on an H200, 2026-12-02: 1B w13 with its norm 18.45 us against
-# 19.66 for the best of the plain products' tiles; 3B w13 25.91 against 27.29).
+# Where the product takes a norm or SiLU·up (one scale a row), also 8 rows a program with 4
+# warps: the best in a search over 2-32 rows, 512-2048 columns, 4/8 warps, 1/3 stages, x as
+# tile or vector (benchmarks/gemv_search.py on an H200, 2026-12-02, weights warm in L2: 1B w13
+# with its norm 18.45 us against 19.66 for the plain products' tiles). Tried alone in the
+# engine, bf16's products took 0.782 ms of the 1B step instead of 0.803, but int8 decoded 11%
+# slower (1,085 against 1,217 tok/s): the autotuner, which flushes L2, picks among both sets.
 _FUSED_WIDE = [(8, 4, 3), (8, 8, 3), (4, 4, 3)]
 _FUSED_HALF = [(8, 4, 3), (8, 8, 3)]
 
@@ -248,12 +250,12 @@ def _fits(configs, named_args, **kwargs):
     width = _tile_width(k, group, args["BITS"])
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
-    elif args["NORM"] or args["GATED"]:
-        chosen = {(width, *shape) for shape in _FUSED_WIDE}
-        chosen |= {(width // 2, *shape) for shape in _FUSED_HALF}
     else:
         chosen = {(width, *shape) for shape in _ROW_WIDE}
         chosen |= {(width // 2, *shape) for shape in _ROW_HALF}
+    if group >= k and (args["NORM"] or args["GATED"]):
+        chosen |= {(width, *shape) for shape in _FUSED_WIDE}
+        chosen |= {(width // 2, *shape) for shape in _FUSED_HALF}
     return [
         c
         for c in configs
