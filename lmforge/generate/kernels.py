@@ -568,14 +568,16 @@ def use_gemv(model: nn.Module) -> int:
 
 class FusedDecodeBlock:
     """A transformer block whose single-row forward (batch-1 decoding) is four GEMV launches
-    around attention, with the block's other work inside them: each RMSNorm in the product
-    that reads it (wqkv, w13: x times the norm's weight as it is loaded, 1 / rms at the end),
-    SiLU·up as w2 loads its input, the residual adds after wo's and w2's products. Unfused,
-    each of those is a kernel of its own: on an H200 the 1B step had 183 kernels and took
-    1.054 ms, fused 136 and 0.983 ms (one call, torch.profiler; a second call's decode
-    tokens/s were equal within the autotuner's spread). More rows take the block's own
-    forward. A mixin: `use_fused_blocks` swaps a block's class for one deriving from this and
-    the family's own block class, so names and the state dict stay."""
+    around one attention kernel, with the block's other work inside them: each RMSNorm in the
+    product that reads it (wqkv, w13: x times the norm's weight as it is loaded, 1 / rms at the
+    end), SiLU·up as w2 loads its input, the residual adds after wo's and w2's products, and
+    RoPE with the cache write in the attention kernel (`decode_attention`; against a decode
+    step's static cache, otherwise the model's own attention). Unfused, each of those is a
+    kernel of its own: on an H200 the 1B step had 183 kernels and took 1.054 ms; fused with
+    cuDNN's attention 136 and 0.983 ms; with the attention kernel 88 and 0.890 ms (torch.profiler;
+    docs/benchmarks.md). More rows take the block's own forward. A mixin: `use_fused_blocks`
+    swaps a block's class for one deriving from this and the family's own block class, so
+    names and the state dict stay."""
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         if not one_row(x):
