@@ -20,6 +20,7 @@
 #   bash benchmarks/device_calls.sh attention   # one H200: decode with RoPE, cache write and attention in one kernel
 #   bash benchmarks/device_calls.sh search      # one H200: attention splits; the GEMV's tiles over a wide grid
 #   bash benchmarks/device_calls.sh final       # one H200: the attention kernel checked on the GPU; decode 1B/3B
+#   bash benchmarks/device_calls.sh verify      # one H200: as final, with the autotuner's picks and a 2,000-token prompt
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -30,9 +31,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -290,6 +291,29 @@ final)
   tail -n 4 "$OUT/check.log"
   grep '^{' "$OUT/decode-1b.log" | cut -c1-330
   grep '^{' "$OUT/decode-3b.log" | cut -c1-330
+  grep -A 8 "^== " "$OUT/profile.log" | cut -c1-200
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+verify)
+  # the code as session 14 left it (measured in parts only): the attention kernel on the GPU
+  # against SDPA; decode of the 1B and 3B in bf16 and int8 with the autotuner's picks printed;
+  # the 1B in bf16 after a 2,000-token prompt (9 splits and the merge kernel) beside cuDNN's
+  # attention; the 1B bf16 step profiled
+  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k decode_attention_equals
+  TRITON_PRINT_AUTOTUNING=1 step 150 decode-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/1b"
+  step 150 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  step 120 long python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-unfused-blocks --schemes bf16 --prompt-len 2000 \
+    --new-tokens 128 --repeats 2 --out "$OUT/long"
+  step 80 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default --out /tmp/traces
+  tail -n 2 "$OUT/check.log"
+  grep '^{' "$OUT/decode-1b.log" "$OUT/decode-3b.log" "$OUT/long.log" | cut -c1-330
+  grep -h -B1 "best config" "$OUT/decode-1b.log" | grep -v "^--" | cut -c1-120
   grep -A 8 "^== " "$OUT/profile.log" | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
