@@ -313,7 +313,7 @@ verify)
     --variants default --out /tmp/traces
   tail -n 2 "$OUT/check.log"
   grep '^{' "$OUT/decode-1b.log" "$OUT/decode-3b.log" "$OUT/long.log" | cut -c1-330
-  grep -h -B1 "best config" "$OUT/decode-1b.log" | grep -v "^--" | cut -c1-120
+  grep -h -B2 "best config" "$OUT/decode-1b.log" | grep -v "^--\|^finished" | cut -c1-120
   grep -A 8 "^== " "$OUT/profile.log" | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
