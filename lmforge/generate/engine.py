@@ -311,8 +311,9 @@ class Engine:
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
-            its batch-1 forward is four GEMV launches around attention, the norms, SiLU·up and
-            residual adds inside them (`FusedDecodeBlock`).
+            its batch-1 forward is four GEMV launches, the norms, SiLU·up and residual adds
+            inside them, around one attention kernel that also applies RoPE and writes the
+            cache (`FusedDecodeBlock`, lmforge/generate/decode_attention.py).
     """
 
     def __init__(
