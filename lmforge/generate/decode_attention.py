@@ -92,8 +92,8 @@ def _decode_attention(
     q = _rope(qkv, heads_at + d[None, :], heads_at + rotated[None, :], cos, sin, sign)
     dtype = k_cache_ptr.dtype.element_ty
     q = q.to(dtype)  # [GROUP_ROWS, HEAD_DIM], as the cache's keys: the dots' inputs
-    k_cache = k_cache_ptr + row * cache_row_stride + kv_head * cache_head_stride
-    v_cache = v_cache_ptr + row * cache_row_stride + kv_head * cache_head_stride
+    head_at = row.to(tl.int64) * cache_row_stride + kv_head * cache_head_stride  # (> 2^31)
+    k_cache, v_cache = k_cache_ptr + head_at, v_cache_ptr + head_at
 
     top = tl.full([GROUP_ROWS], float("-inf"), tl.float32)  # running max of the scores
     total = tl.zeros([GROUP_ROWS], tl.float32)  # running sum of exp2(score - top)
