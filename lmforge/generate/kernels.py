@@ -251,11 +251,10 @@ def _fits(configs, named_args, **kwargs):
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
     else:
-        chosen = {(width, *shape) for shape in _ROW_WIDE}
-        chosen |= {(width // 2, *shape) for shape in _ROW_HALF}
-    if group >= k and (args["NORM"] or args["GATED"]):
-        chosen |= {(width, *shape) for shape in _FUSED_WIDE}
-        chosen |= {(width // 2, *shape) for shape in _FUSED_HALF}
+        wide, half = _ROW_WIDE, _ROW_HALF
+        if args["NORM"] or args["GATED"]:
+            wide, half = wide + _FUSED_WIDE, half + _FUSED_HALF
+        chosen = {(width, *shape) for shape in wide} | {(width // 2, *shape) for shape in half}
     return [
         c
         for c in configs
@@ -584,33 +583,35 @@ class FusedDecodeBlock:
             return super().forward(x, cos, sin, attn_mask, kv_cache)
         attention, ffn = self.attention, self.feed_forward
         qkv = attention.wqkv.matvec(x, norm=self.attention_norm)
-        if _cached_attention(attention, kv_cache):
-            kv_len = kv_cache.k.shape[2] if kv_cache.slots is None else kv_cache.slots.shape[0]
-            heads = decode_attention(
-                qkv.view(1, -1),
-                cos.view(1, -1),
-                sin.view(1, -1),
-                kv_cache.k,
-                kv_cache.v,
-                kv_cache.positions.view(1),
-                attention.fused_sizes[0] // attention.head_dim,
-                kv_len,
-            ).view(1, 1, -1)
-        else:  # a prefill's view of the cache, no cache, or shapes the kernel does not take
-            q, k, v = qkv.split(attention.fused_sizes, dim=-1)
-            heads = attention.attend(q, k, v, cos, sin, attn_mask, kv_cache)
+        heads = _attend_one_row(attention, qkv, cos, sin, attn_mask, kv_cache)
         h = attention.wo.matvec(heads, residual=x)
         gate_up = ffn.w13.matvec(h, norm=self.ffn_norm)
         return ffn.w2.matvec(gate_up, gated=True, residual=h)
 
 
-def _cached_attention(attention: nn.Module, kv_cache) -> bool:
-    """Whether a decoding row's attention runs in `decode_attention` (RoPE, the cache write and
-    attention in one kernel): against a decode step's static cache, without per-head norms."""
-    if not isinstance(kv_cache, StaticKVCache) or attention.q_norm is not None:
-        return False
+def _attend_one_row(attention: nn.Module, qkv, cos, sin, attn_mask, kv_cache) -> torch.Tensor:
+    """A decoding row's attention of its fused projections qkv [1, 1, ...] -> [1, 1, heads *
+    head_dim]: RoPE, the cache write and attention in one kernel (`decode_attention`) against
+    a decode step's static cache without per-head norms; otherwise (a prefill's view of the
+    cache, no cache, shapes the kernel does not take) the model's own `attend`."""
     heads = attention.fused_sizes[0] // attention.head_dim
-    return supported(heads, kv_cache.k.shape[1], attention.head_dim)
+    if (
+        isinstance(kv_cache, StaticKVCache)
+        and attention.q_norm is None
+        and supported(heads, kv_cache.k.shape[1], attention.head_dim)
+    ):
+        return decode_attention(
+            qkv.view(1, -1),
+            cos.view(1, -1),
+            sin.view(1, -1),
+            kv_cache.k,
+            kv_cache.v,
+            kv_cache.positions.view(1),
+            heads,
+            kv_cache.kv_len,
+        ).view(1, 1, -1)
+    q, k, v = qkv.split(attention.fused_sizes, dim=-1)
+    return attention.attend(q, k, v, cos, sin, attn_mask, kv_cache)
 
 
 @cache

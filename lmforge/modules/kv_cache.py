@@ -51,11 +51,15 @@ class StaticKVCache:
         self.positions: torch.Tensor | None = None  # [b, s] slots the next update writes
         self.slots: torch.Tensor | None = None  # [kv_len] slots it returns (None: all)
 
+    @property
+    def kv_len(self) -> int:
+        """The slots the next forward reads: `slots`' size, or all max_seq_len."""
+        return self.k.shape[2] if self.slots is None else self.slots.shape[0]
+
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v [b, kv_heads, s, head_dim] at `positions`; return rows 0..b-1 of the cache
         at slots 0..kv_len-1, [b, kv_heads, kv_len, head_dim] each."""
-        batch = k.shape[0]
-        kv_len = self.k.shape[2] if self.slots is None else self.slots.shape[0]
+        batch, kv_len = k.shape[0], self.kv_len
         rows = torch.arange(batch, device=k.device)[:, None]  # [b, 1], broadcast over s
         # Indexing rows [b, 1] and slots [b, s] around the head slice puts the indexed dims first:
         # the target is [b, s, kv_heads, head_dim], hence the transposed values.
