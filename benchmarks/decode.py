@@ -21,6 +21,7 @@ limit per command, run one preset per command. Writes decode.json to --out ($OUT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -38,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from lmforge.api import build_model, save_state
-from lmforge.generate import Generator, SamplingParams
+from lmforge.generate import Generator, SamplingParams, early_launch, kernels
 from lmforge.generate.generate import weight_bytes
 from lmforge.models.llama import get_preset
 
@@ -127,6 +128,8 @@ VARIANTS = (
     "lmforge-torchao",  # quantized linears through torchao's kernels, not lmforge's
     "lmforge-inductor",  # plain weights' batch-1 products as inductor's reductions, no GEMV
     "lmforge-unfused-blocks",  # the GEMVs without the norms, SiLU·up and residual adds inside
+    "lmforge-no-early",  # the step's kernels launched only after the one before has finished
+    "lmforge-no-prefetch",  # launched early, but the GEMV asks for no weights before its wait
     "hf",
     "hf-static",
 )
@@ -156,6 +159,19 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
     del source, target
     _cleanup()
     return 2 * num_bytes * iterations / seconds
+
+
+@contextlib.contextmanager
+def launch_context(variant: str):
+    """The kernels' launch for `variant`: `-no-early` launches each after the one before has
+    finished; `-no-prefetch` early, without the GEMV's weights asked for before its wait."""
+    saved = early_launch.ENABLED, kernels.PREFETCH
+    early_launch.ENABLED = not variant.endswith("-no-early")
+    kernels.PREFETCH = not variant.endswith(("-no-early", "-no-prefetch"))
+    try:
+        yield
+    finally:
+        early_launch.ENABLED, kernels.PREFETCH = saved
 
 
 def _peak_gb() -> float | None:
@@ -309,19 +325,20 @@ def main() -> None:
                 try:
                     model = make_model(preset, scheme)
                     num_bytes = weight_bytes(model)
-                    decode, overall, tokens = bench_lmforge(
-                        model,
-                        prompt,
-                        args.new_tokens,
-                        args.repeats,
-                        compile=variant != "lmforge-eager" and DEVICE == "cuda",
-                        fuse=variant != "lmforge-unfused",
-                        tune=variant != "lmforge-untuned",
-                        autotune=variant == "lmforge-autotune",
-                        kernels=variant != "lmforge-torchao",
-                        gemv=variant != "lmforge-inductor",
-                        fuse_blocks=variant not in ("lmforge-inductor", "lmforge-unfused-blocks"),
-                    )
+                    with launch_context(variant):
+                        decode, overall, tokens = bench_lmforge(
+                            model,
+                            prompt,
+                            args.new_tokens,
+                            args.repeats,
+                            compile=variant != "lmforge-eager" and DEVICE == "cuda",
+                            fuse=variant != "lmforge-unfused",
+                            tune=variant != "lmforge-untuned",
+                            autotune=variant == "lmforge-autotune",
+                            kernels=variant != "lmforge-torchao",
+                            gemv=variant != "lmforge-inductor",
+                            fuse_blocks=variant not in ("lmforge-inductor", "lmforge-unfused-blocks"),
+                        )
                     if scheme == "bf16":
                         if reference is not None:  # another bf16 variant: same tokens?
                             row["same_tokens_as_first"] = _agreement(reference, tokens)
@@ -397,19 +414,19 @@ def main() -> None:
         f"{bandwidth / 1e12:.2f} TB/s; decode = prefill excluded, overall = included"
     )
     header = (
-        f"{'preset':13s} {'variant':20s} {'weights':>8s} {'limit':>7s} {'decode':>8s} "
+        f"{'preset':13s} {'variant':26s} {'weights':>8s} {'limit':>7s} {'decode':>8s} "
         f"{'overall':>8s} {'% limit':>8s} {'GB/s':>6s} {'peak GB':>8s}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         if "error" in row:
-            print(f"{row['preset']:13s} {row['variant']:20s} FAILED {row['error'][:60]}")
+            print(f"{row['preset']:13s} {row['variant']:26s} FAILED {row['error'][:60]}")
             continue
         decode = f"{row['decode_tok_s']:8.0f}" if "decode_tok_s" in row else f"{'-':>8s}"
         peak = f"{row['peak_mem_gb']:8.2f}" if row["peak_mem_gb"] is not None else f"{'-':>8s}"
         print(
-            f"{row['preset']:13s} {row['variant']:20s} {row['weight_gb']:6.2f}GB "
+            f"{row['preset']:13s} {row['variant']:26s} {row['weight_gb']:6.2f}GB "
             f"{row['limit_tok_s']:7d} {decode} {row['overall_tok_s']:8.0f} "
             f"{row['pct_of_limit']:7.1f}% {row['bandwidth_gb_s']:6d} {peak}"
         )

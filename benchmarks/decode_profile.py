@@ -19,7 +19,9 @@ than N operations, e.g. SiLU·up and the normalized activations, as buffers of t
 recomputing them inside every row of the matrix-vector product that reads them); sdpa-math (attention traced through the math backend,
 so inductor writes its kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or the cache may
 serve the default graph); attention-split-N (the fused blocks' attention kernel reads at most N
-cache slots a program, default 256: more programs, then a kernel that merges them).
+cache slots a program, default 256: more programs, then a kernel that merges them); no-early
+(each kernel launched only after the one before has finished; lmforge/generate/early_launch.py);
+no-prefetch (launched early, but the GEMV asks for no weights before its wait).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import autotuned
-from benchmarks.decode import SCHEMES, make_model
+from benchmarks.decode import SCHEMES, launch_context, make_model
 from benchmarks.trace_summary import summarize
 from lmforge.generate import Generator, SamplingParams
 
@@ -106,6 +108,8 @@ def variant_context(variant: str):
         from lmforge.generate import decode_attention
 
         return _patched(decode_attention, "SPLIT_SLOTS", int(variant.rsplit("-", 1)[1]))
+    if variant in ("no-early", "no-prefetch"):
+        return launch_context(variant)
     if variant == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -136,6 +140,8 @@ def main() -> None:
             "sdpa-math",
             "attention-split-32",
             "attention-split-64",
+            "no-early",
+            "no-prefetch",
             "realize-0",
             "realize-4",
             "realize-8",

@@ -21,6 +21,7 @@
 #   bash benchmarks/device_calls.sh search      # one H200: attention splits; the GEMV's tiles over a wide grid
 #   bash benchmarks/device_calls.sh final       # one H200: the attention kernel checked on the GPU; decode 1B/3B
 #   bash benchmarks/device_calls.sh verify      # one H200: as final, with the autotuner's picks and a 2,000-token prompt
+#   bash benchmarks/device_calls.sh early       # one H200: kernels launched early, weights asked for first, or not
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -31,9 +32,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -333,6 +334,25 @@ tp)
   step 580 tp python3 benchmarks/tp_inference.py --rows eval-tp2 eval-tp1 generate-tp1 \
     generate-tp2 --work /tmp/tp-work --out "$OUT"
   tail -n 14 "$OUT/tp.log"
+  ;;
+early)
+  # programmatic dependent launch (early_launch.py): the GPU check of the attention kernel
+  # launched early; decode of the 1B (bf16: early with prefetch, early alone, neither; int8:
+  # early or not) and the 3B bf16 (early or not); the 1B bf16 step profiled, early or not
+  step 60 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k decode_attention_equals
+  step 280 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-no-early lmforge-no-prefetch --schemes bf16 int8-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  step 130 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b \
+    --variants lmforge lmforge-no-early --schemes bf16 --new-tokens 128 --repeats 2 \
+    --out "$OUT/3b"
+  step 120 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes bf16 \
+    --variants default no-early --out /tmp/traces
+  tail -n 2 "$OUT/check.log"
+  grep -h '^{' "$OUT/decode-1b.log" "$OUT/decode-3b.log" | cut -c1-330
+  grep -A 8 "^== " "$OUT/profile.log" | cut -c1-200
+  grep -h -c Traceback "$OUT"/*.log || true
   ;;
 train)
   # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x)

@@ -343,7 +343,8 @@ from lmforge.generate import kernels
 
 target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
-flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE"]
+flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
+         "PREFETCH"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -356,12 +357,16 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
     signature |= {"N": "i32", "K": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags}
     constants = {"GROUP": group, "BITS": bits, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    constants["X_TILE"] = x_tile
+    early = fusions != ""  # launched early (the fused products), asking for the weights first
+    constants |= {"X_TILE": x_tile, "EARLY": early, "PREFETCH": early}
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N", "K"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
-    triton.compile(source, target=target, options={"num_warps": warps, "num_stages": 3})
+    options = {"num_warps": warps, "num_stages": 3, "launch_pdl": early}
+    ptx = triton.compile(source, target=target, options=options).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == early, (bits, fusions)
+    assert ("cp.async.bulk.prefetch.L2" in ptx) == early, (bits, fusions)
 for bits in (8, 4):
     signature = {"w_ptr": "*i8" if bits == 8 else "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                  "out_ptr": "*bf16", "N": "i32", "K": "i32"}
@@ -376,15 +381,17 @@ for dtype, head_dim, group in (("bf16", 64, 4), ("bf16", 128, 3), ("fp32", 64, 4
     signature |= {"qkv_row_stride": "i32", "cache_row_stride": "i32", "cache_head_stride": "i32",
                   "split_slots": "i32", "splits": "i32", "scale": "fp32"}
     constants = {"HEADS": 8 * group, "KV_HEADS": 8, "HEAD_DIM": head_dim, "GROUP_ROWS": 16,
-                 "BLOCK_SLOTS": da.BLOCK_SLOTS, "EXACT": dtype == "fp32"}
+                 "BLOCK_SLOTS": da.BLOCK_SLOTS, "EXACT": dtype == "fp32", "EARLY": dtype == "bf16"}
     signature = {**signature, **{name: "constexpr" for name in constants}}
     source = ASTSource(da._decode_attention, {n: signature[n] for n in da._decode_attention.arg_names},
                        constexprs=constants)
-    triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})
+    options = {"num_warps": 4, "num_stages": 2, "launch_pdl": constants["EARLY"]}
+    ptx = triton.compile(source, target=target, options=options).asm["ptx"]
+    assert ("griddepcontrol.launch_dependents" in ptx) == constants["EARLY"]
 signature = {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "splits": "i32",
-             "HEAD_DIM": "constexpr", "SPLITS": "constexpr"}
-triton.compile(ASTSource(da._combine, signature, constexprs={"HEAD_DIM": 64, "SPLITS": 32}),
-               target=target)
+             "HEAD_DIM": "constexpr", "SPLITS": "constexpr", "EARLY": "constexpr"}
+source = ASTSource(da._combine, signature, constexprs={"HEAD_DIM": 64, "SPLITS": 32, "EARLY": True})
+assert "griddepcontrol.wait" in triton.compile(source, target=target).asm["ptx"]
 print("compiled", len(cases) + 2 + 4)
 """
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmforge.generate.early_launch import early_launch, wait_for_previous
+
 SPLIT_SLOTS = 256  # cache slots a program reads at least (more slots: more programs)
 MAX_SPLITS = 32  # programs a row and head at most (more slots: more slots a program)
 BLOCK_SLOTS = 64  # slots a loop step reads
@@ -76,7 +78,9 @@ def _decode_attention(
     GROUP_ROWS: tl.constexpr,
     BLOCK_SLOTS: tl.constexpr,
     EXACT: tl.constexpr,  # float32 dots (a float32 cache; the interpreter)
+    EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
 ):
+    wait_for_previous(EARLY)
     row_head, split = tl.program_id(0), tl.program_id(1)
     row, kv_head = row_head // KV_HEADS, row_head % KV_HEADS
     group: tl.constexpr = HEADS // KV_HEADS
@@ -144,8 +148,17 @@ def _decode_attention(
 
 
 @triton.jit
-def _combine(partial_ptr, stats_ptr, out_ptr, splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+def _combine(
+    partial_ptr,
+    stats_ptr,
+    out_ptr,
+    splits,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     """One (row, head): the splits' parts weighed by their running maxima."""
+    wait_for_previous(EARLY)
     head = tl.program_id(0)
     s = tl.arange(0, SPLITS)
     ok = s < splits
@@ -193,6 +206,8 @@ def decode_attention(
     split_slots = blocks * BLOCK_SLOTS
     splits = triton.cdiv(kv_len, split_slots)
     partial = stats = out  # (any pointer where unused)
+    early = early_launch(qkv.device)
+    launch = {"launch_pdl": True} if early else {}
     if splits > 1:
         partial = qkv.new_empty(batch, heads, splits, head_dim, dtype=torch.float32)
         stats = qkv.new_empty(batch, heads, splits, 2, dtype=torch.float32)
@@ -218,12 +233,16 @@ def decode_attention(
         GROUP_ROWS=GROUP_ROWS,
         BLOCK_SLOTS=BLOCK_SLOTS,
         EXACT=k_cache.dtype == torch.float32 or FLOAT32_DOTS,
+        EARLY=early,
         num_warps=4,
         num_stages=2,
+        **launch,
     )
     if splits > 1:
         block = triton.next_power_of_2(splits)
-        _combine[(batch * heads,)](partial, stats, out, splits, HEAD_DIM=head_dim, SPLITS=block)
+        _combine[(batch * heads,)](
+            partial, stats, out, splits, HEAD_DIM=head_dim, SPLITS=block, EARLY=early, **launch
+        )
     return out
 
 

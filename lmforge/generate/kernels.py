@@ -39,9 +39,11 @@ import triton.language as tl
 from torch import nn
 
 from lmforge.generate.decode_attention import decode_attention, supported
+from lmforge.generate.early_launch import early_launch, prefetch_l2, wait_for_previous
 from lmforge.modules.kv_cache import StaticKVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PREFETCH = True  # launched early, a GEMV asks for its weights before its wait (benchmarks: off)
 
 
 @triton.jit
@@ -64,10 +66,17 @@ def _gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # stored columns a tile reads (within one group)
     X_TILE: tl.constexpr,  # x loaded as the weight tile's shape (not with GATED; `_x_tile`)
+    EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
+    PREFETCH: tl.constexpr,  # (EARLY) ask for the program's weights in L2 before the wait
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(0) * BLOCK_N
+    rows = first + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     stored = K // 2 if BITS == 4 else K  # columns a row stores
+    if PREFETCH:  # no kernel of the step writes the weights: they may come before the wait
+        row_bytes = stored * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        prefetch_l2(w_ptr + first * stored, tl.minimum(N - first, BLOCK_N) * row_bytes)
+    wait_for_previous(EARLY)
     groups = K // GROUP
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
@@ -268,7 +277,7 @@ if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs 
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
-        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL"],
+        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "EARLY", "PREFETCH"],
         prune_configs_by={"early_config_prune": _fits},
     )(_gemv)
 
@@ -288,6 +297,9 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
     group = k // scale.shape[1] if scale is not None and scale.numel() else k
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    early = early_launch(x.device)
+    # the bulk prefetch takes 16-byte aligned addresses and sizes
+    aligned = w.data_ptr() % 16 == 0 and stored * w.element_size() % 16 == 0
     _gemv_tuned[grid](
         x.contiguous(),
         w,
@@ -304,7 +316,10 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         NORM=norm is not None,
         GATED=gated,
         RESIDUAL=residual is not None,
+        EARLY=early,
+        PREFETCH=early and PREFETCH and aligned,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
+        **({"launch_pdl": True} if early else {}),
     )
     return y
 

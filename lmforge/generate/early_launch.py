@@ -1,0 +1,69 @@
+"""Programmatic dependent launch for the batch-1 decode step's kernels (Hopper and later).
+
+A CUDA stream starts a kernel only when the one before it has finished, so each of the step's
+~90 short kernels begins with an empty GPU: its programs are scheduled, then read their first
+bytes, while nothing else runs. Launched with the programmatic-serialization attribute
+(`launch_pdl`), a kernel starts once every program of the kernel before it has started, and
+runs until `gdc_wait`, which returns when that kernel has finished and its writes are
+visible. Before the wait a kernel may only touch what no kernel of the step writes: the GEMV
+asks for its weights there (`prefetch_l2`), so they stream while the previous kernel finishes.
+
+Every kernel launched early waits before it reads or writes anything else, so a kernel's
+completion still implies its predecessors' (the wait cannot return sooner), and a kernel
+launched normally after one of these sees a stream in order. CUDA graphs record the attribute
+as a programmatic edge (CUDA 12.3 and later).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = True  # benchmarks switch it off to measure what it gives
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def early_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch early (`launch_pdl`, `EARLY`): sm_90 and later."""
+    if not ENABLED or INTERPRETED or device.type != "cuda":
+        return False
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def wait_for_previous(EARLY: tl.constexpr):
+    """Wait until the kernel before has finished (its writes visible), then let the next one
+    launch: every program of this kernel is running by the time the next one's start."""
+    if EARLY:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Ask for `nbytes` (a multiple of 16) from `ptr` (16-byte aligned) into L2 in one bulk
+    request (sm_90's cp.async.bulk.prefetch), issued by the program's first thread."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred first;
+        .reg .u32 thread;
+        mov.u32 thread, %tid.x;
+        setp.eq.u32 first, thread, 0;
+        @first cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r",
+        [ptr, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
