@@ -129,11 +129,12 @@ VARIANTS = (
     "lmforge-inductor",  # plain weights' batch-1 products as inductor's reductions, no GEMV
     "lmforge-unfused-blocks",  # the GEMVs without the norms, SiLU·up and residual adds inside
     "lmforge-no-early",  # the step's kernels launched only after the one before has finished
-    "lmforge-no-prefetch",  # launched early, but the GEMV asks for no weights before its wait
+    "lmforge-no-preload",  # launched early, but the GEMV loads no weights before its wait
     "hf",
     "hf-static",
 )
 DEFAULT_VARIANTS = ("lmforge", "hf", "hf-static")
+UNFUSED_BLOCKS = ("lmforge-inductor", "lmforge-unfused-blocks")
 DEVICE = "cuda"  # --device
 
 
@@ -163,15 +164,15 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
 
 @contextlib.contextmanager
 def launch_context(variant: str):
-    """The kernels' launch for `variant`: `-no-early` launches each after the one before has
-    finished; `-no-prefetch` early, without the GEMV's weights asked for before its wait."""
-    saved = early_launch.ENABLED, kernels.PREFETCH
-    early_launch.ENABLED = not variant.endswith("-no-early")
-    kernels.PREFETCH = not variant.endswith(("-no-early", "-no-prefetch"))
+    """The kernels' launch for `variant`: `...no-early` launches each after the one before has
+    finished; `...no-preload` early, without the GEMV's first weight tile before its wait."""
+    saved = early_launch.ENABLED, kernels.PRELOAD
+    early_launch.ENABLED = not variant.endswith("no-early")
+    kernels.PRELOAD = not variant.endswith(("no-early", "no-preload"))
     try:
         yield
     finally:
-        early_launch.ENABLED, kernels.PREFETCH = saved
+        early_launch.ENABLED, kernels.PRELOAD = saved
 
 
 def _peak_gb() -> float | None:
@@ -337,7 +338,7 @@ def main() -> None:
                             autotune=variant == "lmforge-autotune",
                             kernels=variant != "lmforge-torchao",
                             gemv=variant != "lmforge-inductor",
-                            fuse_blocks=variant not in ("lmforge-inductor", "lmforge-unfused-blocks"),
+                            fuse_blocks=variant not in UNFUSED_BLOCKS,
                         )
                     if scheme == "bf16":
                         if reference is not None:  # another bf16 variant: same tokens?

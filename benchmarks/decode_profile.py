@@ -21,7 +21,7 @@ so inductor writes its kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or t
 serve the default graph); attention-split-N (the fused blocks' attention kernel reads at most N
 cache slots a program, default 256: more programs, then a kernel that merges them); no-early
 (each kernel launched only after the one before has finished; lmforge/generate/early_launch.py);
-no-prefetch (launched early, but the GEMV asks for no weights before its wait).
+no-preload (launched early, but the GEMV loads no weights before its wait).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -108,7 +108,7 @@ def variant_context(variant: str):
         from lmforge.generate import decode_attention
 
         return _patched(decode_attention, "SPLIT_SLOTS", int(variant.rsplit("-", 1)[1]))
-    if variant in ("no-early", "no-prefetch"):
+    if variant in ("no-early", "no-preload"):
         return launch_context(variant)
     if variant == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -141,7 +141,7 @@ def main() -> None:
             "attention-split-32",
             "attention-split-64",
             "no-early",
-            "no-prefetch",
+            "no-preload",
             "realize-0",
             "realize-4",
             "realize-8",

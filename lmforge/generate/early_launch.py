@@ -6,7 +6,9 @@ bytes, while nothing else runs. Launched with the programmatic-serialization att
 (`launch_pdl`), a kernel starts once every program of the kernel before it has started, and
 runs until `gdc_wait`, which returns when that kernel has finished and its writes are
 visible. Before the wait a kernel may only touch what no kernel of the step writes: the GEMV
-asks for its weights there (`prefetch_l2`), so they stream while the previous kernel finishes.
+loads its first weight tile there (`kernels.PRELOAD`). Asking for a program's whole weights
+in L2 there instead (one bulk prefetch a program) made the step slower on an H200: 1B bf16
+1,034 tok/s against 1,148 launched early without it and 1,108 not early (docs/benchmarks.md).
 
 Every kernel launched early waits before it reads or writes anything else, so a kernel's
 completion still implies its predecessors' (the wait cannot return sooner), and a kernel
@@ -36,7 +38,8 @@ def early_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch early (`launch_pdl`, `EARLY`): sm_90 and later."""
     if not ENABLED or INTERPRETED or device.type != "cuda":
         return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _hopper_or_later(index)
 
 
 @triton.jit
@@ -46,24 +49,3 @@ def wait_for_previous(EARLY: tl.constexpr):
     if EARLY:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask for `nbytes` (a multiple of 16) from `ptr` (16-byte aligned) into L2 in one bulk
-    request (sm_90's cp.async.bulk.prefetch), issued by the program's first thread."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred first;
-        .reg .u32 thread;
-        mov.u32 thread, %tid.x;
-        setp.eq.u32 first, thread, 0;
-        @first cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r",
-        [ptr, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

@@ -39,11 +39,12 @@ import triton.language as tl
 from torch import nn
 
 from lmforge.generate.decode_attention import decode_attention, supported
-from lmforge.generate.early_launch import early_launch, prefetch_l2, wait_for_previous
+from lmforge.generate.early_launch import early_launch, wait_for_previous
 from lmforge.modules.kv_cache import StaticKVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-PREFETCH = True  # launched early, a GEMV asks for its weights before its wait (benchmarks: off)
+ASSEMBLY = tl.constexpr(not INTERPRETED)  # inline PTX in the kernels (not on the CPU)
+PRELOAD = True  # launched early, a GEMV loads its first weight tile before its wait
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _gemv(
     residual_ptr,  # [N] (RESIDUAL)
     y_ptr,  # [N]
     N,
-    K,
+    K: tl.constexpr,  # (compiled for each: the loop and the scales' layout are static)
     eps,  # RMSNorm's (NORM)
     GROUP: tl.constexpr,  # columns a scale covers (K for one per row)
     BITS: tl.constexpr,
@@ -67,43 +68,28 @@ def _gemv(
     BLOCK_K: tl.constexpr,  # stored columns a tile reads (within one group)
     X_TILE: tl.constexpr,  # x loaded as the weight tile's shape (not with GATED; `_x_tile`)
     EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
-    PREFETCH: tl.constexpr,  # (EARLY) ask for the program's weights in L2 before the wait
+    PRELOAD: tl.constexpr,  # (EARLY) load the first weight tile before the wait
 ):
-    first = tl.program_id(0) * BLOCK_N
-    rows = first + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     stored = K // 2 if BITS == 4 else K  # columns a row stores
-    if PREFETCH:  # no kernel of the step writes the weights: they may come before the wait
-        row_bytes = stored * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_l2(w_ptr + first * stored, tl.minimum(N - first, BLOCK_N) * row_bytes)
-    wait_for_previous(EARLY)
-    groups = K // GROUP
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
-    for k0 in range(0, stored, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(
-            w_ptr + rows[:, None] * stored + cols[None, :],
-            mask=row_ok[:, None],
-            other=0,
-            eviction_policy="evict_first",  # read once; x stays cached
-        )
-        x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
-        if BITS == 16:
-            acc += w.to(tl.float32) * x
-        elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
-            acc += _int8_values(w) * x
-        elif BITS == 8:
-            scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
-            acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x
-        else:
-            high_cols = stored + cols
-            x_high, squares = _input(
-                x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE
-            )
-            acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, rows * groups + k0 // GROUP, row_ok)
-            high = rows * groups + (stored + k0) // GROUP
-            acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
+    if PRELOAD:  # no kernel of the step writes the weights: they may come before the wait
+        w = _weights(w_ptr, rows, row_ok, stored, 0, BLOCK_K)
+    wait_for_previous(EARLY)
+    if PRELOAD:
+        acc, squares = _accumulate(
+            acc, squares, w, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            BITS, NORM, GATED, BLOCK_K, X_TILE,
+        )  # fmt: skip
+    for k0 in range(BLOCK_K if PRELOAD else 0, stored, BLOCK_K):
+        w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
+        acc, squares = _accumulate(
+            acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            BITS, NORM, GATED, BLOCK_K, X_TILE,
+        )  # fmt: skip
+    groups = K // GROUP
     y = tl.sum(acc, axis=1)
     if NORM:  # the norm's 1 / rms scales the whole product: applied once, at the end
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
@@ -113,6 +99,44 @@ def _gemv(
         residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
+    """The weight tile [rows, k0:k0 + BLOCK_K] as stored."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(
+        w_ptr + rows[:, None] * stored + cols[None, :],
+        mask=row_ok[:, None],
+        other=0,
+        eviction_policy="evict_first",  # read once; x stays cached
+    )
+
+
+@triton.jit
+def _accumulate(
+    acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP, BITS,
+    NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr,
+):  # fmt: skip
+    """acc + the weight tile w (stored columns k0..) times its inputs, and `squares` + x^2."""
+    stored = K // 2 if BITS == 4 else K
+    groups = K // GROUP
+    cols = k0 + tl.arange(0, BLOCK_K)
+    x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
+    if BITS == 16:
+        acc += w.to(tl.float32) * x
+    elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
+        acc += _int8_values(w) * x
+    elif BITS == 8:
+        scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
+        acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x
+    else:
+        high_cols = stored + cols
+        x_high, squares = _input(x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE)
+        acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, rows * groups + k0 // GROUP, row_ok)
+        high = rows * groups + (stored + k0) // GROUP
+        acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
+    return acc, squares
 
 
 @triton.jit
@@ -157,10 +181,33 @@ def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl
 @triton.jit
 def _int8_values(q):
     """int8 [rows, cols] as exact fp32 without the integer-to-float converter (a quarter of
-    the FMA rate): as bits, 2^23 + 128 + q is 0x4B000000 | (q ^ 0x80). 1B w2 on an H200: 7.28
-    against 8.50 us; the other products within 10% (benchmarks/gemv.py)."""
-    bits = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
-    return bits.to(tl.float32, bitcast=True) - 8388736.0
+    the FMA rate): as bits, 2^23 + 128 + q is 0x4B000000 | (q ^ 0x80). Four at a time from
+    the register that holds them: one xor makes each byte q + 128, a byte permute sets each
+    into 0x4B0000__, a subtraction leaves q (Triton's own code for the same arithmetic took
+    twice the instructions a weight: a byte extract, an xor and a subtraction each, compiled
+    for sm_90). The interpreter runs no PTX: there, the same in Triton."""
+    if not ASSEMBLY:
+        bits = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 biased;
+        xor.b32 biased, $4, 0x80808080;
+        prmt.b32 $0, biased, 0x4B000000, 0x7540;
+        prmt.b32 $1, biased, 0x4B000000, 0x7541;
+        prmt.b32 $2, biased, 0x4B000000, 0x7542;
+        prmt.b32 $3, biased, 0x4B000000, 0x7543;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""",
+        "=r,=r,=r,=r,r",
+        [q],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -277,7 +324,7 @@ if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs 
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
-        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "EARLY", "PREFETCH"],
+        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "EARLY", "PRELOAD"],
         prune_configs_by={"early_config_prune": _fits},
     )(_gemv)
 
@@ -298,8 +345,6 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     early = early_launch(x.device)
-    # the bulk prefetch takes 16-byte aligned addresses and sizes
-    aligned = w.data_ptr() % 16 == 0 and stored * w.element_size() % 16 == 0
     _gemv_tuned[grid](
         x.contiguous(),
         w,
@@ -317,7 +362,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         GATED=gated,
         RESIDUAL=residual is not None,
         EARLY=early,
-        PREFETCH=early and PREFETCH and aligned,
+        PRELOAD=early and PRELOAD,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
         **({"launch_pdl": True} if early else {}),
     )
