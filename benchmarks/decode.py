@@ -130,6 +130,7 @@ VARIANTS = (
     "lmforge-unfused-blocks",  # the GEMVs without the norms, SiLU·up and residual adds inside
     "lmforge-no-early",  # the step's kernels launched only after the one before has finished
     "lmforge-no-preload",  # launched early, but the GEMV loads no weights before its wait
+    "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "hf",
     "hf-static",
 )
@@ -165,10 +166,15 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
 @contextlib.contextmanager
 def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
-    finished; `...no-preload` early, without the GEMV's first weight tile before its wait."""
+    finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
+    wait; `...preload-1` with one tile (the engine: two). The GEMV's tiles are tuned once a
+    shape and process, so variants in one process run the same tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD
     early_launch.ENABLED = not variant.endswith("no-early")
-    kernels.PRELOAD = not variant.endswith(("no-early", "no-preload"))
+    if variant.endswith(("no-early", "no-preload")):
+        kernels.PRELOAD = 0
+    elif variant.endswith("preload-1"):
+        kernels.PRELOAD = 1
     try:
         yield
     finally:

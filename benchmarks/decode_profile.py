@@ -21,7 +21,8 @@ so inductor writes its kernels; run it with TORCHINDUCTOR_FX_GRAPH_CACHE=0, or t
 serve the default graph); attention-split-N (the fused blocks' attention kernel reads at most N
 cache slots a program, default 256: more programs, then a kernel that merges them); no-early
 (each kernel launched only after the one before has finished; lmforge/generate/early_launch.py);
-no-preload (launched early, but the GEMV loads no weights before its wait).
+no-preload (launched early, but the GEMV loads no weights before its wait); preload-1 (one
+weight tile before the wait; the engine loads two).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """
@@ -108,7 +109,7 @@ def variant_context(variant: str):
         from lmforge.generate import decode_attention
 
         return _patched(decode_attention, "SPLIT_SLOTS", int(variant.rsplit("-", 1)[1]))
-    if variant in ("no-early", "no-preload"):
+    if variant in ("no-early", "no-preload", "preload-1"):
         return launch_context(variant)
     if variant == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -142,6 +143,7 @@ def main() -> None:
             "attention-split-64",
             "no-early",
             "no-preload",
+            "preload-1",
             "realize-0",
             "realize-4",
             "realize-8",

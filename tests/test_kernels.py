@@ -390,13 +390,15 @@ cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and 
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
-    signature |= {"N": "i32", "K": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags}
+    signature |= {"N": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags + ["K"]}
+    signature = {name: signature[name] for name in kernels._gemv.arg_names}
     constants = {"GROUP": group, "BITS": bits, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constants["K"] = max(group, 2048)
     early = fusions != ""  # launched early (the fused products), the first weights loaded first
-    constants |= {"X_TILE": x_tile, "EARLY": early, "PRELOAD": early}
+    constants |= {"X_TILE": x_tile, "EARLY": early, "PRELOAD": (2 if bits == 16 else 1) * early}
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
     names = list(signature)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N", "K"]}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": warps, "num_stages": 3, "launch_pdl": early}
     ptx = triton.compile(source, target=target, options=options).asm["ptx"]

@@ -44,7 +44,7 @@ from lmforge.modules.kv_cache import StaticKVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ASSEMBLY = tl.constexpr(not INTERPRETED)  # inline PTX in the kernels (not on the CPU)
-PRELOAD = True  # launched early, a GEMV loads its first weight tile before its wait
+PRELOAD = 2  # launched early, a GEMV loads its first tiles of weights before its wait
 
 
 @triton.jit
@@ -68,22 +68,32 @@ def _gemv(
     BLOCK_K: tl.constexpr,  # stored columns a tile reads (within one group)
     X_TILE: tl.constexpr,  # x loaded as the weight tile's shape (not with GATED; `_x_tile`)
     EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
-    PRELOAD: tl.constexpr,  # (EARLY) load the first weight tile before the wait
+    PRELOAD: tl.constexpr,  # (EARLY) weight tiles loaded before the wait: 0, 1 or 2
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    stored = K // 2 if BITS == 4 else K  # columns a row stores
+    stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
-    if PRELOAD:  # no kernel of the step writes the weights: they may come before the wait
-        w = _weights(w_ptr, rows, row_ok, stored, 0, BLOCK_K)
+    # No kernel of the step writes the weights: their first tiles may come before the wait.
+    first: tl.constexpr = PRELOAD >= 1
+    second: tl.constexpr = PRELOAD >= 2 and stored // BLOCK_K >= 2
+    if first:
+        w0 = _weights(w_ptr, rows, row_ok, stored, 0, BLOCK_K)
+    if second:
+        w1 = _weights(w_ptr, rows, row_ok, stored, BLOCK_K, BLOCK_K)
     wait_for_previous(EARLY)
-    if PRELOAD:
+    if first:
         acc, squares = _accumulate(
-            acc, squares, w, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            acc, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
             BITS, NORM, GATED, BLOCK_K, X_TILE,
         )  # fmt: skip
-    for k0 in range(BLOCK_K if PRELOAD else 0, stored, BLOCK_K):
+    if second:
+        acc, squares = _accumulate(
+            acc, squares, w1, BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE,
+        )  # fmt: skip
+    for k0 in range((first + second) * BLOCK_K, stored, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
         acc, squares = _accumulate(
             acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
@@ -324,7 +334,7 @@ if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs 
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
-        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "EARLY", "PRELOAD"],
+        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL"],
         prune_configs_by={"early_config_prune": _fits},
     )(_gemv)
 
@@ -362,7 +372,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         GATED=gated,
         RESIDUAL=residual is not None,
         EARLY=early,
-        PRELOAD=early and PRELOAD,
+        PRELOAD=PRELOAD if early else 0,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
         **({"launch_pdl": True} if early else {}),
     )
