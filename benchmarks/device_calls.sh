@@ -22,6 +22,7 @@
 #   bash benchmarks/device_calls.sh final       # one H200: the attention kernel checked on the GPU; decode 1B/3B
 #   bash benchmarks/device_calls.sh verify      # one H200: as final, with the autotuner's picks and a 2,000-token prompt
 #   bash benchmarks/device_calls.sh early       # one H200: kernels launched early (first weights loaded first) or not
+#   bash benchmarks/device_calls.sh check       # one H200: the GEMV's and the attention kernel's tests, compiled
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -32,9 +33,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -352,6 +353,12 @@ early)
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT/decode-1b.log" "$OUT/decode-3b.log" | cut -c1-330
   grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+check)
+  # the kernels' tests on the GPU, compiled (TRITON_INTERPRET=0), launched early, autotuned
+  step 200 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k "fusions_equal or decode_attention_equals"
+  tail -n 3 "$OUT/check.log"
   ;;
 train)
   # one GPU, lmforge beside torchtitan 0.2.2 in the same call (target: >= 1.05x)
