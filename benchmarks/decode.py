@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from lmforge.api import build_model, save_state
 from lmforge.generate import Generator, SamplingParams, early_launch, kernels
+from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import weight_bytes
 from lmforge.models.llama import get_preset
 
@@ -131,6 +132,7 @@ VARIANTS = (
     "lmforge-no-early",  # the step's kernels launched only after the one before has finished
     "lmforge-no-preload",  # launched early, but the GEMV loads no weights before its wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
+    "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
     "hf",
     "hf-static",
 )
@@ -328,9 +330,13 @@ def main() -> None:
                     continue  # the A/B of fusing blocks (quantized blocks fuse alike)
                 if variant == "lmforge-inductor" and scheme not in ("bf16", "fp32"):
                     continue  # the bf16 comparison
+                if variant == "lmforge-gemv-int4" and scheme != "int4-wo":
+                    continue
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:
                     model = make_model(preset, scheme)
+                    if variant == "lmforge-gemv-int4":  # what scoring does with many rows
+                        use_quantized_kernels(model, torch.device(DEVICE), tinygemm=True)
                     num_bytes = weight_bytes(model)
                     with launch_context(variant):
                         decode, overall, tokens = bench_lmforge(

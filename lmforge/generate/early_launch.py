@@ -36,8 +36,8 @@ def _hopper_or_later(index: int) -> bool:
 
 def early_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch early (`launch_pdl`, `EARLY`): sm_90 and later."""
-    if not ENABLED or INTERPRETED or device.type != "cuda":
-        return False
+    if not ENABLED or INTERPRETED or device.type != "cuda" or torch.version.hip:
+        return False  # (ROCm's "cuda" devices have no such launch)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _hopper_or_later(index)
 

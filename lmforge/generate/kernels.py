@@ -43,7 +43,8 @@ from lmforge.generate.early_launch import early_launch, wait_for_previous
 from lmforge.modules.kv_cache import StaticKVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ASSEMBLY = tl.constexpr(not INTERPRETED)  # inline PTX in the kernels (not on the CPU)
+# inline PTX in the kernels (NVIDIA GPUs; not the interpreter, not ROCm)
+ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
 PRELOAD = 2  # launched early, a GEMV loads its first tiles of weights before its wait
 
 
@@ -336,6 +337,10 @@ else:
         _gemv_configs(),
         key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL"],
         prune_configs_by={"early_config_prune": _fits},
+        # The picks are kept in Triton's cache directory (~/.triton/cache, TRITON_CACHE_DIR)
+        # for this GPU and kernel source: a later process starts without tuning and runs the
+        # same tiles (delete the directory to tune again).
+        cache_results=True,
     )(_gemv)
 
 
