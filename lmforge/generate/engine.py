@@ -36,7 +36,8 @@ On CUDA, a product of one row of activations (the batch-1 decode step) runs as l
 GEMV (lmforge/generate/kernels.py) for plain and int8 weight-only weights (and int4 made on the
 CPU), each block as four GEMVs around attention with its norms, SiLU·up and residual adds inside
 them; such a quantized weight meets more rows expanded to bf16, then cuBLAS. tinygemm's int4
-(made on CUDA) stays torchao's: at one row it is faster than the GEMV.
+(made on CUDA) stays torchao's: at one row it is faster than the GEMV. On Hopper and later those
+kernels launch while the kernel before them finishes (lmforge/generate/early_launch.py).
 
 The last token and position of every row live on the device, so a decode step needs nothing
 from the host. On CUDA the engine collects step t's tokens only after it launched step t+1, so
