@@ -6,7 +6,7 @@ bytes, while nothing else runs. Launched with the programmatic-serialization att
 (`launch_pdl`), a kernel starts once every program of the kernel before it has started, and
 runs until `gdc_wait`, which returns when that kernel has finished and its writes are
 visible. Before the wait a kernel may only touch what no kernel of the step writes: the GEMV
-loads its first weight tile there (`kernels.PRELOAD`). Asking for a program's whole weights
+loads its first two weight tiles there (`kernels.PRELOAD`). Asking for a program's whole weights
 in L2 there instead (one bulk prefetch a program) made the step slower on an H200: 1B bf16
 1,034 tok/s against 1,148 launched early without it and 1,108 not early (docs/benchmarks.md).
 
@@ -45,7 +45,7 @@ def early_launch(device: torch.device) -> bool:
 @triton.jit
 def wait_for_previous(EARLY: tl.constexpr):
     """Wait until the kernel before has finished (its writes visible), then let the next one
-    launch: every program of this kernel is running by the time the next one's start."""
+    launch: every program of this kernel is running by the time the next one starts."""
     if EARLY:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -194,9 +194,11 @@ def _int8_values(q):
     """int8 [rows, cols] as exact fp32 without the integer-to-float converter (a quarter of
     the FMA rate): as bits, 2^23 + 128 + q is 0x4B000000 | (q ^ 0x80). Four at a time from
     the register that holds them: one xor makes each byte q + 128, a byte permute sets each
-    into 0x4B0000__, a subtraction leaves q (Triton's own code for the same arithmetic took
-    twice the instructions a weight: a byte extract, an xor and a subtraction each, compiled
-    for sm_90). The interpreter runs no PTX: there, the same in Triton."""
+    into 0x4B0000__, a subtraction leaves q: 2.25 instructions a weight where Triton's own
+    code for the same arithmetic spent 3 (a byte extract, an xor, a subtraction). Compiled for
+    sm_90, 1B w13's kernel with its norm went from 7.49 to 6.77 instructions a weight, w2's
+    with SiLU·up from 7.34 to 6.62 (SASS counted over a program's rows; docs/benchmarks.md).
+    The interpreter runs no PTX: there, the same in Triton."""
     if not ASSEMBLY:
         bits = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
         return bits.to(tl.float32, bitcast=True) - 8388736.0
