@@ -23,6 +23,7 @@
 #   bash benchmarks/device_calls.sh verify      # one H200: as final, with the autotuner's picks and a 2,000-token prompt
 #   bash benchmarks/device_calls.sh early       # one H200: kernels launched early (first weights loaded first) or not
 #   bash benchmarks/device_calls.sh check       # one H200: the GEMV's and the attention kernel's tests, compiled
+#   bash benchmarks/device_calls.sh preload     # one H200: 1 or 2 tiles preloaded, each with its own tiles; int4 on the GEMV
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -33,9 +34,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -352,6 +353,23 @@ early)
     --out "$OUT/3b"
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT/decode-1b.log" "$OUT/decode-3b.log" | cut -c1-330
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+preload)
+  # the GEMV launched early with one or two weight tiles loaded before its wait, each tuned
+  # under its own variant (a Triton cache directory each: the tiles are kept on disk), twice
+  # in turn; then int4 on tinygemm (as shipped) beside int4 converted for the GEMV
+  for round in 1 2; do
+    for variant in lmforge lmforge-preload-1; do
+      TRITON_CACHE_DIR=/tmp/triton-$variant step 110 "$variant-$round" python3 \
+        benchmarks/decode.py --presets llama3.2-1b --variants "$variant" --schemes bf16 \
+        int8-wo --new-tokens 128 --repeats 2 --out "$OUT/$variant-$round"
+    done
+  done
+  step 120 int4 python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-gemv-int4 --schemes bf16 int4-wo --new-tokens 128 --repeats 2 \
+    --out "$OUT/int4"
+  grep -h '^{' "$OUT"/*.log | cut -c1-330
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 check)
