@@ -24,6 +24,7 @@
 #   bash benchmarks/device_calls.sh early       # one H200: kernels launched early (first weights loaded first) or not
 #   bash benchmarks/device_calls.sh check       # one H200: the GEMV's and the attention kernel's tests, compiled
 #   bash benchmarks/device_calls.sh preload     # one H200: 1 or 2 tiles preloaded, each with its own tiles; int4 on the GEMV
+#   bash benchmarks/device_calls.sh dot         # one H200: one-row products on the tensor cores against the GEMV
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -34,9 +35,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -370,6 +371,14 @@ preload)
     --variants lmforge lmforge-gemv-int4 --schemes bf16 int4-wo --new-tokens 128 --repeats 2 \
     --out "$OUT/int4"
   grep -h '^{' "$OUT"/*.log | cut -c1-330
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+dot)
+  # benchmarks/gemv_dot.py: the 1B's products (bf16 and int8, plain and fused) on the tensor
+  # cores against kernels.gemv, then the 3B's widest
+  step 330 dot-1b python3 benchmarks/gemv_dot.py
+  step 200 dot-3b python3 benchmarks/gemv_dot.py --products "3b w13" "3b w2"
+  cat "$OUT/dot-1b.log" "$OUT/dot-3b.log" | grep "^|" | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 check)
