@@ -184,7 +184,12 @@ def main() -> None:
         default=[name for name, *_ in PRODUCTS if name.startswith("1b")],
         help="names as in gemv_search.PRODUCTS (default: the 1B's)",
     )
+    parser.add_argument("--bits", nargs="+", type=int, default=[16, 8], choices=[16, 8])
+    parser.add_argument(
+        "--quick", action="store_true", help="three tiles, and each product's fused work only"
+    )
     args = parser.parse_args()
+    configs = [(32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3)] if args.quick else CONFIGS
     if args.check:
         return check()
     print(
@@ -194,13 +199,13 @@ def main() -> None:
     for name, n, k, fused in PRODUCTS:
         if name not in args.products:
             continue
-        for bits in (16, 8):
-            for work in sorted({"", fused}):
+        for bits in args.bits:
+            for work in [fused] if args.quick else sorted({"", fused}):
                 inputs = product_inputs(n, k, bits, work, "cuda")
                 want = run_gemv(inputs).float()
                 ours = triton.testing.do_bench(partial(run_gemv, inputs), warmup=5, rep=30)
                 timings = {}
-                for config in CONFIGS:
+                for config in configs:
                     if k % config[1]:
                         continue
                     got = run_dot(inputs, config).float()
