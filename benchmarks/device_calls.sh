@@ -383,8 +383,8 @@ dot)
   ;;
 check)
   # the kernels' tests on the GPU, compiled (TRITON_INTERPRET=0), launched early, autotuned
-  step 200 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k "fusions_equal or decode_attention_equals"
+  step 240 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
   tail -n 3 "$OUT/check.log"
   ;;
 train)
