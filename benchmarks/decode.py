@@ -170,7 +170,7 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` with one tile (the engine: two). The GEMV's tiles are tuned once a
-    shape and process, so variants in one process run the same tiles."""
+    shape and kept (Triton's cache directory), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):

@@ -23,20 +23,19 @@ an atomic counter) 0.092 ms, its merge a serial tail. So up to 256 slots a progr
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lmforge.generate.early_launch import early_launch, wait_for_previous
+from lmforge.generate.early_launch import INTERPRETED, early_launch, wait_for_previous
 
 SPLIT_SLOTS = 256  # cache slots a program reads at least (more slots: more programs)
 MAX_SPLITS = 32  # programs a row and head at most (more slots: more slots a program)
 BLOCK_SLOTS = 64  # slots a loop step reads
 GROUP_ROWS = 16  # the query heads of a GQA group, padded to a tile's least rows (tl.dot)
 # Triton's interpreter (the tests) multiplies bf16 tiles wrongly: there the dots take float32.
-FLOAT32_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
+FLOAT32_DOTS = INTERPRETED
 
 
 @triton.jit
@@ -207,7 +206,6 @@ def decode_attention(
     splits = triton.cdiv(kv_len, split_slots)
     partial = stats = out  # (any pointer where unused)
     early = early_launch(qkv.device)
-    launch = {"launch_pdl": True} if early else {}
     if splits > 1:
         partial = qkv.new_empty(batch, heads, splits, head_dim, dtype=torch.float32)
         stats = qkv.new_empty(batch, heads, splits, 2, dtype=torch.float32)
@@ -236,12 +234,19 @@ def decode_attention(
         EARLY=early,
         num_warps=4,
         num_stages=2,
-        **launch,
+        launch_pdl=early,
     )
     if splits > 1:
         block = triton.next_power_of_2(splits)
         _combine[(batch * heads,)](
-            partial, stats, out, splits, HEAD_DIM=head_dim, SPLITS=block, EARLY=early, **launch
+            partial,
+            stats,
+            out,
+            splits,
+            HEAD_DIM=head_dim,
+            SPLITS=block,
+            EARLY=early,
+            launch_pdl=early,
         )
     return out
 

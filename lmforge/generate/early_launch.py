@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 ENABLED = True  # benchmarks switch it off to measure what it gives
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter (the CPU tests)
 
 
 @cache

@@ -29,7 +29,6 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 
 from __future__ import annotations
 
-import os
 from functools import cache, partial
 
 import torch
@@ -39,10 +38,9 @@ import triton.language as tl
 from torch import nn
 
 from lmforge.generate.decode_attention import decode_attention, supported
-from lmforge.generate.early_launch import early_launch, wait_for_previous
+from lmforge.generate.early_launch import INTERPRETED, early_launch, wait_for_previous
 from lmforge.modules.kv_cache import StaticKVCache
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # inline PTX in the kernels (NVIDIA GPUs; not the interpreter, not ROCm)
 ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
 PRELOAD = 2  # launched early, a GEMV loads its first tiles of weights before its wait
@@ -380,8 +378,8 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         RESIDUAL=residual is not None,
         EARLY=early,
         PRELOAD=PRELOAD if early else 0,
+        launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
-        **({"launch_pdl": True} if early else {}),
     )
     return y
 
