@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from lmforge.api import build_model, save_state
-from lmforge.generate import Generator, SamplingParams, early_launch, kernels
+from lmforge.generate import Generator, SamplingParams, decode_attention, early_launch, kernels
 from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import weight_bytes
 from lmforge.models.llama import get_preset
@@ -130,7 +130,8 @@ VARIANTS = (
     "lmforge-inductor",  # plain weights' batch-1 products as inductor's reductions, no GEMV
     "lmforge-unfused-blocks",  # the GEMVs without the norms, SiLU·up and residual adds inside
     "lmforge-no-early",  # the step's kernels launched only after the one before has finished
-    "lmforge-no-preload",  # launched early, but the GEMV loads no weights before its wait
+    "lmforge-no-preload",  # launched early, but nothing is read before a kernel's wait
+    "lmforge-no-kv-preload",  # the attention kernel reads no cached slots before its wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
     "hf",
@@ -168,19 +169,22 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
 @contextlib.contextmanager
 def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
-    finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
-    wait; `...preload-1` with one tile (the engine: two). The GEMV's tiles are tuned once a
+    finished; `...no-preload` early, without the GEMV's first weight tiles or the attention's
+    first cached slots read before its wait; `...no-kv-preload` without the attention's only;
+    `...preload-1` with one GEMV tile (the engine: two). The GEMV's tiles are tuned once a
     shape and kept (Triton's cache directory), so every variant runs the first one's tiles."""
-    saved = early_launch.ENABLED, kernels.PRELOAD
+    saved = early_launch.ENABLED, kernels.PRELOAD, decode_attention.PRELOAD
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
-        kernels.PRELOAD = 0
+        kernels.PRELOAD, decode_attention.PRELOAD = 0, False
+    elif variant.endswith("no-kv-preload"):
+        decode_attention.PRELOAD = False
     elif variant.endswith("preload-1"):
         kernels.PRELOAD = 1
     try:
         yield
     finally:
-        early_launch.ENABLED, kernels.PRELOAD = saved
+        early_launch.ENABLED, kernels.PRELOAD, decode_attention.PRELOAD = saved
 
 
 def _peak_gb() -> float | None:
