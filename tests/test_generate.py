@@ -472,8 +472,25 @@ def test_decode_step_compiles_without_graph_breaks(hf_pair, monkeypatch):
     expected = Generator(other, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
     second = Generator(other, max_batch=2, max_seq_len=40, compile=True).generate(prompts, GREEDY)
     assert [r.token_ids for r in second.results] == [r.token_ids for r in expected.results]
+    # ... and over a model of other modules: linears whose weight has another name (as
+    # lmforge's quantized linears have no `weight`), where the first engine's compiled step
+    # failed looking for `weight`.
+    for block in other.layers.values():
+        block.attention.wo = _RenamedLinear(block.attention.wo.weight)
+    expected = Generator(other, max_batch=2, max_seq_len=40).generate(prompts, GREEDY)
+    third = Generator(other, max_batch=2, max_seq_len=40, compile=True).generate(prompts, GREEDY)
+    assert [r.token_ids for r in third.results] == [r.token_ids for r in expected.results]
     assert compiled_generator.generate(prompts, GREEDY).results == compiled.results
     torch._dynamo.reset()
+
+
+class _RenamedLinear(torch.nn.Module):
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.renamed = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.renamed)
 
 
 def test_cli_prints_text_and_report(tiny_with_tokenizer, tmp_path, capsys):

@@ -53,6 +53,7 @@ chunked prefill.
 from __future__ import annotations
 
 import logging
+import types
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -122,6 +123,16 @@ def prefill_width(length: int, most: int) -> int:
     if width < length:
         width = -(-length // 256) * 256
     return min(width, most)
+
+
+def own_code(fn: Callable) -> Callable:
+    """`fn` over a copy of its code object. Dynamo keeps what it compiled on the code object,
+    and an engine's steps skip the guards on their model's modules, so without a copy an
+    engine over another model (quantized linears for plain ones, say) would run the first
+    engine's compiled step: it failed reading a `weight` that the new linears do not have."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def warm_prefill_shapes(buckets: Iterable[int], most: int) -> list[tuple[int, int]]:
@@ -432,9 +443,11 @@ class Engine:
             one = {**many, "coordinate_descent_tuning": self.tune_decode}
         # dict(...): torch.compile pops guard_filter_fn from the options it is given.
         self._decode_one = torch.compile(
-            decode_step, fullgraph=True, dynamic=False, options=dict(one)
+            own_code(decode_step), fullgraph=True, dynamic=False, options=dict(one)
         )
-        self._decode_many = torch.compile(batched_decode_step, fullgraph=True, options=dict(many))
+        self._decode_many = torch.compile(
+            own_code(batched_decode_step), fullgraph=True, options=dict(many)
+        )
 
     # ---- sequences ------------------------------------------------------------------------
 
