@@ -49,11 +49,14 @@ from lmforge.models.llama import get_preset
 # each a function taking the bf16 model (on the GPU) and returning it with quantized linear
 # weights (through lmforge's quantize module). `weight_bytes` counts a tensor subclass's packed
 # data and scales, so each row's bandwidth limit follows its own bytes.
-def _quantized(scheme: str, group_size: int | None) -> Callable[[nn.Module], nn.Module]:
+def _quantized(
+    scheme: str, group_size: int | None, *, output: bool = False
+) -> Callable[[nn.Module], nn.Module]:
     def apply(model: nn.Module) -> nn.Module:
         from lmforge.quantize.quantize import QuantSpec, quantize_model
 
-        quantize_model(model, QuantSpec(scheme, group_size=group_size))
+        spec = QuantSpec(scheme, group_size=group_size, quantize_output=output)
+        quantize_model(model, spec)
         return model
 
     return apply
@@ -113,6 +116,9 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "bf16": lambda model: model,
     "fp32": lambda model: model.float(),  # CPUs without fast bf16 matmuls
     "int8-wo": _quantized("int8-wo", None),
+    # the output projection quantized too (`quantize.quantize_output`; a tied one gets its own
+    # copy, the embedding stays bf16): int8 is then read for 128k x dim more weights a token
+    "int8-wo-output": _quantized("int8-wo", None, output=True),
     "int4-wo": _quantized("int4-wo", 128),
     "int4-gemlite": _gemlite(4, 128),
     "int8-gemlite": _gemlite(8, None),
@@ -133,6 +139,7 @@ VARIANTS = (
     "lmforge-no-preload",  # launched early, but nothing is read before a kernel's wait
     "lmforge-no-kv-preload",  # the attention kernel reads no cached slots before its wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
+    "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
     "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
     "hf",
     "hf-static",
@@ -171,16 +178,17 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles or the attention's
     first cached slots read before its wait; `...no-kv-preload` without the attention's only;
-    `...preload-1` with one GEMV tile (the engine: two). The GEMV's tiles are tuned once a
-    shape and kept (Triton's cache directory), so every variant runs the first one's tiles."""
+    `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
+    `kernels.PRELOAD`). The GEMV's tiles are tuned once a shape and kept (Triton's cache
+    directory), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, decode_attention.PRELOAD
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
-        kernels.PRELOAD, decode_attention.PRELOAD = 0, False
+        kernels.PRELOAD, decode_attention.PRELOAD = dict.fromkeys(saved[1], 0), False
     elif variant.endswith("no-kv-preload"):
         decode_attention.PRELOAD = False
-    elif variant.endswith("preload-1"):
-        kernels.PRELOAD = 1
+    elif variant.endswith(("preload-1", "preload-2")):
+        kernels.PRELOAD = dict.fromkeys(saved[1], int(variant[-1]))
     try:
         yield
     finally:

@@ -372,9 +372,8 @@ def test_early_launch_decodes_the_tokens_of_ordered_launch(monkeypatch):
     params = SamplingParams(max_new_tokens=48, temperature=0, stop_token_ids=())
     for scheme in ("bf16", "int8-wo"):
         tokens = []
-        for enabled, preload in ((True, kernels.PRELOAD), (False, 0)):
+        for enabled in (True, False):
             monkeypatch.setattr(early_launch, "ENABLED", enabled)
-            monkeypatch.setattr(kernels, "PRELOAD", preload)
             model = build_model(args, device="cuda", dtype=torch.bfloat16, seed=0)
             if scheme != "bf16":
                 quantize_model(model, QuantSpec(scheme))

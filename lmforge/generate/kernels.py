@@ -43,7 +43,11 @@ from lmforge.modules.kv_cache import StaticKVCache
 
 # inline PTX in the kernels (NVIDIA GPUs; not the interpreter, not ROCm)
 ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
-PRELOAD = 2  # launched early, a GEMV loads its first tiles of weights before its wait
+# Launched early, a GEMV loads its first weight tiles before its wait: how many, by the weight's
+# bits. On an H200 (2026-12-02, docs/benchmarks.md: each tuned in its own process, twice in
+# turn) the 1B decoded bf16 at 1,215-1,217 tok/s with one tile against 1,171-1,178 with two,
+# int8 at 1,417-1,420 with two against 1,380-1,386 with one: about the same bytes in flight.
+PRELOAD = {16: 1, 8: 2, 4: 2}
 
 
 @triton.jit
@@ -377,7 +381,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         GATED=gated,
         RESIDUAL=residual is not None,
         EARLY=early,
-        PRELOAD=PRELOAD if early else 0,
+        PRELOAD=PRELOAD[bits] if early else 0,
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
     )
