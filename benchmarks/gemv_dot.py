@@ -13,6 +13,13 @@ SASS over a program's rows: int8 4.8 instructions a weight at 64 rows a program,
 32. Few rows a program leave few programs for the narrow products (1B wo: 2048 rows), and
 SiLU·up is computed by every program: the timing decides.
 
+Measured on an H200 (2026-12-02, docs/benchmarks.md, session 16) it lost: the 1B's four int8
+products with their fusions took 92.3 us a layer in this form (w2 with SiLU·up alone 52.6),
+where the engine's whole int8 step, 16 layers and the output projection, takes ~0.70 ms. The
+`kernels.gemv` column of that run is not a measure: launched early (`launch_pdl`) under
+`do_bench`, its times (e.g. 114 us for the 1B's bf16 w13, which the engine's step streams in
+~20) include time that is not the kernel's.
+
     python3 benchmarks/gemv_dot.py                 # on a GPU: the 1B's products
     python3 benchmarks/gemv_dot.py --products "3b w13" "3b w2"
     TRITON_INTERPRET=1 python3 benchmarks/gemv_dot.py --check   # the CPU: equal to the reference
