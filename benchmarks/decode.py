@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from lmforge.api import build_model, save_state
-from lmforge.generate import Generator, SamplingParams, decode_attention, early_launch, kernels
+from lmforge.generate import Generator, SamplingParams, early_launch, kernels
 from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import weight_bytes
 from lmforge.models.llama import get_preset
@@ -137,7 +137,6 @@ VARIANTS = (
     "lmforge-unfused-blocks",  # the GEMVs without the norms, SiLU·up and residual adds inside
     "lmforge-no-early",  # the step's kernels launched only after the one before has finished
     "lmforge-no-preload",  # launched early, but nothing is read before a kernel's wait
-    "lmforge-no-kv-preload",  # the attention kernel reads no cached slots before its wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
     "lmforge-few-rows",  # the GEMV's autotuner without the 16- and 32-row tiles (_MANY_ROWS)
@@ -177,18 +176,15 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
 @contextlib.contextmanager
 def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
-    finished; `...no-preload` early, without the GEMV's first weight tiles or the attention's
-    first cached slots read before its wait; `...no-kv-preload` without the attention's only;
-    `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
+    finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
+    wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
     `kernels.PRELOAD`); `...few-rows` tunes the GEMV without its 16- and 32-row tiles. The
     GEMV's tiles are tuned once a shape and candidate list and kept (Triton's cache directory),
     so every variant but few-rows runs the first one's tiles."""
-    saved = early_launch.ENABLED, kernels.PRELOAD, decode_attention.PRELOAD
+    saved = early_launch.ENABLED, kernels.PRELOAD
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
-        kernels.PRELOAD, decode_attention.PRELOAD = dict.fromkeys(saved[1], 0), False
-    elif variant.endswith("no-kv-preload"):
-        decode_attention.PRELOAD = False
+        kernels.PRELOAD = dict.fromkeys(saved[1], 0)
     elif variant.endswith(("preload-1", "preload-2")):
         kernels.PRELOAD = dict.fromkeys(saved[1], int(variant[-1]))
     many_rows = kernels._MANY_ROWS
@@ -197,7 +193,7 @@ def launch_context(variant: str):
     try:
         yield
     finally:
-        early_launch.ENABLED, kernels.PRELOAD, decode_attention.PRELOAD = saved
+        early_launch.ENABLED, kernels.PRELOAD = saved
         kernels._MANY_ROWS = many_rows
 
 

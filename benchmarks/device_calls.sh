@@ -25,7 +25,6 @@
 #   bash benchmarks/device_calls.sh check       # one H200: the GEMV's and the attention kernel's tests, compiled
 #   bash benchmarks/device_calls.sh preload     # one H200: 1 or 2 tiles preloaded, each with its own tiles; int4 on the GEMV
 #   bash benchmarks/device_calls.sh dot         # one H200: one-row products on the tensor cores against the GEMV
-#   bash benchmarks/device_calls.sh kv-preload  # one H200: kernels' GPU tests; 1B with the attention's slots preloaded or not
 #   bash benchmarks/device_calls.sh decode-rows # one H200: the 3B's bf16 and int8 rows; the 1B's again in a new process
 #   bash benchmarks/device_calls.sh rows        # one H200: the GEMV tuned with and without 16/32-row tiles, picks printed
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
@@ -38,9 +37,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | kv-preload | decode-rows | rows | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | rows | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|kv-preload|decode-rows|rows|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|rows|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -382,19 +381,6 @@ dot)
   step 330 dot-1b python3 benchmarks/gemv_dot.py
   step 200 dot-3b python3 benchmarks/gemv_dot.py --products "3b w13" "3b w2"
   cat "$OUT/dot-1b.log" "$OUT/dot-3b.log" | grep "^|" | cut -c1-200
-  grep -h -c Traceback "$OUT"/*.log || true
-  ;;
-kv-preload)
-  # the kernels' GPU tests (as `check`); then the 1B with the attention kernel reading its first
-  # cached slots before its wait (as shipped) or after, bf16 and int8 (also with the output
-  # projection quantized), one process: the variants share the GEMV's tiles
-  step 150 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
-  step 300 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
-    --variants lmforge lmforge-no-kv-preload --schemes bf16 int8-wo int8-wo-output \
-    --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  tail -n 3 "$OUT/check.log"
-  grep -h '^{' "$OUT/decode-1b.log" | cut -c1-300
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 decode-rows)

@@ -14,9 +14,7 @@ weighted values. The new token's key and value never pass through the cache insi
 kernel: the program whose split holds the row's position takes them from the projections (in
 registers) and writes them to the cache for later steps, so no program reads a slot another
 writes. With one split the program normalizes and stores the output; with more, each stores
-its part (max, sum, weighted values) and `_combine` merges them. Launched early
-(early_launch.py), a program reads its first block of cached slots before it waits for the
-projections: no kernel of the step writes them. At 143 slots of the 1B on an
+its part (max, sum, weighted values) and `_combine` merges them. At 143 slots of the 1B on an
 H200, one split a head took 0.078 ms a step; 64 slots a program (3 splits) 0.048 ms and the
 merge kernel 0.021; merging in the kernel instead (the last split of a group, after a count on
 an atomic counter) 0.092 ms, its merge a serial tail. So up to 256 slots a program, one split.
@@ -35,7 +33,6 @@ from lmforge.generate.early_launch import INTERPRETED, early_launch, wait_for_pr
 SPLIT_SLOTS = 256  # cache slots a program reads at least (more slots: more programs)
 MAX_SPLITS = 32  # programs a row and head at most (more slots: more slots a program)
 BLOCK_SLOTS = 64  # slots a loop step reads
-PRELOAD = True  # launched early, a program reads its first block of cached slots before its wait
 GROUP_ROWS = 16  # the query heads of a GQA group, padded to a tile's least rows (tl.dot)
 # Triton's interpreter (the tests) multiplies bf16 tiles wrongly: there the dots take float32.
 FLOAT32_DOTS = INTERPRETED
@@ -58,28 +55,6 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _cached_block(k_cache, v_cache, slots, d, bound, HEAD_DIM: tl.constexpr):
-    """The cached keys and values [slots, HEAD_DIM] of one block; zero at slots >= `bound`."""
-    ok = (slots < bound)[:, None]
-    at = slots[:, None] * HEAD_DIM + d[None, :]
-    return tl.load(k_cache + at, mask=ok, other=0.0), tl.load(v_cache + at, mask=ok, other=0.0)
-
-
-@triton.jit
-def _attend_block(q, k, v, ok, top, total, acc, scale, dtype, EXACT: tl.constexpr):
-    """The online softmax's (running max, sum, weighted values) after one block of slots;
-    `ok` marks the slots that count (the others' values must be finite: zero or written)."""
-    scores = _dot(q, tl.trans(k), EXACT) * scale
-    scores = tl.where(ok[None, :], scores, float("-inf"))  # [GROUP_ROWS, BLOCK_SLOTS]
-    new_top = tl.maximum(top, tl.max(scores, 1))
-    weights = tl.exp2(scores - new_top[:, None])
-    decay = tl.exp2(top - new_top)
-    total = total * decay + tl.sum(weights, 1)
-    acc = acc * decay[:, None] + _dot(weights.to(dtype), v, EXACT)
-    return new_top, total, acc
-
-
-@triton.jit
 def _decode_attention(
     qkv_ptr,  # [b, (heads + 2 * kv_heads) * head_dim]: q, k, v of the new token, before RoPE
     cos_ptr,  # [b, head_dim]
@@ -95,7 +70,6 @@ def _decode_attention(
     cache_head_stride,
     split_slots,  # cache slots a program reads at most
     splits,
-    max_slots,  # the cache's slots a row and head
     scale,  # log2(e) / sqrt(head_dim)
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -104,25 +78,13 @@ def _decode_attention(
     BLOCK_SLOTS: tl.constexpr,
     EXACT: tl.constexpr,  # float32 dots (a float32 cache; the interpreter)
     EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
-    PRELOAD: tl.constexpr,  # (EARLY) a split's first block of cached slots read before the wait
 ):
+    wait_for_previous(EARLY)
     row_head, split = tl.program_id(0), tl.program_id(1)
     row, kv_head = row_head // KV_HEADS, row_head % KV_HEADS
     group: tl.constexpr = HEADS // KV_HEADS
-    d = tl.arange(0, HEAD_DIM)
-    head_at = row.to(tl.int64) * cache_row_stride + kv_head * cache_head_stride  # (> 2^31)
-    k_cache, v_cache = k_cache_ptr + head_at, v_cache_ptr + head_at
-    start = split * split_slots
-    # A split's first block of cached slots: earlier steps wrote them, no kernel of this step
-    # does (this kernel writes only the new token's slot, after its wait), so with PRELOAD they
-    # are read before the wait. Which of them count is known after it (the position).
-    first = start + tl.arange(0, BLOCK_SLOTS)
-    if PRELOAD:
-        first_k, first_v = _cached_block(k_cache, v_cache, first, d, max_slots, HEAD_DIM)
-    wait_for_previous(EARLY)
-    if not PRELOAD:
-        first_k, first_v = _cached_block(k_cache, v_cache, first, d, max_slots, HEAD_DIM)
     position = tl.load(positions_ptr + row)
+    d = tl.arange(0, HEAD_DIM)
     rotated = (d + HEAD_DIM // 2) % HEAD_DIM
     sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
     cos = tl.load(cos_ptr + row * HEAD_DIM + d).to(tl.float32)
@@ -133,21 +95,28 @@ def _decode_attention(
     q = _rope(qkv, heads_at + d[None, :], heads_at + rotated[None, :], cos, sin, sign)
     dtype = k_cache_ptr.dtype.element_ty
     q = q.to(dtype)  # [GROUP_ROWS, HEAD_DIM], as the cache's keys: the dots' inputs
+    head_at = row.to(tl.int64) * cache_row_stride + kv_head * cache_head_stride  # (> 2^31)
+    k_cache, v_cache = k_cache_ptr + head_at, v_cache_ptr + head_at
 
     top = tl.full([GROUP_ROWS], float("-inf"), tl.float32)  # running max of the scores
     total = tl.zeros([GROUP_ROWS], tl.float32)  # running sum of exp2(score - top)
     acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+    start = split * split_slots
     end = tl.minimum(start + split_slots, position)  # cached slots [start, end)
-    if start < end:  # (a split past the position reads none: its max stays -inf)
-        ok = first < end  # slots up to the cache's end were read: the others' values go
-        first_v = tl.where(ok[:, None], first_v, 0.0)
-        top, total, acc = _attend_block(
-            q, first_k, first_v, ok, top, total, acc, scale, dtype, EXACT
-        )
-    for block in range(start + BLOCK_SLOTS, end, BLOCK_SLOTS):
-        slots = block + tl.arange(0, BLOCK_SLOTS)
-        k, v = _cached_block(k_cache, v_cache, slots, d, end, HEAD_DIM)
-        top, total, acc = _attend_block(q, k, v, slots < end, top, total, acc, scale, dtype, EXACT)
+    for first in range(start, end, BLOCK_SLOTS):
+        slots = first + tl.arange(0, BLOCK_SLOTS)
+        ok = slots < end
+        at = slots[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache + at, mask=ok[:, None], other=0.0)  # [BLOCK_SLOTS, HEAD_DIM]
+        scores = _dot(q, tl.trans(k), EXACT) * scale
+        scores = tl.where(ok[None, :], scores, float("-inf"))  # [GROUP_ROWS, BLOCK_SLOTS]
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        weights = tl.exp2(scores - new_top[:, None])
+        decay = tl.exp2(top - new_top)
+        total = total * decay + tl.sum(weights, 1)
+        v = tl.load(v_cache + at, mask=ok[:, None], other=0.0)
+        acc = acc * decay[:, None] + _dot(weights.to(dtype), v, EXACT)
+        top = new_top
 
     # The split that holds the new token's slot takes it (a row at kv_len or beyond, whose
     # output the engine ignores, still writes its slot: the last split does).
@@ -255,7 +224,6 @@ def decode_attention(
         k_cache.stride(1),
         split_slots,
         splits,
-        k_cache.shape[2],
         math.log2(math.e) / math.sqrt(head_dim),
         HEADS=heads,
         KV_HEADS=kv_heads,
@@ -264,7 +232,6 @@ def decode_attention(
         BLOCK_SLOTS=BLOCK_SLOTS,
         EXACT=k_cache.dtype == torch.float32 or FLOAT32_DOTS,
         EARLY=early,
-        PRELOAD=PRELOAD and early,
         num_warps=4,
         num_stages=2,
         launch_pdl=early,
