@@ -139,7 +139,6 @@ VARIANTS = (
     "lmforge-no-preload",  # launched early, but nothing is read before a kernel's wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
-    "lmforge-few-rows",  # the GEMV's autotuner without the 16- and 32-row tiles (_MANY_ROWS)
     "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
     "hf",
     "hf-static",
@@ -178,23 +177,18 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
-    `kernels.PRELOAD`); `...few-rows` tunes the GEMV without its 16- and 32-row tiles. The
-    GEMV's tiles are tuned once a shape and candidate list and kept (Triton's cache directory),
-    so every variant but few-rows runs the first one's tiles."""
+    `kernels.PRELOAD`). The GEMV's tiles are tuned once a shape and kept (Triton's cache
+    directory), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
         kernels.PRELOAD = dict.fromkeys(saved[1], 0)
     elif variant.endswith(("preload-1", "preload-2")):
         kernels.PRELOAD = dict.fromkeys(saved[1], int(variant[-1]))
-    many_rows = kernels._MANY_ROWS
-    if variant.endswith("few-rows"):
-        kernels._MANY_ROWS = []
     try:
         yield
     finally:
         early_launch.ENABLED, kernels.PRELOAD = saved
-        kernels._MANY_ROWS = many_rows
 
 
 def _peak_gb() -> float | None:

@@ -26,7 +26,6 @@
 #   bash benchmarks/device_calls.sh preload     # one H200: 1 or 2 tiles preloaded, each with its own tiles; int4 on the GEMV
 #   bash benchmarks/device_calls.sh dot         # one H200: one-row products on the tensor cores against the GEMV
 #   bash benchmarks/device_calls.sh decode-rows # one H200: the 3B's bf16 and int8 rows; the 1B's again in a new process
-#   bash benchmarks/device_calls.sh rows        # one H200: the GEMV tuned with and without 16/32-row tiles, picks printed
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -37,9 +36,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | rows | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|rows|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -391,27 +390,6 @@ decode-rows)
   step 150 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
     --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
   grep -h '^{' "$OUT"/decode-*.log | cut -c1-300
-  grep -h -c Traceback "$OUT"/*.log || true
-  ;;
-rows)
-  # the GEMV's autotuner without (few-rows) and with the 16- and 32-row tiles, each tuning
-  # afresh in a Triton cache directory of its own, its picks printed; the 1B bf16 and int8,
-  # then the 3B with the new tiles
-  export TRITON_PRINT_AUTOTUNING=1
-  TRITON_CACHE_DIR=/tmp/triton-few step 130 few-rows python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge-few-rows --schemes bf16 int8-wo --new-tokens 128 \
-    --repeats 2 --out "$OUT/few"
-  TRITON_CACHE_DIR=/tmp/triton-many step 150 many-rows python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
-    --repeats 2 --out "$OUT/many"
-  TRITON_CACHE_DIR=/tmp/triton-many step 130 many-rows-3b python3 benchmarks/decode.py \
-    --presets llama3.2-3b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
-    --repeats 2 --out "$OUT/many-3b"
-  for log in few-rows many-rows many-rows-3b; do
-    echo "-- $log"
-    grep -h "best config" "$OUT/$log.log" | sed -e 's/.*key as (//' -e "s/'torch[^)]*//" | cut -c1-150
-  done
-  grep -h '^{' "$OUT"/*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 check)

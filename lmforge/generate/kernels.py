@@ -287,20 +287,13 @@ _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
 # slower (1,085 against 1,217 tok/s): the autotuner, which flushes L2, picks among both sets.
 _FUSED_WIDE = [(8, 4, 3), (8, 8, 3), (4, 4, 3)]
 _FUSED_HALF = [(8, 4, 3), (8, 8, 3)]
-# Where one scale covers a row, also 16 and 32 rows a program with 4 warps at half the width:
-# each thread then holds several rows of the same columns, so x's conversion and the norm's
-# multiply are shared by them. Compiled for sm_90 (SASS counted over a program's rows, K 2048),
-# int8 with its norm takes 5.5 instructions a weight at 16 rows and 4.9 at 32, against 6.8 at
-# 8 rows and 4 warps; bf16 4.8 and 4.3 against 6.0; none spills. Fewer programs, though: the
-# autotuner weighs that.
-_MANY_ROWS = [(16, 4, 3), (32, 4, 3)]
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
 _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
 def _gemv_configs() -> list[triton.Config]:
-    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF, *_MANY_ROWS}
+    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF}
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile}, num_warps=w, num_stages=s)
         for k in _WIDTHS
@@ -329,7 +322,7 @@ def _fits(configs, named_args, **kwargs):
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
     else:
-        wide, half = _ROW_WIDE, _ROW_HALF + _MANY_ROWS
+        wide, half = _ROW_WIDE, _ROW_HALF
         if args["NORM"] or args["GATED"]:
             wide, half = wide + _FUSED_WIDE, half + _FUSED_HALF
         chosen = {(width, *shape) for shape in wide} | {(width // 2, *shape) for shape in half}
