@@ -343,7 +343,10 @@ else:
         prune_configs_by={"early_config_prune": _fits},
         # The picks are kept in Triton's cache directory (~/.triton/cache, TRITON_CACHE_DIR)
         # for this GPU and kernel source: a later process starts without tuning and runs the
-        # same tiles (delete the directory to tune again).
+        # same tiles (delete the directory to tune again). The tuner times each tile alone,
+        # not inside the step launched early, so picks can be poor there, and kept they stay:
+        # on an H200 one tune ran the int8 1B at 1,057 tok/s in two processes, where four
+        # fresh tunes ran it at 1,361-1,420 (docs/benchmarks.md, session 16).
         cache_results=True,
     )(_gemv)
 
