@@ -22,7 +22,7 @@ serve the default graph); attention-split-N (the fused blocks' attention kernel 
 cache slots a program, default 256: more programs, then a kernel that merges them); no-early
 (each kernel launched only after the one before has finished; lmforge/generate/early_launch.py);
 no-preload (launched early, but the GEMV loads no weights before its wait); preload-1 (one
-weight tile before the wait; the engine loads two).
+weight tile before the wait at every width; the engine: bf16 one, int8 two).
 
 Writes one Chrome trace per scheme to --out ($OUT if set).
 """

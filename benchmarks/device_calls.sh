@@ -26,6 +26,7 @@
 #   bash benchmarks/device_calls.sh preload     # one H200: 1 or 2 tiles preloaded, each with its own tiles; int4 on the GEMV
 #   bash benchmarks/device_calls.sh dot         # one H200: one-row products on the tensor cores against the GEMV
 #   bash benchmarks/device_calls.sh decode-rows # one H200: the 3B's bf16 and int8 rows; the 1B's again in a new process
+#   bash benchmarks/device_calls.sh tiles       # one H200: the GEMV's tiles chosen inside the decode step (tile_search.py)
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -36,9 +37,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -390,6 +391,16 @@ decode-rows)
   step 150 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
     --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
   grep -h '^{' "$OUT"/decode-*.log | cut -c1-300
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+tiles)
+  # benchmarks/tile_search.py in a fresh Triton cache: the autotuner's picks, then each
+  # product's tiles tried inside the step (coordinate descent); the 1B bf16 and int8, the 3B int8
+  TRITON_CACHE_DIR=/tmp/triton-tiles step 330 tiles-1b python3 benchmarks/tile_search.py \
+    --preset llama3.2-1b --schemes bf16 int8-wo --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-tiles step 240 tiles-3b python3 benchmarks/tile_search.py \
+    --preset llama3.2-3b --schemes int8-wo --passes 1 --out "$OUT/3b"
+  grep -h "pass \|^{" "$OUT"/tiles-*.log | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 check)

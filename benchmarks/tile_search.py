@@ -1,0 +1,142 @@
+"""The GEMV's tiles chosen inside the batch-1 decode step instead of alone.
+
+Triton's autotuner times each candidate tile of a product alone, L2 flushed, and the engine
+keeps its pick (`kernels._gemv_tuned`; the picks are kept on disk). Inside the step the kernels
+launch early and overlap (early_launch.py), and a pick that is fastest alone can be slow there:
+on an H200 (session 16, docs/benchmarks.md) one tune ran the 1B's int8 at 1,057 tok/s and four
+others at 1,361-1,417, while two processes with the same picks agreed within 1%.
+
+Here, after the engine's own tuning, each product's candidate tiles (the autotuner's list,
+`kernels._fits`) go into the step in turn (its CUDA graph recorded again) and the step is timed
+over --tokens greedy tokens, the median of --repeats; a product keeps its fastest tile before
+the next product is searched (coordinate descent, --passes rounds). Prints tok/s with the
+autotuner's picks and with the step's, and writes both pick sets to tile_search.json in --out.
+
+    python3 benchmarks/tile_search.py --preset llama3.2-1b --schemes bf16 int8-wo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode import SCHEMES, copy_bandwidth, make_model
+from lmforge.generate import Generator, SamplingParams, kernels, weight_bytes
+
+KEY_NAMES = ("N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL")  # the autotuner's key
+
+
+def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: int) -> float:
+    """Median decode tokens/s of a greedy generation of `tokens` tokens."""
+    params = SamplingParams(max_new_tokens=tokens, temperature=0, stop_token_ids=())
+    runs = [generator.generate([prompt], params) for _ in range(repeats)]
+    return statistics.median(r.stats.decode_tokens_per_s for r in runs)
+
+
+def record_again(generator: Generator) -> None:
+    """Drop the decode steps' CUDA graphs: the next step records with the current picks."""
+    graphs = generator.engine.graphs.graphs
+    for key in [key for key in graphs if key[0] == "decode"]:
+        del graphs[key]
+
+
+def candidates(key: tuple) -> list:
+    """The tiles the autotuner tries for the product of `key`."""
+    named = dict(zip(KEY_NAMES, key))
+    return kernels._fits(kernels._gemv_tuned.configs, named)
+
+
+def describe(config) -> str:
+    return (
+        f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']} "
+        f"{'tile' if config.kwargs['X_TILE'] else 'vec'} w{config.num_warps} s{config.num_stages}"
+    )
+
+
+def search(generator, prompt, args, picks: dict) -> float:
+    """Coordinate descent over `picks` (the autotuner's cache, changed in place); returns the
+    final rate."""
+    rate = decode_rate(generator, prompt, args.tokens, args.repeats)
+    for round_ in range(args.passes):
+        for key in list(picks):
+            best, best_rate = picks[key], rate
+            for config in candidates(key):
+                if describe(config) == describe(best):  # (picks read from disk are copies)
+                    continue
+                picks[key] = config
+                record_again(generator)
+                trial = decode_rate(generator, prompt, args.tokens, args.repeats)
+                if trial > best_rate * (1 + args.margin):
+                    best, best_rate = config, trial
+            picks[key] = best
+            if best_rate != rate:
+                print(f"  pass {round_ + 1} {key[:7]}: {describe(best)} {best_rate:.1f} tok/s")
+            rate = best_rate
+        record_again(generator)
+        rate = decode_rate(generator, prompt, args.tokens, args.repeats)  # the whole set again
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="llama3.2-1b")
+    parser.add_argument("--schemes", nargs="+", choices=sorted(SCHEMES), default=["bf16"])
+    parser.add_argument("--tokens", type=int, default=96, help="greedy tokens a timing")
+    parser.add_argument("--repeats", type=int, default=3, help="timings a trial (median)")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument(
+        "--margin", type=float, default=0.005, help="a tile must beat the kept one by this much"
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or kernels.INTERPRETED:
+        parser.error("needs a CUDA GPU and compiled kernels (TRITON_INTERPRET unset)")
+    bandwidth = copy_bandwidth()
+    prompt = list(range(1000, 1016))
+    results = []
+    for scheme in args.schemes:
+        start = time.perf_counter()
+        model = make_model(args.preset, scheme)
+        limit = bandwidth / weight_bytes(model)
+        generator = Generator(
+            model, max_batch=1, max_seq_len=len(prompt) + args.tokens, device="cuda"
+        )
+        generator.warmup()
+        decode_rate(generator, prompt, args.tokens, 1)  # tunes every product, records graphs
+        picks = kernels._gemv_tuned.cache
+        tuned = {key: describe(config) for key, config in picks.items()}
+        tuned_rate = decode_rate(generator, prompt, args.tokens, args.repeats)
+        step_rate = search(generator, prompt, args, picks)
+        row = {
+            "preset": args.preset,
+            "scheme": scheme,
+            "limit_tok_s": round(limit),
+            "autotuner_tok_s": round(tuned_rate, 1),
+            "step_tok_s": round(step_rate, 1),
+            "seconds": round(time.perf_counter() - start),
+            "autotuner_picks": {str(key[:7]): pick for key, pick in tuned.items()},
+            "step_picks": {str(key[:7]): describe(config) for key, config in picks.items()},
+        }
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        picks.clear()  # the next scheme tunes its own products
+        del generator, model
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "tile_search.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
