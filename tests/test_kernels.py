@@ -65,12 +65,16 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
     )
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", [16, 8, 4, "4 from bits"])
 @pytest.mark.parametrize("fusion", ["norm", "gated+residual", "residual"])
-def test_gemv_fusions_equal_their_arithmetic(bits, fusion):
+def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
-    early, with the autotuner's tiles, at the 1B's width.)"""
+    early, with the autotuner's tiles, at the 1B's width.) "4 from bits": int4 with its nibbles
+    made floats from their bit patterns (`kernels.INT4_FROM_BITS`)."""
+    if bits == "4 from bits":
+        monkeypatch.setattr(kernels, "INT4_FROM_BITS", True)
+        bits = 4
     n, k = (24, 256) if kernels.INTERPRETED else (200, 2048)
     g = torch.Generator().manual_seed(bits)
     if bits == 16:
@@ -405,7 +409,7 @@ from lmforge.generate import kernels
 target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD"]
+         "PRELOAD", "INT4_FROM_BITS"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -422,6 +426,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants["K"] = max(group, 2048)
     early = fusions != ""  # launched early (the fused products), the first weights loaded first
     constants |= {"X_TILE": x_tile, "EARLY": early, "PRELOAD": (2 if bits == 16 else 1) * early}
+    constants["INT4_FROM_BITS"] = bits == 4 and fusions == "NORM"  # (its PTX; the other int4: not)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}

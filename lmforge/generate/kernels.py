@@ -48,6 +48,10 @@ ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
 # turn) the 1B decoded bf16 at 1,215-1,217 tok/s with one tile against 1,171-1,178 with two,
 # int8 at 1,417-1,420 with two against 1,380-1,386 with one: about the same bytes in flight.
 PRELOAD = {16: 1, 8: 2, 4: 2}
+# int4 nibbles made floats from their bit patterns (`_int4_values`: 1.5 instructions a weight)
+# instead of by the integer-to-float converter. Off until measured on a GPU (benchmarks/decode.py
+# variant lmforge-int4-bits).
+INT4_FROM_BITS = False
 
 
 @triton.jit
@@ -72,6 +76,7 @@ def _gemv(
     X_TILE: tl.constexpr,  # x loaded as the weight tile's shape (not with GATED; `_x_tile`)
     EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
     PRELOAD: tl.constexpr,  # (EARLY) weight tiles loaded before the wait: 0, 1 or 2
+    INT4_FROM_BITS: tl.constexpr = False,  # (BITS 4) `_int4_values`, not the converter
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -89,18 +94,18 @@ def _gemv(
     if first:
         acc, squares = _accumulate(
             acc, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
         )  # fmt: skip
     if second:
         acc, squares = _accumulate(
             acc, squares, w1, BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
         )  # fmt: skip
     for k0 in range((first + second) * BLOCK_K, stored, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
         acc, squares = _accumulate(
             acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
         )  # fmt: skip
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
@@ -129,7 +134,7 @@ def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
 @triton.jit
 def _accumulate(
     acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP, BITS,
-    NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr,
+    NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr, INT4_FROM_BITS: tl.constexpr,
 ):  # fmt: skip
     """acc + the weight tile w (stored columns k0..) times its inputs, and `squares` + x^2."""
     stored = K // 2 if BITS == 4 else K
@@ -146,9 +151,15 @@ def _accumulate(
     else:
         high_cols = stored + cols
         x_high, squares = _input(x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE)
-        acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, rows * groups + k0 // GROUP, row_ok)
+        low = rows * groups + k0 // GROUP
         high = rows * groups + (stored + k0) // GROUP
-        acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
+        if INT4_FROM_BITS:
+            low_values, high_values = _int4_values(w)
+            acc += _int4_from(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
+            acc += _int4_from(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high, row_ok)
+        else:
+            acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, low, row_ok)
+            acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares
 
 
@@ -233,6 +244,53 @@ def _int4_times(q, x, scale_ptr, zero_ptr, at, row_ok):
     scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)
     offset = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32) - 8 * scale
     return (q.to(tl.float32) * scale[:, None] + offset[:, None]) * x
+
+
+@triton.jit
+def _int4_values(q):
+    """Both nibbles of uint8 [rows, cols] as exact fp32, without the converter: a byte moved to
+    bits 15-22 and masked into 0x43000000 (128.0) gives 128 + n / 2 for its low nibble n (bits
+    15-18) and 128 + 8 n for its high one (bits 19-22). Four bytes a register: four shifts and
+    eight LOP3s, 1.5 instructions a weight (`_int4_from` undoes the offsets and scales). The
+    interpreter runs no PTX: there, the same in Triton."""
+    if not ASSEMBLY:
+        moved = q.to(tl.uint32) << 15
+        low = (moved & 0x00078000) | 0x43000000
+        high = (moved & 0x00780000) | 0x43000000
+        return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 b0, b1, b2, b3;
+        shl.b32 b0, $8, 15;
+        shl.b32 b1, $8, 7;
+        shr.b32 b2, $8, 1;
+        shr.b32 b3, $8, 9;
+        lop3.b32 $0, b0, 0x00078000, 0x43000000, 0xEA;
+        lop3.b32 $1, b1, 0x00078000, 0x43000000, 0xEA;
+        lop3.b32 $2, b2, 0x00078000, 0x43000000, 0xEA;
+        lop3.b32 $3, b3, 0x00078000, 0x43000000, 0xEA;
+        lop3.b32 $4, b0, 0x00780000, 0x43000000, 0xEA;
+        lop3.b32 $5, b1, 0x00780000, 0x43000000, 0xEA;
+        lop3.b32 $6, b2, 0x00780000, 0x43000000, 0xEA;
+        lop3.b32 $7, b3, 0x00780000, 0x43000000, 0xEA;
+        }""",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r",
+        [q],
+        dtype=(tl.float32, tl.float32),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _int4_from(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
+    """((n - 8) * scale + zero) * x for `_int4_values`' v = 128 + n / per_step: n - 8 =
+    v * per_step - (128 * per_step + 8), so w = v * (per_step * scale) + (zero - offset *
+    scale), `offset` = 128 * per_step + 8 (low nibbles: per_step 2, offset 264; high: 1/8,
+    24). The product v * a is exact in the FMA; `offset * scale` rounds at 2^-24 of itself."""
+    scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)
+    zero = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32)
+    return (v * (per_step * scale)[:, None] + (zero - offset * scale)[:, None]) * x
 
 
 @triton.jit
@@ -385,6 +443,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         RESIDUAL=residual is not None,
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
+        INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
     )
