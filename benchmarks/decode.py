@@ -140,6 +140,7 @@ VARIANTS = (
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
     "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
+    "lmforge-gemv-int4-bits",  # ... its nibbles made floats from their bits (INT4_FROM_BITS)
     "hf",
     "hf-static",
 )
@@ -177,9 +178,11 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
-    `kernels.PRELOAD`). The GEMV's tiles are tuned once a shape and kept (Triton's cache
+    `kernels.PRELOAD`); `...int4-bits` makes int4 nibbles floats from their bit patterns
+    (`kernels.INT4_FROM_BITS`). The GEMV's tiles are tuned once a shape and kept (Triton's cache
     directory), so every variant runs the first one's tiles."""
-    saved = early_launch.ENABLED, kernels.PRELOAD
+    saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS
+    kernels.INT4_FROM_BITS = variant.endswith("int4-bits")
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
         kernels.PRELOAD = dict.fromkeys(saved[1], 0)
@@ -188,7 +191,7 @@ def launch_context(variant: str):
     try:
         yield
     finally:
-        early_launch.ENABLED, kernels.PRELOAD = saved
+        early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS = saved
 
 
 def _peak_gb() -> float | None:
@@ -338,12 +341,12 @@ def main() -> None:
                     continue  # the A/B of fusing blocks (quantized blocks fuse alike)
                 if variant == "lmforge-inductor" and scheme not in ("bf16", "fp32"):
                     continue  # the bf16 comparison
-                if variant == "lmforge-gemv-int4" and scheme != "int4-wo":
+                if variant.startswith("lmforge-gemv-int4") and scheme != "int4-wo":
                     continue
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:
                     model = make_model(preset, scheme)
-                    if variant == "lmforge-gemv-int4":  # what scoring does with many rows
+                    if variant.startswith("lmforge-gemv-int4"):  # as scoring does, many rows
                         use_quantized_kernels(model, torch.device(DEVICE), tinygemm=True)
                     num_bytes = weight_bytes(model)
                     with launch_context(variant):

@@ -27,6 +27,7 @@
 #   bash benchmarks/device_calls.sh dot         # one H200: one-row products on the tensor cores against the GEMV
 #   bash benchmarks/device_calls.sh decode-rows # one H200: the 3B's bf16 and int8 rows; the 1B's again in a new process
 #   bash benchmarks/device_calls.sh tiles       # one H200: the GEMV's tiles chosen inside the decode step (tile_search.py)
+#   bash benchmarks/device_calls.sh int4        # one H200: int4 on tinygemm, on the GEMV, on the GEMV from bit patterns
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -37,9 +38,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | int4 | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|int4|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -401,6 +402,16 @@ tiles)
   TRITON_CACHE_DIR=/tmp/triton-tiles step 240 tiles-3b python3 benchmarks/tile_search.py \
     --preset llama3.2-3b --schemes int8-wo --passes 1 --out "$OUT/3b"
   grep -h "pass \|^{" "$OUT"/tiles-*.log | cut -c1-200
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+int4)
+  # the 1B's int4 (group 128) on tinygemm (as shipped), converted for the GEMV with fused
+  # blocks, and the same with its nibbles made floats from their bit patterns
+  # (kernels.INT4_FROM_BITS); bf16 first, for the ratio
+  step 240 int4 python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    lmforge-gemv-int4 lmforge-gemv-int4-bits --schemes bf16 int4-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/int4"
+  grep -h '^{' "$OUT/int4.log" | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 check)

@@ -50,7 +50,7 @@ ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
 PRELOAD = {16: 1, 8: 2, 4: 2}
 # int4 nibbles made floats from their bit patterns (`_int4_values`: 1.5 instructions a weight)
 # instead of by the integer-to-float converter. Off until measured on a GPU (benchmarks/decode.py
-# variant lmforge-int4-bits).
+# variant lmforge-gemv-int4-bits).
 INT4_FROM_BITS = False
 
 
