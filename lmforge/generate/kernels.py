@@ -155,11 +155,12 @@ def _accumulate(
         high = rows * groups + (stored + k0) // GROUP
         if INT4_FROM_BITS:
             low_values, high_values = _int4_values(w)
-            acc += _int4_from(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
-            acc += _int4_from(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high, row_ok)
-        else:
-            acc += _int4_times(w & 0xF, x, scale_ptr, zero_ptr, low, row_ok)
-            acc += _int4_times(w >> 4, x_high, scale_ptr, zero_ptr, high, row_ok)
+            acc += _int4_times(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
+            acc += _int4_times(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high, row_ok)
+        else:  # the converter: v = n, one step a unit, offset 8
+            low_values, high_values = (w & 0xF).to(tl.float32), (w >> 4).to(tl.float32)
+            acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
+            acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares
 
 
@@ -237,21 +238,11 @@ def _int8_values(q):
 
 
 @triton.jit
-def _int4_times(q, x, scale_ptr, zero_ptr, at, row_ok):
-    """((q - 8) * scale + zero) * x for a tile q [rows, cols] within one group per row. (Here
-    the integer-to-float converter measured faster than `_int8_values`' bit trick: 1B w13 15.7
-    against 18.4 us, H200.)"""
-    scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)
-    offset = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32) - 8 * scale
-    return (q.to(tl.float32) * scale[:, None] + offset[:, None]) * x
-
-
-@triton.jit
 def _int4_values(q):
     """Both nibbles of uint8 [rows, cols] as exact fp32, without the converter: a byte moved to
     bits 15-22 and masked into 0x43000000 (128.0) gives 128 + n / 2 for its low nibble n (bits
     15-18) and 128 + 8 n for its high one (bits 19-22). Four bytes a register: four shifts and
-    eight LOP3s, 1.5 instructions a weight (`_int4_from` undoes the offsets and scales). The
+    eight LOP3s, 1.5 instructions a weight (`_int4_times` undoes the offsets and scales). The
     interpreter runs no PTX: there, the same in Triton."""
     if not ASSEMBLY:
         moved = q.to(tl.uint32) << 15
@@ -283,11 +274,13 @@ def _int4_values(q):
 
 
 @triton.jit
-def _int4_from(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
-    """((n - 8) * scale + zero) * x for `_int4_values`' v = 128 + n / per_step: n - 8 =
-    v * per_step - (128 * per_step + 8), so w = v * (per_step * scale) + (zero - offset *
-    scale), `offset` = 128 * per_step + 8 (low nibbles: per_step 2, offset 264; high: 1/8,
-    24). The product v * a is exact in the FMA; `offset * scale` rounds at 2^-24 of itself."""
+def _int4_times(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
+    """((n - 8) * scale + zero) * x for a tile of int4 values n within one group per row, given
+    as floats v = base + n / per_step: n - 8 = v * per_step - offset, `offset` = base *
+    per_step + 8, so w = v * (per_step * scale) + (zero - offset * scale). From the converter v
+    = n (1, 8); from `_int4_values` 128 + n / 2 (2, 264) and 128 + 8 n (1/8, 24). The product
+    v * a is exact in the FMA; `offset * scale` rounds at 2^-24 of itself. (The converter
+    measured faster than `_int8_values`' bit trick here: 1B w13 15.7 against 18.4 us, H200.)"""
     scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)
     zero = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32)
     return (v * (per_step * scale)[:, None] + (zero - offset * scale)[:, None]) * x
