@@ -140,7 +140,8 @@ VARIANTS = (
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
     "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
-    "lmforge-gemv-int4-bits",  # ... its nibbles made floats from their bits (INT4_FROM_BITS)
+    "lmforge-gemv-int4-converter",  # ... its nibbles floats by the converter, not from their bits
+    "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
     "hf",
     "hf-static",
 )
@@ -178,11 +179,14 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
-    `kernels.PRELOAD`); `...int4-bits` makes int4 nibbles floats from their bit patterns
-    (`kernels.INT4_FROM_BITS`). The GEMV's tiles are tuned once a shape and kept (Triton's cache
-    directory), so every variant runs the first one's tiles."""
-    saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS
-    kernels.INT4_FROM_BITS = variant.endswith("int4-bits")
+    `kernels.PRELOAD`); `...int4-converter` makes int4 nibbles floats by the converter, not
+    from their bit patterns (`kernels.INT4_FROM_BITS`); `...int8-exact` int8 weights exact
+    floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
+    kept (Triton's cache directory; pinned ones: `kernels.TILES`), so every variant runs the
+    first one's tiles."""
+    saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
+    kernels.INT4_FROM_BITS = saved[2] and not variant.endswith("int4-converter")
+    kernels.INT8_BIASED = saved[3] and not variant.endswith("int8-exact")
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
         kernels.PRELOAD = dict.fromkeys(saved[1], 0)
@@ -191,7 +195,7 @@ def launch_context(variant: str):
     try:
         yield
     finally:
-        early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS = saved
+        early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
 
 
 def _peak_gb() -> float | None:
@@ -342,6 +346,8 @@ def main() -> None:
                 if variant == "lmforge-inductor" and scheme not in ("bf16", "fp32"):
                     continue  # the bf16 comparison
                 if variant.startswith("lmforge-gemv-int4") and scheme != "int4-wo":
+                    continue
+                if variant == "lmforge-int8-exact" and not scheme.startswith("int8"):
                     continue
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:

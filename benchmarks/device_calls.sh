@@ -27,6 +27,8 @@
 #   bash benchmarks/device_calls.sh dot         # one H200: one-row products on the tensor cores against the GEMV
 #   bash benchmarks/device_calls.sh decode-rows # one H200: the 3B's bf16 and int8 rows; the 1B's again in a new process
 #   bash benchmarks/device_calls.sh tiles       # one H200: the GEMV's tiles chosen inside the decode step (tile_search.py)
+#   bash benchmarks/device_calls.sh step-tiles  # one H200: tiles searched in the step, 1B/3B bf16/int8, one table
+#   bash benchmarks/device_calls.sh pinned      # one H200: decode rows with the pinned tiles; int8 exact; GPU tests
 #   bash benchmarks/device_calls.sh int4        # one H200: int4 on tinygemm, on the GEMV, on the GEMV from bit patterns
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
@@ -38,9 +40,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | int4 | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | pinned | int4 | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|int4|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|pinned|int4|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -404,12 +406,41 @@ tiles)
   grep -h "pass \|^{" "$OUT"/tiles-*.log | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
+step-tiles)
+  # the GEMV's tiles searched inside the step from the autotuner's picks (fresh Triton cache,
+  # no pinned tiles), merged into one table: the 1B and 3B in bf16, int8 and int8 with the
+  # output projection quantized
+  export LMFORGE_GEMV_TILES=none TRITON_CACHE_DIR=/tmp/triton-search
+  step 260 search-1b python3 benchmarks/tile_search.py --preset llama3.2-1b --passes 1 \
+    --schemes bf16 int8-wo int8-wo-output --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
+  step 320 search-3b python3 benchmarks/tile_search.py --preset llama3.2-3b --passes 1 \
+    --schemes bf16 int8-wo int8-wo-output --out "$OUT/3b" --table "$OUT/gemv_tiles.json"
+  grep -h "^{" "$OUT"/search-*.log | cut -c1-150
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+pinned)
+  # issue 14's decode rows with the pinned tiles as committed (lmforge/generate/gemv_tiles.json),
+  # a fresh Triton cache; int8 biased (as shipped) and exact with the same tiles; then the
+  # kernels' GPU tests
+  export TRITON_CACHE_DIR=/tmp/triton-pinned
+  step 200 pinned-1b python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    lmforge-int8-exact --schemes bf16 int8-wo int8-wo-output --new-tokens 128 --repeats 2 \
+    --out "$OUT/1b"
+  step 230 pinned-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
+    lmforge-int8-exact --schemes bf16 int8-wo int8-wo-output --new-tokens 128 --repeats 2 \
+    --out "$OUT/3b"
+  step 150 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
+  grep -h '^{' "$OUT"/pinned-*.log | cut -c1-200
+  tail -n 3 "$OUT/check.log"
+  grep -h -c Traceback "$OUT"/pinned-*.log || true
+  ;;
 int4)
   # the 1B's int4 (group 128) on tinygemm (as shipped), converted for the GEMV with fused
   # blocks, and the same with its nibbles made floats from their bit patterns
   # (kernels.INT4_FROM_BITS); bf16 first, for the ratio
   step 240 int4 python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
-    lmforge-gemv-int4 lmforge-gemv-int4-bits --schemes bf16 int4-wo --new-tokens 128 \
+    lmforge-gemv-int4 lmforge-gemv-int4-converter --schemes bf16 int4-wo --new-tokens 128 \
     --repeats 2 --out "$OUT/int4"
   grep -h '^{' "$OUT/int4.log" | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true

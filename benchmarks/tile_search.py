@@ -10,9 +10,12 @@ Here, after the engine's own tuning, each product's candidate tiles (the autotun
 `kernels._fits`) go into the step in turn (its CUDA graph recorded again) and the step is timed
 over --tokens greedy tokens, the median of --repeats; a product keeps its fastest tile before
 the next product is searched (coordinate descent, --passes rounds). Prints tok/s with the
-autotuner's picks and with the step's, and writes both pick sets to tile_search.json in --out.
+autotuner's picks and with the step's, writes both pick sets to tile_search.json in --out,
+and merges the step's into --table, a table of pinned tiles in `kernels.TILES`' format. The
+search starts from the pinned tiles where the table in use has them (LMFORGE_GEMV_TILES=none: from
+the autotuner's picks).
 
-    python3 benchmarks/tile_search.py --preset llama3.2-1b --schemes bf16 int8-wo
+    LMFORGE_GEMV_TILES=none python3 benchmarks/tile_search.py --preset llama3.2-1b --schemes bf16
 """
 
 from __future__ import annotations
@@ -49,17 +52,16 @@ def record_again(generator: Generator) -> None:
         del graphs[key]
 
 
+def named(key: tuple) -> dict:
+    return dict(zip(KEY_NAMES, key))
+
+
 def candidates(key: tuple) -> list:
-    """The tiles the autotuner tries for the product of `key`."""
-    named = dict(zip(KEY_NAMES, key))
-    return kernels._fits(kernels._gemv_tuned.configs, named)
+    """The tiles the autotuner tries for the product of `key` where none is pinned."""
+    return kernels._candidates(kernels._gemv_tuned.configs, named(key))
 
 
-def describe(config) -> str:
-    return (
-        f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']} "
-        f"{'tile' if config.kwargs['X_TILE'] else 'vec'} w{config.num_warps} s{config.num_stages}"
-    )
+describe = kernels.describe
 
 
 def search(generator, prompt, args, picks: dict) -> float:
@@ -79,7 +81,8 @@ def search(generator, prompt, args, picks: dict) -> float:
                     best, best_rate = config, trial
             picks[key] = best
             if best_rate != rate:
-                print(f"  pass {round_ + 1} {key[:7]}: {describe(best)} {best_rate:.1f} tok/s")
+                print(f"  pass {round_ + 1} {kernels.tile_key(named(key))}: {describe(best)} "
+                      f"{best_rate:.1f} tok/s")  # fmt: skip
             rate = best_rate
         record_again(generator)
         rate = decode_rate(generator, prompt, args.tokens, args.repeats)  # the whole set again
@@ -99,7 +102,11 @@ def main() -> None:
         "--margin", type=float, default=0.005, help="a tile must beat the kept one by this much"
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--table", default=None, help="a tiles table to merge the step's picks into (made if new)"
+    )
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available() or kernels.INTERPRETED:
         parser.error("needs a CUDA GPU and compiled kernels (TRITON_INTERPRET unset)")
     bandwidth = copy_bandwidth()
@@ -125,17 +132,26 @@ def main() -> None:
             "autotuner_tok_s": round(tuned_rate, 1),
             "step_tok_s": round(step_rate, 1),
             "seconds": round(time.perf_counter() - start),
-            "autotuner_picks": {str(key[:7]): pick for key, pick in tuned.items()},
-            "step_picks": {str(key[:7]): describe(config) for key, config in picks.items()},
+            "autotuner_picks": {kernels.tile_key(named(k)): pick for k, pick in tuned.items()},
+            "step_picks": {kernels.tile_key(named(k)): describe(c) for k, c in picks.items()},
         }
         print(json.dumps(row), flush=True)
         results.append(row)
+        if args.table:  # after each scheme: a later one that runs out of time loses only its own
+            merge(Path(args.table), torch.cuda.get_device_name(), [row])
         picks.clear()  # the next scheme tunes its own products
         del generator, model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tile_search.json").write_text(json.dumps(results, indent=1))
+
+
+def merge(path: Path, gpu: str, results: list[dict]) -> None:
+    """The step's picks into the table at `path`, under `gpu`."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    picks = table.get(gpu, {}) | {k: v for row in results for k, v in row["step_picks"].items()}
+    table[gpu] = dict(sorted(picks.items()))
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The decode engine's quantized Triton kernels (lmforge/generate/kernels.py), run on the CPU by
 Triton's interpreter: against the dequantized weight, and against torchao's own linears."""
 
+import json
+
 import pytest
 import torch
 
@@ -65,16 +67,19 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
     )
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4, "4 from bits"])
+@pytest.mark.parametrize("bits", [16, 8, "8 x as a vector", "8 exact", 4, "4 converter"])
 @pytest.mark.parametrize("fusion", ["norm", "gated+residual", "residual"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
-    early, with the autotuner's tiles, at the 1B's width.) "4 from bits": int4 with its nibbles
-    made floats from their bit patterns (`kernels.INT4_FROM_BITS`)."""
-    if bits == "4 from bits":
-        monkeypatch.setattr(kernels, "INT4_FROM_BITS", True)
-        bits = 4
+    early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
+    with x as a tile or a vector, or "exact"; int4 with its nibbles made floats from their bit
+    patterns (`kernels.INT4_FROM_BITS`) or by the "converter"."""
+    monkeypatch.setattr(kernels, "INT4_FROM_BITS", bits != "4 converter")
+    monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
+    if bits == "8 x as a vector":
+        monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
+    bits = int(str(bits).split()[0])
     n, k = (24, 256) if kernels.INTERPRETED else (200, 2048)
     g = torch.Generator().manual_seed(bits)
     if bits == 16:
@@ -409,7 +414,7 @@ from lmforge.generate import kernels
 target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -427,6 +432,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     early = fusions != ""  # launched early (the fused products), the first weights loaded first
     constants |= {"X_TILE": x_tile, "EARLY": early, "PRELOAD": (2 if bits == 16 else 1) * early}
     constants["INT4_FROM_BITS"] = bits == 4 and fusions == "NORM"  # (its PTX; the other int4: not)
+    constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
@@ -480,3 +486,50 @@ def test_the_kernels_compile_for_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled 16" in done.stdout
+
+
+def _product(key: str) -> dict:
+    """The autotuner's arguments for a product named as in the tiles table."""
+    n, k, bits, group, *fusions = key.split()
+    named = {"N": int(n), "K": int(k), "BITS": int(bits), "GROUP": int(group)}
+    return named | {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL")}
+
+
+def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch):
+    """A product the tiles table names runs that tile (the autotuner gets one config); one it
+    does not name, or a pin that is not among the product's candidates, gets the candidates;
+    LMFORGE_GEMV_TILES=none pins nothing."""
+    configs = kernels._gemv_configs()
+    product = _product("3072 2048 8 2048 norm")
+    named = {"w_ptr": torch.empty(1, dtype=torch.int8), "N": 3072, "K": 2048}
+    flags = {name: product[name] for name in ("BITS", "GROUP", "NORM", "GATED", "RESIDUAL")}
+    candidates = kernels._candidates(configs, product)
+    assert len(candidates) > 4 and kernels.tile_key(product) == "3072 2048 8 2048 norm"
+    table = tmp_path / "tiles.json"
+    pinned = kernels.describe(candidates[3])
+    table.write_text(json.dumps({"cpu": {"3072 2048 8 2048 norm": pinned, "16 16 8 16": "x"}}))
+    monkeypatch.setenv("LMFORGE_GEMV_TILES", str(table))
+    kernels.pinned_tiles.cache_clear()
+    try:
+        assert [kernels.describe(c) for c in kernels._fits(configs, named, **flags)] == [pinned]
+        other = flags | {"NORM": False}  # not in the table
+        assert kernels._fits(configs, named, **other) == kernels._candidates(configs, named | other)
+        table.write_text(json.dumps({"cpu": {"3072 2048 8 2048 norm": "3x7 vec w1 s9"}}))
+        kernels.pinned_tiles.cache_clear()
+        assert kernels._fits(configs, named, **flags) == candidates
+        monkeypatch.setenv("LMFORGE_GEMV_TILES", "none")
+        kernels.pinned_tiles.cache_clear()
+        assert kernels._fits(configs, named, **flags) == candidates
+    finally:
+        kernels.pinned_tiles.cache_clear()
+
+
+def test_the_shipped_tiles_are_candidates():
+    """Every tile of lmforge/generate/gemv_tiles.json is one its product's autotuner would try
+    (a stale pin would be ignored silently)."""
+    table = json.loads(kernels.TILES.read_text())
+    configs = kernels._gemv_configs()
+    for gpu, pins in table.items():
+        for key, pin in pins.items():
+            tried = [kernels.describe(c) for c in kernels._candidates(configs, _product(key))]
+            assert pin in tried, (gpu, key, pin, tried)

@@ -29,7 +29,10 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 
 from __future__ import annotations
 
+import json
+import os
 from functools import cache, partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +52,16 @@ ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
 # int8 at 1,417-1,420 with two against 1,380-1,386 with one: about the same bytes in flight.
 PRELOAD = {16: 1, 8: 2, 4: 2}
 # int4 nibbles made floats from their bit patterns (`_int4_values`: 1.5 instructions a weight)
-# instead of by the integer-to-float converter. Off until measured on a GPU (benchmarks/decode.py
-# variant lmforge-gemv-int4-bits).
-INT4_FROM_BITS = False
+# instead of by the integer-to-float converter: on an H200 the 1B's int4 on the GEMV decoded at
+# 754.3 tok/s against 712.4 (2026-12-02, docs/benchmarks.md; benchmarks/decode.py variants
+# lmforge-gemv-int4 and lmforge-gemv-int4-converter).
+INT4_FROM_BITS = True
+# int8 weights of one scale a row made floats 1 + (q + 128) / 2^15 by one byte permute each
+# (`_int8_biased`), the bias taken off the whole product at the end with the sum of x: 1.25
+# instructions a weight where `_int8_values` spends 2.25. Off for the A/B in
+# benchmarks/decode.py (variant lmforge-int8-exact). Not for an fp32 model: its sums keep ~15
+# bits where the exact conversion keeps 24, visible in an fp32 output, not in a bf16 one.
+INT8_BIASED = True
 
 
 @triton.jit
@@ -77,12 +87,15 @@ def _gemv(
     EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
     PRELOAD: tl.constexpr,  # (EARLY) weight tiles loaded before the wait: 0, 1 or 2
     INT4_FROM_BITS: tl.constexpr = False,  # (BITS 4) `_int4_values`, not the converter
+    INT8_BIASED: tl.constexpr = False,  # (BITS 8, one scale a row) `_int8_biased`
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
+    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
+    sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
     # No kernel of the step writes the weights: their first tiles may come before the wait.
     first: tl.constexpr = PRELOAD >= 1
     second: tl.constexpr = PRELOAD >= 2 and stored // BLOCK_K >= 2
@@ -92,23 +105,25 @@ def _gemv(
         w1 = _weights(w_ptr, rows, row_ok, stored, BLOCK_K, BLOCK_K)
     wait_for_previous(EARLY)
     if first:
-        acc, squares = _accumulate(
-            acc, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
+        acc, squares, sums = _accumulate(
+            acc, squares, sums, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     if second:
-        acc, squares = _accumulate(
-            acc, squares, w1, BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
+        acc, squares, sums = _accumulate(
+            acc, squares, sums, w1, BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     for k0 in range((first + second) * BLOCK_K, stored, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
-        acc, squares = _accumulate(
-            acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
+        acc, squares, sums = _accumulate(
+            acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
+    if biased:  # sum (1 + (q + 128) / 2^15) x = sum q x / 2^15 + (1 + 128 / 2^15) sum x
+        y = y * 32768.0 - 32896.0 * tl.sum(sums, axis=0)
     if NORM:  # the norm's 1 / rms scales the whole product: applied once, at the end
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
@@ -133,15 +148,20 @@ def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _accumulate(
-    acc, squares, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP, BITS,
-    NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr, INT4_FROM_BITS: tl.constexpr,
+    acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+    BITS, NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr,
+    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr,
 ):  # fmt: skip
-    """acc + the weight tile w (stored columns k0..) times its inputs, and `squares` + x^2."""
+    """acc + the weight tile w (stored columns k0..) times its inputs, `squares` + x^2 (NORM)
+    and `sums` + x (BIASED)."""
     stored = K // 2 if BITS == 4 else K
     groups = K // GROUP
     cols = k0 + tl.arange(0, BLOCK_K)
     x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
-    if BITS == 16:
+    if BIASED:
+        sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
+        acc += _int8_biased(w) * x
+    elif BITS == 16:
         acc += w.to(tl.float32) * x
     elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
         acc += _int8_values(w) * x
@@ -161,7 +181,19 @@ def _accumulate(
             low_values, high_values = (w & 0xF).to(tl.float32), (w >> 4).to(tl.float32)
             acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
             acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
-    return acc, squares
+    return acc, squares, sums
+
+
+@triton.jit
+def _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE: tl.constexpr):
+    """The product's input at `cols` as a vector, given `_input`'s x: as a vector, x's only
+    row; as a tile, loaded again (summing the tile would cost an add a weight)."""
+    if X_TILE:
+        row = tl.load(x_ptr + cols).to(tl.float32)
+        if NORM:
+            row *= tl.load(norm_ptr + cols).to(tl.float32)
+        return row
+    return tl.sum(x, axis=0)  # x is [1, BLOCK_K]: its row
 
 
 @triton.jit
@@ -228,6 +260,34 @@ def _int8_values(q):
         sub.f32 $1, $1, 0f4B000080;
         sub.f32 $2, $2, 0f4B000080;
         sub.f32 $3, $3, 0f4B000080;
+        }""",
+        "=r,=r,=r,=r,r",
+        [q],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _int8_biased(q):
+    """int8 [rows, cols] as fp32 1 + (q + 128) / 2^15, exactly, from their bits: 0x3F80__00
+    with q + 128 in the second byte. Four at a time from the register that holds them: one xor
+    makes each byte q + 128, one byte permute each sets it into 1.0's pattern, 1.25
+    instructions a weight. The product's sum takes the bias off at the end (`_gemv`): the
+    terms carry ~2^8 times their size in x, so the fp32 sums keep ~15 of their 24 bits, to a
+    bf16 output's 8. The interpreter runs no PTX: there, the same in Triton."""
+    if not ASSEMBLY:
+        biased = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80
+        return ((biased << 8) | 0x3F800000).to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 biased;
+        xor.b32 biased, $4, 0x80808080;
+        prmt.b32 $0, biased, 0x3F800000, 0x7604;
+        prmt.b32 $1, biased, 0x3F800000, 0x7614;
+        prmt.b32 $2, biased, 0x3F800000, 0x7624;
+        prmt.b32 $3, biased, 0x3F800000, 0x7634;
         }""",
         "=r,=r,=r,=r,r",
         [q],
@@ -360,14 +420,13 @@ def _tile_width(k: int, group: int, bits: int) -> int:
     return next(w for w in _WIDTHS if span % w == 0)
 
 
-def _fits(configs, named_args, **kwargs):
+def _candidates(configs, args: dict) -> list:
     """The configs to try for one product (see `_ROW_WIDE`): tiles that divide a row and, where
     scales are grouped, lie within a group; x as a vector and as a tile (`_input`; a gated
     input only as a vector: as a tile, every row of a program would recompute its SiLU).
     On an H200 (2026-12-02) the autotuner chose x as a tile for 12 of the 24 products it
     tuned in benchmarks/gemv.py (1B and 3B; bf16, int8, int4) and as a vector for 12: both
     stay."""
-    args = {**named_args, **kwargs}
     k, group = args["K"], args["GROUP"]
     width = _tile_width(k, group, args["BITS"])
     if group < k:
@@ -383,6 +442,47 @@ def _fits(configs, named_args, **kwargs):
         if (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in chosen
         and not (c.kwargs["X_TILE"] and args["GATED"])
     ]
+
+
+# Tiles picked inside the decode step (benchmarks/tile_search.py), by GPU name and product. The
+# autotuner times each tile alone, L2 flushed, while in the step the kernels launch early and
+# overlap: on an H200 its picks ran the 1B's int8 up to 25% slower than others (session 16,
+# docs/benchmarks.md). A product found here runs its tile untuned; LMFORGE_GEMV_TILES names
+# another table, or `none` to tune every product.
+TILES = Path(__file__).with_name("gemv_tiles.json")
+
+
+def tile_key(args: dict) -> str:
+    """A product's name in the table: `N K bits group` and its fusions."""
+    fusions = [name.lower() for name in ("NORM", "GATED", "RESIDUAL") if args[name]]
+    return " ".join(str(v) for v in (args["N"], args["K"], args["BITS"], args["GROUP"], *fusions))
+
+
+def describe(config) -> str:
+    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES`."""
+    x = "tile" if config.kwargs["X_TILE"] else "vec"
+    kwargs = config.kwargs
+    return f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
+
+
+@cache
+def pinned_tiles(gpu: str) -> dict[str, str]:
+    """The table's tiles for the GPU named `gpu` ({} where it has none)."""
+    path = os.environ.get("LMFORGE_GEMV_TILES") or str(TILES)
+    return {} if path == "none" else json.loads(Path(path).read_text()).get(gpu, {})
+
+
+@cache
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _fits(configs, named_args, **kwargs):
+    """The autotuner's configs for one product: its pinned tile, or `_candidates`."""
+    args = {**named_args, **kwargs}
+    candidates = _candidates(configs, args)
+    pinned = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
+    return [c for c in candidates if describe(c) == pinned] or candidates
 
 
 if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs programs in turn)
@@ -437,6 +537,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
+        INT8_BIASED=INT8_BIASED and bits == 8 and x.dtype != torch.float32,  # (see below)
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
     )
