@@ -28,6 +28,7 @@
 #   bash benchmarks/device_calls.sh decode-rows # one H200: the 3B's bf16 and int8 rows; the 1B's again in a new process
 #   bash benchmarks/device_calls.sh tiles       # one H200: the GEMV's tiles chosen inside the decode step (tile_search.py)
 #   bash benchmarks/device_calls.sh step-tiles  # one H200: tiles searched in the step, 1B/3B bf16/int8, one table
+#   bash benchmarks/device_calls.sh int8-tiles  # one H200: int8 tiles, biased or exact, searched again; GPU tests
 #   bash benchmarks/device_calls.sh pinned      # one H200: decode rows with the pinned tiles; int8 exact; GPU tests
 #   bash benchmarks/device_calls.sh int4        # one H200: int4 on tinygemm, on the GEMV, on the GEMV from bit patterns
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
@@ -40,9 +41,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | pinned | int4 | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|pinned|int4|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune" >&2
   exit 2
   ;;
 esac
@@ -417,6 +418,21 @@ step-tiles)
     --schemes bf16 int8-wo int8-wo-output --out "$OUT/3b" --table "$OUT/gemv_tiles.json"
   grep -h "^{" "$OUT"/search-*.log | cut -c1-150
   grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+int8-tiles)
+  # the int8 products searched again in the step, biased or exact now tuned like a tile, from
+  # the committed table's picks; the step's tok/s after the search; then the kernels' GPU tests
+  export TRITON_CACHE_DIR=/tmp/triton-int8
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  step 150 int8-1b python3 benchmarks/tile_search.py --preset llama3.2-1b --passes 1 \
+    --schemes int8-wo int8-wo-output --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
+  step 200 int8-3b python3 benchmarks/tile_search.py --preset llama3.2-3b --passes 1 \
+    --schemes int8-wo int8-wo-output --out "$OUT/3b" --table "$OUT/gemv_tiles.json"
+  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
+  grep -h "^{" "$OUT"/int8-*.log | cut -c1-150
+  tail -n 2 "$OUT/check.log"
+  grep -h -c Traceback "$OUT"/int8-*.log || true
   ;;
 pinned)
   # issue 14's decode rows with the pinned tiles as committed (lmforge/generate/gemv_tiles.json),

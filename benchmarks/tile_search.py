@@ -53,7 +53,10 @@ def record_again(generator: Generator) -> None:
 
 
 def named(key: tuple) -> dict:
-    return dict(zip(KEY_NAMES, key))
+    """The autotuner's arguments from its key: the key's values, then its tensors' dtypes (x's
+    first)."""
+    x = torch.empty(0, dtype=getattr(torch, key[len(KEY_NAMES)].removeprefix("torch.")))
+    return dict(zip(KEY_NAMES, key)) | {"x_ptr": x}
 
 
 def candidates(key: tuple) -> list:

@@ -492,6 +492,7 @@ def _product(key: str) -> dict:
     """The autotuner's arguments for a product named as in the tiles table."""
     n, k, bits, group, *fusions = key.split()
     named = {"N": int(n), "K": int(k), "BITS": int(bits), "GROUP": int(group)}
+    named["x_ptr"] = torch.empty(1, dtype=torch.bfloat16)
     return named | {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL")}
 
 
@@ -502,9 +503,16 @@ def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch):
     configs = kernels._gemv_configs()
     product = _product("3072 2048 8 2048 norm")
     named = {"w_ptr": torch.empty(1, dtype=torch.int8), "N": 3072, "K": 2048}
+    named["x_ptr"] = product["x_ptr"]
     flags = {name: product[name] for name in ("BITS", "GROUP", "NORM", "GATED", "RESIDUAL")}
     candidates = kernels._candidates(configs, product)
     assert len(candidates) > 4 and kernels.tile_key(product) == "3072 2048 8 2048 norm"
+    described = [kernels.describe(c) for c in candidates]  # int8 of a scale a row: both ways
+    assert {d.endswith(" biased") for d in described} == {True, False}
+    fp32 = kernels._candidates(configs, product | {"x_ptr": torch.empty(1)})
+    assert [kernels.describe(c) + " biased" for c in fp32] == [
+        d for d in described if d.endswith(" biased")
+    ]
     table = tmp_path / "tiles.json"
     pinned = kernels.describe(candidates[3])
     table.write_text(json.dumps({"cpu": {"3072 2048 8 2048 norm": pinned, "16 16 8 16": "x"}}))

@@ -56,11 +56,13 @@ PRELOAD = {16: 1, 8: 2, 4: 2}
 # 754.3 tok/s against 712.4 (2026-12-02, docs/benchmarks.md; benchmarks/decode.py variants
 # lmforge-gemv-int4 and lmforge-gemv-int4-converter).
 INT4_FROM_BITS = True
-# int8 weights of one scale a row made floats 1 + (q + 128) / 2^15 by one byte permute each
-# (`_int8_biased`), the bias taken off the whole product at the end with the sum of x: 1.25
-# instructions a weight where `_int8_values` spends 2.25. Off for the A/B in
-# benchmarks/decode.py (variant lmforge-int8-exact). Not for an fp32 model: its sums keep ~15
-# bits where the exact conversion keeps 24, visible in an fp32 output, not in a bf16 one.
+# int8 weights of one scale a row may be made floats 1 + (q + 128) / 2^15 by one byte permute
+# each (`_int8_biased`), the bias taken off the whole product at the end with the sum of x: 1.25
+# instructions a weight where `_int8_values` spends 2.25. Which one a product runs is tuned like
+# its tile (`_candidates`): on an H200 (2026-12-02, docs/benchmarks.md) biased everywhere
+# decoded the 1B 8.7% faster than exact, the 3B 2.7% slower. False: exact only (the A/B in
+# benchmarks/decode.py, variant lmforge-int8-exact). Never for an fp32 model: its sums keep
+# ~15 bits where the exact conversion keeps 24, visible in an fp32 output, not in a bf16 one.
 INT8_BIASED = True
 
 
@@ -406,10 +408,15 @@ _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 def _gemv_configs() -> list[triton.Config]:
     shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF}
     return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile}, num_warps=w, num_stages=s)
+        triton.Config(
+            {"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile, "INT8_BIASED": biased},
+            num_warps=w,
+            num_stages=s,
+        )
         for k in _WIDTHS
         for n, w, s in sorted(shapes)
         for tile in (False, True)
+        for biased in (False, True)
     ]
 
 
@@ -426,8 +433,9 @@ def _candidates(configs, args: dict) -> list:
     input only as a vector: as a tile, every row of a program would recompute its SiLU).
     On an H200 (2026-12-02) the autotuner chose x as a tile for 12 of the 24 products it
     tuned in benchmarks/gemv.py (1B and 3B; bf16, int8, int4) and as a vector for 12: both
-    stay."""
+    stay. int8 of one scale a row, also biased (`INT8_BIASED`)."""
     k, group = args["K"], args["GROUP"]
+    biased = {False, int8_biased(args["BITS"], group, k, args["x_ptr"].dtype)}
     width = _tile_width(k, group, args["BITS"])
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
@@ -441,7 +449,13 @@ def _candidates(configs, args: dict) -> list:
         for c in configs
         if (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in chosen
         and not (c.kwargs["X_TILE"] and args["GATED"])
+        and c.kwargs["INT8_BIASED"] in biased
     ]
+
+
+def int8_biased(bits: int, group: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a product may take its int8 weights biased (`INT8_BIASED`)."""
+    return INT8_BIASED and bits == 8 and group == k and dtype != torch.float32
 
 
 # Tiles picked inside the decode step (benchmarks/tile_search.py), by GPU name and product. The
@@ -459,10 +473,11 @@ def tile_key(args: dict) -> str:
 
 
 def describe(config) -> str:
-    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES`."""
-    x = "tile" if config.kwargs["X_TILE"] else "vec"
+    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased]`."""
     kwargs = config.kwargs
-    return f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
+    x = "tile" if kwargs["X_TILE"] else "vec"
+    tile = f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
+    return tile + (" biased" if kwargs["INT8_BIASED"] else "")
 
 
 @cache
@@ -505,10 +520,12 @@ else:
 INTERPRETED_X_TILE = True  # x as a tile where it may be (tests set False for the vector path)
 
 
-def _interpreted_tiles(k: int, group: int, bits: int, gated: bool) -> dict:
+def _interpreted_tiles(k: int, group: int, bits: int, gated: bool, dtype: torch.dtype) -> dict:
     """The one configuration the interpreter runs: wide tiles (it runs programs in turn)."""
     x_tile = INTERPRETED_X_TILE and not gated
-    return {"BLOCK_N": 16, "BLOCK_K": _tile_width(k, group, bits), "X_TILE": x_tile}
+    biased = int8_biased(bits, group, k, dtype)
+    width = _tile_width(k, group, bits)
+    return {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, residual=None):
@@ -537,9 +554,8 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
-        INT8_BIASED=INT8_BIASED and bits == 8 and x.dtype != torch.float32,  # (see below)
         launch_pdl=early,
-        **(_interpreted_tiles(k, group, bits, gated) if INTERPRETED else {}),
+        **(_interpreted_tiles(k, group, bits, gated, x.dtype) if INTERPRETED else {}),
     )
     return y
 
