@@ -512,7 +512,8 @@ else:
         # same tiles (delete the directory to tune again). The tuner times each tile alone,
         # not inside the step launched early, so picks can be poor there, and kept they stay:
         # on an H200 one tune ran the int8 1B at 1,057 tok/s in two processes, where four
-        # fresh tunes ran it at 1,361-1,417 (docs/benchmarks.md, session 16).
+        # fresh tunes ran it at 1,361-1,417 (docs/benchmarks.md, session 16). Hence the pinned
+        # tiles (`TILES`), chosen inside the step.
         cache_results=True,
     )(_gemv)
 
