@@ -496,10 +496,11 @@ def _product(key: str) -> dict:
     return named | {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL")}
 
 
-def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch):
+def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch, caplog):
     """A product the tiles table names runs that tile (the autotuner gets one config); one it
     does not name, or a pin that is not among the product's candidates, gets the candidates;
-    LMFORGE_GEMV_TILES=none pins nothing."""
+    LMFORGE_GEMV_TILES=none pins nothing; a table that cannot be read pins nothing, with a
+    warning that names it."""
     configs = kernels._gemv_configs()
     product = _product("3072 2048 8 2048 norm")
     named = {"w_ptr": torch.empty(1, dtype=torch.int8), "N": 3072, "K": 2048}
@@ -528,6 +529,16 @@ def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch):
         monkeypatch.setenv("LMFORGE_GEMV_TILES", "none")
         kernels.pinned_tiles.cache_clear()
         assert kernels._fits(configs, named, **flags) == candidates
+        for bad in ("{not json", '["a list"]', '{"cpu": {"3072 2048 8 2048 norm": 7}}', None):
+            if bad is not None:
+                table.write_text(bad)
+            path = table if bad is not None else tmp_path / "missing.json"
+            monkeypatch.setenv("LMFORGE_GEMV_TILES", str(path))
+            kernels.pinned_tiles.cache_clear()
+            with caplog.at_level("WARNING", logger="lmforge.generate.kernels"):
+                assert kernels._fits(configs, named, **flags) == candidates
+            assert f"LMFORGE_GEMV_TILES={path}" in caplog.text and "tuning every" in caplog.text
+            caplog.clear()
     finally:
         kernels.pinned_tiles.cache_clear()
 

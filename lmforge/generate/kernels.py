@@ -30,6 +30,7 @@ a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tes
 from __future__ import annotations
 
 import json
+import logging
 import os
 from functools import cache, partial
 from pathlib import Path
@@ -43,6 +44,8 @@ from torch import nn
 from lmforge.generate.decode_attention import decode_attention, supported
 from lmforge.generate.early_launch import INTERPRETED, early_launch, wait_for_previous
 from lmforge.modules.kv_cache import StaticKVCache
+
+log = logging.getLogger(__name__)
 
 # inline PTX in the kernels (NVIDIA GPUs; not the interpreter, not ROCm)
 ASSEMBLY = tl.constexpr(not INTERPRETED and torch.version.hip is None)
@@ -482,9 +485,19 @@ def describe(config) -> str:
 
 @cache
 def pinned_tiles(gpu: str) -> dict[str, str]:
-    """The table's tiles for the GPU named `gpu` ({} where it has none)."""
+    """The table's tiles for the GPU named `gpu` ({} where it has none, or where the table
+    cannot be read: then every product is tuned, with a warning)."""
     path = os.environ.get("LMFORGE_GEMV_TILES") or str(TILES)
-    return {} if path == "none" else json.loads(Path(path).read_text()).get(gpu, {})
+    if path == "none":
+        return {}
+    try:
+        pins = json.loads(Path(path).read_text()).get(gpu, {})
+        if not all(isinstance(v, str) for v in pins.values()):
+            raise ValueError("each product's tile must be a string, as `describe` writes it")
+        return pins
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("LMFORGE_GEMV_TILES=%s: %s; tuning every product instead", path, e)
+        return {}
 
 
 @cache
