@@ -77,6 +77,8 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     patterns (`kernels.INT4_FROM_BITS`) or by the "converter"."""
     monkeypatch.setattr(kernels, "INT4_FROM_BITS", bits != "4 converter")
     monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
+    if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
+        monkeypatch.setattr(kernels._gemv_tuned, "cache", {})
     if bits == "8 x as a vector":
         monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
     bits = int(str(bits).split()[0])
