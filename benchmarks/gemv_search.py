@@ -2,7 +2,7 @@
 int8 (one scale a row), plain and with the work a fused decode block gives it (the norm, SiLU·up,
 the residual add), timed over a wide grid of tiles (rows × columns, warps, stages, x as a tile
 or a vector). Prints, per product, the best tile of the grid against the best of the tiles the
-autotuner tries today (`_fits`), so that the candidate lists can follow the measurement.
+autotuner tries today (`_candidates`), so that the candidate lists can follow the measurement.
 
 Compiling the grid is most of the work: worker processes compile it into Triton's cache in
 parallel (each launching the kernel once), then one process times every tile as the autotuner
@@ -69,7 +69,8 @@ def inputs(n: int, k: int, bits: int, fused: str) -> dict:
     args["residual_ptr"] = torch.randn(n, device="cuda", generator=g).bfloat16()
     args["y_ptr"] = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
     flags = {"NORM": "norm" in fused, "GATED": "gated" in fused, "RESIDUAL": "residual" in fused}
-    return {**args, "N": n, "K": k, "eps": 1e-5, "GROUP": k, "BITS": bits, **flags}
+    launch = {"EARLY": False, "PRELOAD": 0}  # launched in order, each product alone
+    return {**args, "N": n, "K": k, "eps": 1e-5, "GROUP": k, "BITS": bits, **flags, **launch}
 
 
 def cases() -> list[tuple]:
@@ -113,13 +114,13 @@ def timed(case: tuple, config: dict) -> float:
 
 
 def autotuner_choices(case: tuple) -> set[tuple]:
-    """The tiles `_fits` keeps for this product (what the engine's autotuner tries)."""
+    """The tiles the engine's autotuner tries for this product where none is pinned (int8
+    exact: this search launches it so)."""
     from lmforge.generate import kernels
 
     _, n, k, bits, fused = case
-    args = inputs(n, k, bits, fused)
-    args = {key: value for key, value in args.items() if not key.endswith("_ptr")}
-    kept = kernels._fits(kernels._gemv_configs(), args)
+    candidates = kernels._candidates(kernels._gemv_configs(), inputs(n, k, bits, fused))
+    kept = [c for c in candidates if not c.kwargs["INT8_BIASED"]]
     return {
         (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["X_TILE"], c.num_warps, c.num_stages)
         for c in kept

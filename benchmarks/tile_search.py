@@ -7,7 +7,7 @@ on an H200 (session 16, docs/benchmarks.md) one tune ran the 1B's int8 at 1,057 
 others at 1,361-1,417, while two processes with the same picks agreed within 1%.
 
 Here, after the engine's own tuning, each product's candidate tiles (the autotuner's list,
-`kernels._fits`) go into the step in turn (its CUDA graph recorded again) and the step is timed
+`kernels._candidates`) go into the step in turn (its CUDA graph recorded again) and the step is timed
 over --tokens greedy tokens, the median of --repeats; a product keeps its fastest tile before
 the next product is searched (coordinate descent, --passes rounds). Prints tok/s with the
 autotuner's picks and with the step's, writes both pick sets to tile_search.json in --out,
