@@ -63,6 +63,13 @@ step() {  # step SECONDS NAME COMMAND...: run with a timeout, log to $OUT/NAME.l
   echo "   exit $? after ${SECONDS}s of the call"
 }
 
+# the GEMV's and the attention kernel's tests, compiled, launched early, autotuned
+KERNEL_TESTS="fusions_equal or decode_attention_equals or early_launch"
+kernel_tests() {  # kernel_tests SECONDS EXPR: tests/test_kernels.py -k EXPR on the GPU, as `check`
+  step "$1" check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels.py -k "$2"
+}
+
 case "${1:-}" in
 inference)
   # graphed prefills and scoring (time to the first token, lm-eval-like scoring eager vs
@@ -290,8 +297,7 @@ final)
   # the attention kernel compiled for the GPU against SDPA (its splits merged by the last
   # program of each group, run twice: the counters must be zero again), then batch-1 decode of
   # the 1B and 3B in bf16 and int8, and the 1B bf16 step profiled
-  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k decode_attention_equals
+  kernel_tests 120 decode_attention_equals
   step 150 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
     --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
   step 150 decode-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
@@ -309,8 +315,7 @@ verify)
   # against SDPA; decode of the 1B and 3B in bf16 and int8 with the autotuner's picks printed;
   # the 1B in bf16 after a 2,000-token prompt (9 splits and the merge kernel) beside cuDNN's
   # attention; the 1B bf16 step profiled
-  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k decode_attention_equals
+  kernel_tests 120 decode_attention_equals
   TRITON_PRINT_AUTOTUNING=1 step 150 decode-1b python3 benchmarks/decode.py \
     --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
     --repeats 2 --out "$OUT/1b"
@@ -350,8 +355,7 @@ early)
   # decode of the 1B (bf16 and int8) and the 3B: early with two weight tiles loaded before the
   # wait (the engine), with one, and not early. Variants in one process share the autotuner's
   # tiles, so their greedy tokens must agree (a race would show as `same_tokens_as_first` < 128)
-  step 60 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k fusions_equal
+  kernel_tests 60 fusions_equal
   step 200 decode-1b python3 benchmarks/decode.py --presets llama3.2-1b \
     --variants lmforge lmforge-preload-1 lmforge-no-early --schemes bf16 int8-wo \
     --new-tokens 128 --repeats 2 --out "$OUT/1b"
@@ -428,8 +432,7 @@ int8-tiles)
     --schemes int8-wo int8-wo-output --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
   step 200 int8-3b python3 benchmarks/tile_search.py --preset llama3.2-3b --passes 1 \
     --schemes int8-wo int8-wo-output --out "$OUT/3b" --table "$OUT/gemv_tiles.json"
-  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
+  kernel_tests 120 "$KERNEL_TESTS"
   grep -h "^{" "$OUT"/int8-*.log | cut -c1-150
   tail -n 2 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/int8-*.log || true
@@ -445,8 +448,7 @@ pinned)
   step 230 pinned-3b python3 benchmarks/decode.py --presets llama3.2-3b --variants lmforge \
     lmforge-int8-exact --schemes bf16 int8-wo int8-wo-output --new-tokens 128 --repeats 2 \
     --out "$OUT/3b"
-  step 150 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
+  kernel_tests 150 "$KERNEL_TESTS"
   grep -h '^{' "$OUT"/pinned-*.log | cut -c1-200
   tail -n 3 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/pinned-*.log || true
@@ -463,8 +465,7 @@ int4)
   ;;
 check)
   # the kernels' tests on the GPU, compiled (TRITON_INTERPRET=0), launched early, autotuned
-  step 240 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels.py -k "fusions_equal or decode_attention_equals or early_launch"
+  kernel_tests 240 "$KERNEL_TESTS"
   tail -n 3 "$OUT/check.log"
   ;;
 train)
