@@ -35,15 +35,17 @@
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
+#   bash benchmarks/device_calls.sh train-fused # one H200: 1B, the fused loss and the Triton AdamW, beside torchtitan
+#   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled
 #
 # Logs and JSON go to $OUT (at most 8 files come back: each call writes fewer); the last lines
 # printed are each step's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b" >&2
   exit 2
   ;;
 esac
@@ -484,6 +486,28 @@ train-autotune)
     --variants ours-compile ours-compile-autotune --out /tmp/traces
   tail -n 8 "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log"
+  ;;
+train-fused)
+  # the training kernels' tests compiled on the GPU; then one GPU, lmforge with and without
+  # the fused output loss and the Triton AdamW, beside torchtitan 0.2.2 (target: >= 1.05x)
+  step 90 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_train_kernels.py
+  step 60 output-loss python3 benchmarks/output_loss.py
+  step 200 titan env CASES=1B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 300 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
+    ours-compile ours-compile-logits-torchadam ours-compile-logits ours-compile-torchadam \
+    ours-float8 --out /tmp/traces
+  tail -n 3 "$OUT/train-kernels.log"
+  cat "$OUT/output-loss.log"
+  tail -n 8 "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-1b.log"
+  ;;
+train-fused-3b)
+  step 130 titan env CASES=3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 300 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
+    ours-compile ours-compile-logits-torchadam --profile --out /tmp/traces
+  tail -n 8 "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-3b.log"
   ;;
 train-3b)
   step 130 titan env CASES=3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py

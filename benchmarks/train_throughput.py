@@ -5,8 +5,10 @@ compute, fused AdamW). Prints a table of tokens/s, MFU and peak memory.
     python benchmarks/train_throughput.py --shapes 1b:8x2048 3b:4x2048 --variants ours-compile hf-compile
 
 A variant's name says what it runs: hf-compile or hf-eager (transformers' Llama); ours-compile or
-ours-eager, with any of -float8, -sac (selective activation checkpointing), -lora or -qlora, and
--autotune (inductor's max-autotune: each GEMM benchmarked among cuBLAS and Triton templates).
+ours-eager, with any of -float8, -sac (selective activation checkpointing), -lora or -qlora,
+-autotune (inductor's max-autotune: each GEMM benchmarked among cuBLAS and Triton templates),
+-logits (the output projection and the loss apart, the cross entropy compiled: before the fused
+loss) and -torchadam (PyTorch's fused AdamW instead of lmforge's Triton update).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from benchmarks.common import autotuned, bench_trainer
 from lmforge.models.llama import Transformer, get_preset
+from lmforge.train import optim
 from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
 from lmforge.train.losses import CausalLMLoss
@@ -51,6 +54,7 @@ def bench_ours(
     float8: bool,
     ac: str,
     lora: str | None = None,
+    fused_loss: bool = True,
 ):
     """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
     (the same with the frozen base in NF4)."""
@@ -77,7 +81,7 @@ def bench_ours(
     trainer = bench_trainer(
         model,
         layout,
-        loss_step=CausalLMLoss(compile=compile),
+        loss_step=CausalLMLoss(compile=compile, fused=fused_loss),
         batches=random_batches(args.vocab_size, batch, seq, device),
         steps=steps + warmup,
         micro_batch_size=batch,
@@ -197,6 +201,7 @@ def main() -> None:
                     lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
                     # "autotune": inductor's max-autotune (GEMMs among cuBLAS and Triton)
                     tuning = autotuned() if "autotune" in variant else contextlib.nullcontext()
+                    optim.TRITON_ADAMW = "torchadam" not in variant
                     with tuning:
                         seconds, margs, trainer = bench_ours(
                             PRESETS[name],
@@ -208,6 +213,7 @@ def main() -> None:
                             float8="float8" in variant,
                             ac="selective" if "sac" in variant else "none",
                             lora=lora,
+                            fused_loss="logits" not in variant,
                         )
                     step = functools.partial(trainer.train_step, False)
             except Exception as err:  # one failing variant must not lose the others' numbers

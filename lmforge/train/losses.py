@@ -23,6 +23,9 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums, divided like the loss
 
 
+FUSED_OUTPUT = True  # benchmarks switch it off to measure what it gives
+
+
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of cross entropies over labels != IGNORE_INDEX, computed in fp32.
 
@@ -45,20 +48,32 @@ def model_inputs(batch: dict) -> dict:
 class CausalLMLoss:
     """Next-token prediction: pretraining, and SFT (with prompt tokens labelled IGNORE_INDEX).
 
-    compile: compile the cross entropy, so the fp32 upcast is fused into the loss kernels
-    instead of materializing fp32 logits [b, s, vocab] (8 GB at 8×2048 with Llama 3's vocab).
+    fused: the model takes the labels and returns the loss (`Transformer.forward(labels=)`):
+    on a GPU its output projection and cross entropy run as one autograd step that never
+    keeps the logits apart from their gradient (`lmforge.modules.cross_entropy`).
+    compile: otherwise, compile the cross entropy, so the fp32 upcast is fused into the loss
+    kernels instead of materializing fp32 logits [b, s, vocab] (8 GB at 8×2048 with Llama 3's
+    vocab).
     """
 
-    def __init__(self, *, compile: bool = False) -> None:
+    def __init__(self, *, compile: bool = False, fused: bool = False) -> None:
+        self.fused = fused
         self.cross_entropy = torch.compile(token_cross_entropy) if compile else token_cross_entropy
 
+    @classmethod
+    def for_layout(cls, layout, *, compile: bool) -> CausalLMLoss:
+        """A stage's loss: fused on GPUs, unless tensor parallelism shards the vocabulary
+        (`FUSED_OUTPUT` = False keeps the logits apart everywhere)."""
+        fused = FUSED_OUTPUT and layout.device.type == "cuda" and layout.tp_size == 1
+        return cls(compile=compile, fused=fused)
+
     def __call__(self, model, batch: dict) -> LossOutput:
-        logits = model(batch["inputs"], **model_inputs(batch))
         labels = batch["labels"]
-        return LossOutput(
-            loss_sum=self.cross_entropy(logits, labels),
-            num_tokens=(labels != IGNORE_INDEX).sum(),
-        )
+        if self.fused:
+            loss_sum = model(batch["inputs"], labels=labels, **model_inputs(batch))
+        else:
+            loss_sum = self.cross_entropy(model(batch["inputs"], **model_inputs(batch)), labels)
+        return LossOutput(loss_sum=loss_sum, num_tokens=(labels != IGNORE_INDEX).sum())
 
 
 causal_lm_loss = CausalLMLoss()

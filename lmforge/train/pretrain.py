@@ -33,5 +33,7 @@ def pretrain(job: PretrainJob) -> Path:
         job,
         stage="pretrain",
         make_batches=make_loader,
-        make_loss_step=lambda model, spec, layout: CausalLMLoss(compile=job.parallel.compile),
+        make_loss_step=lambda model, spec, layout: CausalLMLoss.for_layout(
+            layout, compile=job.parallel.compile
+        ),
     )

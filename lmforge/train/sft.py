@@ -22,5 +22,7 @@ def sft(job: SFTJob) -> Path:
         stage="sft",
         make_batches=data_loader_factory(job, "sft", load_sft_data, SFTLoader),
         make_heldout=heldout_factory(job, load_sft_data, SFTLoader),
-        make_loss_step=lambda model, spec, layout: CausalLMLoss(compile=job.parallel.compile),
+        make_loss_step=lambda model, spec, layout: CausalLMLoss.for_layout(
+            layout, compile=job.parallel.compile
+        ),
     )

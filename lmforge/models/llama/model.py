@@ -307,6 +307,7 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_caches=None,
         return_hidden: bool = False,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         tokens: [b, s] token ids.
@@ -316,6 +317,9 @@ class Transformer(nn.Module):
         kv_caches: optional per-layer caches (generation), indexable by layer index.
         return_hidden: return the final normed hidden states [b, s, dim] instead of logits
             (for losses that fuse the output projection).
+        labels: [b, s] next-token ids: return the sum of the cross entropy over labels !=
+            IGNORE_INDEX instead of logits, the output projection and the loss fused on a GPU
+            (`output_cross_entropy`: the logits' gradient is made in the forward).
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
@@ -325,4 +329,8 @@ class Transformer(nn.Module):
             cache = kv_caches[int(index)] if kv_caches is not None else None
             h = block(h, cos, sin, attn_mask, cache)
         h = self.norm(h)
+        if labels is not None:
+            from lmforge.modules.cross_entropy import output_cross_entropy  # imports Triton
+
+            return output_cross_entropy(h, self.output, labels)
         return h if return_hidden else self.output(h)

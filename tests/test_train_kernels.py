@@ -1,0 +1,179 @@
+"""Training's Triton kernels (the fused output projection + cross entropy, the AdamW update),
+on the CPU under Triton's interpreter: against PyTorch's own linear, cross entropy and AdamW;
+and compiled, without a GPU, for an H100/H200."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.data.sft import IGNORE_INDEX
+from lmforge.models.llama import Transformer, get_preset
+from lmforge.modules import cross_entropy
+from lmforge.train.adamw import AdamW
+from lmforge.train.loop import skips_diverged_step_on_device
+from lmforge.train.losses import CausalLMLoss
+
+# The suite runs the kernels on the CPU under Triton's interpreter; with TRITON_INTERPRET=0 on a
+# GPU machine the same tests run them compiled.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(), reason="Triton's interpreter or a GPU"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_cross_entropy_equals_linear_and_cross_entropy(monkeypatch, dtype):
+    """Loss and both gradients equal F.linear + F.cross_entropy (summed, IGNORE_INDEX rows
+    left out, a vocab over several row blocks and not a multiple of one), under a scale the
+    backward brings; without grad mode the loss alone."""
+    monkeypatch.setattr(cross_entropy, "ROW_BLOCK", 128)
+    torch.manual_seed(0)
+    rows, dim, vocab = 12, 32, 300
+    output = nn.Linear(dim, vocab, bias=False, dtype=dtype, device=DEVICE)
+    hidden = torch.randn(2, rows // 2, dim, dtype=dtype, device=DEVICE, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, rows // 2), device=DEVICE)
+    labels[0, 2] = labels[1, 5] = IGNORE_INDEX
+    loss = cross_entropy.output_cross_entropy(hidden, output, labels, kernel=True)
+    (loss * 0.37).backward()
+    grads = hidden.grad, output.weight.grad
+    hidden.grad = output.weight.grad = None
+    logits = output(hidden).flatten(0, 1).float()
+    reference = F.cross_entropy(
+        logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    (reference * 0.37).backward()
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference.detach(), **tolerance)
+    torch.testing.assert_close(grads[0], hidden.grad, **tolerance)
+    torch.testing.assert_close(grads[1], output.weight.grad, **tolerance)
+    with torch.no_grad():
+        again = cross_entropy.output_cross_entropy(hidden, output, labels, kernel=True)
+    torch.testing.assert_close(again, loss.detach())
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_fused_loss_step_equals_logits_then_cross_entropy(monkeypatch, tied):
+    """The model's labels= path (the kernel, as on a GPU) against logits + the loss apart:
+    the same loss and gradients, a tied output projection (the embedding's table gets both
+    uses' gradients) and an untied one."""
+    monkeypatch.setattr(cross_entropy, "ROW_BLOCK", 128)
+    monkeypatch.setattr(cross_entropy, "fusable", lambda hidden, output: True)
+    args = get_preset("tiny").replace(tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = Transformer(args).to(DEVICE)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 9), device=DEVICE)
+    labels = torch.randint(0, args.vocab_size, (2, 9), device=DEVICE)
+    labels[:, :3] = IGNORE_INDEX
+    batch = {"inputs": tokens, "labels": labels}
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        out = CausalLMLoss(fused=fused)(model, batch)
+        (out.loss_sum / out.num_tokens).backward()
+        results.append((out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_loss_is_fused_on_gpus_without_tensor_parallelism():
+    class Layout:
+        def __init__(self, device, tp_size):
+            self.device, self.tp_size = torch.device(device), tp_size
+
+    assert CausalLMLoss.for_layout(Layout("cuda", 1), compile=False).fused
+    assert not CausalLMLoss.for_layout(Layout("cuda", 2), compile=False).fused
+    assert not CausalLMLoss.for_layout(Layout("cpu", 1), compile=False).fused
+    plain = nn.Linear(4, 8, bias=False)
+    assert not cross_entropy.fusable(torch.zeros(2, 4), plain)  # the CPU
+    assert not cross_entropy.fusable(torch.zeros(2, 4), nn.Linear(4, 8))  # a bias
+
+
+def _groups(params):
+    return [
+        {"params": params[:2], "weight_decay": 0.1},
+        {"params": params[2:], "weight_decay": 0.0},
+    ]
+
+
+def test_the_adamw_kernel_equals_torch_adamw():
+    """Four steps against torch.optim.AdamW: gradients divided by `grad_scale` (clipping), a
+    step with `found_inf` = 1 skipped whole (its step count too), weight decay by group; the
+    state dict loads into torch's AdamW, and the trainer launches it before its host sync."""
+    torch.manual_seed(0)
+    shapes = [(33, 70), (5000,), (7,)]
+    ours = [torch.randn(shape, device=DEVICE, requires_grad=True) for shape in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = AdamW(_groups(ours), **options)
+    reference = torch.optim.AdamW(_groups(theirs), foreach=False, **options)
+    assert optimizer.kernel and skips_diverged_step_on_device(optimizer, torch.device(DEVICE))
+    for step in range(4):
+        grads = [torch.randn(shape, device=DEVICE) for shape in shapes]
+        for param, grad in zip(ours, grads):
+            param.grad = grad.clone()
+        optimizer.grad_scale = torch.tensor(2.5, device=DEVICE)
+        optimizer.found_inf = torch.tensor(float(step == 2), device=DEVICE)
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+        if step != 2:
+            for param, grad in zip(theirs, grads):
+                param.grad = grad / 2.5
+            reference.step()
+    for mine, theirs_ in zip(ours, theirs):
+        torch.testing.assert_close(mine, theirs_, rtol=1e-5, atol=1e-6)
+    assert optimizer.state[ours[0]]["step"].item() == 3
+    state = optimizer.state_dict()
+    loaded = torch.optim.AdamW(_groups(theirs), **options)
+    loaded.load_state_dict(state)
+    torch.testing.assert_close(
+        loaded.state[theirs[0]]["exp_avg"], optimizer.state[ours[0]]["exp_avg"]
+    )
+    assert not AdamW(_groups(theirs), kernel=False, **options).kernel
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmforge.modules import cross_entropy
+from lmforge.train import adamw
+
+target = GPUTarget("cuda", 90, 32)
+for write_grad in (True, False):
+    signature = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "losses_ptr": "*fp32",
+                 "vocab": "i32", "stride": "i32", "ignore_index": "i32",
+                 "WRITE_GRAD": "constexpr", "BLOCK": "constexpr"}
+    constants = {"WRITE_GRAD": write_grad, "BLOCK": cross_entropy.ROW_BLOCK}
+    source = ASTSource(cross_entropy._cross_entropy_rows, signature, constexprs=constants)
+    triton.compile(source, target=target, options={"num_warps": 16})
+for flags in ((True, True), (False, False)):
+    signature = {name: "*fp32" for name in adamw._adamw_update.arg_names[:7]}
+    signature |= {"numel": "i64"} | {n: "fp32" for n in ("lr", "beta1", "beta2", "eps", "weight_decay")}
+    signature |= {"HAS_SCALE": "constexpr", "HAS_INF": "constexpr", "BLOCK": "constexpr"}
+    constants = {"HAS_SCALE": flags[0], "HAS_INF": flags[1], "BLOCK": adamw.BLOCK}
+    source = ASTSource(adamw._adamw_update, signature, constexprs=constants)
+    triton.compile(source, target=target, options={"num_warps": 8})
+print("compiled 4")
+"""
+
+
+def test_the_training_kernels_compile_for_a_gpu():
+    """The interpreter runs code the GPU compiler refuses, so both kernels are also compiled,
+    without a GPU, for sm_90 with the ptxas that Triton ships."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 4" in done.stdout
