@@ -490,11 +490,11 @@ train-autotune)
 train-fused)
   # the training kernels' tests compiled on the GPU; then one GPU, lmforge with and without
   # the fused output loss and the Triton AdamW, beside torchtitan 0.2.2 (target: >= 1.05x)
-  step 90 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+  step 60 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     tests/test_train_kernels.py
-  step 60 output-loss python3 benchmarks/output_loss.py
-  step 200 titan env CASES=1B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
-  step 300 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
+  step 50 output-loss python3 benchmarks/output_loss.py
+  step 190 titan env CASES=1B-c,1B-c-fp8 torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 270 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
     ours-compile ours-compile-logits-torchadam ours-compile-logits ours-compile-torchadam \
     ours-float8 --out /tmp/traces
   tail -n 3 "$OUT/train-kernels.log"
