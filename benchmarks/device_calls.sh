@@ -36,7 +36,7 @@
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
 #   bash benchmarks/device_calls.sh train-fused # one H200: 1B, the fused loss and the Triton AdamW, beside torchtitan
-#   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled
+#   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled; the 1B profiled
 #
 # Logs and JSON go to $OUT (at most 8 files come back: each call writes fewer); the last lines
 # printed are each step's table.
@@ -504,10 +504,12 @@ train-fused)
   ;;
 train-fused-3b)
   step 130 titan env CASES=3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
-  step 300 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
+  step 260 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
     ours-compile ours-compile-logits-torchadam --profile --out /tmp/traces
+  step 150 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
+    ours-compile --profile --out /tmp/traces
   tail -n 8 "$OUT/titan.log"
-  grep -h '^{' "$OUT/ours-3b.log"
+  grep -h '^{' "$OUT/ours-3b.log" "$OUT/ours-1b.log"
   ;;
 train-3b)
   step 130 titan env CASES=3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
