@@ -35,6 +35,7 @@
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
+#   bash benchmarks/device_calls.sh train-kernels  # one H200: the loss's row kernel and the AdamW update alone, tiles
 #   bash benchmarks/device_calls.sh train-fused # one H200: 1B, the fused loss and the Triton AdamW, beside torchtitan
 #   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled; the 1B profiled
 #
@@ -43,9 +44,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels" >&2
   exit 2
   ;;
 esac
@@ -486,6 +487,15 @@ train-autotune)
     --variants ours-compile ours-compile-autotune --out /tmp/traces
   tail -n 8 "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log"
+  ;;
+train-kernels)
+  step 60 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_train_kernels.py
+  step 120 output-loss python3 benchmarks/output_loss.py
+  step 100 adamw-1b python3 benchmarks/adamw_update.py --preset llama3.2-1b
+  step 100 adamw-3b python3 benchmarks/adamw_update.py --preset llama3.2-3b
+  tail -n 3 "$OUT/train-kernels.log"
+  cat "$OUT/output-loss.log" "$OUT/adamw-1b.log" "$OUT/adamw-3b.log"
   ;;
 train-fused)
   # the training kernels' tests compiled on the GPU; then one GPU, lmforge with and without

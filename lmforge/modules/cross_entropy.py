@@ -23,6 +23,8 @@ from lmforge.data.sft import IGNORE_INDEX
 
 LOG2E = tl.constexpr(1.4426950408889634)
 ROW_BLOCK = 8192  # logits a row read at a time (16 KB of bf16)
+ROW_WARPS = 16
+ROW_PROGRAMS_PER_SM = 1 << 20  # (default: a program a row)
 
 
 @triton.jit
@@ -30,39 +32,79 @@ def _cross_entropy_rows(
     logits_ptr,  # [rows, vocab], row stride `stride`; the gradient overwrites it
     labels_ptr,  # [rows] int64
     losses_ptr,  # [rows] fp32, out
+    rows,
     vocab,
     stride,
     ignore_index,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    logits_ptr += row * stride
-    label = tl.load(labels_ptr + row)
-    ignored = label == ignore_index
-    in_range = (label >= 0) & (label < vocab)
-    target = tl.load(logits_ptr + label, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    """Each program takes rows pid, pid + programs, ...: a grid of a few programs an SM keeps
+    the rows in flight few enough that the gradient's pass finds its row still in L2."""
     columns = tl.arange(0, BLOCK)
-    # Log-sum-exp in base 2, online: the running max and the sum of 2^(x - max).
-    top = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(logits_ptr + start + columns, mask=start + columns < vocab, other=float("-inf"))
-        x = x.to(tl.float32) * LOG2E
-        new_top = tl.maximum(top, tl.max(x, axis=0))
-        total = total * tl.exp2(top - new_top) + tl.sum(tl.exp2(x - new_top), axis=0)
-        top = new_top
-    lse2 = top + tl.log2(total)
-    loss = lse2 / LOG2E - target
-    tl.store(losses_ptr + row, tl.where(ignored, 0.0, loss))
-    if WRITE_GRAD:  # d loss / d logits = softmax - one-hot(label); zero for an ignored row
-        keep = tl.where(ignored, 0.0, 1.0)
+    for row in range(tl.program_id(0).to(tl.int64), rows, tl.num_programs(0)):
+        row_ptr = logits_ptr + row * stride
+        label = tl.load(labels_ptr + row)
+        ignored = label == ignore_index
+        in_range = (label >= 0) & (label < vocab)
+        target = tl.load(row_ptr + label, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+        # Log-sum-exp in base 2, online: the running max and the sum of 2^(x - max).
+        top = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         for start in range(0, vocab, BLOCK):
-            offsets = start + columns
-            mask = offsets < vocab
-            x = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * LOG2E
-            grad = tl.exp2(x - lse2) - tl.where(offsets == label, 1.0, 0.0)
-            tl.store(logits_ptr + offsets, (grad * keep).to(logits_ptr.dtype.element_ty), mask=mask)
+            x = tl.load(
+                row_ptr + start + columns, mask=start + columns < vocab, other=float("-inf")
+            )
+            x = x.to(tl.float32) * LOG2E
+            new_top = tl.maximum(top, tl.max(x, axis=0))
+            total = total * tl.exp2(top - new_top) + tl.sum(tl.exp2(x - new_top), axis=0)
+            top = new_top
+        lse2 = top + tl.log2(total)
+        tl.store(losses_ptr + row, tl.where(ignored, 0.0, lse2 / LOG2E - target))
+        if WRITE_GRAD:  # d loss / d logits = softmax - one-hot(label); zero for an ignored row
+            keep = tl.where(ignored, 0.0, 1.0)
+            for start in range(0, vocab, BLOCK):
+                offsets = start + columns
+                mask = offsets < vocab
+                x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * LOG2E
+                grad = (tl.exp2(x - lse2) - tl.where(offsets == label, 1.0, 0.0)) * keep
+                tl.store(row_ptr + offsets, grad.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_rows(
+    logits,
+    labels,
+    losses,
+    *,
+    write_grad: bool,
+    programs: int | None = None,
+    warps: int | None = None,
+    block: int | None = None,
+) -> None:
+    """losses[i] = the cross entropy of row i of logits [rows, vocab] (0 where labels[i] is
+    IGNORE_INDEX); with write_grad the rows become its gradient. programs: the grid (default
+    ROW_PROGRAMS_PER_SM an SM, at most one a row)."""
+    rows, vocab = logits.shape
+    if programs is None:
+        programs = ROW_PROGRAMS_PER_SM * _sm_count(logits.device)
+    _cross_entropy_rows[(max(1, min(rows, programs)),)](
+        logits,
+        labels,
+        losses,
+        rows,
+        vocab,
+        logits.stride(0),
+        IGNORE_INDEX,
+        WRITE_GRAD=write_grad,
+        BLOCK=block or ROW_BLOCK,
+        num_warps=warps or ROW_WARPS,
+    )
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter (the CPU tests)
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _OutputCrossEntropy(torch.autograd.Function):
@@ -72,17 +114,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
         logits = hidden @ weight.t()  # [rows, vocab]; becomes d loss_sum / d logits
         losses = torch.empty(len(labels), dtype=torch.float32, device=hidden.device)
         if len(labels):
-            _cross_entropy_rows[(len(labels),)](
-                logits,
-                labels,
-                losses,
-                logits.shape[1],
-                logits.stride(0),
-                IGNORE_INDEX,
-                WRITE_GRAD=write_grad,
-                BLOCK=ROW_BLOCK,
-                num_warps=16,
-            )
+            cross_entropy_rows(logits, labels, losses, write_grad=write_grad)
         if write_grad:
             ctx.save_for_backward(hidden, weight, logits)
         return losses.sum()

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.generate.early_launch import INTERPRETED
 
 BLOCK = 4096  # elements a program
+WARPS = 8
 
 
 @triton.jit
@@ -135,7 +136,7 @@ class AdamW(torch.optim.AdamW):
                     HAS_SCALE=grad_scale is not None,
                     HAS_INF=found_inf is not None,
                     BLOCK=BLOCK,
-                    num_warps=8,
+                    num_warps=WARPS,
                 )
             if found_inf is not None:  # a skipped step does not count (PyTorch's fused way)
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
