@@ -35,7 +35,7 @@
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
-#   bash benchmarks/device_calls.sh train-kernels  # one H200: the loss's row kernel and AdamW alone; the 1B lagged or not
+#   bash benchmarks/device_calls.sh train-kernels  # one H200: the loss's row kernel and the AdamW update alone, tiles
 #   bash benchmarks/device_calls.sh train-fused # one H200: 1B, the fused loss and the Triton AdamW, beside torchtitan
 #   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled; the 1B profiled
 #
@@ -494,11 +494,8 @@ train-kernels)
   step 120 output-loss python3 benchmarks/output_loss.py
   step 100 adamw-1b python3 benchmarks/adamw_update.py --preset llama3.2-1b
   step 100 adamw-3b python3 benchmarks/adamw_update.py --preset llama3.2-3b
-  step 200 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
-    ours-compile ours-compile-sync --out /tmp/traces
   tail -n 3 "$OUT/train-kernels.log"
   cat "$OUT/output-loss.log" "$OUT/adamw-1b.log" "$OUT/adamw-3b.log"
-  grep -h '^{' "$OUT/ours-1b.log"
   ;;
 train-fused)
   # the training kernels' tests compiled on the GPU; then one GPU, lmforge with and without

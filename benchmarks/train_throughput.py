@@ -8,9 +8,7 @@ A variant's name says what it runs: hf-compile or hf-eager (transformers' Llama)
 ours-eager, with any of -float8, -sac (selective activation checkpointing), -lora or -qlora,
 -autotune (inductor's max-autotune: each GEMM benchmarked among cuBLAS and Triton templates),
 -logits (the output projection and the loss apart, the cross entropy compiled: before the fused
-loss), -torchadam (PyTorch's fused AdamW instead of lmforge's Triton update) and -sync (each
-step read on the host before the next is launched, as `Trainer.train_step`; by default the steps
-run as `Trainer.run` runs them, the next launched first).
+loss) and -torchadam (PyTorch's fused AdamW instead of lmforge's Triton update).
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ def bench_ours(
     ac: str,
     lora: str | None = None,
     fused_loss: bool = True,
-    lagged: bool = True,
 ):
     """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
     (the same with the frozen base in NF4)."""
@@ -89,12 +86,7 @@ def bench_ours(
         steps=steps + warmup,
         micro_batch_size=batch,
     )
-    if lagged:  # as `Trainer.run` steps: the next step launched before this one is read
-        stepper = trainer.steps(1 << 40)
-        step = functools.partial(next, stepper)
-    else:
-        step = functools.partial(trainer.train_step, False)
-    return time_steps(step, steps, warmup), args, step
+    return time_steps(lambda: trainer.train_step(False), steps, warmup), args, trainer
 
 
 def bench_hf(preset: str, batch: int, seq: int, steps: int, warmup: int, *, compile: bool):
@@ -191,7 +183,7 @@ def main() -> None:
         name, dims = shape.split(":")
         batch, seq = map(int, dims.split("x"))
         for variant in args.variants:
-            step = None  # this variant's peak must not count the last one's state
+            step = trainer = None  # this variant's peak must not count the last one's state
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -211,7 +203,7 @@ def main() -> None:
                     tuning = autotuned() if "autotune" in variant else contextlib.nullcontext()
                     optim.TRITON_ADAMW = "torchadam" not in variant
                     with tuning:
-                        seconds, margs, step = bench_ours(
+                        seconds, margs, trainer = bench_ours(
                             PRESETS[name],
                             batch,
                             seq,
@@ -222,8 +214,8 @@ def main() -> None:
                             ac="selective" if "sac" in variant else "none",
                             lora=lora,
                             fused_loss="logits" not in variant,
-                            lagged="sync" not in variant,
                         )
+                    step = functools.partial(trainer.train_step, False)
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
                 rows.append({"shape": shape, "variant": variant, "error": str(err)[:200]})

@@ -125,52 +125,6 @@ class Trainer:
         return tensor
 
     def train_step(self, preempt_flag: bool) -> dict[str, float]:
-        """One whole optimizer step, its values read on the host before it returns."""
-        return self._resolve(self._update(self._backward(preempt_flag)))
-
-    def steps(self, total: int, preempt_flag: Callable[[], bool] = lambda: False):
-        """Train to step `total`, yielding each step's values in order.
-
-        Where the optimizer skips a diverged step on the device, the next step's forward and
-        backward are launched before the host reads this step's values (its one sync), so the
-        device is not left idle while the host wakes up, reads them and launches again (1B on
-        an H200: ~1.5 ms a step). Not before a step whose state is needed (an evaluation,
-        a checkpoint, an export, the last step): the state then is that step's alone. A
-        diverged step still stops before the next update; a preemption is honoured after the
-        step already launched (its flag carries it)."""
-        following = None
-        while self.step < total:
-            pending = self._update(following or self._backward(preempt_flag()))
-            following = None
-            if self.skips_on_device and not self._state_needed(self.step + 1, total):
-                following = self._backward(preempt_flag())
-            values = self._resolve(pending)
-            if following is not None:
-                values["preempt"] = False  # the next step's flag (set, as the watch's is) says it
-            yield values
-
-    def _state_needed(self, step: int, total: int) -> bool:
-        return (
-            step >= total
-            or self._saves_at(step)
-            or self._exports_at(step)
-            or self._evaluates_at(step, total)
-        )
-
-    def _saves_at(self, step: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return bool(every) and step % every == 0
-
-    def _exports_at(self, step: int) -> bool:
-        every = self.cfg.checkpoint.export_every
-        return self.export is not None and bool(every) and step % every == 0
-
-    def _evaluates_at(self, step: int, total: int) -> bool:
-        return self.heldout is not None and (step % self.cfg.train.eval_every == 0 or step == total)
-
-    def _backward(self, preempt_flag: bool) -> _Pending:
-        """Forward and backward over the step's micro-batches, the gradient norm and the
-        step's statistics, all launched on the device; their copy to the host is started."""
         micro_batches = self._micro_batches()
         device = self.layout.device
         # Target tokens of the whole step over all data-parallel ranks: every micro-batch loss
@@ -208,35 +162,20 @@ class Trainer:
         )
         grad_norm = grad_norm.reshape(1).float().to(device)  # on the CPU under FSDP offload
         stats = torch.cat([self._all_reduce(stats), grad_norm])
-        # Tokens fed to the model this step over all data-parallel ranks (equal per rank).
-        input_tokens = self.layout.dp_size * sum(
-            v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("inputs")
-        )
-        return _Pending(stats, keys, grad_norm, input_tokens)
-
-    def _update(self, pending: _Pending) -> _Pending:
-        """Where the optimizer skips a diverged step on the device, launch the update now,
-        before the host has read the step's values."""
+        lr = self.scheduler.get_last_lr()[0]
         if self.skips_on_device:
             # Launched before the host sync: the host dispatches the update (DTensor dispatch
             # over every parameter) while the device still computes, rather than the device
             # idling after the sync. A diverged step (loss sum or norm not finite: the same
             # on every rank) is skipped by the fused kernel, its step count included.
-            stats = pending.stats
             finite = torch.isfinite(stats[0]) & torch.isfinite(stats[-1])
             self._optimizer_step(
-                found_inf=(~finite).float(), grad_scale=self._clip_scale(pending.grad_norm)
+                found_inf=(~finite).float(), grad_scale=self._clip_scale(grad_norm)
             )
             # Also before the sync: dropping the gradients took the host 0.6-1 ms with the
             # device idle (1B, 3B on an H200); their memory is reused in stream order.
             self.optimizer.zero_grad(set_to_none=True)
-        return pending
-
-    def _resolve(self, pending: _Pending) -> dict[str, float]:
-        """Read the step's values on the host (its sync), stop a diverged run, and finish the
-        step: the update where it waited for the check, the lr schedule, the counters."""
-        lr = self.scheduler.get_last_lr()[0]
-        stats = pending.host_stats()
+        stats = stats.tolist()
         grad_norm_value = stats.pop()
         loss = stats[0] / max(stats[1], 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm_value)):
@@ -250,14 +189,18 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        self.tokens_seen += pending.input_tokens
+        # Tokens fed to the model this step over all data-parallel ranks (equal per rank).
+        input_tokens = self.layout.dp_size * sum(
+            v.numel() for mb in micro_batches for k, v in mb.items() if k.endswith("inputs")
+        )
+        self.tokens_seen += input_tokens
         values = {
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm_value,
-            "input_tokens": pending.input_tokens,
+            "input_tokens": input_tokens,
         }
-        values.update({k: v / max(stats[1], 1) for k, v in zip(pending.keys, stats[3:])})
+        values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
         return values
 
@@ -347,10 +290,13 @@ class Trainer:
             if start == total and self.export is not None:
                 self.export(total, True)  # the stage's output, written again from the weights
             with profiler:
-                for values in self.steps(total, lambda: watch.requested):
+                while self.step < total:
+                    values = self.train_step(watch.requested)
                     profiler.step(self.step)
                     throughput.add(values["input_tokens"])
-                    evaluate = self._evaluates_at(self.step, total)
+                    evaluate = self.heldout is not None and (
+                        self.step % cfg.train.eval_every == 0 or self.step == total
+                    )
                     if evaluate:
                         values["val_loss"] = self.evaluate()
                     if (
@@ -380,35 +326,13 @@ class Trainer:
         return out
 
     def _maybe_save_and_export(self, total: int) -> None:
-        if self.step == total or self._saves_at(self.step):
+        every, export_every = self.cfg.checkpoint.every, self.cfg.checkpoint.export_every
+        if self.step == total or (every and self.step % every == 0):
             self.save()
-        if self.export is not None and (self.step == total or self._exports_at(self.step)):
+        if self.export is not None and (
+            self.step == total or (export_every and self.step % export_every == 0)
+        ):
             self.export(self.step, self.step == total)
-
-
-class _Pending:
-    """A launched step's statistics on the device, on their way to the host."""
-
-    def __init__(self, stats: torch.Tensor, keys: list[str], grad_norm, input_tokens: int):
-        self.stats, self.keys, self.grad_norm, self.input_tokens = (
-            stats,
-            keys,
-            grad_norm,
-            input_tokens,
-        )
-        # Copied now, in stream order: reading them later waits for this step, not for work
-        # launched after it.
-        self._host, self._copied = stats, None
-        if stats.is_cuda:
-            self._host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            self._host.copy_(stats, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def host_stats(self) -> list[float]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.tolist()
 
 
 class _TrainProgress:
