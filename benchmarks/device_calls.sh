@@ -36,6 +36,7 @@
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
 #   bash benchmarks/device_calls.sh train-kernels  # one H200: the loss's row kernel and the AdamW update alone, tiles
+#   bash benchmarks/device_calls.sh train-final # one H200: 1B, 1B float8 and 3B beside torchtitan, before and after
 #   bash benchmarks/device_calls.sh train-fused # one H200: 1B, the fused loss and the Triton AdamW, beside torchtitan
 #   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled; the 1B profiled
 #
@@ -44,9 +45,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final" >&2
   exit 2
   ;;
 esac
@@ -496,6 +497,18 @@ train-kernels)
   step 100 adamw-3b python3 benchmarks/adamw_update.py --preset llama3.2-3b
   tail -n 3 "$OUT/train-kernels.log"
   cat "$OUT/output-loss.log" "$OUT/adamw-1b.log" "$OUT/adamw-3b.log"
+  ;;
+train-final)
+  # issue 13's one-GPU rows: lmforge as it ships and as it was (the logits apart, PyTorch's
+  # AdamW) beside torchtitan 0.2.2, one call (target: >= 1.05x on 1B, 3B and 1B float8)
+  step 190 titan env CASES=1B-c,1B-c-fp8,3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 190 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
+    ours-compile ours-compile-logits-torchadam ours-float8 ours-float8-logits-torchadam \
+    --out /tmp/traces
+  step 130 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
+    ours-compile ours-compile-logits-torchadam --out /tmp/traces
+  grep -h "^{'engine'" "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
   ;;
 train-fused)
   # the training kernels' tests compiled on the GPU; then one GPU, lmforge with and without

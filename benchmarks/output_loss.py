@@ -43,11 +43,10 @@ def main() -> None:
 
     logits = output(hidden).detach()
     losses = torch.empty(args.tokens, device=device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def rows(programs: int, warps: int, block: int):
+    def rows(warps: int, block: int):
         return lambda: cross_entropy.cross_entropy_rows(
-            logits, labels, losses, write_grad=True, programs=programs, warps=warps, block=block
+            logits, labels, losses, write_grad=True, warps=warps, block=block
         )
 
     gb = logits.numel() * logits.element_size() / 1e9
@@ -56,12 +55,10 @@ def main() -> None:
         "fused, fwd+bwd": triton.testing.do_bench(fused),
         "the matmul alone (logits)": triton.testing.do_bench(lambda: output(hidden)),
     }
-    for per_sm in (0, 1, 2, 4):  # 0: a program a row
-        for warps in (8, 16, 32):
-            for block in (4096, 8192, 16384):
-                programs = per_sm * sms or args.tokens
-                name = f"row kernel alone, {per_sm or 'a row'}/SM, {warps} warps, block {block}"
-                results[name] = triton.testing.do_bench(rows(programs, warps, block))
+    for warps in (8, 16, 32):
+        for block in (4096, 8192, 16384):
+            name = f"row kernel alone, {warps} warps, block {block}"
+            results[name] = triton.testing.do_bench(rows(warps, block))
     print(f"tokens {args.tokens}, dim {args.dim}, vocab {args.vocab}: logits {gb:.2f} GB (bf16)")
     for name, ms in results.items():
         extra = f"  ({2 * gb / ms:.2f} TB/s at one read + one write)" if "row" in name else ""

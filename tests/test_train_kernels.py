@@ -151,7 +151,7 @@ from lmforge.train import adamw
 
 target = GPUTarget("cuda", 90, 32)
 for write_grad in (True, False):
-    signature = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "losses_ptr": "*fp32", "rows": "i32",
+    signature = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "losses_ptr": "*fp32",
                  "vocab": "i32", "stride": "i32", "ignore_index": "i32",
                  "WRITE_GRAD": "constexpr", "BLOCK": "constexpr"}
     constants = {"WRITE_GRAD": write_grad, "BLOCK": cross_entropy.ROW_BLOCK}
