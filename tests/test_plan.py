@@ -373,7 +373,10 @@ def test_plan_job_reads_pretrain_sft_dpo_jobs():
     pretrain = PretrainJob.model_validate({"model": {"source": "llama3.2-1b"}})
     plan = plan_job(pretrain, gpus=1, gpu_memory="h100")
     assert plan.setup.method == "pretrain" and plan.setup.micro_batch_size == 8
-    assert not plan.fits and plan.suggestions  # 8 × 2048 without checkpointing: too much
+    assert plan.fits  # 8 × 2048 without checkpointing: the fused loss keeps one bf16 logits
+    larger = PretrainJob.model_validate({"model": {"source": "llama3.2-3b"}})
+    plan = plan_job(larger, gpus=1, gpu_memory="h100")
+    assert not plan.fits and plan.suggestions  # the 3B's 8 × 2048 without checkpointing
     sft = SFTJob.model_validate(
         {"model": {"source": "llama3.1-8b"}, "lora": {"enabled": True, "rank": 16}}
     )

@@ -6,7 +6,8 @@ applies FSDP2 (bf16 all-gathers, fp32 reduce-scatters, the last block kept unsha
 forward) only when the data-parallel
 size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
 cache keeps a bf16 copy of every trainable matmul weight until the backward pass. The loss
-materializes fp32 logits [b, s, vocab] (`lmforge.train.losses`). Activations are counted tensor
+keeps one bf16 logits tensor [b, s, vocab] (fused, `lmforge.modules.cross_entropy`) or, under
+tensor parallelism and in DPO, materializes fp32 logits (`lmforge.train.losses`). Activations are counted tensor
 by tensor from what autograd saves in `lmforge.models.llama.model` (checked against the saved
 tensors of a real model in tests/test_plan.py).
 
@@ -583,7 +584,9 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
     forward; in the backward nll's dense fp32 gradient, the saved log-probabilities and
     log_softmax's fp32 gradient: 12 bytes per vocabulary entry. DPO's reference forward runs
     while the policy's log-probabilities wait for backward (4 + 10). A compiled loss keeps the
-    bf16 logits and writes a bf16 gradient. Logits are whole on every tensor-parallel rank."""
+    bf16 logits and writes a bf16 gradient. The fused loss of GPUs without tensor parallelism
+    (`lmforge.modules.cross_entropy`) writes the gradient over the logits in the forward: one
+    tensor of logits in both. Logits are whole on every tensor-parallel rank."""
     v = setup.args.vocab_size
     c = setup.compute_bytes
     upcast = 4 if c != 4 else 0
@@ -591,6 +594,8 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
     per_token_bwd = 12 * v
     if setup.is_dpo:
         per_token_fwd = 4 * v + (c + upcast + 4) * v
+    elif setup.tp == 1:
+        per_token_fwd = per_token_bwd = c * v
     elif setup.compile:
         per_token_fwd, per_token_bwd = c * v, 2 * c * v
     return per_token_fwd * setup.tokens, per_token_bwd * setup.tokens

@@ -104,7 +104,7 @@ def format_plan(plan: Plan) -> str:
         "weight copies": plan.labels.get("weight copies", "weight copies"),
         "gradient buffers": plan.labels.get("gradient buffers", "gradient buffers"),
         "activations": f"activations (checkpointing: {s.activation_checkpointing})",
-        "logits and loss": f"logits and loss (fp32 [{s.sequences}, {s.seq_len}, "
+        "logits and loss": f"logits and loss ({_logits_label(s)} [{s.sequences}, {s.seq_len}, "
         f"{s.args.vocab_size}])",
         "backward workspace": "backward workspace (recompute, activation grads)",
     }
@@ -172,3 +172,10 @@ def format_suggestions(suggestions: list[Suggestion]) -> str:
             + (f"  ({item.note})" if item.note else "")
         )
     return "\n".join(lines)
+
+
+def _logits_label(s) -> str:
+    """How the loss holds its logits (`plan.memory.loss_bytes`)."""
+    if not s.is_dpo and s.tp == 1:
+        return f"fused, {s.compute_dtype}"
+    return "fp32"
