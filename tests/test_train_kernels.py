@@ -177,3 +177,47 @@ def test_the_training_kernels_compile_for_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled 4" in done.stdout
+
+
+def test_the_adamw_kernel_takes_sharded_parameters_and_checkpoints(tmp_path):
+    """DTensor parameters (as FSDP2 and tensor parallelism hand them over; here a one-process
+    mesh) update through their local shards like plain ones, and the state goes through DCP's
+    optimizer state dict and back (whose loading first steps a fresh optimizer at lr 0)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group(
+        "gloo" if DEVICE == "cpu" else "nccl", store=store, rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh(DEVICE, (1,))
+        torch.manual_seed(0)
+        plain = nn.Linear(40, 24, bias=False, device=DEVICE)
+        sharded = nn.Linear(40, 24, bias=False, device=DEVICE)
+        sharded.weight = nn.Parameter(distribute_tensor(plain.weight.detach(), mesh, [Shard(0)]))
+        options = dict(lr=1e-2, weight_decay=0.1)
+        optimizers = [AdamW(plain.parameters(), **options), AdamW(sharded.parameters(), **options)]
+        assert all(optimizer.kernel for optimizer in optimizers)
+        for _ in range(2):
+            grad = torch.randn(24, 40, device=DEVICE)
+            plain.weight.grad = grad
+            sharded.weight.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            for optimizer in optimizers:
+                optimizer.step()
+        torch.testing.assert_close(sharded.weight.full_tensor(), plain.weight.detach())
+        saved = get_optimizer_state_dict(sharded, optimizers[1])
+        fresh = AdamW(sharded.parameters(), **options)
+        set_optimizer_state_dict(sharded, fresh, saved)
+        moments = fresh.state[sharded.weight]["exp_avg"]
+        torch.testing.assert_close(
+            moments.full_tensor(), optimizers[0].state[plain.weight]["exp_avg"]
+        )
+        assert fresh.state[sharded.weight]["step"].item() == 2
+    finally:
+        dist.destroy_process_group()
