@@ -95,8 +95,10 @@ def test_a_loss_is_fused_on_gpus_without_tensor_parallelism():
     assert not CausalLMLoss.for_layout(Layout("cuda", 2), compile=False).fused
     assert not CausalLMLoss.for_layout(Layout("cpu", 1), compile=False).fused
     plain = nn.Linear(4, 8, bias=False)
+    assert cross_entropy.fusable_output(plain)
     assert not cross_entropy.fusable(torch.zeros(2, 4), plain)  # the CPU
-    assert not cross_entropy.fusable(torch.zeros(2, 4), nn.Linear(4, 8))  # a bias
+    assert not cross_entropy.fusable_output(nn.Linear(4, 8))  # a bias
+    assert not cross_entropy.fusable_output(nn.Identity())  # not a linear (e.g. NF4Linear)
 
 
 def _groups(params):

@@ -110,15 +110,19 @@ class _OutputCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
+def fusable_output(output: nn.Module | None) -> bool:
+    """Whether an output projection is one the kernel takes: a plain bias-free linear (not a
+    quantized base, e.g. QLoRA's NF4 output projection of an untied model)."""
+    return type(output) is nn.Linear and output.bias is None
+
+
 def fusable(hidden: torch.Tensor, output: nn.Module) -> bool:
-    """Whether the fused kernel serves: a plain bias-free linear on a GPU, whole (not sharded
-    over the vocabulary by tensor parallelism; not quantized)."""
-    weight = getattr(output, "weight", None)
+    """Whether the fused kernel serves, in the forward: such a projection on a GPU, whole (not
+    sharded over the vocabulary by tensor parallelism)."""
     return (
-        type(output) is nn.Linear
-        and output.bias is None
+        fusable_output(output)
         and hidden.is_cuda
-        and type(weight) in (torch.Tensor, nn.Parameter)
+        and type(output.weight) in (torch.Tensor, nn.Parameter)
         and not isinstance(hidden, DTensor)
     )
 

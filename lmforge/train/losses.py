@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lmforge.data.pretrain import build_block_causal_mask
 from lmforge.data.sft import IGNORE_INDEX
+from lmforge.modules.cross_entropy import fusable_output
 
 
 @dataclass
@@ -69,7 +70,7 @@ class CausalLMLoss:
 
     def __call__(self, model, batch: dict) -> LossOutput:
         labels = batch["labels"]
-        if self.fused:
+        if self.fused and fusable_output(getattr(model, "output", None)):
             loss_sum = model(batch["inputs"], labels=labels, **model_inputs(batch))
         else:
             loss_sum = self.cross_entropy(model(batch["inputs"], **model_inputs(batch)), labels)
