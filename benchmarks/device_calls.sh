@@ -507,6 +507,9 @@ train-final)
     --out /tmp/traces
   step 130 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
     ours-compile ours-compile-logits-torchadam --out /tmp/traces
+  step 60 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_train_kernels.py
+  tail -n 3 "$OUT/train-kernels.log"
   grep -h "^{'engine'" "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
   ;;
