@@ -502,11 +502,10 @@ train-final)
   # issue 13's one-GPU rows: lmforge as it ships and as it was (the logits apart, PyTorch's
   # AdamW) beside torchtitan 0.2.2, one call (target: >= 1.05x on 1B, 3B and 1B float8)
   step 190 titan env CASES=1B-c,1B-c-fp8,3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
-  step 190 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
-    ours-compile ours-compile-logits-torchadam ours-float8 ours-float8-logits-torchadam \
-    --out /tmp/traces
-  step 130 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
-    ours-compile ours-compile-logits-torchadam --out /tmp/traces
+  step 160 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
+    ours-compile ours-float8 ours-compile-logits-torchadam --out /tmp/traces
+  step 100 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
+    ours-compile --out /tmp/traces
   step 60 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     tests/test_train_kernels.py
   tail -n 3 "$OUT/train-kernels.log"
