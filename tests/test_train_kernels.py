@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,18 @@ def test_the_adamw_kernel_takes_sharded_parameters_and_checkpoints(tmp_path):
         assert fresh.state[sharded.weight]["step"].item() == 2
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="two gloo processes on the CPU")
+def test_the_fused_loss_and_adamw_under_fsdp2_on_two_processes():
+    """Under FSDP2 over two processes, with tied and with untied embeddings: the fused loss
+    equals the logits apart (loss and every gradient), and the AdamW kernel's step over the
+    sharded parameters equals torch's AdamW."""
+    worker = Path(__file__).parent / "scripts" / "fused_loss_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", str(worker)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "fused loss ok" in done.stdout, (done.stdout + done.stderr)[-4000:]
