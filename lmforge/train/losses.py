@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from lmforge.data.pretrain import build_block_causal_mask
 from lmforge.data.sft import IGNORE_INDEX
-from lmforge.modules.cross_entropy import fusable_output
 
 
 @dataclass
@@ -22,9 +21,6 @@ class LossOutput:
     loss_sum: torch.Tensor  # scalar, sum over target tokens
     num_tokens: torch.Tensor  # scalar int, target tokens in this micro-batch
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums, divided like the loss
-
-
-FUSED_OUTPUT = True  # benchmarks switch it off to measure what it gives
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -63,18 +59,25 @@ class CausalLMLoss:
 
     @classmethod
     def for_layout(cls, layout, *, compile: bool) -> CausalLMLoss:
-        """A stage's loss: fused on GPUs, unless tensor parallelism shards the vocabulary
-        (`FUSED_OUTPUT` = False keeps the logits apart everywhere)."""
-        fused = FUSED_OUTPUT and layout.device.type == "cuda" and layout.tp_size == 1
+        """A stage's loss: fused on GPUs, unless tensor parallelism shards the vocabulary."""
+        fused = layout.device.type == "cuda" and layout.tp_size == 1
         return cls(compile=compile, fused=fused)
 
     def __call__(self, model, batch: dict) -> LossOutput:
         labels = batch["labels"]
-        if self.fused and fusable_output(getattr(model, "output", None)):
+        if self.fused and _takes_labels(model):
             loss_sum = model(batch["inputs"], labels=labels, **model_inputs(batch))
         else:
             loss_sum = self.cross_entropy(model(batch["inputs"], **model_inputs(batch)), labels)
         return LossOutput(loss_sum=loss_sum, num_tokens=(labels != IGNORE_INDEX).sum())
+
+
+def _takes_labels(model) -> bool:
+    """Whether the model's output projection is one the fused loss takes (not, e.g., QLoRA's
+    NF4 output projection of an untied model)."""
+    from lmforge.modules.cross_entropy import fusable_output  # imports Triton
+
+    return fusable_output(getattr(model, "output", None))
 
 
 causal_lm_loss = CausalLMLoss()
