@@ -1,13 +1,13 @@
 """The output projection and the cross entropy of its logits as one autograd step.
 
-`output_cross_entropy(hidden, weight, labels)` is the sum over labels != IGNORE_INDEX of
--log softmax(hidden @ weight.T)[label]. Unfused, a language model's loss passes over its logits
+`output_cross_entropy(hidden, output, labels)` is the sum over labels != IGNORE_INDEX of
+-log softmax(output(hidden))[label], for a bias-free linear `output`. Unfused, a language model's loss passes over its logits
 [tokens, vocab] five times or so (the loss's max and sum, then the backward's softmax read and
 gradient write; with Llama 3's 128,256 entries a row that is 4.2 GB in bf16 at 8 × 2048
 tokens). Here one Triton program a row finds the row's log-sum-exp and then writes the loss's
-gradient over the logits in place: the gradient is made in the forward, and nothing passes over
-the logits again until the backward's matmuls read them. The scale that backward brings (the loss's
-divisor) goes onto the two small operands of the backward matmuls, not onto the logits.
+gradient over the logits in place: the gradient is made in the forward, and nothing passes
+over the logits again until the backward's matmuls read them. The scale that backward brings
+(the loss's divisor) goes onto the two small operands of those matmuls, not onto the logits.
 """
 
 from __future__ import annotations
