@@ -59,9 +59,11 @@ def bench_trainer(
     bf16: bool = True,
     lr: float = 1e-4,
     count_targets: Callable = count_label_tokens,
+    bf16_params: bool = False,
 ) -> Trainer:
-    """A Trainer over an already parallelized and initialized `model`."""
-    optimizer = build_optimizer(model, OptimSection(lr=lr), layout.device)
+    """A Trainer over an already parallelized and initialized `model`; bf16_params: the
+    weights in bf16 with fp32 masters in the optimizer (`build_optimizer`)."""
+    optimizer = build_optimizer(model, OptimSection(lr=lr), layout.device, bf16_params=bf16_params)
     scheduler = build_scheduler(
         optimizer, SchedulerSection(warmup_steps=0, decay="constant"), steps
     )

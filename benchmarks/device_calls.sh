@@ -38,6 +38,7 @@
 #   bash benchmarks/device_calls.sh train-kernels  # one H200: the loss's row kernel and the AdamW update alone, tiles
 #   bash benchmarks/device_calls.sh train-final # one H200: 1B, 1B float8 and 3B beside torchtitan, before and after
 #   bash benchmarks/device_calls.sh train-fused # one H200: 1B, the fused loss and the Triton AdamW, beside torchtitan
+#   bash benchmarks/device_calls.sh train-bf16p # one H200: bf16 weights with fp32 masters against autocast, beside torchtitan
 #   bash benchmarks/device_calls.sh train-fused-3b  # one H200: the same for the 3B, profiled; the 1B profiled
 #
 # Logs and JSON go to $OUT (at most 8 files come back: each call writes fewer); the last lines
@@ -45,9 +46,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p" >&2
   exit 2
   ;;
 esac
@@ -497,6 +498,20 @@ train-kernels)
   step 100 adamw-3b python3 benchmarks/adamw_update.py --preset llama3.2-3b
   tail -n 3 "$OUT/train-kernels.log"
   cat "$OUT/output-loss.log" "$OUT/adamw-1b.log" "$OUT/adamw-3b.log"
+  ;;
+train-bf16p)
+  # issue 13's one-GPU rows with the weights in bf16 and fp32 masters in the optimizer (-bf16p)
+  # against fp32 weights under autocast, in one process each shape, beside torchtitan 0.2.2
+  step 190 titan env CASES=1B-c,1B-c-fp8,3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
+  step 170 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
+    ours-compile ours-compile-bf16p ours-float8-bf16p --out /tmp/traces
+  step 150 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
+    ours-compile ours-compile-bf16p --out /tmp/traces
+  step 60 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_train_kernels.py
+  tail -n 3 "$OUT/train-kernels.log"
+  grep -h "^{'engine'" "$OUT/titan.log"
+  grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
   ;;
 train-final)
   # issue 13's one-GPU rows: lmforge as it ships and as it was (the logits apart, PyTorch's

@@ -8,7 +8,8 @@ A variant's name says what it runs: hf-compile or hf-eager (transformers' Llama)
 ours-eager, with any of -float8, -sac (selective activation checkpointing), -lora or -qlora,
 -autotune (inductor's max-autotune: each GEMM benchmarked among cuBLAS and Triton templates),
 -logits (the output projection and the loss apart, the cross entropy compiled: before the fused
-loss) and -torchadam (PyTorch's fused AdamW instead of lmforge's Triton update).
+loss), -torchadam (PyTorch's fused AdamW instead of lmforge's Triton update) and -bf16p (bf16
+weights with fp32 masters in the optimizer, no autocast casts of the weights).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def bench_ours(
     ac: str,
     lora: str | None = None,
     fused_loss: bool = True,
+    bf16_params: bool = False,
 ):
     """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
     (the same with the frozen base in NF4)."""
@@ -85,6 +87,7 @@ def bench_ours(
         batches=random_batches(args.vocab_size, batch, seq, device),
         steps=steps + warmup,
         micro_batch_size=batch,
+        bf16_params=bf16_params,
     )
     return time_steps(lambda: trainer.train_step(False), steps, warmup), args, trainer
 
@@ -214,6 +217,7 @@ def main() -> None:
                             ac="selective" if "sac" in variant else "none",
                             lora=lora,
                             fused_loss="logits" not in variant,
+                            bf16_params="bf16p" in variant,
                         )
                     step = functools.partial(trainer.train_step, False)
             except Exception as err:  # one failing variant must not lose the others' numbers

@@ -145,6 +145,46 @@ def test_the_adamw_kernel_equals_torch_adamw():
     assert not AdamW(_groups(theirs), kernel=False, **options).kernel
 
 
+def test_bf16_parameters_are_updated_through_fp32_masters():
+    """bf16_params: the parameters become bf16, the optimizer keeps their fp32 values; three
+    steps on bf16 gradients equal torch's AdamW on fp32 parameters with the same gradients,
+    each parameter the bf16 rounding of its master. State dicts and loading see the masters
+    (fp32), and loaded moments stay fp32."""
+    torch.manual_seed(0)
+    shapes = [(33, 70), (5000,), (7,)]
+    ours = [nn.Parameter(torch.randn(shape, device=DEVICE)) for shape in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = AdamW(_groups(ours), bf16_params=True, **options)
+    reference = torch.optim.AdamW(_groups(theirs), foreach=False, **options)
+    assert all(p.dtype == torch.bfloat16 for p in ours) and len(optimizer.masters) == 3
+    for _ in range(3):
+        for param, other in zip(ours, theirs):
+            param.grad = torch.randn(param.shape, device=DEVICE, dtype=torch.bfloat16)
+            other.grad = param.grad.float()
+        optimizer.step()
+        reference.step()
+    for param, other in zip(ours, theirs):
+        master = optimizer.masters[param]
+        torch.testing.assert_close(master, other.detach(), rtol=1e-5, atol=1e-6)
+        if INTERPRETED:  # the interpreter's fp32 -> bf16 truncates; a GPU rounds to nearest
+            torch.testing.assert_close(param.detach().float(), master, rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(param.detach(), master.bfloat16())
+    with optimizer.masters_in_params():
+        assert ours[0].dtype == torch.float32
+        assert torch.equal(ours[0].detach(), optimizer.masters[ours[0]])
+        ours[0].data.fill_(0.25)  # what a load does
+    assert ours[0].dtype == torch.bfloat16 and torch.all(ours[0] == 0.25)
+    assert torch.all(optimizer.masters[ours[0]] == 0.25)
+    fresh = AdamW(_groups([nn.Parameter(p.detach().float()) for p in ours]), bf16_params=True)
+    fresh.load_state_dict(optimizer.state_dict())
+    moments = [state["exp_avg_sq"] for state in fresh.state.values()]
+    assert len(moments) == 3 and all(m.dtype == torch.float32 for m in moments)
+    plain = AdamW(_groups([nn.Parameter(torch.ones(3, device=DEVICE))]), kernel=False)
+    assert not plain.masters  # the masters go with the kernel only
+
+
 COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -160,11 +200,13 @@ for write_grad in (True, False):
     constants = {"WRITE_GRAD": write_grad, "BLOCK": cross_entropy.ROW_BLOCK}
     source = ASTSource(cross_entropy._cross_entropy_rows, signature, constexprs=constants)
     triton.compile(source, target=target, options={"num_warps": 16})
-for flags in ((True, True), (False, False)):
-    signature = {name: "*fp32" for name in adamw._adamw_update.arg_names[:7]}
+for flags in ((True, True, True), (False, False, False)):
+    signature = {name: "*fp32" for name in adamw._adamw_update.arg_names[:8]}
+    if flags[2]:  # a bf16 parameter and gradient with an fp32 master
+        signature |= {"param_ptr": "*bf16", "grad_ptr": "*bf16"}
     signature |= {"numel": "i64"} | {n: "fp32" for n in ("lr", "beta1", "beta2", "eps", "weight_decay")}
-    signature |= {"HAS_SCALE": "constexpr", "HAS_INF": "constexpr", "BLOCK": "constexpr"}
-    constants = {"HAS_SCALE": flags[0], "HAS_INF": flags[1], "BLOCK": adamw.BLOCK}
+    signature |= {f: "constexpr" for f in ("HAS_SCALE", "HAS_INF", "HAS_MASTER", "BLOCK")}
+    constants = {"HAS_SCALE": flags[0], "HAS_INF": flags[1], "HAS_MASTER": flags[2], "BLOCK": adamw.BLOCK}
     source = ASTSource(adamw._adamw_update, signature, constexprs=constants)
     triton.compile(source, target=target, options={"num_warps": 8})
 print("compiled 4")

@@ -13,6 +13,8 @@ other is 1).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,7 @@ def _adamw_update(
     step_ptr,  # fp32 scalar: the step count after this step
     grad_scale_ptr,  # fp32 scalar: every gradient is divided by it (HAS_SCALE)
     found_inf_ptr,  # fp32 scalar: 1 skips the update (HAS_INF)
+    master_ptr,  # fp32 values of a bf16 parameter (HAS_MASTER)
     numel,
     lr,
     beta1,
@@ -43,6 +46,7 @@ def _adamw_update(
     weight_decay,
     HAS_SCALE: tl.constexpr,
     HAS_INF: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -56,15 +60,19 @@ def _adamw_update(
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     if HAS_SCALE:
         grad = grad / tl.load(grad_scale_ptr)
-    param = tl.load(param_ptr + offsets, mask=mask)
+    # the value updated: the fp32 master of a bf16 parameter, else the parameter itself
+    value_ptr = master_ptr if HAS_MASTER else param_ptr
+    value = tl.load(value_ptr + offsets, mask=mask).to(tl.float32)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
-    value = param.to(tl.float32) * (1.0 - lr * weight_decay)
+    value = value * (1.0 - lr * weight_decay)
     exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
     exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
     denom = tl.sqrt(exp_avg_sq) / correction2_sqrt + eps
     value = value - (lr / correction1) * exp_avg / denom
-    tl.store(param_ptr + offsets, value.to(param.dtype), mask=mask)
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, value, mask=mask)
+    tl.store(param_ptr + offsets, value.to(param_ptr.dtype.element_ty), mask=mask)
     tl.store(exp_avg_ptr + offsets, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
     tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
 
@@ -85,13 +93,57 @@ class AdamW(torch.optim.AdamW):
     contiguous) or options it does not implement (amsgrad, maximize, a tensor lr) leave the
     step to PyTorch's fused kernel.
 
+    bf16_params: the model's fp32 parameters become bf16 tensors, which the forward and backward
+    compute with directly (no autocast casts of the weights, bf16 gradients), and the optimizer
+    keeps their fp32 values as masters; the kernel updates a master and writes its bf16 rounding
+    into the parameter. State dicts, loading and export see the masters (`masters_in_params`).
+    Taken only where the kernel takes every parameter and none is a DTensor.
+
     The trainer hands clipping and the non-finite skip over as PyTorch's amp does, as the
     attributes `grad_scale` and `found_inf` (device scalars) set around `step()`."""
 
-    def __init__(self, params, *, kernel: bool = True, **options) -> None:
+    def __init__(self, params, *, kernel: bool = True, bf16_params: bool = False, **options):
         super().__init__(params, fused=True, **options)
         groups = self.param_groups
         self.kernel = kernel and all(_launchable(p) for g in groups for p in g["params"])
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}  # bf16 parameter -> fp32 values
+        self._in_params = False
+        if bf16_params and self._takes():
+            self._make_masters([p for g in groups for p in g["params"]])
+
+    def _make_masters(self, params: list[torch.Tensor]) -> None:
+        if any(isinstance(p, DTensor) or p.dtype != torch.float32 for p in params):
+            return
+        for param in params:
+            self.masters[param] = param.detach().clone()
+            param.data = param.data.to(torch.bfloat16)
+
+    @contextlib.contextmanager
+    def masters_in_params(self):
+        """For the block, each bf16 parameter holds its fp32 master (what state dicts save,
+        loading fills and export writes); after it, the bf16 values are written again from the
+        masters, which a load may have changed. Re-entrant; nothing without masters."""
+        if self._in_params or not self.masters:
+            yield
+            return
+        low = {}
+        for param, master in self.masters.items():
+            low[param] = param.data
+            param.data = master
+        self._in_params = True
+        try:
+            yield
+        finally:
+            self._in_params = False
+            for param, data in low.items():
+                self.masters[param] = param.data
+                data.copy_(param.data)
+                param.data = data
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts the loaded moments to their parameter's dtype: the master's, fp32
+        with self.masters_in_params():
+            super().load_state_dict(state_dict)
 
     def _takes(self) -> bool:
         return self.kernel and not any(
@@ -102,6 +154,8 @@ class AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if not self._takes():
+            if self.masters:
+                raise RuntimeError("AdamW with fp32 masters: only its kernel updates them")
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -121,6 +175,8 @@ class AdamW(torch.optim.AdamW):
                 local = _local(param)
                 if not local.numel():
                     continue
+                # in masters_in_params the parameter holds its master: updated as it is
+                master = None if self._in_params else self.masters.get(param)
                 _adamw_update[(triton.cdiv(local.numel(), BLOCK),)](
                     local,
                     _local(param.grad).contiguous(),
@@ -129,6 +185,7 @@ class AdamW(torch.optim.AdamW):
                     step,
                     grad_scale if grad_scale is not None else step,
                     found_inf if found_inf is not None else step,
+                    master if master is not None else local,
                     local.numel(),
                     float(group["lr"]),
                     float(beta1),
@@ -137,6 +194,7 @@ class AdamW(torch.optim.AdamW):
                     float(group["weight_decay"]),
                     HAS_SCALE=grad_scale is not None,
                     HAS_INF=found_inf is not None,
+                    HAS_MASTER=master is not None,
                     BLOCK=BLOCK,
                     num_warps=WARPS,
                 )
@@ -145,10 +203,12 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     def _state(self, param: torch.Tensor) -> dict:
-        """The parameter's state, created as PyTorch's fused AdamW creates it."""
+        """The parameter's state, created as PyTorch's fused AdamW creates it (the moments of a
+        bf16 parameter with fp32 master in fp32)."""
         state = self.state[param]
         if not state:
+            like = self.masters.get(param, param)
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         return state

@@ -12,9 +12,13 @@ from lmforge.train.config import OptimSection, SchedulerSection
 TRITON_ADAMW = True  # benchmarks switch it off to measure what it gives
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimSection, device: torch.device, *, bf16_params: bool = False
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; norms and 1-d parameters get no weight decay. Fused
-    on a GPU: lmforge's Triton update (`lmforge.train.adamw`), else PyTorch's fused kernel."""
+    on a GPU: lmforge's Triton update (`lmforge.train.adamw`), else PyTorch's fused kernel.
+    bf16_params: the trainable parameters become bf16 with fp32 masters in the optimizer (where
+    lmforge's update takes them all; see `lmforge.train.adamw.AdamW`)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -29,7 +33,7 @@ def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -
     if fused and device.type == "cuda":
         from lmforge.train.adamw import AdamW  # imports Triton
 
-        return AdamW(groups, kernel=TRITON_ADAMW, **options)
+        return AdamW(groups, kernel=TRITON_ADAMW, bf16_params=bf16_params, **options)
     return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **options)
 
 
