@@ -47,8 +47,14 @@ def tiny_args(family: str = "llama", **changes):
 
 
 def test_seed_18_bytes_per_parameter_and_1_15_tib():
-    setup = Setup(args=LLAMA_70B, method="full")
+    setup = Setup(args=LLAMA_70B, method="full", gpus=16)  # FSDP2: fp32 weights, bf16 gathers
     assert bytes_per_param(setup) == {"parameters": 6, "gradients": 4, "optimizer states": 8}
+    # one GPU: bf16 weights and gradients, AdamW's moments and the fp32 masters
+    one = setup.replace(gpus=1)
+    assert bytes_per_param(one) == {"parameters": 2, "gradients": 2, "optimizer states": 12}
+    assert not one.autocast and one.residual_bytes == 2
+    assert bytes_per_param(one.replace(bf16_params=False))["parameters"] == 6
+    assert bytes_per_param(one.replace(grad_accumulation=4))["parameters"] == 6
     total = model_state_bytes(setup, num_params=70e9)
     assert total == 1_260_000_000_000
     assert f"{total / TiB:.2f}" == "1.15"
@@ -159,7 +165,16 @@ PATHS = {  # (model dtype, autocast, Setup precision)
         False,
         dict(param_dtype="bf16", compute_dtype="bf16"),
     ),
-    "autocast": (torch.float32, True, dict(param_dtype="fp32", compute_dtype="bf16")),
+    "autocast": (
+        torch.float32,
+        True,
+        dict(param_dtype="fp32", compute_dtype="bf16", bf16_params=False),
+    ),
+    "bf16 weights, fp32 masters (one GPU)": (
+        torch.bfloat16,
+        False,
+        dict(param_dtype="fp32", compute_dtype="bf16"),
+    ),
 }
 
 
@@ -322,8 +337,10 @@ def test_dry_run_shards_equal_the_arithmetic(name):
     assert report.measured == report.arithmetic
     plan = plan_memory(setup)
     trainable = report.measured["parameters (trainable)"]
-    assert report.measured["gradients"] == trainable  # fp32 like the parameters
-    assert report.measured["optimizer states"] == 2 * trainable  # AdamW: two fp32 states
+    assert report.measured["gradients"] == trainable  # in the parameters' dtype
+    # AdamW: two fp32 states; with bf16 weights (one GPU) also their fp32 masters: 12 = 6 × 2
+    states = 6 if setup.master_weights else 2
+    assert report.measured["optimizer states"] == states * trainable
     if not setup.cpu_offload:
         on_gpu = report.measured["parameters (trainable)"] + report.measured["parameters (frozen)"]
         assert plan.largest("parameters") == on_gpu

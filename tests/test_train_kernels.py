@@ -185,6 +185,84 @@ def test_bf16_parameters_are_updated_through_fp32_masters():
     assert not plain.masters  # the masters go with the kernel only
 
 
+def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypatch):
+    """Pretraining with optim.bf16_params through the real stage (its CUDA-only conditions
+    waived, the kernel under the interpreter): stopped at step 2 and resumed, the losses equal
+    those of the run that went on (the checkpoint holds the fp32 masters and moments, not the
+    bf16 weights), close to fp32 weights under autocast; the fp32 export holds the masters."""
+    import lmforge
+    from lmforge.train import stage
+    from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess
+
+    made = []
+
+    def build(model, cfg, device, *, bf16_params):
+        made.append(bf16_params)
+        options = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return AdamW(params, bf16_params=bf16_params, **options)
+
+    monkeypatch.setattr(stage, "build_optimizer", build)
+    monkeypatch.setattr(stage, "keeps_bf16_params", lambda job, *_: bool(job.optim.bf16_params))
+    tokenizer, shards = make_shards(tmp_path / "data")
+
+    def run(name, steps, *extra):
+        args = pretrain_args(tmp_path / name, tokenizer, shards, *extra)
+        args += [f"train.steps={steps}", "checkpoint.every=2", "train.mixed_precision=bf16"]
+        args += ["checkpoint.export_dtype=float32"]
+        assert run_inprocess("pretrain", args) == 0
+        return losses(tmp_path / name)
+
+    whole = run("whole", 4, "optim.bf16_params=true")
+    run("resumed", 2, "optim.bf16_params=true")
+    resumed = run("resumed", 4, "optim.bf16_params=true")
+    fp32 = run("fp32", 4, "optim.bf16_params=false")
+    assert made == [True, True, True, False]
+    assert resumed == whole and len(whole) == 4
+    for step, loss in fp32.items():
+        assert abs(loss - whole[step]) < 0.05, (step, loss, whole[step])
+    weights = lmforge.load(tmp_path / "whole" / "artifact", dtype=torch.float32).model
+    table = weights.tok_embeddings.weight
+    assert not torch.equal(table, table.bfloat16().float())  # fp32 values, not bf16 weights
+
+
+def test_bf16_params_where_they_apply():
+    """optim.bf16_params: None takes them on one CUDA device for full training with one
+    micro-batch a step; true where they cannot apply names what is missing (exit code 2)."""
+    from lmforge.errors import ConfigError
+    from lmforge.train.config import PretrainJob, SFTJob
+    from lmforge.train.distributed import Layout
+    from lmforge.train.stage import keeps_bf16_params
+
+    def job(**sections):
+        base = {"data": {"shards": "x"}, "train": {"micro_batch_size": 8}}
+        return PretrainJob.model_validate(base | sections)
+
+    def layout(device="cuda", world=1):
+        return Layout(
+            rank=0,
+            world_size=world,
+            device=torch.device(device),
+            mesh=None,
+            dp_rank=0,
+            dp_size=world,
+            tp_size=1,
+        )
+
+    assert keeps_bf16_params(job(), layout(), True)
+    assert not keeps_bf16_params(job(), layout(), False)
+    assert not keeps_bf16_params(job(), layout(world=2), True)
+    assert not keeps_bf16_params(SFTJob(lora={"enabled": True}), layout(), True)
+    accumulating = {"micro_batch_size": 2, "global_batch_size": 8}
+    assert not keeps_bf16_params(job(train=accumulating), layout(), True)
+    forced = {"bf16_params": True}
+    assert keeps_bf16_params(job(train=accumulating, optim=forced), layout(), True)
+    assert not keeps_bf16_params(job(optim={"bf16_params": False}), layout(), True)
+    with pytest.raises(ConfigError, match=r"needs a CUDA device; one process") as error:
+        keeps_bf16_params(job(optim=forced), layout("cpu", world=2), True)
+    assert error.value.exit_code == 2
+
+
 COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget

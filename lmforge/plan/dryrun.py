@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from lmforge.errors import UserError
 from lmforge.plan.memory import (
-    DTYPE_BYTES,
     GiB,
     Setup,
     check_setup,
@@ -196,6 +195,10 @@ def dry_run(setup: Setup) -> DryRun:
                 tp_size=shape[2],
             )
         model = _build(setup, layout, parallel, lora=setup.uses_lora)
+        if setup.master_weights:  # what lmforge.train.adamw.AdamW(bf16_params=True) does
+            for param in model.parameters():
+                param.data = param.data.to(torch.bfloat16)
+            notes.append("bf16 weights; the optimizer holds their fp32 masters (optim.bf16_params)")
         tensors = _shards(model)
         reference = {}
         if setup.reference == "frozen_copy":  # lmforge.train.dpo builds it like the policy
@@ -203,7 +206,7 @@ def dry_run(setup: Setup) -> DryRun:
             reference = _shards(frozen)
     # What the trainer's optimizer would hold: build_optimizer's groups are the trainable
     # parameters; AdamW allocates its states like each (local) parameter.
-    grad_bytes = DTYPE_BYTES[setup.grad_dtype or setup.param_dtype]
+    grad_bytes = setup.grad_bytes
     optimizer_bytes = setup.optimizer_bytes
     nf4_names = set()
     measured = {"parameters (trainable)": 0, "parameters (frozen)": 0}

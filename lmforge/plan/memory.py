@@ -98,6 +98,7 @@ class Setup:
     compute_dtype: str = "bf16"
     grad_dtype: str | None = None  # None: the parameters' dtype (what torch does)
     optimizer_dtype: str | None = None  # None: the parameters' dtype
+    bf16_params: bool | None = None  # optim.bf16_params: None = where the trainer takes it
     dpo_reference: str = "auto"  # auto | adapters_disabled | frozen_copy
     lora_base_dtype: str = "auto"  # auto | fp32 | bf16: frozen linears' storage (lora.base_dtype)
     document_masking: bool = False
@@ -151,13 +152,30 @@ class Setup:
         return self.dp_size > 1 or self.cpu_offload or self.force_fsdp
 
     @property
+    def master_weights(self) -> bool:
+        """bf16 trainable weights with their fp32 values (masters) in lmforge's AdamW, as the
+        trainer keeps them on one GPU without FSDP or TP, computing in bf16, in full training,
+        with one micro-batch a step unless optim.bf16_params = true (lmforge.train.adamw)."""
+        if self.bf16_params is False or self.uses_lora or self.fsdp or self.tp > 1:
+            return False
+        if (self.compute_dtype, self.param_dtype, self.optimizer) != ("bf16", "fp32", "adamw"):
+            return False
+        return bool(self.bf16_params) or self.grad_accumulation == 1
+
+    @property
+    def weight_dtype(self) -> str:
+        """dtype the trainable weights are stored in: bf16 with masters, else param_dtype."""
+        return "bf16" if self.master_weights else self.param_dtype
+
+    @property
     def autocast(self) -> bool:
-        """Without FSDP the loop computes under torch.autocast (fp32 weights, bf16 matmuls)."""
-        return (not self.fsdp) and self.compute_dtype != self.param_dtype
+        """Without FSDP the loop computes under torch.autocast; with fp32 weights that casts
+        every matmul's weight to bf16 (with bf16 weights autocast changes nothing of note)."""
+        return (not self.fsdp) and self.compute_dtype != self.weight_dtype
 
     @property
     def param_bytes(self) -> int:
-        return DTYPE_BYTES[self.param_dtype]
+        return DTYPE_BYTES[self.weight_dtype]
 
     @property
     def compute_bytes(self) -> int:
@@ -173,12 +191,14 @@ class Setup:
 
     @property
     def grad_bytes(self) -> int:
-        return DTYPE_BYTES[self.grad_dtype or self.param_dtype]
+        return DTYPE_BYTES[self.grad_dtype or self.weight_dtype]
 
     @property
     def optimizer_bytes(self) -> int:
-        return (
-            OPTIMIZER_STATES[self.optimizer] * DTYPE_BYTES[self.optimizer_dtype or self.param_dtype]
+        """The optimizer's bytes a trainable parameter: its states, and the fp32 master."""
+        states = OPTIMIZER_STATES[self.optimizer]
+        return states * DTYPE_BYTES[self.optimizer_dtype or self.param_dtype] + (
+            DTYPE_BYTES[self.param_dtype] if self.master_weights else 0
         )
 
     @property
@@ -380,9 +400,10 @@ def parameter_bytes(spec: ParamSpec, setup: Setup, numel: int | None = None) -> 
 def bytes_per_param(setup: Setup) -> dict[str, int]:
     """The seed's convention for a trainable parameter, unsharded: parameters (storage plus
     the compute-dtype copy when they differ), gradients, optimizer states.
-    Mixed-precision AdamW: {parameters: 6, gradients: 4, optimizer states: 8} = 18."""
+    Mixed-precision AdamW: {parameters: 6, gradients: 4, optimizer states: 8} = 18; with bf16
+    weights and fp32 masters (`Setup.master_weights`): {2, 2, 12} = 16."""
     params = setup.param_bytes
-    if setup.compute_dtype != setup.param_dtype:
+    if setup.compute_dtype != setup.weight_dtype:
         params += setup.compute_bytes
     return {
         "parameters": params,
@@ -747,7 +768,8 @@ def _model_state(setup: Setup, specs: list[ParamSpec]) -> _ModelState:
     optim = trainable_local * setup.optimizer_bytes
     reference = 0
     if setup.reference == "frozen_copy":
-        base = setup.replace(method="full")  # the same model without adapters
+        # the same model without adapters, as the stage builds it (fp32 weights, no optimizer)
+        base = setup.replace(method="full", bf16_params=False)
         reference = per_model(
             (s, parameter_bytes(s, base)) for s in param_specs(base, num_layers=1)
         )
@@ -942,8 +964,13 @@ def _notes(setup: Setup) -> list[str]:
         notes.append("lmforge's trainer builds AdamW; other optimizers are a what-if here")
     if {setup.param_dtype, setup.grad_dtype or "fp32", setup.optimizer_dtype or "fp32"} != {"fp32"}:
         notes.append(
-            "lmforge's trainer keeps parameters, gradients and optimizer states in fp32; other "
-            "precisions are a what-if here"
+            "lmforge's trainer keeps parameters (or, on one GPU, the masters of bf16 weights), "
+            "gradients and optimizer states in fp32; other precisions are a what-if here"
+        )
+    if setup.master_weights:
+        notes.append(
+            "one GPU: bf16 weights and gradients, the optimizer holding fp32 masters "
+            "(optim.bf16_params; false: fp32 weights under autocast)"
         )
     if setup.uses_lora:
         stored = dtype_name(setup.frozen_linear_bytes)

@@ -44,7 +44,8 @@ def describe(setup: Setup) -> list[str]:
     elif tp > 1:
         layout = f"tensor parallel {tp} (no FSDP)"
     else:
-        layout = "one GPU, no FSDP (autocast)" if setup.gpus == 1 else "no FSDP"
+        one = "bf16 weights, fp32 masters" if setup.master_weights else "autocast"
+        layout = f"one GPU, no FSDP ({one})" if setup.gpus == 1 else "no FSDP"
     extras = [f"activation checkpointing {setup.activation_checkpointing}"]
     if setup.cpu_offload:
         extras.append("CPU offload")
@@ -56,10 +57,11 @@ def describe(setup: Setup) -> list[str]:
     if setup.grad_accumulation > 1:
         batch += f", {setup.grad_accumulation} accumulation steps"
     states = OPTIMIZER_STATES[setup.optimizer]
+    masters = " + fp32 masters" if setup.master_weights else ""
     precision = (
-        f"parameters {setup.param_dtype}, gradients {setup.grad_dtype or setup.param_dtype}, "
-        f"{setup.optimizer} states {setup.optimizer_dtype or setup.param_dtype} ×{states}, "
-        f"compute {setup.compute_dtype}"
+        f"parameters {setup.weight_dtype}, gradients {setup.grad_dtype or setup.weight_dtype}, "
+        f"{setup.optimizer} states {setup.optimizer_dtype or setup.param_dtype} ×{states}"
+        f"{masters}, compute {setup.compute_dtype}"
     )
     name = setup.model_name or "model"
     return [
@@ -98,7 +100,7 @@ def format_plan(plan: Plan) -> str:
     peak = plan.phases[plan.peak_phase]
     labels = {
         "parameters": f"parameters ({_storage_label(s)})",
-        "gradients": f"gradients ({s.grad_dtype or s.param_dtype})",
+        "gradients": f"gradients ({s.grad_dtype or s.weight_dtype})",
         "optimizer states": f"optimizer states ({s.optimizer})",
         "reference model": "DPO reference model (frozen copy)",
         "weight copies": plan.labels.get("weight copies", "weight copies"),
@@ -152,7 +154,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def _storage_label(setup: Setup) -> str:
-    label = setup.param_dtype
+    label = setup.weight_dtype
     if setup.method == "qlora":
         label = f"NF4 adapted bases, rest {setup.param_dtype}"
     _, shard, _ = setup.mesh

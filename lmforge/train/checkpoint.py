@@ -80,6 +80,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lmforge import safe_dcp
 from lmforge.errors import ConfigError, UserError
+from lmforge.train.optim import masters_in_params
 
 logger = logging.getLogger(__name__)
 
@@ -136,20 +137,22 @@ class ModelOptimizerState:
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model, options=self._options())}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        with masters_in_params(self.optimizer):  # bf16 weights save their fp32 masters
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.optimizer is None:
             set_model_state_dict(self.model, state_dict["model"], options=self._options())
             return
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict["optimizer"],
-            options=self._options(),
-        )
+        with masters_in_params(self.optimizer):
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optimizer"],
+                options=self._options(),
+            )
 
 
 class RNGState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,6 +36,14 @@ def build_optimizer(
 
         return AdamW(groups, kernel=TRITON_ADAMW, bf16_params=bf16_params, **options)
     return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **options)
+
+
+def masters_in_params(optimizer: torch.optim.Optimizer | None):
+    """A context in which bf16 parameters with fp32 masters hold their masters (state dicts,
+    loading, export: `lmforge.train.adamw.AdamW.masters_in_params`); for any other optimizer
+    nothing changes."""
+    enter = getattr(optimizer, "masters_in_params", None)
+    return enter() if enter is not None else contextlib.nullcontext()
 
 
 def lr_factor(step: int, *, total_steps: int, cfg: SchedulerSection) -> float:

@@ -50,9 +50,9 @@ from lmforge.sizes import module_bytes
 from lmforge.train import distributed
 from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
-from lmforge.train.loop import LoopSections, LossStep, Trainer
+from lmforge.train.loop import LoopSections, LossStep, Trainer, grad_accumulation_steps
 from lmforge.train.losses import count_label_tokens
-from lmforge.train.optim import build_optimizer, build_scheduler
+from lmforge.train.optim import build_optimizer, build_scheduler, masters_in_params
 from lmforge.train.parallelize import parallelize
 from lmforge.train.preempt import PreemptedError
 
@@ -363,6 +363,30 @@ def computes_in_bf16(job: TrainJob, layout: distributed.Layout) -> bool:
     return precision == "bf16" or (precision == "auto" and layout.device.type == "cuda")
 
 
+def keeps_bf16_params(job: TrainJob, layout: distributed.Layout, bf16: bool) -> bool:
+    """optim.bf16_params: whether the trainable weights are bf16 with fp32 masters in the
+    optimizer (`lmforge.train.adamw`); true where it cannot apply is a ConfigError."""
+    wanted = job.optim.bf16_params
+    if wanted is False:
+        return False
+    unmet = [
+        reason
+        for reason, met in (
+            ("bf16 compute (train.mixed_precision)", bf16),
+            ("a CUDA device", layout.device.type == "cuda"),
+            ("one process (no FSDP, no TP)", layout.world_size == 1),
+            ("no parallel.cpu_offload", not job.parallel.cpu_offload),
+            ("full training (lora.enabled = false)", lora_section(job) is None),
+            ("the fused optimizer (optim.fused)", job.optim.fused is not False),
+        )
+        if not met
+    ]
+    if wanted and unmet:
+        raise ConfigError(f"optim.bf16_params = true needs {'; '.join(unmet)}")
+    one_micro_batch = grad_accumulation_steps(job.train, layout.dp_size) == 1
+    return not unmet and (bool(wanted) or one_micro_batch)
+
+
 def check_job(job: TrainJob, spec: ModelSpec, layout: distributed.Layout, seq_len: int) -> None:
     """Refuse, before anything is written, what would only fail later (or lose the run)."""
     if seq_len > spec.args.max_seq_len:
@@ -523,12 +547,13 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_h
     bf16 = computes_in_bf16(job, layout)
     seq_len = getattr(job.data, "seq_len", None) or getattr(job.data, "max_seq_len", 2048)
     check_job(job, spec, layout, seq_len)
+    bf16_params = keeps_bf16_params(job, layout, bf16)
     if layout.is_main:
         write_run_files(run_dir, job, spec)
     _log_reshard_choice(job, spec, layout)
     model = build_and_load_model(spec, layout, job, bf16=bf16, lora=lora)
     model.train()
-    optimizer = build_optimizer(model, job.optim, layout.device)
+    optimizer = build_optimizer(model, job.optim, layout.device, bf16_params=bf16_params)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.steps)
     loader = make_batches(layout, spec)
     heldout = make_heldout(layout, spec) if make_heldout is not None else None
@@ -546,19 +571,20 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_h
 
     def export(step: int, final: bool) -> None:
         out = run_dir / (ARTIFACT_DIR if final else f"exports/step-{step:08d}")
-        export_artifact(
-            model,
-            spec,
-            layout,
-            out,
-            dtype=job.checkpoint.export_dtype,
-            stage=stage,
-            parent=parent,
-            config=config,
-            metrics={"step": step, **trainer.last_metrics},
-            lora=lora,
-            seed=job.train.seed,
-        )
+        with masters_in_params(optimizer):  # the fp32 values of bf16 weights
+            export_artifact(
+                model,
+                spec,
+                layout,
+                out,
+                dtype=job.checkpoint.export_dtype,
+                stage=stage,
+                parent=parent,
+                config=config,
+                metrics={"step": step, **trainer.last_metrics},
+                lora=lora,
+                seed=job.train.seed,
+            )
 
     trainer = Trainer(
         model=model,
