@@ -500,18 +500,22 @@ train-kernels)
   cat "$OUT/output-loss.log" "$OUT/adamw-1b.log" "$OUT/adamw-3b.log"
   ;;
 train-bf16p)
-  # issue 13's one-GPU rows with the weights in bf16 and fp32 masters in the optimizer (-bf16p)
-  # against fp32 weights under autocast, in one process each shape, beside torchtitan 0.2.2
+  # issue 13's one-GPU rows: bf16 weights with fp32 masters in the optimizer (as shipped, -bf16p)
+  # and fp32 weights under autocast, beside torchtitan 0.2.2; then the real CLI on one GPU
+  # (tokens/s, peak memory, the planner's prediction) and the kernels' GPU tests
   step 190 titan env CASES=1B-c,1B-c-fp8,3B-c torchrun --nproc_per_node 1 .whl/titan_baseline.py
   step 170 ours-1b python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
-    ours-compile ours-compile-bf16p ours-float8-bf16p --out /tmp/traces
-  step 150 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
-    ours-compile ours-compile-bf16p --out /tmp/traces
+    ours-compile-bf16p ours-float8-bf16p ours-compile --out /tmp/traces
+  step 100 ours-3b python3 benchmarks/train_throughput.py --shapes 3b:4x2048 --variants \
+    ours-compile-bf16p --out /tmp/traces
   step 60 train-kernels env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     tests/test_train_kernels.py
+  step 200 cli python3 benchmarks/multi_gpu.py --rows 1b-1 3b-1 --steps 12 --warmup 4 \
+    --out "$OUT"
   tail -n 3 "$OUT/train-kernels.log"
   grep -h "^{'engine'" "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
+  tail -n 6 "$OUT/cli.log"
   ;;
 train-final)
   # issue 13's one-GPU rows: lmforge as it ships and as it was (the logits apart, PyTorch's

@@ -1124,6 +1124,7 @@ def setup_from_job(
         micro_batch_size=job.train.micro_batch_size,
         seq_len=seq_len,
         compute_dtype="fp32" if job.train.mixed_precision == "fp32" else "bf16",
+        bf16_params=job.optim.bf16_params,
         document_masking=masking,
         from_scratch=from_scratch,
     )
