@@ -458,10 +458,11 @@ def model_record(source: str | Path) -> dict:
 
 
 @contextlib.contextmanager
-def quiet_git_hash() -> Iterator[None]:
+def quiet_lm_eval() -> Iterator[None]:
     """lm-eval records the git commit of the working directory with `git describe`, whose
     "fatal: not a git repository" reaches the user's terminal outside a checkout: the same
-    lookup with git's stderr dropped."""
+    lookup with git's stderr dropped. Its environment record (torch's collect_env: a dozen
+    subprocesses, ~0.7 s a model) is not collected: `run_eval` keeps none of it."""
     import lm_eval.evaluator
 
     def git_hash() -> str | None:
@@ -472,7 +473,10 @@ def quiet_git_hash() -> Iterator[None]:
             return None
         return done.stdout.strip() or None
 
-    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", git_hash):
+    with (
+        mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", git_hash),
+        mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None),
+    ):
         yield
 
 
@@ -550,7 +554,7 @@ def run_eval(
         if lm.device.type == "cuda":  # the evaluation's peak, not the loading's
             torch.cuda.reset_peak_memory_stats(lm.device)
         start = time.perf_counter()
-        with quiet_git_hash():
+        with quiet_lm_eval():
             raw = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=tasks,
