@@ -172,7 +172,7 @@ PATHS = {  # (model dtype, autocast, Setup precision)
     ),
     "bf16 weights, fp32 masters (one GPU)": (
         torch.bfloat16,
-        False,
+        True,  # the trainer keeps autocast on (for DPO's fp32 frozen reference)
         dict(param_dtype="fp32", compute_dtype="bf16"),
     ),
 }
@@ -192,10 +192,10 @@ def test_full_training_activations_equal_autograds_saved_tensors(path, family):
     expected += 2 * seq * args.head_dim * setup.residual_bytes  # RoPE's cos and sin
     assert activations == expected
     assert plan_memory(setup).largest("activations") == expected + 16 * batch * seq
-    if autocast:  # autocast's cached bf16 copy of every matmul weight
-        norms = args.num_layers * args.layer_norm_params() + args.dim
-        matmul = args.num_params(include_embedding=False) - norms
-        assert copies == 2 * matmul
+    # autocast's cached bf16 copy of every fp32 matmul weight (none of bf16 weights)
+    norms = args.num_layers * args.layer_norm_params() + args.dim
+    matmul = args.num_params(include_embedding=False) - norms
+    assert copies == (2 * matmul if setup.autocast else 0)
 
 
 @pytest.mark.parametrize("path", ["bf16 (as under FSDP mixed precision)", "autocast"])

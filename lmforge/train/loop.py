@@ -99,9 +99,10 @@ class Trainer:
         self.export = export
         self.accum_steps = grad_accumulation_steps(sections.train, layout.dp_size)
         self.is_fsdp = hasattr(model, "set_requires_gradient_sync")
-        # FSDP2's mixed-precision policy casts for us, and bf16 weights with fp32 masters in
-        # the optimizer (lmforge.train.adamw) compute in bf16 as they are; else autocast.
-        self.autocast = bf16 and not self.is_fsdp and not getattr(optimizer, "masters", None)
+        # FSDP2's mixed-precision policy casts for us; a single device uses autocast (a no-op
+        # for bf16 weights with fp32 masters in the optimizer, lmforge.train.adamw, but not for
+        # fp32 modules beside them: DPO's frozen reference).
+        self.autocast = bf16 and not self.is_fsdp
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = flops_per_token
