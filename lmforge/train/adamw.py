@@ -4,11 +4,14 @@ The update streams 28 bytes a parameter (fp32 parameter, gradient and both momen
 parameter and moments written). PyTorch's fused AdamW runs it at ~69% of an H200's copy
 bandwidth (2.95 TB/s) and, handed a `grad_scale` (how the trainer clips), also writes the
 unscaled gradient back: 4 bytes more that the trainer drops right after. This kernel reads and
-writes only what the update needs, at ~4.0 TB/s (1B: 8.7 against 11.7 ms a step). The
-optimizer is `torch.optim.AdamW` in every other respect: its param groups, its state (`step` on
-the device, `exp_avg`, `exp_avg_sq`) and state dict, so checkpoints move between the two; `grad_scale` and `found_inf` are honoured as the fused kernel honours them
-(every gradient divided by the one; the whole update skipped, step count included, where the
-other is 1).
+writes only what the update needs, at ~4.0 TB/s (1B: 8.7 against 11.7 ms a step). With bf16
+parameters and fp32 masters (`bf16_params`) it is 28 bytes too: the bf16 gradient, the master
+and the moments read; the master, the moments and the bf16 parameter written.
+
+The optimizer is `torch.optim.AdamW` in every other respect: its param groups, its state
+(`step` on the device, `exp_avg`, `exp_avg_sq`) and state dict, so checkpoints move between the
+two; `grad_scale` and `found_inf` are honoured as the fused kernel honours them (every gradient
+divided by the one; the whole update skipped, step count included, where the other is 1).
 """
 
 from __future__ import annotations
