@@ -46,9 +46,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post" >&2
   exit 2
   ;;
 esac
@@ -516,6 +516,13 @@ train-bf16p)
   grep -h "^{'engine'" "$OUT/titan.log"
   grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
   tail -n 6 "$OUT/cli.log"
+  ;;
+train-full-post)
+  # full SFT and DPO (a frozen fp32 copy as the reference, under autocast) on one GPU through the
+  # CLI, with the bf16 weights and fp32 masters they take there: tokens/s, peak, the plan
+  step 400 cli-post python3 benchmarks/multi_gpu.py --rows 1b-1-sft-full 1b-1-dpo-full \
+    --steps 10 --warmup 3 --out "$OUT"
+  tail -n 4 "$OUT/cli-post.log"
   ;;
 train-final)
   # issue 13's one-GPU rows: lmforge as it ships and as it was (the logits apart, PyTorch's

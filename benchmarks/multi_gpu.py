@@ -7,7 +7,8 @@ context/slack line, so both count allocated bytes).
     python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
 
 Rows are PRESET-LAYOUT[-KIND][+nrs|+rs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
-(default), sft-lora, sft-qlora (the frozen base in NF4) or dpo-lora; +nrs keeps the gathered
+(default), sft-full, sft-lora, sft-qlora (the frozen base in NF4), dpo-full (a frozen copy
+as the reference) or dpo-lora; +nrs keeps the gathered
 parameters between forward and backward
 (parallel.reshard_after_forward = false), +rs frees them after forward (true); without either,
 the default "auto" decides (the row's result names its choice). Presets are as shipped (1B and
@@ -81,7 +82,7 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
     size, layout, *kind = row.split("-", 2)
     kind = kind[0] if kind else "pretrain"
     nproc = 1 if layout == "1" else 2
-    stage = {"pretrain": "pretrain", "sft-lora": "sft", "sft-qlora": "sft", "dpo-lora": "dpo"}[kind]
+    stage = kind.split("-")[0]
     micro = MICRO_BATCH[size] if stage != "dpo" else max(1, MICRO_BATCH[size] // 2)
     keys = [
         f"run_dir={run_dir}",
@@ -109,8 +110,10 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
         keys += [f"data.shards={data['shards']}", f"data.seq_len={args.seq_len}"]
     else:
         path = data["sft.jsonl" if stage == "sft" else "dpo.jsonl"]
-        keys += [f"data.path={path}", f"data.max_seq_len={args.seq_len}", "lora.enabled=true",
-                 "lora.rank=16", 'lora.targets=["q","k","v","o","gate","up","down"]']  # fmt: skip
+        keys += [f"data.path={path}", f"data.max_seq_len={args.seq_len}"]
+        if kind.endswith("lora"):
+            keys += ["lora.enabled=true", "lora.rank=16",
+                     'lora.targets=["q","k","v","o","gate","up","down"]']  # fmt: skip
         keys.append("data.pack=true" if stage == "sft" else "data.pad_to_max_seq_len=true")
         if kind == "sft-qlora":
             keys.append('lora.quantize_base="nf4"')

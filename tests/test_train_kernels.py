@@ -221,9 +221,17 @@ def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypat
     assert resumed == whole and len(whole) == 4
     for step, loss in fp32.items():
         assert abs(loss - whole[step]) < 0.05, (step, loss, whole[step])
+    norms = torch.tensor([record["grad_norm"] for record in _records(tmp_path / "whole")])
+    assert not torch.equal(norms, norms.bfloat16().double())  # summed in fp32, not bf16
     weights = lmforge.load(tmp_path / "whole" / "artifact", dtype=torch.float32).model
     table = weights.tok_embeddings.weight
     assert not torch.equal(table, table.bfloat16().float())  # fp32 values, not bf16 weights
+
+
+def _records(run_dir):
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_bf16_params_where_they_apply():

@@ -71,6 +71,14 @@ def skips_diverged_step_on_device(optimizer: torch.optim.Optimizer, device: torc
     )
 
 
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients' 2-norm. bf16 gradients (of bf16 weights with fp32 masters) sum their
+    squares in fp32: torch's norm of bf16 tensors is a bf16 number, three digits in the logs."""
+    if grads and all(g.dtype == torch.bfloat16 and not isinstance(g, DTensor) for g in grads):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, torch.float32)))
+    return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+
 class Trainer:
     def __init__(
         self,
@@ -145,9 +153,7 @@ class Trainer:
             loss_sum += out.loss_sum.detach().float()
             for key, value in out.metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0) + value.detach().float()
-        grad_norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in self.params if p.grad is not None], foreach=True
-        )
+        grad_norm = total_grad_norm([p.grad for p in self.params if p.grad is not None])
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         max_norm = self.cfg.train.max_grad_norm
