@@ -303,6 +303,7 @@ def test_trainer_rules_are_enforced():
 
 DRY_RUNS = {
     "1 rank": dict(gpus=1),
+    "1 rank, DPO full (bf16 weights and reference)": dict(gpus=1, method="dpo-full"),
     "1 rank, CPU offload (FSDP)": dict(gpus=1, cpu_offload=True),
     "FSDP 2": dict(gpus=2, activation_checkpointing="selective"),
     "TP 2 (no FSDP)": dict(gpus=2, tp=2),

@@ -191,19 +191,9 @@ def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypat
     those of the run that went on (the checkpoint holds the fp32 masters and moments, not the
     bf16 weights), close to fp32 weights under autocast; the fp32 export holds the masters."""
     import lmforge
-    from lmforge.train import stage
     from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess
 
-    made = []
-
-    def build(model, cfg, device, *, bf16_params):
-        made.append(bf16_params)
-        options = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        params = [p for p in model.parameters() if p.requires_grad]
-        return AdamW(params, bf16_params=bf16_params, **options)
-
-    monkeypatch.setattr(stage, "build_optimizer", build)
-    monkeypatch.setattr(stage, "keeps_bf16_params", lambda job, *_: bool(job.optim.bf16_params))
+    made = _waive_cuda_for_bf16_params(monkeypatch)
     tokenizer, shards = make_shards(tmp_path / "data")
 
     def run(name, steps, *extra):
@@ -226,6 +216,41 @@ def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypat
     weights = lmforge.load(tmp_path / "whole" / "artifact", dtype=torch.float32).model
     table = weights.tok_embeddings.weight
     assert not torch.equal(table, table.bfloat16().float())  # fp32 values, not bf16 weights
+
+
+def _waive_cuda_for_bf16_params(monkeypatch) -> list[bool]:
+    """The stage takes optim.bf16_params as given, with lmforge's AdamW (the interpreter runs
+    its kernel) on the CPU; returns the list of the bf16_params each optimizer was built with."""
+    from lmforge.train import stage
+
+    made = []
+
+    def build(model, cfg, device, *, bf16_params):
+        made.append(bf16_params)
+        options = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return AdamW(params, bf16_params=bf16_params, **options)
+
+    monkeypatch.setattr(stage, "build_optimizer", build)
+    monkeypatch.setattr(stage, "keeps_bf16_params", lambda job, *_: bool(job.optim.bf16_params))
+    return made
+
+
+def test_bf16_params_dpo_reference_equals_the_policy_at_the_start(tmp_path, monkeypatch):
+    """Full DPO with bf16 weights (fp32 masters): the frozen reference is stored in bf16 too, so
+    at the first step the policy and the reference score alike and the loss is log 2 (an fp32
+    reference under autocast would not: its residual stream is fp32)."""
+    import math
+
+    from tests.test_post_training import _base, full_dpo_args
+    from tests.train_utils import run_inprocess
+
+    made = _waive_cuda_for_bf16_params(monkeypatch)
+    base = _base(tmp_path, tied=True)
+    extra = ["optim.bf16_params=true", "train.mixed_precision=bf16", "train.steps=1"]
+    assert run_inprocess("dpo", full_dpo_args(tmp_path / "dpo", base, *extra)) == 0
+    assert made == [True]
+    assert _records(tmp_path / "dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def _records(run_dir):

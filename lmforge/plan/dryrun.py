@@ -165,6 +165,7 @@ def dry_run(setup: Setup) -> DryRun:
 
     from lmforge.train.config import ParallelSection
     from lmforge.train.distributed import MESH_AXES, Layout
+    from lmforge.train.stage import to_bf16_parameters
 
     check_setup(setup)
     shape = setup.mesh
@@ -196,13 +197,14 @@ def dry_run(setup: Setup) -> DryRun:
             )
         model = _build(setup, layout, parallel, lora=setup.uses_lora)
         if setup.master_weights:  # what lmforge.train.adamw.AdamW(bf16_params=True) does
-            for param in model.parameters():
-                param.data = param.data.to(torch.bfloat16)
+            to_bf16_parameters(model)
             notes.append("bf16 weights; the optimizer holds their fp32 masters (optim.bf16_params)")
         tensors = _shards(model)
         reference = {}
         if setup.reference == "frozen_copy":  # lmforge.train.dpo builds it like the policy
             frozen = _build(setup, layout, parallel, lora=False).requires_grad_(False)
+            if setup.master_weights:  # in bf16, as the policy's weights
+                to_bf16_parameters(frozen)
             reference = _shards(frozen)
     # What the trainer's optimizer would hold: build_optimizer's groups are the trainable
     # parameters; AdamW allocates its states like each (local) parameter.

@@ -768,8 +768,7 @@ def _model_state(setup: Setup, specs: list[ParamSpec]) -> _ModelState:
     optim = trainable_local * setup.optimizer_bytes
     reference = 0
     if setup.reference == "frozen_copy":
-        # the same model without adapters, as the stage builds it (fp32 weights, no optimizer)
-        base = setup.replace(method="full", bf16_params=False)
+        base = setup.replace(method="full")  # the same model without adapters
         reference = per_model(
             (s, parameter_bytes(s, base)) for s in param_specs(base, num_layers=1)
         )

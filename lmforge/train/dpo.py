@@ -2,7 +2,8 @@
 
 The reference model is the frozen starting point: with LoRA, the policy itself with its adapters
 switched off (no second copy of the weights); with full finetuning, a frozen copy built and
-sharded like the policy.
+sharded like the policy (in bf16 where the policy's weights are bf16, so the two score alike at
+the start).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from lmforge.errors import ConfigError
 from lmforge.train.config import DPOJob
 from lmforge.train.losses import DPOLossStep, count_pairs
 from lmforge.train.stage import (
+    bf16_weights,
     build_and_load_model,
     computes_in_bf16,
     data_loader_factory,
     heldout_factory,
     lora_section,
     run_stage,
+    to_bf16_parameters,
 )
 
 
@@ -39,6 +42,8 @@ def dpo(job: DPOJob) -> Path:
             bf16 = computes_in_bf16(job, layout)
             reference = build_and_load_model(spec, layout, job, bf16=bf16).eval()
             reference.requires_grad_(False)
+            if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
+                to_bf16_parameters(reference)
         return DPOLossStep(
             beta=job.dpo.beta,
             label_smoothing=job.dpo.label_smoothing,
