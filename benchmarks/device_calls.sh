@@ -46,9 +46,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -523,6 +523,12 @@ train-full-post)
   step 400 cli-post python3 benchmarks/multi_gpu.py --rows 1b-1-sft-full 1b-1-dpo-full \
     --steps 10 --warmup 3 --out "$OUT"
   tail -n 4 "$OUT/cli-post.log"
+  ;;
+train-dpo-full)
+  # full DPO on one GPU through the CLI, its frozen reference in bf16 beside the bf16 weights
+  step 300 cli-dpo python3 benchmarks/multi_gpu.py --rows 1b-1-dpo-full --steps 10 --warmup 3 \
+    --out "$OUT"
+  tail -n 3 "$OUT/cli-dpo.log"
   ;;
 train-final)
   # issue 13's one-GPU rows: lmforge as it ships and as it was (the logits apart, PyTorch's
