@@ -165,7 +165,7 @@ def dry_run(setup: Setup) -> DryRun:
 
     from lmforge.train.config import ParallelSection
     from lmforge.train.distributed import MESH_AXES, Layout
-    from lmforge.train.stage import to_bf16_parameters
+    from lmforge.train.optim import to_bf16_parameters
 
     check_setup(setup)
     shape = setup.mesh

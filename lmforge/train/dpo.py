@@ -14,6 +14,7 @@ from lmforge.data.preference import PreferenceLoader, load_preference_data
 from lmforge.errors import ConfigError
 from lmforge.train.config import DPOJob
 from lmforge.train.losses import DPOLossStep, count_pairs
+from lmforge.train.optim import to_bf16_parameters
 from lmforge.train.stage import (
     bf16_weights,
     build_and_load_model,
@@ -22,7 +23,6 @@ from lmforge.train.stage import (
     heldout_factory,
     lora_section,
     run_stage,
-    to_bf16_parameters,
 )
 
 

@@ -38,6 +38,12 @@ def build_optimizer(
     return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **options)
 
 
+def to_bf16_parameters(module: nn.Module) -> None:
+    """The module's parameters in bf16, in place (buffers, such as RoPE's, stay as they are)."""
+    for param in module.parameters():
+        param.data = param.data.to(torch.bfloat16)
+
+
 def masters_in_params(optimizer: torch.optim.Optimizer | None):
     """A context in which bf16 parameters with fp32 masters hold their masters (state dicts,
     loading, export: `lmforge.train.adamw.AdamW.masters_in_params`); for any other optimizer

@@ -387,12 +387,6 @@ def keeps_bf16_params(job: TrainJob, layout: distributed.Layout, bf16: bool) -> 
     return not unmet and (bool(wanted) or one_micro_batch)
 
 
-def to_bf16_parameters(module: torch.nn.Module) -> None:
-    """The module's parameters in bf16, in place (buffers, such as RoPE's, stay as they are)."""
-    for param in module.parameters():
-        param.data = param.data.to(torch.bfloat16)
-
-
 def bf16_weights(model: torch.nn.Module) -> bool:
     """Whether the model's trainable weights are bf16 (fp32 masters in the optimizer)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
