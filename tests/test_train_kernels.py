@@ -187,7 +187,8 @@ def test_bf16_parameters_are_updated_through_fp32_masters():
 
 def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypatch):
     """Pretraining with optim.bf16_params through the real stage (its CUDA-only conditions
-    waived, the kernel under the interpreter): stopped at step 2 and resumed, the losses equal
+    waived, the kernel under the interpreter), two micro-batches a step: stopped at step 2 and
+    resumed, the losses equal
     those of the run that went on (the checkpoint holds the fp32 masters and moments, not the
     bf16 weights), close to fp32 weights under autocast; the fp32 export holds the masters."""
     import lmforge
@@ -196,9 +197,10 @@ def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypat
     made = _waive_cuda_for_bf16_params(monkeypatch)
     tokenizer, shards = make_shards(tmp_path / "data")
 
-    def run(name, steps, *extra):
+    def run(name, steps, *extra):  # two micro-batches of 4 a step
         args = pretrain_args(tmp_path / name, tokenizer, shards, *extra)
         args += [f"train.steps={steps}", "checkpoint.every=2", "train.mixed_precision=bf16"]
+        args += ["train.global_batch_size=8"]
         args += ["checkpoint.export_dtype=float32"]
         assert run_inprocess("pretrain", args) == 0
         return losses(tmp_path / name)
@@ -209,8 +211,8 @@ def test_bf16_params_resume_exactly_and_export_their_masters(tmp_path, monkeypat
     fp32 = run("fp32", 4, "optim.bf16_params=false")
     assert made == [True, True, True, False]
     assert resumed == whole and len(whole) == 4
-    for step, loss in fp32.items():
-        assert abs(loss - whole[step]) < 0.05, (step, loss, whole[step])
+    for step in (1, 2, 3):  # (step 4 is a spike at the peak lr of 1e-2, where the two part)
+        assert abs(fp32[step] - whole[step]) < 0.01, (step, fp32[step], whole[step])
     norms = torch.tensor([record["grad_norm"] for record in _records(tmp_path / "whole")])
     assert not torch.equal(norms, norms.bfloat16().double())  # summed in fp32, not bf16
     weights = lmforge.load(tmp_path / "whole" / "artifact", dtype=torch.float32).model
@@ -253,6 +255,28 @@ def test_bf16_params_dpo_reference_equals_the_policy_at_the_start(tmp_path, monk
     assert _records(tmp_path / "dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
+def test_micro_batch_gradients_of_bf16_weights_add_up_in_fp32():
+    """`add_in_fp32`: three micro-batches' bf16 gradients end as their fp32 sum rounded once to
+    bf16 (added up in bf16 they would differ), a parameter without a gradient in the last one
+    included; none is left in the sums."""
+    from lmforge.train.loop import add_in_fp32
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(4000, dtype=torch.bfloat16)) for _ in range(2)]
+    grads = [[torch.randn(4000).bfloat16() for _ in params] for _ in range(3)]
+    sums: dict = {}
+    for index, micro_batch in enumerate(grads):
+        for param, grad in zip(params, micro_batch):
+            param.grad = None if (index == 2 and param is params[1]) else grad.clone()
+        add_in_fp32(params, sums, last=index == 2)
+    assert not sums
+    for which, param in enumerate(params):
+        parts = [micro_batch[which] for micro_batch in grads[: 3 if which == 0 else 2]]
+        assert torch.equal(param.grad, sum(g.float() for g in parts).bfloat16())
+    in_bf16 = grads[0][0] + grads[1][0] + grads[2][0]
+    assert not torch.equal(params[0].grad, in_bf16)
+
+
 def _records(run_dir):
     import json
 
@@ -260,8 +284,8 @@ def _records(run_dir):
 
 
 def test_bf16_params_where_they_apply():
-    """optim.bf16_params: None takes them on one CUDA device for full training with one
-    micro-batch a step; true where they cannot apply names what is missing (exit code 2)."""
+    """optim.bf16_params: None takes them on one CUDA device for full training (with gradient
+    accumulation too); true where they cannot apply names what is missing (exit code 2)."""
     from lmforge.errors import ConfigError
     from lmforge.train.config import PretrainJob, SFTJob
     from lmforge.train.distributed import Layout
@@ -287,9 +311,9 @@ def test_bf16_params_where_they_apply():
     assert not keeps_bf16_params(job(), layout(world=2), True)
     assert not keeps_bf16_params(SFTJob(lora={"enabled": True}), layout(), True)
     accumulating = {"micro_batch_size": 2, "global_batch_size": 8}
-    assert not keeps_bf16_params(job(train=accumulating), layout(), True)
+    assert keeps_bf16_params(job(train=accumulating), layout(), True)
     forced = {"bf16_params": True}
-    assert keeps_bf16_params(job(train=accumulating, optim=forced), layout(), True)
+    assert keeps_bf16_params(job(optim=forced), layout(), True)
     assert not keeps_bf16_params(job(optim={"bf16_params": False}), layout(), True)
     with pytest.raises(ConfigError, match=r"needs a CUDA device; one process") as error:
         keeps_bf16_params(job(optim=forced), layout("cpu", world=2), True)

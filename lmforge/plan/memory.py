@@ -154,13 +154,11 @@ class Setup:
     @property
     def master_weights(self) -> bool:
         """bf16 trainable weights with their fp32 values (masters) in lmforge's AdamW, as the
-        trainer keeps them on one GPU without FSDP or TP, computing in bf16, in full training,
-        with one micro-batch a step unless optim.bf16_params = true (lmforge.train.adamw)."""
+        trainer keeps them on one GPU without FSDP or TP, computing in bf16, in full training
+        (optim.bf16_params, lmforge.train.adamw)."""
         if self.bf16_params is False or self.uses_lora or self.fsdp or self.tp > 1:
             return False
-        if (self.compute_dtype, self.param_dtype, self.optimizer) != ("bf16", "fp32", "adamw"):
-            return False
-        return bool(self.bf16_params) or self.grad_accumulation == 1
+        return (self.compute_dtype, self.param_dtype, self.optimizer) == ("bf16", "fp32", "adamw")
 
     @property
     def weight_dtype(self) -> str:
@@ -882,7 +880,12 @@ def _local_phases(
     root, block = groups["root"], groups["block"]
     persistent, grads = state.persistent, state.grads
     num_layers = setup.args.num_layers
-    grad_acc = grads if setup.grad_accumulation > 1 else 0
+    # Accumulating, the gradients of the step's earlier micro-batches are held through the next
+    # one; bf16 weights hold them as fp32 sums beside the micro-batch's own bf16 gradients.
+    grad_acc = 0
+    if setup.grad_accumulation > 1:
+        grad_acc = grads // setup.grad_bytes * 4 if setup.master_weights else grads
+    sums = grad_acc if setup.master_weights else 0
     output_matmul = root["matmul_trainable"]  # the output projection (or the tied table)
     output_frozen = root["matmul_frozen"]
     cb = setup.compute_bytes
@@ -926,14 +929,16 @@ def _local_phases(
         },
         "blocks backward": {
             **persistent,
-            "gradients": max(grad_acc, root["trainable"] * setup.grad_bytes),
+            "gradients": sums + root["trainable"] * setup.grad_bytes
+            if sums
+            else max(grad_acc, root["trainable"] * setup.grad_bytes),
             "weight copies": max(copies_bwd, layer_copies) if recomputing else copies_bwd,
             "activations": acts.saved,
             "backward workspace": block_workspace + acts.nf4_transient,
         },
         "backward end": {
             **persistent,
-            "gradients": grads,
+            "gradients": grads + sums,
             "weight copies": layer_copies,
             "activations": acts.one_block,
             "backward workspace": block_workspace,

@@ -100,7 +100,8 @@ def format_plan(plan: Plan) -> str:
     peak = plan.phases[plan.peak_phase]
     labels = {
         "parameters": f"parameters ({_storage_label(s)})",
-        "gradients": f"gradients ({s.grad_dtype or s.weight_dtype})",
+        "gradients": f"gradients ({s.grad_dtype or s.weight_dtype}"
+        + (", fp32 sums)" if s.master_weights and s.grad_accumulation > 1 else ")"),
         "optimizer states": f"optimizer states ({s.optimizer})",
         "reference model": "DPO reference model (frozen copy)",
         "weight copies": plan.labels.get("weight copies", "weight copies"),

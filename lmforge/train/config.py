@@ -44,9 +44,8 @@ class OptimSection(Section):
     """Keep the trainable weights in bf16, what the forward and backward compute with, and their
     fp32 values (masters) in the optimizer, which updates them in lmforge's AdamW kernel: no
     weight casts in each step, bf16 gradients and activations, as FSDP's mixed precision has.
-    None = wherever it applies: one CUDA device (no FSDP, no TP), bf16 compute, full training,
-    one micro-batch a step. true: also with gradient accumulation (the micro-batches' gradients
-    then add up in bf16). false: fp32 weights under autocast."""
+    A step's micro-batches add their gradients up in fp32. None = wherever it applies: one CUDA
+    device (no FSDP, no TP), bf16 compute, full training. false: fp32 weights under autocast."""
 
 
 class SchedulerSection(Section):

@@ -79,6 +79,21 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads, foreach=True)
 
 
+def add_in_fp32(params: list[torch.Tensor], sums: dict, *, last: bool) -> None:
+    """After a micro-batch's backward: each bf16 gradient is added into its fp32 sum in `sums`
+    and dropped; after the last, the sum is rounded into the gradient once (as one micro-batch's
+    gradient is), so the micro-batches of a step do not add up in bf16."""
+    for param in params:
+        if param.grad is not None:
+            if param in sums:
+                sums[param].add_(param.grad)
+            else:
+                sums[param] = param.grad.float()
+            param.grad = None
+        if last and param in sums:
+            param.grad = sums.pop(param).to(param.dtype)
+
+
 class Trainer:
     def __init__(
         self,
@@ -118,6 +133,8 @@ class Trainer:
         self.count_targets = count_targets
         self.heldout = heldout  # () -> one pass over the held-out batches (this rank's)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # bf16 weights (fp32 masters in the optimizer) sum their micro-batches' gradients in fp32
+        self.sums_in_fp32 = self.accum_steps > 1 and bool(getattr(optimizer, "masters", None))
         self.skips_on_device = skips_diverged_step_on_device(optimizer, layout.device)
         self.last_metrics: dict[str, float] = {}  # the latest logged values
 
@@ -146,10 +163,13 @@ class Trainer:
         metric_sums: dict[str, torch.Tensor] = {}
         # FSDP reduce-scatters after every micro-batch: skipping it would hold unsharded fp32
         # gradients of the whole model on each device (282 GB for 70B).
-        for batch in micro_batches:
+        sums: dict[torch.Tensor, torch.Tensor] = {}
+        for index, batch in enumerate(micro_batches):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 out = self.loss_step(self.model, batch)
             (out.loss_sum * scale).backward()
+            if self.sums_in_fp32:
+                add_in_fp32(self.params, sums, last=index == len(micro_batches) - 1)
             loss_sum += out.loss_sum.detach().float()
             for key, value in out.metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0) + value.detach().float()

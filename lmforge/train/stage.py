@@ -50,7 +50,7 @@ from lmforge.sizes import module_bytes
 from lmforge.train import distributed
 from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
-from lmforge.train.loop import LoopSections, LossStep, Trainer, grad_accumulation_steps
+from lmforge.train.loop import LoopSections, LossStep, Trainer
 from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler, masters_in_params
 from lmforge.train.parallelize import parallelize
@@ -383,8 +383,7 @@ def keeps_bf16_params(job: TrainJob, layout: distributed.Layout, bf16: bool) -> 
     ]
     if wanted and unmet:
         raise ConfigError(f"optim.bf16_params = true needs {'; '.join(unmet)}")
-    one_micro_batch = grad_accumulation_steps(job.train, layout.dp_size) == 1
-    return not unmet and (bool(wanted) or one_micro_batch)
+    return not unmet
 
 
 def bf16_weights(model: torch.nn.Module) -> bool:
