@@ -288,35 +288,24 @@ def test_bf16_params_where_they_apply():
     accumulation too); true where they cannot apply names what is missing (exit code 2)."""
     from lmforge.errors import ConfigError
     from lmforge.train.config import PretrainJob, SFTJob
-    from lmforge.train.distributed import Layout
     from lmforge.train.stage import keeps_bf16_params
+    from tests.test_train_extras import _layout
 
     def job(**sections):
         base = {"data": {"shards": "x"}, "train": {"micro_batch_size": 8}}
         return PretrainJob.model_validate(base | sections)
 
-    def layout(device="cuda", world=1):
-        return Layout(
-            rank=0,
-            world_size=world,
-            device=torch.device(device),
-            mesh=None,
-            dp_rank=0,
-            dp_size=world,
-            tp_size=1,
-        )
-
-    assert keeps_bf16_params(job(), layout(), True)
-    assert not keeps_bf16_params(job(), layout(), False)
-    assert not keeps_bf16_params(job(), layout(world=2), True)
-    assert not keeps_bf16_params(SFTJob(lora={"enabled": True}), layout(), True)
+    assert keeps_bf16_params(job(), _layout("cuda", 1), True)
+    assert not keeps_bf16_params(job(), _layout("cuda", 1), False)
+    assert not keeps_bf16_params(job(), _layout("cuda"), True)
+    assert not keeps_bf16_params(SFTJob(lora={"enabled": True}), _layout("cuda", 1), True)
     accumulating = {"micro_batch_size": 2, "global_batch_size": 8}
-    assert keeps_bf16_params(job(train=accumulating), layout(), True)
+    assert keeps_bf16_params(job(train=accumulating), _layout("cuda", 1), True)
     forced = {"bf16_params": True}
-    assert keeps_bf16_params(job(optim=forced), layout(), True)
-    assert not keeps_bf16_params(job(optim={"bf16_params": False}), layout(), True)
+    assert keeps_bf16_params(job(optim=forced), _layout("cuda", 1), True)
+    assert not keeps_bf16_params(job(optim={"bf16_params": False}), _layout("cuda", 1), True)
     with pytest.raises(ConfigError, match=r"needs a CUDA device; one process") as error:
-        keeps_bf16_params(job(optim=forced), layout("cpu", world=2), True)
+        keeps_bf16_params(job(optim=forced), _layout("cpu"), True)
     assert error.value.exit_code == 2
 
 
