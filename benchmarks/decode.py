@@ -139,8 +139,8 @@ VARIANTS = (
     "lmforge-no-preload",  # launched early, but nothing is read before a kernel's wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
-    "lmforge-gemv-int4",  # tinygemm's int4 converted for lmforge's GEMV (blocks fused)
-    "lmforge-gemv-int4-converter",  # ... its nibbles floats by the converter, not from their bits
+    "lmforge-int4-bytes",  # int4 through `_gemv`'s bytes, not the packed fp16 kernel
+    "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
     "hf",
     "hf-static",
@@ -179,12 +179,15 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
-    `kernels.PRELOAD`); `...int4-converter` makes int4 nibbles floats by the converter, not
-    from their bit patterns (`kernels.INT4_FROM_BITS`); `...int8-exact` int8 weights exact
+    `kernels.PRELOAD`); `...int4-bytes` runs int4 through `_gemv`'s bytes, not the packed fp16
+    kernel (`kernels.INT4_HALVES`), `...int4-converter` too, its nibbles floats by the
+    converter, not from their bit patterns (`kernels.INT4_FROM_BITS`); `...int8-exact` int8 weights exact
     floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
     kept (Triton's cache directory; pinned ones: `kernels.TILES`), so every variant runs the
     first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
+    halves = kernels.INT4_HALVES
+    kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
     kernels.INT4_FROM_BITS = saved[2] and not variant.endswith("int4-converter")
     kernels.INT8_BIASED = saved[3] and not variant.endswith("int8-exact")
     early_launch.ENABLED = not variant.endswith("no-early")
@@ -196,6 +199,7 @@ def launch_context(variant: str):
         yield
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
+        kernels.INT4_HALVES = halves
 
 
 def _peak_gb() -> float | None:
@@ -345,14 +349,14 @@ def main() -> None:
                     continue  # the A/B of fusing blocks (quantized blocks fuse alike)
                 if variant == "lmforge-inductor" and scheme not in ("bf16", "fp32"):
                     continue  # the bf16 comparison
-                if variant.startswith("lmforge-gemv-int4") and scheme != "int4-wo":
+                if variant.startswith("lmforge-int4") and scheme != "int4-wo":
                     continue
                 if variant == "lmforge-int8-exact" and not scheme.startswith("int8"):
                     continue
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:
                     model = make_model(preset, scheme)
-                    if variant.startswith("lmforge-gemv-int4"):  # as scoring does, many rows
+                    if variant.startswith("lmforge-int4"):  # tinygemm's int4 for `_gemv` too
                         use_quantized_kernels(model, torch.device(DEVICE), tinygemm=True)
                     num_bytes = weight_bytes(model)
                     with launch_context(variant):

@@ -30,7 +30,7 @@
 #   bash benchmarks/device_calls.sh step-tiles  # one H200: tiles searched in the step, 1B/3B bf16/int8, one table
 #   bash benchmarks/device_calls.sh int8-tiles  # one H200: int8 tiles, biased or exact, searched again; GPU tests
 #   bash benchmarks/device_calls.sh pinned      # one H200: decode rows with the pinned tiles; int8 exact; GPU tests
-#   bash benchmarks/device_calls.sh int4        # one H200: int4 on tinygemm, on the GEMV, on the GEMV from bit patterns
+#   bash benchmarks/device_calls.sh int4        # one H200: GPU tests; int4 in packed fp16, on tinygemm, on the GEMV's bytes; 1B, 3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -383,7 +383,7 @@ preload)
     done
   done
   step 120 int4 python3 benchmarks/decode.py --presets llama3.2-1b \
-    --variants lmforge lmforge-gemv-int4 --schemes bf16 int4-wo --new-tokens 128 --repeats 2 \
+    --variants lmforge lmforge-int4-bytes --schemes bf16 int4-wo --new-tokens 128 --repeats 2 \
     --out "$OUT/int4"
   grep -h '^{' "$OUT"/*.log | cut -c1-330
   grep -h -c Traceback "$OUT"/*.log || true
@@ -459,14 +459,22 @@ pinned)
   grep -h -c Traceback "$OUT"/pinned-*.log || true
   ;;
 int4)
-  # the 1B's int4 (group 128) on tinygemm (as shipped), converted for the GEMV with fused
-  # blocks, and the same with its nibbles made floats from their bit patterns
-  # (kernels.INT4_FROM_BITS); bf16 first, for the ratio
-  step 240 int4 python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
-    lmforge-gemv-int4 lmforge-gemv-int4-converter --schemes bf16 int4-wo --new-tokens 128 \
-    --repeats 2 --out "$OUT/int4"
-  grep -h '^{' "$OUT/int4.log" | cut -c1-250
-  grep -h -c Traceback "$OUT"/*.log || true
+  # the kernels' GPU tests (int4 in packed fp16 among them); then int4 (group 128) decoding in
+  # packed fp16 (`kernels._gemv_int4`, as shipped), on tinygemm (lmforge-torchao) and through
+  # `_gemv`'s bytes (lmforge-int4-bytes), 1B and 3B, each preset in a fresh process and Triton
+  # cache, bf16 first for the ratio; the int4 autotuner's picks printed
+  kernel_tests 150 "$KERNEL_TESTS or large_activations"
+  export TRITON_PRINT_AUTOTUNING=1
+  TRITON_CACHE_DIR=/tmp/triton-int4-1b step 200 int4-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge lmforge-torchao lmforge-int4-bytes \
+    --schemes bf16 int4-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-int4-3b step 200 int4-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge lmforge-torchao --schemes bf16 int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  grep -h "_gemv_int4\|best config" "$OUT"/int4-*.log | sort | uniq -c | head -20
+  tail -n 3 "$OUT/check.log"
+  grep -h '^{' "$OUT"/int4-*.log | cut -c1-250
+  grep -h -c Traceback "$OUT"/int4-*.log || true
   ;;
 check)
   # the kernels' tests on the GPU, compiled (TRITON_INTERPRET=0), launched early, autotuned

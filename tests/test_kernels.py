@@ -67,18 +67,23 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
     )
 
 
-@pytest.mark.parametrize("bits", [16, 8, "8 x as a vector", "8 exact", 4, "4 converter"])
+@pytest.mark.parametrize(
+    "bits", [16, 8, "8 x as a vector", "8 exact", 4, "4 bytes from bits", "4 bytes converter"]
+)
 @pytest.mark.parametrize("fusion", ["norm", "gated+residual", "residual"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact"; int4 with its nibbles made floats from their bit
-    patterns (`kernels.INT4_FROM_BITS`) or by the "converter"."""
-    monkeypatch.setattr(kernels, "INT4_FROM_BITS", bits != "4 converter")
+    with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`) or
+    through `_gemv` ("bytes"), its nibbles made floats from their bit patterns
+    (`kernels.INT4_FROM_BITS`) or by the "converter"."""
+    monkeypatch.setattr(kernels, "INT4_HALVES", "bytes" not in str(bits))
+    monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
     monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
     if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
         monkeypatch.setattr(kernels._gemv_tuned, "cache", {})
+        monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
     if bits == "8 x as a vector":
         monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
     bits = int(str(bits).split()[0])
@@ -107,6 +112,31 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual).cpu()
     assert got.shape == (1, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_int4_halves_keep_large_activations(gated):
+    """The packed fp16 products (`kernels._gemv_int4`) take x scaled by 2^-shift: activations in
+    the thousands (Llama's largest, SiLU·up of the down projection), or tens of thousands gated,
+    stay finite and as exact as small ones, and so do tiny ones beside them."""
+    n, k = 24, 512
+    q, scale, zero = random_layout(4, n, k, 128)
+    weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)).contiguous()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, k, generator=g) * 1e-2
+    x[0, :8] = torch.tensor([1500.0, -1800, 1e-3, 2000, -1e-4, 900, 1700, -2000])
+    if gated:  # silu(gate) * up up to 4e4 where both are large
+        x = torch.cat([x.abs() / 10, x / 10], dim=1)
+        gate, up = x.split(k, dim=1)
+        inputs = torch.nn.functional.silu(gate.bfloat16().float()).bfloat16().float()
+        inputs = (inputs * up.bfloat16().float()).bfloat16().float()
+    else:
+        inputs = x.bfloat16().float()
+    want = inputs @ dequantized(4, q, scale, zero).t()
+    on = [t.to(DEVICE) for t in (x.bfloat16(), weight, scale, zero)]
+    got = kernels.gemv(*on, 4, gated=gated).cpu().float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 def quantized_model(config):
@@ -452,6 +482,17 @@ for bits in (8, 4):
     signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
     triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
+for fusions, (block_n, groups, warps) in (("NORM", (32, 4, 4)), ("GATED RESIDUAL", (8, 4, 1)),
+                                          ("RESIDUAL", (16, 2, 2)), ("", (16, 1, 2))):
+    signature = {name: "*bf16" for name in pointers} | {"w_ptr": "*i32", "N": "i32", "eps": "fp32"}
+    constants = {"K": 2048, "GROUP": 128, "BLOCK_N": block_n, "GROUPS": groups, "EARLY": True,
+                 "PRELOAD": 1, "DOWN": 2.0**-4, "UP": 16.0}
+    constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
+    signature |= {name: "constexpr" for name in constants}
+    signature = {name: signature[name] for name in kernels._gemv_int4.arg_names}
+    source = ASTSource(kernels._gemv_int4, signature, constexprs=constants)
+    ptx = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": True}).asm["ptx"]
+    assert "fma.rn.f16x2" in ptx and ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
 from lmforge.generate import decode_attention as da
 for dtype, head_dim, group in (("bf16", 64, 4), ("bf16", 128, 3), ("fp32", 64, 4)):
     signature = {name: "*" + dtype for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
@@ -472,7 +513,7 @@ signature = {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "
              "HEAD_DIM": "constexpr", "SPLITS": "constexpr", "EARLY": "constexpr"}
 source = ASTSource(da._combine, signature, constexprs={"HEAD_DIM": 64, "SPLITS": 32, "EARLY": True})
 assert "griddepcontrol.wait" in triton.compile(source, target=target).asm["ptx"]
-print("compiled", len(cases) + 2 + 4)
+print("compiled", len(cases) + 2 + 4 + 4)
 """
 
 
@@ -489,7 +530,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 16" in done.stdout
+    assert "compiled 20" in done.stdout
 
 
 def _product(key: str) -> dict:

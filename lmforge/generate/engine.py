@@ -33,10 +33,10 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
    tokens, stop strings, length, text).
 
 On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
-GEMV (lmforge/generate/kernels.py) for plain and int8 weight-only weights (and int4 made on the
-CPU), each block as four GEMVs around attention with its norms, SiLU·up and residual adds inside
-them; such a quantized weight meets more rows expanded to bf16, then cuBLAS. tinygemm's int4
-(made on CUDA) stays torchao's: at one row it is faster than the GEMV. On Hopper and later those
+GEMV (lmforge/generate/kernels.py) for plain, int8 and int4 weight-only weights (int4 in packed
+fp16 arithmetic, tinygemm's layout converted), each block as four GEMVs around attention with its
+norms, SiLU·up and residual adds inside them; such a quantized weight meets more rows expanded to
+bf16, then cuBLAS. On Hopper and later those
 kernels launch while the kernel before them finishes (lmforge/generate/early_launch.py).
 
 The last token and position of every row live on the device, so a decode step needs nothing
@@ -185,14 +185,20 @@ def local_kv_heads(model: nn.Module) -> int:
     return kv_dim // model.args.head_dim
 
 
-def use_quantized_kernels(model: nn.Module, device: torch.device, *, tinygemm: bool = False) -> int:
+def use_quantized_kernels(
+    model: nn.Module, device: torch.device, *, tinygemm: bool | None = None
+) -> int:
     """On a CUDA GPU, swap the model's torchao weight-only linears for lmforge's kernels
-    (lmforge/generate/kernels.py; tinygemm's int4 too when `tinygemm`: for work of many rows,
-    such as scoring); returns how many were swapped."""
+    (lmforge/generate/kernels.py); returns how many were swapped. tinygemm's int4 too when
+    `tinygemm` (default: where int4 decodes in packed fp16, `kernels.INT4_HALVES`; for work of
+    many rows, such as scoring, always)."""
     if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
         return 0  # nothing quantized
     kernels = _kernels(device)
-    return kernels.use_quantized_kernels(model, tinygemm=tinygemm) if kernels else 0
+    if not kernels:
+        return 0
+    tinygemm = kernels.INT4_HALVES if tinygemm is None else tinygemm
+    return kernels.use_quantized_kernels(model, tinygemm=tinygemm)
 
 
 def _kernels(device: torch.device):
@@ -318,8 +324,8 @@ class Engine:
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
         quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
-            the CPU) through lmforge's Triton kernels (lmforge/generate/kernels.py) instead of
-            torchao's (tinygemm's int4 stays: at one row it is faster than the kernels).
+            the CPU, and tinygemm's int4 made on CUDA) through lmforge's Triton kernels
+            (lmforge/generate/kernels.py) instead of torchao's.
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,

@@ -351,6 +351,236 @@ def _int4_times(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
     return (v * (per_step * scale)[:, None] + (zero - offset * scale)[:, None]) * x
 
 
+# int4 products of one row in packed half-precision arithmetic (`_gemv_int4`): the GEMV's int4
+# path spends 7.4-10.5 instructions a weight (sm_90 SASS), too many for the weights' bandwidth.
+# False: int4 takes `_gemv` (the A/B in benchmarks/decode.py, variant lmforge-gemv-int4-bytes).
+INT4_HALVES = True
+# x enters the packed products as fp16(x * 2^-shift): a lane's two products of |n - 8| <= 8 stay
+# below fp16's largest value (65,504) for |x| up to 2^11 * 2^shift, and x down to 2^-14 *
+# 2^shift keeps fp16's 11 bits. The scales put 2^shift back, in fp32.
+_X_SHIFT = 4
+_X_SHIFT_GATED = 8  # silu(gate) * up: Llama's largest activations are here
+
+
+@triton.jit
+def _gemv_int4(
+    x_ptr,  # [K] activations; [2K] (gate, up) when GATED
+    w_ptr,  # [N, K/8] int32: the int4 layout's bytes four to a word
+    scale_ptr,  # [N, groups]
+    zero_ptr,  # [N, groups]
+    norm_ptr,  # [K] RMSNorm weight (NORM)
+    residual_ptr,  # [N] (RESIDUAL)
+    y_ptr,  # [N]
+    N,
+    K: tl.constexpr,
+    eps,
+    GROUP: tl.constexpr,  # columns a scale covers
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,  # groups of low nibbles a tile reads (and as many of high ones)
+    EARLY: tl.constexpr,
+    PRELOAD: tl.constexpr,  # (EARLY) 0 or 1 weight tile loaded before the wait
+    DOWN: tl.constexpr,  # x enters the half-precision products as x * DOWN (2^-shift)
+    UP: tl.constexpr,  # 1 / DOWN, with the scales
+):
+    """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
+    int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
+    K/2 + 4c..4c+3. A tile is [BLOCK_N rows, GROUPS groups, GROUP / 4 words]: each low group
+    comes with the high group K/2 columns on, and each group's scale and zero are applied
+    once per word in fp32 (`_int4_word_dots` gives a word's two sums in packed fp16)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    words: tl.constexpr = GROUP // 4  # a group's low nibbles
+    halves: tl.constexpr = K // 2 // GROUP  # the high nibbles' groups start here
+    acc = tl.zeros([BLOCK_N, GROUPS, words], dtype=tl.float32)
+    zeros = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)  # sum over groups of zero * sum x
+    squares = tl.zeros([GROUPS, words], dtype=tl.float32)
+    if PRELOAD >= 1:  # no kernel of the step writes the weights: they may come before the wait
+        w0 = _int4_words(w_ptr, rows, row_ok, K, 0, GROUPS, words)
+    wait_for_previous(EARLY)
+    if PRELOAD >= 1:
+        acc, zeros, squares = _int4_accumulate(
+            acc, zeros, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+        )  # fmt: skip
+    for g0 in range(PRELOAD * GROUPS, halves, GROUPS):
+        w = _int4_words(w_ptr, rows, row_ok, K, g0, GROUPS, words)
+        acc, zeros, squares = _int4_accumulate(
+            acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+        )  # fmt: skip
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
+    if NORM:
+        y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _int4_words(w_ptr, rows, row_ok, K, g0, GROUPS: tl.constexpr, words: tl.constexpr):
+    """The word tile [rows, groups g0.., a group's words] as stored."""
+    at = (g0 + tl.arange(0, GROUPS))[:, None] * words + tl.arange(0, words)[None, :]
+    return tl.load(
+        w_ptr + rows[:, None, None] * (K // 8) + at[None, :, :],
+        mask=row_ok[:, None, None],
+        other=0,
+        eviction_policy="evict_first",
+    )
+
+
+@triton.jit
+def _int4_accumulate(
+    acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+    NORM, GATED, GROUPS: tl.constexpr, words: tl.constexpr, halves: tl.constexpr, DOWN, UP,
+):  # fmt: skip
+    """acc + the word tile w (low groups g0.., high ones halves + g0..) times its inputs; the
+    zeros' terms into `zeros`, x^2 into `squares` (NORM)."""
+    low0 = 4 * ((g0 + tl.arange(0, GROUPS))[:, None] * words + tl.arange(0, words)[None, :])
+    high0 = low0 + K // 2
+    # x at the low columns 4c + j (x0..x3) and the high ones K/2 + 4c + j (h0..h3): [GROUPS, words]
+    x0, squares = _activation(x_ptr, norm_ptr, low0, K, squares, NORM, GATED)
+    x1, squares = _activation(x_ptr, norm_ptr, low0 + 1, K, squares, NORM, GATED)
+    x2, squares = _activation(x_ptr, norm_ptr, low0 + 2, K, squares, NORM, GATED)
+    x3, squares = _activation(x_ptr, norm_ptr, low0 + 3, K, squares, NORM, GATED)
+    h0, squares = _activation(x_ptr, norm_ptr, high0, K, squares, NORM, GATED)
+    h1, squares = _activation(x_ptr, norm_ptr, high0 + 1, K, squares, NORM, GATED)
+    h2, squares = _activation(x_ptr, norm_ptr, high0 + 2, K, squares, NORM, GATED)
+    h3, squares = _activation(x_ptr, norm_ptr, high0 + 3, K, squares, NORM, GATED)
+    # the pairs each word's nibble extraction yields (`_int4_word_dots`)
+    groups: tl.constexpr = K // GROUP
+    low = rows[:, None] * groups + (g0 + tl.arange(0, GROUPS))[None, :]  # [BLOCK_N, GROUPS]
+    scale_low = tl.load(scale_ptr + low, mask=row_ok[:, None], other=0).to(tl.float32) * UP
+    scale_high = tl.load(scale_ptr + low + halves, mask=row_ok[:, None], other=0).to(tl.float32)
+    acc = _int4_words_times(
+        acc,
+        w,
+        _half_pair(x0 * DOWN, x2 * DOWN)[None, :, :],
+        _half_pair(x1 * DOWN, x3 * DOWN)[None, :, :],
+        _half_pair(h0 * DOWN, h2 * DOWN)[None, :, :],
+        _half_pair(h1 * DOWN, h3 * DOWN)[None, :, :],
+        scale_low[:, :, None],
+        (scale_high * UP)[:, :, None],
+    )
+    zero_low = tl.load(zero_ptr + low, mask=row_ok[:, None], other=0).to(tl.float32)
+    zero_high = tl.load(zero_ptr + low + halves, mask=row_ok[:, None], other=0).to(tl.float32)
+    x_low = tl.sum(x0 + x1 + x2 + x3, axis=1)  # [GROUPS]: a group's x, for its zero
+    x_high = tl.sum(h0 + h1 + h2 + h3, axis=1)
+    zeros += zero_low * x_low[None, :] + zero_high * x_high[None, :]
+    return acc, zeros, squares
+
+
+@triton.jit
+def _half_pair(low, high):
+    """fp32 tensors as one int32 each: fp16(low) in the low half, fp16(high) in the high one."""
+    if not ASSEMBLY:
+        bits_low = low.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits_high = high.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+        return bits_low | bits_high
+    return tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [low, high], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+def _int4_asm() -> str:
+    """`_int4_words_times`' PTX: four words of a row within one group, $8-$11, with their x
+    pairs $12-$27, scales $28 (low) and $32 (high), added to acc $4 (acc $5-$7 pass)."""
+    lines = [
+        ".reg .b32 w8, l02, l13, h02, h13, dl, dh, c1032, c16th, c72;",
+        ".reg .b16 lo, hi;",
+        ".reg .f32 flo, fhi, sum;",
+        "mov.b32 c1032, 0x64086408;",  # 1032.0 twice: 1024 + n - 1032 = n - 8
+        "mov.b32 c16th, 0x2C002C00;",  # 1/16 twice
+        "mov.b32 c72, 0xD480D480;",  # -72.0 twice: (1024 + 16 n) / 16 - 72 = n - 8
+        "mov.b32 dl, 0;",
+        "mov.b32 dh, 0;",
+    ]
+    for i in range(4):
+        w, a, b, c, d = (f"${8 + 4 * j + i}" for j in range(5))
+        lines += [
+            f"shr.b32 w8, {w}, 8;",
+            f"lop3.b32 l02, {w}, 0x000F000F, 0x64006400, 0xEA;",  # (w & mask) | 1024.0's bits
+            f"lop3.b32 h02, {w}, 0x00F000F0, 0x64006400, 0xEA;",
+            "lop3.b32 l13, w8, 0x000F000F, 0x64006400, 0xEA;",
+            "lop3.b32 h13, w8, 0x00F000F0, 0x64006400, 0xEA;",
+            "sub.rn.f16x2 l02, l02, c1032;",
+            "sub.rn.f16x2 l13, l13, c1032;",
+            "fma.rn.f16x2 h02, h02, c16th, c72;",
+            "fma.rn.f16x2 h13, h13, c16th, c72;",
+            f"fma.rn.f16x2 dl, l02, {a}, dl;",
+            f"fma.rn.f16x2 dl, l13, {b}, dl;",
+            f"fma.rn.f16x2 dh, h02, {c}, dh;",
+            f"fma.rn.f16x2 dh, h13, {d}, dh;",
+        ]
+    for lanes, scale, into in (("dl", "$28", "$4"), ("dh", "$32", "$0")):
+        lines += [
+            f"mov.b32 {{lo, hi}}, {lanes};",
+            "cvt.f32.f16 flo, lo;",
+            "cvt.f32.f16 fhi, hi;",
+            "add.f32 sum, flo, fhi;",
+            f"fma.rn.f32 $0, sum, {scale}, {into};",
+        ]
+    lines += ["mov.b32 $1, $5;", "mov.b32 $2, $6;", "mov.b32 $3, $7;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_INT4_ASM = tl.constexpr(_int4_asm())
+
+
+@triton.jit
+def _int4_words_times(acc, w, a, b, c, d, scale_low, scale_high):
+    """acc + (n - 8) x summed over words w [rows, groups, words] (low nibbles times scale_low,
+    high ones times scale_high), x given as fp16 pairs (`_half_pair`): a = (x[4c], x[4c+2]), b
+    = (x[4c+1], x[4c+3]), c and d the same K/2 on. Each nibble becomes an fp16 from its bits:
+    masked into 1024.0's pattern, two a register (one LOP3 for two), a low nibble is 1024 + n
+    and a high one 1024 + 16 n; one packed subtraction or FMA makes each pair n - 8 exactly.
+    Packed FMAs sum four consecutive words of a row (one group: one scale) in two fp16 lanes,
+    which go to fp32 once: ~16 instructions for 8 weights, where `_int4_values` and fp32 FMAs
+    take 2.5 a weight. The interpreter runs no PTX: there, the same arithmetic in Triton (fp16
+    products, rounded to fp16 where the PTX rounds them, words summed in fp32)."""
+    if not ASSEMBLY:
+        low = _nibble_dots(w, 0, _unpaired(a, b))
+        high = _nibble_dots(w, 4, _unpaired(c, d))
+        return acc + low * scale_low + high * scale_high
+    return tl.inline_asm_elementwise(
+        _INT4_ASM,
+        "=r,=r,=r,=r," + ",".join(["r"] * 32),
+        [acc, w, a, b, c, d, scale_low, scale_high],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _unpaired(a, b):
+    """The interpreter's x for one word's nibbles, in their order in the word: (x[4c], x[4c+2]),
+    (x[4c+1], x[4c+3]) as four fp32 (fp16 values)."""
+    return (_half(a), _half(b), _half(a >> 16), _half(b >> 16))
+
+
+@triton.jit
+def _half(bits):
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nibble_dots(w, shift, xs):
+    """The interpreter's `_int4_word_dots` half: bytes 0 and 2 make the first lane, 1 and 3 the
+    second... each lane (n0 x0) rounded to fp16, + n1 x1, rounded again; the lanes in fp32."""
+    x0, x1, x2, x3 = xs
+    n0 = ((w >> shift) & 0xF).to(tl.float32) - 8  # byte 0: x[4c]
+    n1 = ((w >> (shift + 8)) & 0xF).to(tl.float32) - 8  # byte 1: x[4c+1]
+    n2 = ((w >> (shift + 16)) & 0xF).to(tl.float32) - 8  # byte 2: x[4c+2]
+    n3 = ((w >> (shift + 24)) & 0xF).to(tl.float32) - 8  # byte 3: x[4c+3]
+    lane_a = ((n0 * x0).to(tl.float16).to(tl.float32) + n1 * x1).to(tl.float16)
+    lane_b = ((n2 * x2).to(tl.float16).to(tl.float32) + n3 * x3).to(tl.float16)
+    return lane_a.to(tl.float32) + lane_b.to(tl.float32)
+
+
 @triton.jit
 def _dequantize(
     w_ptr,
@@ -543,9 +773,11 @@ def _interpreted_tiles(k: int, group: int, bits: int, gated: bool, dtype: torch.
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, residual=None):
+    if bits == 4 and int4_halves(group_of(w, scale, bits), x.dtype):
+        return _launch_gemv_int4(x, w, scale, zero, norm, eps, gated, residual)
     n, stored = w.shape
     k = 2 * stored if bits == 4 else stored
-    group = k // scale.shape[1] if scale is not None and scale.numel() else k
+    group = group_of(w, scale, bits)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     early = early_launch(x.device)
@@ -570,6 +802,90 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated, x.dtype) if INTERPRETED else {}),
+    )
+    return y
+
+
+def group_of(w: torch.Tensor, scale: torch.Tensor | None, bits: int) -> int:
+    """Columns one scale covers (a whole row where there is no scale)."""
+    k = 2 * w.shape[1] if bits == 4 else w.shape[1]
+    return k // scale.shape[1] if scale is not None and scale.numel() else k
+
+
+def int4_halves(group: int, dtype: torch.dtype) -> bool:
+    """Whether an int4 product in groups of `group` columns runs in `_gemv_int4`: a
+    group's low nibbles fill whole words, a power of two of them, at least 4. Never for fp32
+    activations: fp16 products keep 11 bits, visible in an fp32 output, not in a bf16 one."""
+    words = group // 4
+    whole = group % 4 == 0 and words >= 4 and words & (words - 1) == 0
+    return INT4_HALVES and whole and dtype != torch.float32
+
+
+# (BLOCK_N, GROUPS, num_warps, num_stages) `_gemv_int4` tries; GROUPS must divide a row's groups
+# of low nibbles. A thread reads 16 bytes of a row at a time (4 words), and holds BLOCK_N /
+# num_warps rows where GROUPS x group / 128 threads span a row: x is made once for those rows.
+_INT4_TILES = [
+    (4, 4, 1, 1), (8, 4, 2, 1), (16, 4, 4, 1), (16, 4, 4, 3), (32, 4, 4, 1), (8, 2, 2, 1),
+    (16, 2, 4, 3), (8, 8, 2, 1), (16, 8, 4, 1), (8, 1, 1, 1), (16, 1, 2, 3),
+]  # fmt: skip
+
+
+def _int4_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_N": n, "GROUPS": g}, num_warps=w, num_stages=st)
+        for n, g, w, st in _INT4_TILES
+    ]
+
+
+def _int4_fits(configs, named_args, **kwargs):
+    halves = kwargs["K"] // 2 // kwargs["GROUP"]
+    return [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
+
+
+if INTERPRETED:
+    _gemv_int4_tuned = _gemv_int4
+else:
+    _gemv_int4_tuned = triton.autotune(
+        _int4_configs(),
+        key=["N", "K", "GROUP", "NORM", "GATED", "RESIDUAL"],
+        prune_configs_by={"early_config_prune": _int4_fits},
+        cache_results=True,
+    )(_gemv_int4)
+
+
+def _launch_gemv_int4(x, w, scale, zero, norm, eps, gated, residual):
+    n, stored = w.shape
+    k = 2 * stored
+    group = k // scale.shape[1]
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    early = early_launch(x.device)
+    shift = _X_SHIFT_GATED if gated else _X_SHIFT
+    interpreted = {}
+    if INTERPRETED:  # wide tiles: the interpreter runs programs in turn
+        halves = k // 2 // group
+        interpreted = {"BLOCK_N": 16, "GROUPS": max(g for g in (1, 2, 4) if halves % g == 0)}
+    _gemv_int4_tuned[grid](
+        x.contiguous(),
+        w.view(torch.int32),  # [N, K/8]: the bytes four to a word
+        scale,
+        zero,
+        norm if norm is not None else y,
+        residual.contiguous() if residual is not None else y,
+        y,
+        n,
+        k,
+        eps,
+        GROUP=group,
+        NORM=norm is not None,
+        GATED=gated,
+        RESIDUAL=residual is not None,
+        EARLY=early,
+        PRELOAD=int(early),
+        DOWN=2.0**-shift,
+        UP=2.0**shift,
+        launch_pdl=early,
+        **interpreted,
     )
     return y
 
