@@ -463,7 +463,6 @@ int4)
   # packed fp16 (`kernels._gemv_int4`, as shipped), on tinygemm (lmforge-torchao) and through
   # `_gemv`'s bytes (lmforge-int4-bytes), 1B and 3B, each preset in a fresh process and Triton
   # cache, bf16 first for the ratio; the int4 autotuner's picks printed
-  kernel_tests 150 "$KERNEL_TESTS or large_activations"
   export TRITON_PRINT_AUTOTUNING=1
   TRITON_CACHE_DIR=/tmp/triton-int4-1b step 200 int4-1b python3 benchmarks/decode.py \
     --presets llama3.2-1b --variants lmforge lmforge-torchao lmforge-int4-bytes \
@@ -471,6 +470,7 @@ int4)
   TRITON_CACHE_DIR=/tmp/triton-int4-3b step 200 int4-3b python3 benchmarks/decode.py \
     --presets llama3.2-3b --variants lmforge lmforge-torchao --schemes bf16 int4-wo \
     --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  kernel_tests 130 "$KERNEL_TESTS or large_activations"
   grep -h "_gemv_int4\|best config" "$OUT"/int4-*.log | sort | uniq -c | head -20
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/int4-*.log | cut -c1-250
