@@ -139,6 +139,28 @@ def test_int4_halves_keep_large_activations(gated):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("k", [2048, 3072, 8192, 768])
+def test_int4_tiles_fit_the_launch(k, monkeypatch):
+    """The int4 autotuner's pruning gets the launch's arguments as Triton passes them (positional
+    ones by name, the rest as keywords) and keeps only tiles whose groups divide a row's."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(kernels, "_gemv_int4_tuned", Recorder())
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # (the launch's autotuned arguments)
+    q, scale, zero = random_layout(4, 8, k, 128)
+    weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)).contiguous()
+    kernels._launch_gemv_int4(torch.zeros(1, k).bfloat16(), weight, scale, zero, None, 0, False, None)
+    (args, kwargs), = launches
+    named = dict(zip(kernels._gemv_int4.arg_names, args))
+    fits = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)
+    assert fits and all((k // 2 // 128) % c.kwargs["GROUPS"] == 0 for c in fits)
+    assert {c.kwargs["GROUPS"] for c in fits} >= {1}
+
+
 def quantized_model(config):
     from torchao.quantization import quantize_
 

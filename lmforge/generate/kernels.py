@@ -838,7 +838,10 @@ def _int4_configs() -> list[triton.Config]:
 
 
 def _int4_fits(configs, named_args, **kwargs):
-    halves = kwargs["K"] // 2 // kwargs["GROUP"]
+    """The autotuner's configs for one int4 product (its arguments by name, as it passes them:
+    positional ones in `named_args`, the rest in `kwargs`)."""
+    args = {**named_args, **kwargs}
+    halves = args["K"] // 2 // args["GROUP"]
     return [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
 
 
