@@ -528,6 +528,7 @@ def _int4_asm() -> str:
 
 
 _INT4_ASM = tl.constexpr(_int4_asm())
+_INT4_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 32))  # 4 out, 32 in
 
 
 @triton.jit
@@ -547,7 +548,7 @@ def _int4_words_times(acc, w, a, b, c, d, scale_low, scale_high):
         return acc + low * scale_low + high * scale_high
     return tl.inline_asm_elementwise(
         _INT4_ASM,
-        "=r,=r,=r,=r," + ",".join(["r"] * 32),
+        _INT4_CONSTRAINTS,
         [acc, w, a, b, c, d, scale_low, scale_high],
         dtype=tl.float32,
         is_pure=True,
