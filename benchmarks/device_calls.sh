@@ -31,6 +31,7 @@
 #   bash benchmarks/device_calls.sh int8-tiles  # one H200: int8 tiles, biased or exact, searched again; GPU tests
 #   bash benchmarks/device_calls.sh pinned      # one H200: decode rows with the pinned tiles; int8 exact; GPU tests
 #   bash benchmarks/device_calls.sh int4        # one H200: GPU tests; int4 in packed fp16, on tinygemm, on the GEMV's bytes; 1B, 3B
+#   bash benchmarks/device_calls.sh int4-products  # one H200: the int4 products one at a time beside bf16's; early-launch test
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -46,9 +47,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -475,6 +476,16 @@ int4)
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/int4-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/int4-*.log || true
+  ;;
+int4-products)
+  # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV
+  # (alone and fused), int4 on tinygemm and in packed fp16; then the early-launch test that
+  # the int4 call's test step left unfinished
+  step 200 gemv python3 benchmarks/gemv.py --rows 1 --shapes 1b 3b --kernels "bf16 lmforge" \
+    int4 --out "$OUT"
+  kernel_tests 150 "early_launch"
+  grep -h '^|' "$OUT/gemv.log"
+  tail -n 3 "$OUT/check.log"
   ;;
 check)
   # the kernels' tests on the GPU, compiled (TRITON_INTERPRET=0), launched early, autotuned

@@ -13,6 +13,7 @@ weight. The GB/s column counts weight bytes only: it means something at one row.
 
     python benchmarks/gemv.py                 # writes gemv.json to $OUT (or .)
     python benchmarks/gemv.py --rows 1 --shapes 1b
+    python benchmarks/gemv.py --rows 1 --kernels "bf16 lmforge" int4   # only those rows
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def nbytes(module) -> int:
     return weight_bytes(module)
 
 
+KERNELS: tuple[str, ...] = ()  # --kernels: the rows whose label starts with one of these (all: ())
+
+
 def rows_for(name: str, n: int, k: int, m: int) -> list[dict]:
     from lmforge.generate.kernels import QuantizedLinear, gemv
 
@@ -100,6 +104,8 @@ def rows_for(name: str, n: int, k: int, m: int) -> list[dict]:
     out = []
 
     def row(label, fn, num_bytes, reference=None):
+        if KERNELS and not label.startswith(KERNELS):
+            return
         try:
             seconds = timed(fn)
             entry = {
@@ -161,8 +167,13 @@ def main() -> None:
     )
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 64, 2048])
+    parser.add_argument(
+        "--kernels", nargs="+", default=[], help="time only rows whose label starts with these"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    global KERNELS
+    KERNELS = tuple(args.kernels)
     results = []
     for preset in args.shapes:
         for name, n, k in SHAPES[preset]:
