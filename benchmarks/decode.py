@@ -120,6 +120,7 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     # copy, the embedding stays bf16): int8 is then read for 128k x dim more weights a token
     "int8-wo-output": _quantized("int8-wo", None, output=True),
     "int4-wo": _quantized("int4-wo", 128),
+    "int4-wo-output": _quantized("int4-wo", 128, output=True),
     "int4-gemlite": _gemlite(4, 128),
     "int8-gemlite": _gemlite(8, None),
     "int4-preshuffled": _mslk("int4-preshuffled"),

@@ -32,6 +32,7 @@
 #   bash benchmarks/device_calls.sh pinned      # one H200: decode rows with the pinned tiles; int8 exact; GPU tests
 #   bash benchmarks/device_calls.sh int4        # one H200: GPU tests; int4 in packed fp16, on tinygemm, on the GEMV's bytes; 1B, 3B
 #   bash benchmarks/device_calls.sh int4-products  # one H200: the int4 products one at a time beside bf16's; early-launch test
+#   bash benchmarks/device_calls.sh int4-rows   # one H200: the int4 decode rows in fresh processes (1B also with int4 output)
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -47,9 +48,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -476,6 +477,18 @@ int4)
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/int4-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/int4-*.log || true
+  ;;
+int4-rows)
+  # issue 14's int4 rows again, each preset in a fresh process and Triton cache: int4 in
+  # packed fp16 as shipped, bf16 first for the ratio; the 1B also with its output projection int4
+  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 150 rows-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge --schemes bf16 int4-wo int4-wo-output \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 150 rows-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge --schemes bf16 int4-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/3b"
+  grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
+  grep -h -c Traceback "$OUT"/rows-*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV
