@@ -16,9 +16,10 @@ runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * s
 activations (batched decoding, prefill), a quantized weight is expanded to bf16 by
 `_dequantize` and multiplied by cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.6-4.8
 ms a product of the 1B, this 10-57 us. Which weights come here (`quantized_values`): int8 and
-the int4 made on the CPU. tinygemm's int4 (made on CUDA) stays torchao's where one row matters
-(decoding: tinygemm read it 1.2-1.4x faster than `_gemv` does) and comes here where many rows do
-(lm-eval's scoring: tinygemm took 2x as long at 64 rows).
+the int4 made on the CPU, and tinygemm's int4 (made on CUDA) converted: at one row bf16-activation
+int4 runs in packed fp16 (`_gemv_int4`; on an H200 the 1B decoded 1.32-1.36x faster than on
+tinygemm, the 3B 1.27-1.29x, docs/benchmarks.md), and at 64 rows tinygemm took 2x as long as the
+bf16 expansion (lm-eval's scoring).
 
 A single-row product can take the decode block's work around it into the same kernel: the
 RMSNorm of its input, SiLU·up, a residual add (`gemv`'s arguments, `FusedDecodeBlock`).
@@ -1070,8 +1071,8 @@ def quantized_values(weight: torch.Tensor, *, tinygemm: bool = False):
     """(bits, q [N, K], scale [N, groups], zero [N, groups]) of a torchao weight-only tensor,
     w = q * scale (bits 8) or (q - 8) * scale + zero (bits 4, q in 0..15); None for a layout
     these kernels do not read (activation quantization, pre-scales, other formats). tinygemm's
-    int4 (`Int4TilePackedTo4dTensor`) only when `tinygemm`: at one row tinygemm is faster than
-    `_gemv`, at many far slower than bf16 expansion + cuBLAS."""
+    int4 (`Int4TilePackedTo4dTensor`) only when `tinygemm`: at one row `_gemv_int4` is faster
+    than tinygemm, at many bf16 expansion + cuBLAS is."""
     kind = type(weight).__name__
     known = {"Int8Tensor", "IntxUnpackedToInt8Tensor"}
     if tinygemm:
