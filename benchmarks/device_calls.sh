@@ -33,6 +33,7 @@
 #   bash benchmarks/device_calls.sh int4        # one H200: GPU tests; int4 in packed fp16, on tinygemm, on the GEMV's bytes; 1B, 3B
 #   bash benchmarks/device_calls.sh int4-products  # one H200: the int4 products one at a time beside bf16's; early-launch test
 #   bash benchmarks/device_calls.sh int4-rows   # one H200: the int4 decode rows in fresh processes (1B also with int4 output)
+#   bash benchmarks/device_calls.sh int4-ahead  # one H200: int4 with each tile's loads a tile ahead, or not; GPU tests
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -48,9 +49,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-ahead | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-ahead|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -489,6 +490,21 @@ int4-rows)
     --repeats 2 --out "$OUT/3b"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/rows-*.log || true
+  ;;
+int4-ahead)
+  # int4 in packed fp16 as shipped against each tile's loads issued a tile ahead
+  # (kernels.INT4_AHEAD), 1B and 3B, each preset in a fresh process and Triton cache (the
+  # variants share the autotuner's picks, made under the first); then the kernels' GPU tests
+  TRITON_CACHE_DIR=/tmp/triton-ahead-1b step 170 ahead-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge lmforge-int4-ahead --schemes bf16 int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-ahead-3b step 170 ahead-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge lmforge-int4-ahead --schemes bf16 int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  kernel_tests 220 "$KERNEL_TESTS or large_activations"
+  grep -h '^{' "$OUT"/ahead-*.log | cut -c1-250
+  tail -n 3 "$OUT/check.log"
+  grep -h -c Traceback "$OUT"/ahead-*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

@@ -68,17 +68,20 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
 
 
 @pytest.mark.parametrize(
-    "bits", [16, 8, "8 x as a vector", "8 exact", 4, "4 bytes from bits", "4 bytes converter"]
+    "bits",
+    [16, 8, "8 x as a vector", "8 exact", 4, "4 ahead", "4 bytes from bits", "4 bytes converter"],
 )
 @pytest.mark.parametrize("fusion", ["norm", "gated+residual", "residual"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`) or
-    through `_gemv` ("bytes"), its nibbles made floats from their bit patterns
-    (`kernels.INT4_FROM_BITS`) or by the "converter"."""
+    with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`; each
+    tile's loads issued a tile "ahead", `kernels.INT4_AHEAD`) or through `_gemv` ("bytes"), its
+    nibbles made floats from their bit patterns (`kernels.INT4_FROM_BITS`) or by the
+    "converter"."""
     monkeypatch.setattr(kernels, "INT4_HALVES", "bytes" not in str(bits))
+    monkeypatch.setattr(kernels, "INT4_AHEAD", "ahead" in str(bits))
     monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
     monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
     if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
@@ -510,7 +513,7 @@ for fusions, (block_n, groups, warps) in (("NORM", (32, 4, 4)), ("GATED RESIDUAL
                                           ("RESIDUAL", (16, 2, 2)), ("", (16, 1, 2))):
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": "*i32", "N": "i32", "eps": "fp32"}
     constants = {"K": 2048, "GROUP": 128, "BLOCK_N": block_n, "GROUPS": groups, "EARLY": True,
-                 "PRELOAD": 1, "DOWN": 2.0**-4, "UP": 16.0}
+                 "PRELOAD": 1, "DOWN": 2.0**-4, "UP": 16.0, "AHEAD": fusions == "NORM"}
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
     signature |= {name: "constexpr" for name in constants}
     signature = {name: signature[name] for name in kernels._gemv_int4.arg_names}

@@ -356,6 +356,9 @@ def _int4_times(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
 # path spends 7.4-10.5 instructions a weight (sm_90 SASS), too many for the weights' bandwidth.
 # False: int4 takes `_gemv` (the A/B in benchmarks/decode.py, variant lmforge-gemv-int4-bytes).
 INT4_HALVES = True
+# `_gemv_int4` issues the next weight tile's loads before a tile's products (two tiles in flight
+# instead of one). Not measured yet: benchmarks/decode.py variant lmforge-int4-ahead.
+INT4_AHEAD = False
 # x enters the packed products as fp16(x * 2^-shift): a lane's two products of |n - 8| <= 8 stay
 # below fp16's largest value (65,504) for |x| up to 2^11 * 2^shift, and x down to 2^-14 *
 # 2^shift keeps fp16's 11 bits. The scales put 2^shift back, in fp32.
@@ -385,6 +388,7 @@ def _gemv_int4(
     PRELOAD: tl.constexpr,  # (EARLY) 0 or 1 weight tile loaded before the wait
     DOWN: tl.constexpr,  # x enters the half-precision products as x * DOWN (2^-shift)
     UP: tl.constexpr,  # 1 / DOWN, with the scales
+    AHEAD: tl.constexpr = False,  # the next tile's loads issued before a tile's products
 ):
     """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
     int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
@@ -399,19 +403,31 @@ def _gemv_int4(
     zeros = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)  # sum over groups of zero * sum x
     squares = tl.zeros([GROUPS, words], dtype=tl.float32)
     if PRELOAD >= 1:  # no kernel of the step writes the weights: they may come before the wait
-        w0 = _int4_words(w_ptr, rows, row_ok, K, 0, GROUPS, words)
+        w0 = _int4_words(w_ptr, rows, row_ok, K, 0, halves, GROUPS, words)
     wait_for_previous(EARLY)
-    if PRELOAD >= 1:
-        acc, zeros, squares = _int4_accumulate(
-            acc, zeros, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
-        )  # fmt: skip
-    for g0 in range(PRELOAD * GROUPS, halves, GROUPS):
-        w = _int4_words(w_ptr, rows, row_ok, K, g0, GROUPS, words)
-        acc, zeros, squares = _int4_accumulate(
-            acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
-        )  # fmt: skip
+    if AHEAD:  # each tile's loads are issued before the tile before it is multiplied
+        if PRELOAD == 0:
+            w0 = _int4_words(w_ptr, rows, row_ok, K, 0, halves, GROUPS, words)
+        w = w0
+        for g0 in range(0, halves, GROUPS):
+            ahead = _int4_words(w_ptr, rows, row_ok, K, g0 + GROUPS, halves, GROUPS, words, True)
+            acc, zeros, squares = _int4_accumulate(
+                acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+                GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+            )  # fmt: skip
+            w = ahead
+    else:
+        if PRELOAD >= 1:
+            acc, zeros, squares = _int4_accumulate(
+                acc, zeros, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+                GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+            )  # fmt: skip
+        for g0 in range(PRELOAD * GROUPS, halves, GROUPS):
+            w = _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS, words)
+            acc, zeros, squares = _int4_accumulate(
+                acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+                GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+            )  # fmt: skip
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
@@ -422,12 +438,19 @@ def _gemv_int4(
 
 
 @triton.jit
-def _int4_words(w_ptr, rows, row_ok, K, g0, GROUPS: tl.constexpr, words: tl.constexpr):
-    """The word tile [rows, groups g0.., a group's words] as stored."""
+def _int4_words(
+    w_ptr, rows, row_ok, K, g0, halves, GROUPS: tl.constexpr, words: tl.constexpr,
+    PAST: tl.constexpr = False,
+):  # fmt: skip
+    """The word tile [rows, groups g0.., a group's words] as stored; PAST: g0 may be past the
+    row (from `halves` on: zeros, nothing read)."""
     at = (g0 + tl.arange(0, GROUPS))[:, None] * words + tl.arange(0, words)[None, :]
+    ok = row_ok[:, None, None]
+    if PAST:
+        ok = ok & (at < halves * words)[None, :, :]
     return tl.load(
         w_ptr + rows[:, None, None] * (K // 8) + at[None, :, :],
-        mask=row_ok[:, None, None],
+        mask=ok,
         other=0,
         eviction_policy="evict_first",
     )
@@ -887,6 +910,7 @@ def _launch_gemv_int4(x, w, scale, zero, norm, eps, gated, residual):
         RESIDUAL=residual is not None,
         EARLY=early,
         PRELOAD=int(early),
+        AHEAD=INT4_AHEAD,
         DOWN=2.0**-shift,
         UP=2.0**shift,
         launch_pdl=early,
