@@ -34,6 +34,7 @@
 #   bash benchmarks/device_calls.sh int4-products  # one H200: the int4 products one at a time beside bf16's; early-launch test
 #   bash benchmarks/device_calls.sh int4-rows   # one H200: the int4 decode rows in fresh processes (1B also with int4 output)
 #   bash benchmarks/device_calls.sh int4-ahead  # one H200: int4 with each tile's loads a tile ahead, or not; GPU tests
+#   bash benchmarks/device_calls.sh int4-tiles  # one H200: int4's tiles searched inside the decode step, 1B and 3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -49,9 +50,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-ahead | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-ahead | int4-tiles | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-ahead|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-ahead|int4-tiles|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -505,6 +506,17 @@ int4-ahead)
   grep -h '^{' "$OUT"/ahead-*.log | cut -c1-250
   tail -n 3 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/ahead-*.log || true
+  ;;
+int4-tiles)
+  # int4's tiles (packed fp16) chosen inside the decode step (tile_search.py), 1B and 3B, from
+  # a fresh autotune; the step's picks merged into $OUT/gemv_tiles.json (to commit if faster)
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-tiles4-1b step 250 tiles4-1b python3 benchmarks/tile_search.py \
+    --preset llama3.2-1b --schemes int4-wo --passes 1 --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-tiles4-3b step 300 tiles4-3b python3 benchmarks/tile_search.py \
+    --preset llama3.2-3b --schemes int4-wo --passes 1 --out "$OUT/3b" --table "$OUT/gemv_tiles.json"
+  grep -h '^{' "$OUT"/tiles4-*.log | cut -c1-200
+  grep -h -c Traceback "$OUT"/tiles4-*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

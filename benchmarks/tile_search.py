@@ -13,7 +13,8 @@ the next product is searched (coordinate descent, --passes rounds). Prints tok/s
 autotuner's picks and with the step's, writes both pick sets to tile_search.json in --out,
 and merges the step's into --table, a table of pinned tiles in `kernels.TILES`' format. The
 search starts from the pinned tiles where the table in use has them (LMFORGE_GEMV_TILES=none: from
-the autotuner's picks).
+the autotuner's picks). int4 products in packed fp16 (`kernels._gemv_int4`) are searched alike,
+among `kernels._int4_configs()`, and pinned under bits `4h`.
 
     LMFORGE_GEMV_TILES=none python3 benchmarks/tile_search.py --preset llama3.2-1b --schemes bf16
 """
@@ -36,6 +37,7 @@ from benchmarks.decode import SCHEMES, copy_bandwidth, make_model
 from lmforge.generate import Generator, SamplingParams, kernels, weight_bytes
 
 KEY_NAMES = ("N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL")  # the autotuner's key
+INT4_KEY_NAMES = ("N", "K", "GROUP", "NORM", "GATED", "RESIDUAL")  # `_gemv_int4`'s
 
 
 def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -54,25 +56,37 @@ def record_again(generator: Generator) -> None:
 
 def named(key: tuple) -> dict:
     """The autotuner's arguments from its key: the key's values, then its tensors' dtypes (x's
-    first)."""
-    x = torch.empty(0, dtype=getattr(torch, key[len(KEY_NAMES)].removeprefix("torch.")))
-    return dict(zip(KEY_NAMES, key)) | {"x_ptr": x}
+    first). A key of `_gemv_int4` (int4 in packed fp16) is told by its length."""
+    names = INT4_KEY_NAMES if _is_int4(key) else KEY_NAMES
+    x = torch.empty(0, dtype=getattr(torch, key[len(names)].removeprefix("torch.")))
+    w = torch.empty(0, device="cuda")  # (where the pinned table is looked up: not here)
+    return dict(zip(names, key)) | {"x_ptr": x, "w_ptr": w}
+
+
+def _is_int4(key: tuple) -> bool:
+    return key in kernels._gemv_int4_tuned.cache
 
 
 def candidates(key: tuple) -> list:
     """The tiles the autotuner tries for the product of `key` where none is pinned."""
+    if _is_int4(key):
+        return [
+            c
+            for c in kernels._int4_configs()
+            if (key[1] // 2 // key[2]) % c.kwargs["GROUPS"] == 0  # (K, GROUP)
+        ]
     return kernels._candidates(kernels._gemv_tuned.configs, named(key))
 
 
 describe = kernels.describe
 
 
-def search(generator, prompt, args, picks: dict) -> float:
-    """Coordinate descent over `picks` (the autotuner's cache, changed in place); returns the
-    final rate."""
+def search(generator, prompt, args, caches: list[dict]) -> float:
+    """Coordinate descent over the autotuners' caches (changed in place); returns the final
+    rate."""
     rate = decode_rate(generator, prompt, args.tokens, args.repeats)
     for round_ in range(args.passes):
-        for key in list(picks):
+        for picks, key in [(cache, key) for cache in caches for key in list(cache)]:
             best, best_rate = picks[key], rate
             for config in candidates(key):
                 if describe(config) == describe(best):  # (picks read from disk are copies)
@@ -124,10 +138,12 @@ def main() -> None:
         )
         generator.warmup()
         decode_rate(generator, prompt, args.tokens, 1)  # tunes every product, records graphs
-        picks = kernels._gemv_tuned.cache
+        caches = [kernels._gemv_tuned.cache, kernels._gemv_int4_tuned.cache]
+        picks = {key: config for cache in caches for key, config in cache.items()}
         tuned = {key: describe(config) for key, config in picks.items()}
         tuned_rate = decode_rate(generator, prompt, args.tokens, args.repeats)
-        step_rate = search(generator, prompt, args, picks)
+        step_rate = search(generator, prompt, args, caches)
+        picks = {key: config for cache in caches for key, config in cache.items()}
         row = {
             "preset": args.preset,
             "scheme": scheme,
@@ -142,7 +158,8 @@ def main() -> None:
         results.append(row)
         if args.table:  # after each scheme: a later one that runs out of time loses only its own
             merge(Path(args.table), torch.cuda.get_device_name(), [row])
-        picks.clear()  # the next scheme tunes its own products
+        for cache in caches:  # the next scheme tunes its own products
+            cache.clear()
         del generator, model
         torch._dynamo.reset()
         torch.cuda.empty_cache()

@@ -143,7 +143,7 @@ def test_int4_halves_keep_large_activations(gated):
 
 
 @pytest.mark.parametrize("k", [2048, 3072, 8192, 768])
-def test_int4_tiles_fit_the_launch(k, monkeypatch):
+def test_int4_tiles_fit_the_launch(k, monkeypatch, tmp_path):
     """The int4 autotuner's pruning gets the launch's arguments as Triton passes them (positional
     ones by name, the rest as keywords) and keeps only tiles whose groups divide a row's."""
     launches = []
@@ -164,6 +164,18 @@ def test_int4_tiles_fit_the_launch(k, monkeypatch):
     fits = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)
     assert fits and all((k // 2 // 128) % c.kwargs["GROUPS"] == 0 for c in fits)
     assert {c.kwargs["GROUPS"] for c in fits} >= {1}
+    # a tile pinned for the product (`kernels.TILES`' table) is the only one tried
+    key = kernels.tile_key(named | kwargs)
+    assert key == f"8 {k} 4h 128"
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps({"cpu": {key: kernels.describe(fits[-1])}}))
+    monkeypatch.setenv("LMFORGE_GEMV_TILES", str(table))
+    kernels.pinned_tiles.cache_clear()
+    try:
+        pinned = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)
+    finally:
+        kernels.pinned_tiles.cache_clear()
+    assert [kernels.describe(c) for c in pinned] == [kernels.describe(fits[-1])]
 
 
 def quantized_model(config):

@@ -725,14 +725,18 @@ TILES = Path(__file__).with_name("gemv_tiles.json")
 
 
 def tile_key(args: dict) -> str:
-    """A product's name in the table: `N K bits group` and its fusions."""
+    """A product's name in the table: `N K bits group` and its fusions (bits `4h`: int4 in
+    packed fp16, `_gemv_int4`)."""
     fusions = [name.lower() for name in ("NORM", "GATED", "RESIDUAL") if args[name]]
-    return " ".join(str(v) for v in (args["N"], args["K"], args["BITS"], args["GROUP"], *fusions))
+    bits = args.get("BITS", "4h")
+    return " ".join(str(v) for v in (args["N"], args["K"], bits, args["GROUP"], *fusions))
 
 
 def describe(config) -> str:
     """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased]`."""
     kwargs = config.kwargs
+    if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES`
+        return f"{kwargs['BLOCK_N']}x{kwargs['GROUPS']}g w{config.num_warps} s{config.num_stages}"
     x = "tile" if kwargs["X_TILE"] else "vec"
     tile = f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
     return tile + (" biased" if kwargs["INT8_BIASED"] else "")
@@ -867,7 +871,9 @@ def _int4_fits(configs, named_args, **kwargs):
     positional ones in `named_args`, the rest in `kwargs`)."""
     args = {**named_args, **kwargs}
     halves = args["K"] // 2 // args["GROUP"]
-    return [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
+    fits = [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
+    pinned = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
+    return [c for c in fits if describe(c) == pinned] or fits
 
 
 if INTERPRETED:
