@@ -34,10 +34,10 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
 
 On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
 GEMV (lmforge/generate/kernels.py) for plain, int8 and int4 weight-only weights (int4 in packed
-fp16 arithmetic, tinygemm's layout converted), each block as four GEMVs around attention with its
-norms, SiLU·up and residual adds inside them; such a quantized weight meets more rows expanded to
-bf16, then cuBLAS. On Hopper and later those
-kernels launch while the kernel before them finishes (lmforge/generate/early_launch.py).
+fp16 arithmetic; tinygemm's layout converted where max_batch is 1), each block as four GEMVs
+around attention with its norms, SiLU·up and residual adds inside them; such a quantized weight
+meets more rows expanded to bf16, then cuBLAS. On Hopper and later those kernels launch while
+the kernel before them finishes (lmforge/generate/early_launch.py).
 
 The last token and position of every row live on the device, so a decode step needs nothing
 from the host. On CUDA the engine collects step t's tokens only after it launched step t+1, so
@@ -324,8 +324,10 @@ class Engine:
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
         quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
-            the CPU, and tinygemm's int4 made on CUDA) through lmforge's Triton kernels
-            (lmforge/generate/kernels.py) instead of torchao's.
+            the CPU; tinygemm's int4, made on CUDA, where max_batch is 1) through lmforge's
+            Triton kernels (lmforge/generate/kernels.py) instead of torchao's. (Converted,
+            an int4 weight meets several rows expanded to bf16 each step; tinygemm was not
+            measured against that at 2-32 rows, so a batched engine keeps tinygemm's.)
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
@@ -363,8 +365,8 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        if quantized_kernels:
-            use_quantized_kernels(model, device)
+        if quantized_kernels:  # tinygemm's int4 too where every step is one row (see the docs)
+            use_quantized_kernels(model, device, tinygemm=None if max_batch == 1 else False)
         self.fused = fuse and model.fuse_projections()
         kernels = _kernels(device)
         if kernels and gemv:

@@ -16,10 +16,10 @@ runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * s
 activations (batched decoding, prefill), a quantized weight is expanded to bf16 by
 `_dequantize` and multiplied by cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.6-4.8
 ms a product of the 1B, this 10-57 us. Which weights come here (`quantized_values`): int8 and
-the int4 made on the CPU, and tinygemm's int4 (made on CUDA) converted: at one row bf16-activation
-int4 runs in packed fp16 (`_gemv_int4`; on an H200 the 1B decoded 1.32-1.36x faster than on
-tinygemm, the 3B 1.27-1.29x, docs/benchmarks.md), and at 64 rows tinygemm took 2x as long as the
-bf16 expansion (lm-eval's scoring).
+the int4 made on the CPU, and tinygemm's int4 (made on CUDA) converted where the engine decodes
+one sequence at a time and for lm-eval's scoring: at one row bf16-activation int4 runs in packed
+fp16 (`_gemv_int4`; on an H200 the 1B decoded 1.32-1.36x faster than on tinygemm, the 3B
+1.27-1.29x, docs/benchmarks.md), and at 64 rows tinygemm took 2x as long as the bf16 expansion.
 
 A single-row product can take the decode block's work around it into the same kernel: the
 RMSNorm of its input, SiLU·up, a residual add (`gemv`'s arguments, `FusedDecodeBlock`).
