@@ -8,6 +8,10 @@ import os
 # Triton kernels (lmforge/generate/kernels.py) run on the CPU through Triton's interpreter. It
 # must be on before anything imports triton (torchao does), or kernels half-interpret.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# MKL (torch's CPU BLAS) may round a product differently by the memory alignment of its operands
+# unless its conditional numerical reproducibility is on, which it reads before its first call:
+# two runs of one training in this process once logged losses one ulp apart (CI, 2026-12-02).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest
 import torch

@@ -128,6 +128,9 @@ def seed_everything(seed: int, rank: int, deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+        # MKL's products otherwise may round by their operands' memory alignment; read at its
+        # first call, so this holds where no matrix product ran before (the CLI's process)
+        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 def _base_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
