@@ -58,7 +58,8 @@ PRELOAD = {16: 1, 8: 2, 4: 2}
 # int4 nibbles made floats from their bit patterns (`_int4_values`: 1.5 instructions a weight)
 # instead of by the integer-to-float converter: on an H200 the 1B's int4 on the GEMV decoded at
 # 754.3 tok/s against 712.4 (2026-12-02, docs/benchmarks.md; benchmarks/decode.py variants
-# lmforge-gemv-int4 and lmforge-gemv-int4-converter).
+# lmforge-gemv-int4 and lmforge-gemv-int4-converter, now lmforge-int4-bytes and
+# lmforge-int4-converter).
 INT4_FROM_BITS = True
 # int8 weights of one scale a row may be made floats 1 + (q + 128) / 2^15 by one byte permute
 # each (`_int8_biased`), the bias taken off the whole product at the end with the sum of x: 1.25
@@ -354,7 +355,7 @@ def _int4_times(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
 
 # int4 products of one row in packed half-precision arithmetic (`_gemv_int4`): the GEMV's int4
 # path spends 7.4-10.5 instructions a weight (sm_90 SASS), too many for the weights' bandwidth.
-# False: int4 takes `_gemv` (the A/B in benchmarks/decode.py, variant lmforge-gemv-int4-bytes).
+# False: int4 takes `_gemv` (the A/B in benchmarks/decode.py, variant lmforge-int4-bytes).
 INT4_HALVES = True
 # `_gemv_int4` issues the next weight tile's loads before a tile's products (two tiles in flight
 # instead of one). Not measured yet: benchmarks/decode.py variant lmforge-int4-ahead.
@@ -393,8 +394,8 @@ def _gemv_int4(
     """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
     int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
     K/2 + 4c..4c+3. A tile is [BLOCK_N rows, GROUPS groups, GROUP / 4 words]: each low group
-    comes with the high group K/2 columns on, and each group's scale and zero are applied
-    once per word in fp32 (`_int4_word_dots` gives a word's two sums in packed fp16)."""
+    comes with the high group K/2 columns on; `_int4_words_times` sums four words of a row in
+    packed fp16 and applies their group's scale in fp32, the zeros go in through x's sums."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     words: tl.constexpr = GROUP // 4  # a group's low nibbles
@@ -474,7 +475,6 @@ def _int4_accumulate(
     h1, squares = _activation(x_ptr, norm_ptr, high0 + 1, K, squares, NORM, GATED)
     h2, squares = _activation(x_ptr, norm_ptr, high0 + 2, K, squares, NORM, GATED)
     h3, squares = _activation(x_ptr, norm_ptr, high0 + 3, K, squares, NORM, GATED)
-    # the pairs each word's nibble extraction yields (`_int4_word_dots`)
     groups: tl.constexpr = K // GROUP
     low = rows[:, None] * groups + (g0 + tl.arange(0, GROUPS))[None, :]  # [BLOCK_N, GROUPS]
     scale_low = tl.load(scale_ptr + low, mask=row_ok[:, None], other=0).to(tl.float32) * UP
@@ -482,7 +482,7 @@ def _int4_accumulate(
     acc = _int4_words_times(
         acc,
         w,
-        _half_pair(x0 * DOWN, x2 * DOWN)[None, :, :],
+        _half_pair(x0 * DOWN, x2 * DOWN)[None, :, :],  # the pairs a word's nibbles make
         _half_pair(x1 * DOWN, x3 * DOWN)[None, :, :],
         _half_pair(h0 * DOWN, h2 * DOWN)[None, :, :],
         _half_pair(h1 * DOWN, h3 * DOWN)[None, :, :],
@@ -594,8 +594,9 @@ def _half(bits):
 
 @triton.jit
 def _nibble_dots(w, shift, xs):
-    """The interpreter's `_int4_word_dots` half: bytes 0 and 2 make the first lane, 1 and 3 the
-    second... each lane (n0 x0) rounded to fp16, + n1 x1, rounded again; the lanes in fp32."""
+    """The interpreter's half of `_int4_words_times` for one word: the nibbles of bytes 0 and 1
+    make one lane, (n0 x0) rounded to fp16, + n1 x1, rounded again; bytes 2 and 3 the other;
+    the lanes added in fp32."""
     x0, x1, x2, x3 = xs
     n0 = ((w >> shift) & 0xF).to(tl.float32) - 8  # byte 0: x[4c]
     n1 = ((w >> (shift + 8)) & 0xF).to(tl.float32) - 8  # byte 1: x[4c+1]
