@@ -59,8 +59,7 @@ def named(key: tuple) -> dict:
     first). A key of `_gemv_int4` (int4 in packed fp16) is told by its length."""
     names = INT4_KEY_NAMES if _is_int4(key) else KEY_NAMES
     x = torch.empty(0, dtype=getattr(torch, key[len(names)].removeprefix("torch.")))
-    w = torch.empty(0, device="cuda")  # (where the pinned table is looked up: not here)
-    return dict(zip(names, key)) | {"x_ptr": x, "w_ptr": w}
+    return dict(zip(names, key)) | {"x_ptr": x}
 
 
 def _is_int4(key: tuple) -> bool:
@@ -70,11 +69,7 @@ def _is_int4(key: tuple) -> bool:
 def candidates(key: tuple) -> list:
     """The tiles the autotuner tries for the product of `key` where none is pinned."""
     if _is_int4(key):
-        return [
-            c
-            for c in kernels._int4_configs()
-            if (key[1] // 2 // key[2]) % c.kwargs["GROUPS"] == 0  # (K, GROUP)
-        ]
+        return kernels._int4_candidates(kernels._gemv_int4_tuned.configs, named(key))
     return kernels._candidates(kernels._gemv_tuned.configs, named(key))
 
 

@@ -156,9 +156,7 @@ def test_int4_tiles_fit_the_launch(k, monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "INTERPRETED", False)  # (the launch's autotuned arguments)
     q, scale, zero = random_layout(4, 8, k, 128)
     weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)).contiguous()
-    kernels._launch_gemv_int4(
-        torch.zeros(1, k).bfloat16(), weight, scale, zero, None, 0, False, None
-    )
+    kernels._launch_gemv(torch.zeros(1, k).bfloat16(), weight, scale, zero, 4)
     ((args, kwargs),) = launches
     named = dict(zip(kernels._gemv_int4.arg_names, args))
     fits = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)

@@ -185,20 +185,14 @@ def local_kv_heads(model: nn.Module) -> int:
     return kv_dim // model.args.head_dim
 
 
-def use_quantized_kernels(
-    model: nn.Module, device: torch.device, *, tinygemm: bool | None = None
-) -> int:
+def use_quantized_kernels(model: nn.Module, device: torch.device, *, tinygemm: bool = False) -> int:
     """On a CUDA GPU, swap the model's torchao weight-only linears for lmforge's kernels
-    (lmforge/generate/kernels.py); returns how many were swapped. tinygemm's int4 too when
-    `tinygemm` (default: where int4 decodes in packed fp16, `kernels.INT4_HALVES`; for work of
-    many rows, such as scoring, always)."""
+    (lmforge/generate/kernels.py; tinygemm's int4 too when `tinygemm`: for one row at a time,
+    and for work of many rows, such as scoring); returns how many were swapped."""
     if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
         return 0  # nothing quantized
     kernels = _kernels(device)
-    if not kernels:
-        return 0
-    tinygemm = kernels.INT4_HALVES if tinygemm is None else tinygemm
-    return kernels.use_quantized_kernels(model, tinygemm=tinygemm)
+    return kernels.use_quantized_kernels(model, tinygemm=tinygemm) if kernels else 0
 
 
 def _kernels(device: torch.device):
@@ -366,7 +360,7 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
         if quantized_kernels:  # tinygemm's int4 too where every step is one row (see the docs)
-            use_quantized_kernels(model, device, tinygemm=None if max_batch == 1 else False)
+            use_quantized_kernels(model, device, tinygemm=max_batch == 1)
         self.fused = fuse and model.fuse_projections()
         kernels = _kernels(device)
         if kernels and gemv:

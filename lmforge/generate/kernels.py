@@ -803,11 +803,11 @@ def _interpreted_tiles(k: int, group: int, bits: int, gated: bool, dtype: torch.
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, residual=None):
-    if bits == 4 and int4_halves(group_of(w, scale, bits), x.dtype):
-        return _launch_gemv_int4(x, w, scale, zero, norm, eps, gated, residual)
     n, stored = w.shape
     k = 2 * stored if bits == 4 else stored
-    group = group_of(w, scale, bits)
+    group = k // scale.shape[1] if scale is not None and scale.numel() else k  # (one: a row)
+    if bits == 4 and int4_halves(group, x.dtype):
+        return _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     early = early_launch(x.device)
@@ -836,12 +836,6 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
     return y
 
 
-def group_of(w: torch.Tensor, scale: torch.Tensor | None, bits: int) -> int:
-    """Columns one scale covers (a whole row where there is no scale)."""
-    k = 2 * w.shape[1] if bits == 4 else w.shape[1]
-    return k // scale.shape[1] if scale is not None and scale.numel() else k
-
-
 def int4_halves(group: int, dtype: torch.dtype) -> bool:
     """Whether an int4 product in groups of `group` columns runs in `_gemv_int4`: a
     group's low nibbles fill whole words, a power of two of them, at least 4. Never for fp32
@@ -867,14 +861,19 @@ def _int4_configs() -> list[triton.Config]:
     ]
 
 
+def _int4_candidates(configs, args: dict) -> list:
+    """The configs to try for one int4 product: those whose groups divide a row's."""
+    halves = args["K"] // 2 // args["GROUP"]
+    return [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
+
+
 def _int4_fits(configs, named_args, **kwargs):
     """The autotuner's configs for one int4 product (its arguments by name, as it passes them:
-    positional ones in `named_args`, the rest in `kwargs`)."""
+    positional ones in `named_args`, the rest in `kwargs`): its pinned tile, or the candidates."""
     args = {**named_args, **kwargs}
-    halves = args["K"] // 2 // args["GROUP"]
-    fits = [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
+    candidates = _int4_candidates(configs, args)
     pinned = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
-    return [c for c in fits if describe(c) == pinned] or fits
+    return [c for c in candidates if describe(c) == pinned] or candidates
 
 
 if INTERPRETED:
@@ -888,10 +887,9 @@ else:
     )(_gemv_int4)
 
 
-def _launch_gemv_int4(x, w, scale, zero, norm, eps, gated, residual):
+def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual):
     n, stored = w.shape
     k = 2 * stored
-    group = k // scale.shape[1]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     early = early_launch(x.device)
