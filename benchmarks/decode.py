@@ -141,7 +141,7 @@ VARIANTS = (
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
     "lmforge-int4-bytes",  # int4 through `_gemv`'s bytes, not the packed fp16 kernel
-    "lmforge-int4-ahead",  # int4 in packed fp16, each tile's loads issued a tile ahead
+    "lmforge-swiglu-in-w2",  # SiLU·up made by each of w2's programs, not once by w13's
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
     "hf",
@@ -182,16 +182,16 @@ def launch_context(variant: str):
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
     `kernels.PRELOAD`); `...int4-bytes` runs int4 through `_gemv`'s bytes, not the packed fp16
-    kernel (`kernels.INT4_HALVES`), `...int4-ahead` issues each int4 tile's loads a tile
-    ahead (`kernels.INT4_AHEAD`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles floats by the
+    kernel (`kernels.INT4_HALVES`), `...swiglu-in-w2` makes SiLU·up in each of w2's programs,
+    not once after w13's products (`kernels.SWIGLU_IN_W13`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles floats by the
     converter, not from their bit patterns (`kernels.INT4_FROM_BITS`); `...int8-exact` int8 weights exact
     floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
     kept (Triton's cache directory; pinned ones: `kernels.TILES`), so every variant runs the
     first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
-    halves, ahead = kernels.INT4_HALVES, kernels.INT4_AHEAD
+    halves, swiglu = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
-    kernels.INT4_AHEAD = ahead or variant.endswith("int4-ahead")
+    kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
     kernels.INT4_FROM_BITS = saved[2] and not variant.endswith("int4-converter")
     kernels.INT8_BIASED = saved[3] and not variant.endswith("int8-exact")
     early_launch.ENABLED = not variant.endswith("no-early")
@@ -203,7 +203,7 @@ def launch_context(variant: str):
         yield
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
-        kernels.INT4_HALVES, kernels.INT4_AHEAD = halves, ahead
+        kernels.INT4_HALVES, kernels.SWIGLU_IN_W13 = halves, swiglu
 
 
 def _peak_gb() -> float | None:

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.common import autotuned
 from benchmarks.decode import SCHEMES, launch_context, make_model
-from benchmarks.trace_summary import summarize
+from benchmarks.trace_summary import added_by_kernel, summarize
 from lmforge.generate import Generator, SamplingParams
 
 
@@ -192,6 +192,7 @@ def profile(args, scheme: str, variant: str) -> None:
             flush=True,
         )
     print(summarize(trace, top=14), flush=True)
+    print(added_by_kernel(trace), flush=True)
     del generator, model
     torch._dynamo.reset()
     torch.cuda.empty_cache()

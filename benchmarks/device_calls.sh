@@ -33,8 +33,9 @@
 #   bash benchmarks/device_calls.sh int4        # one H200: GPU tests; int4 in packed fp16, on tinygemm, on the GEMV's bytes; 1B, 3B
 #   bash benchmarks/device_calls.sh int4-products  # one H200: the int4 products one at a time beside bf16's; early-launch test
 #   bash benchmarks/device_calls.sh int4-rows   # one H200: the int4 decode rows in fresh processes (1B also with int4 output)
-#   bash benchmarks/device_calls.sh int4-ahead  # one H200: int4 with each tile's loads a tile ahead, or not; GPU tests
 #   bash benchmarks/device_calls.sh int4-tiles  # one H200: int4's tiles searched inside the decode step, 1B and 3B
+#   bash benchmarks/device_calls.sh int4-step   # one H200: the 1B int4 step profiled beside bf16; int4's step tiles, 1B
+#   bash benchmarks/device_calls.sh swiglu      # one H200: SiLU·up made by w13 or in w2, 1B/3B, tiles tuned; GPU tests; 1B int4 profiled
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -50,9 +51,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-ahead | int4-tiles | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-ahead|int4-tiles|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -492,21 +493,6 @@ int4-rows)
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/rows-*.log || true
   ;;
-int4-ahead)
-  # int4 in packed fp16 as shipped against each tile's loads issued a tile ahead
-  # (kernels.INT4_AHEAD), 1B and 3B, each preset in a fresh process and Triton cache (the
-  # variants share the autotuner's picks, made under the first); then the kernels' GPU tests
-  TRITON_CACHE_DIR=/tmp/triton-ahead-1b step 170 ahead-1b python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge lmforge-int4-ahead --schemes bf16 int4-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  TRITON_CACHE_DIR=/tmp/triton-ahead-3b step 170 ahead-3b python3 benchmarks/decode.py \
-    --presets llama3.2-3b --variants lmforge lmforge-int4-ahead --schemes bf16 int4-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/3b"
-  kernel_tests 220 "$KERNEL_TESTS or large_activations"
-  grep -h '^{' "$OUT"/ahead-*.log | cut -c1-250
-  tail -n 3 "$OUT/check.log"
-  grep -h -c Traceback "$OUT"/ahead-*.log || true
-  ;;
 int4-tiles)
   # int4's tiles (packed fp16) chosen inside the decode step (tile_search.py), 1B and 3B, from
   # a fresh autotune; the step's picks merged into $OUT/gemv_tiles.json (to commit if faster)
@@ -517,6 +503,39 @@ int4-tiles)
     --preset llama3.2-3b --schemes int4-wo --passes 1 --out "$OUT/3b" --table "$OUT/gemv_tiles.json"
   grep -h '^{' "$OUT"/tiles4-*.log | cut -c1-200
   grep -h -c Traceback "$OUT"/tiles4-*.log || true
+  ;;
+int4-step)
+  # where the 1B's int4 step spends its time beside bf16's (torch.profiler over the recorded
+  # graph); then int4-tiles' 1B half. (Run on 2026-12-02 with a step for session 20's
+  # `kernels.INT4_AHEAD`, each int4 tile's loads a tile ahead: 1,326 against 1,348 tok/s, removed.)
+  step 170 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b \
+    --schemes bf16 int4-wo --out /tmp/traces
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-tiles4-1b step 240 tiles4-1b python3 benchmarks/tile_search.py \
+    --preset llama3.2-1b --schemes int4-wo --passes 1 --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
+  grep -A 24 "^== " "$OUT/profile.log" | cut -c1-240
+  grep -h '^{' "$OUT"/tiles4-*.log | cut -c1-250
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+swiglu)
+  # SiLU·up made once after w13's products (as shipped, kernels.SWIGLU_IN_W13) against made by
+  # each of w2's programs (lmforge-swiglu-in-w2), both with the autotuner's tiles (the table
+  # pins only the old keys), 1B and 3B, each in a fresh process and Triton cache; the GPU
+  # tests of the fusions; what each kernel of the 1B's int4 step adds to it
+  export LMFORGE_GEMV_TILES=none
+  TRITON_CACHE_DIR=/tmp/triton-sw-1b step 150 swiglu-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge lmforge-swiglu-in-w2 \
+    --schemes bf16 int8-wo int4-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-sw-3b step 150 swiglu-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge lmforge-swiglu-in-w2 --schemes bf16 int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  kernel_tests 90 "fusions_equal and swiglu or large_activations"
+  step 80 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b --schemes int4-wo \
+    --out /tmp/traces
+  grep -A 40 "^== " "$OUT/profile.log" | cut -c1-200
+  grep -h '^{' "$OUT"/swiglu-*.log | cut -c1-250
+  tail -n 3 "$OUT/check.log"
+  grep -h -c Traceback "$OUT"/swiglu-*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

@@ -41,21 +41,27 @@ SHAPES = {  # (name, outputs N, inputs K), fused q/k/v and gate/up as the engine
 }
 
 
-# The work each product of a fused decode block (`FusedDecodeBlock`) takes in with it.
-FUSED = {"wqkv": "norm", "wo": "residual", "w13": "norm", "w2": "gated+residual"}
+# The work each product of a fused decode block (`FusedDecodeBlock`) takes in with it (w2's
+# input is SiLU·up, made by w13: "gated" for int4's scaling; "gated+residual" makes it in w2).
+FUSED = {"wqkv": "norm", "wo": "residual", "w13": "norm+swiglu", "w2": "made+residual"}
 
 
 def fused_inputs(fused: str, x: torch.Tensor, weight: torch.Tensor):
     """`gemv`'s arguments for a fused product of x [1, K] and its reference output, unfused."""
     n, k = weight.shape
-    if fused == "norm":
+    if fused.startswith("norm"):
         norm = torch.rand(k, device=x.device, dtype=x.dtype) + 0.5
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
         inputs = {"x": x, "weight": weight, "norm": norm, "eps": 1e-5}
-        return inputs, F.linear((normed * norm.float()).to(x.dtype), weight)
+        y = F.linear((normed * norm.float()).to(x.dtype), weight)
+        if fused == "norm+swiglu":
+            gate, up = y.chunk(2, dim=-1)
+            return inputs | {"swiglu": True}, F.silu(gate) * up
+        return inputs, y
     residual = torch.randn(n, device=x.device, dtype=x.dtype)
-    if fused == "residual":
-        return {"x": x, "weight": weight, "residual": residual}, F.linear(x, weight) + residual
+    if fused in ("residual", "made+residual"):
+        inputs = {"x": x, "weight": weight, "residual": residual, "gated": fused != "residual"}
+        return inputs, F.linear(x, weight) + residual
     gate_up = torch.randn(1, 2 * k, device=x.device, dtype=x.dtype)  # gated+residual
     gate, up = gate_up.chunk(2, dim=-1)
     inputs = {"x": gate_up, "weight": weight, "gated": True, "residual": residual}

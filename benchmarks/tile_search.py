@@ -36,8 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import SCHEMES, copy_bandwidth, make_model
 from lmforge.generate import Generator, SamplingParams, kernels, weight_bytes
 
-KEY_NAMES = ("N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL")  # the autotuner's key
-INT4_KEY_NAMES = ("N", "K", "GROUP", "NORM", "GATED", "RESIDUAL")  # `_gemv_int4`'s
+KEY_NAMES = (
+    "N",
+    "K",
+    "BITS",
+    "GROUP",
+    "NORM",
+    "GATED",
+    "RESIDUAL",
+    "SWIGLU",
+)  # the autotuner's key
+INT4_KEY_NAMES = ("N", "K", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU")  # `_gemv_int4`'s
 
 
 def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: int) -> float:

@@ -12,6 +12,7 @@ import argparse
 import bisect
 import collections
 import gzip
+import itertools
 import json
 from pathlib import Path
 
@@ -61,17 +62,22 @@ def category(kernel_name: str) -> str:
     return "other"
 
 
-def summarize(path: Path, top: int = 8) -> str:
+def _load(path: Path) -> tuple[list[dict], list[dict], int]:
+    """A trace's events, its kernels, and how many profiler steps it holds."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as file:
         events = json.load(file)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    steps = [
-        e
-        for e in events
-        if str(e.get("name", "")).startswith("ProfilerStep#")
+    steps = sum(
+        str(e.get("name", "")).startswith("ProfilerStep#")
         and e.get("cat") != "gpu_user_annotation"  # the host-side marks only
-    ]
+        for e in events
+    )
+    return events, kernels, steps
+
+
+def summarize(path: Path, top: int = 8) -> str:
+    events, kernels, steps = _load(path)
     if not kernels:
         return f"{path}: no GPU kernels in the trace"
     is_comm = [("nccl" in e["name"].lower()) for e in kernels]
@@ -85,10 +91,10 @@ def summarize(path: Path, top: int = 8) -> str:
     for e in kernels:
         per_kernel[e["name"][:90]] += e["dur"]
         per_category[category(e["name"])] += e["dur"]
-    n = max(len(steps), 1)
+    n = max(steps, 1)
     ms = 1e3 * n  # trace times are in microseconds; report per step in ms
     lines = [
-        f"{path.name}: {len(steps)} profiled steps, per step:",
+        f"{path.name}: {steps} profiled steps, per step:",
         f"  GPU span {span / ms:.3f} ms; compute {_length(compute) / ms:.3f} ms; "
         f"collectives {_length(comm) / ms:.3f} ms, of which hidden behind compute "
         f"{overlap / ms:.3f} ms, exposed {(_length(comm) - overlap) / ms:.3f} ms; "
@@ -103,6 +109,29 @@ def summarize(path: Path, top: int = 8) -> str:
     for name, total in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"    {total / ms:7.3f}  {name}")
     lines += idle_gaps(events, kernels, _union(compute + comm))
+    return "\n".join(lines)
+
+
+def added_by_kernel(path: Path, top: int = 16) -> str:
+    """For kernels that run one after another, each launched before the one before it ends (a
+    decode step launched early): what each adds to the span, its end minus the end before it,
+    by kernel name and grid (a decode step's products differ in grid), per step and per launch.
+    A kernel's own duration there counts the wait for the one before."""
+    _, kernels, steps = _load(path)
+    kernels.sort(key=lambda e: e["ts"] + e["dur"])
+    steps = max(steps, 1)
+    added: dict[str, float] = collections.defaultdict(float)
+    launches: collections.Counter = collections.Counter()
+    for before, kernel in itertools.pairwise(kernels):
+        key = f"{kernel['name'][:40]} grid {kernel.get('args', {}).get('grid')}"
+        added[key] += kernel["ts"] + kernel["dur"] - before["ts"] - before["dur"]
+        launches[key] += 1
+    lines = ["  added to the span, by kernel and grid: ms per step, us per launch, launches/step"]
+    for key, total in sorted(added.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(
+            f"    {total / 1e3 / steps:7.3f}  {total / launches[key]:6.2f}  "
+            f"{launches[key] / steps:5.1f}  {key}"
+        )
     return "\n".join(lines)
 
 

@@ -69,19 +69,18 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
 
 @pytest.mark.parametrize(
     "bits",
-    [16, 8, "8 x as a vector", "8 exact", 4, "4 ahead", "4 bytes from bits", "4 bytes converter"],
+    [16, 8, "8 x as a vector", "8 exact", 4, "4 bytes from bits", "4 bytes converter"],
 )
-@pytest.mark.parametrize("fusion", ["norm", "gated+residual", "residual"])
+@pytest.mark.parametrize("fusion", ["norm", "norm+swiglu", "gated+residual", "residual"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`; each
-    tile's loads issued a tile "ahead", `kernels.INT4_AHEAD`) or through `_gemv` ("bytes"), its
-    nibbles made floats from their bit patterns (`kernels.INT4_FROM_BITS`) or by the
-    "converter"."""
+    with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`) or
+    through `_gemv` ("bytes"), its nibbles made floats from their bit patterns
+    (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
+    halves, gate and up rows side by side in each program."""
     monkeypatch.setattr(kernels, "INT4_HALVES", "bytes" not in str(bits))
-    monkeypatch.setattr(kernels, "INT4_AHEAD", "ahead" in str(bits))
     monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
     monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
     if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
@@ -110,34 +109,40 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
         gate, up = inputs.split(k, dim=-1)
         inputs = torch.nn.functional.silu(gate) * up
     want = inputs @ dense.t() + (residual.float() if residual is not None else 0)
+    swiglu = "swiglu" in fusion
+    if swiglu:
+        gate, up = want.split(n // 2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
     on = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, norm, residual)]
     x, weight, scale, zero, norm, residual = on
-    got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual).cpu()
-    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual, swiglu).cpu()
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("gated", ["plain", "gated", "made"])
 def test_int4_halves_keep_large_activations(gated):
     """The packed fp16 products (`kernels._gemv_int4`) take x scaled by 2^-shift: activations in
-    the thousands (Llama's largest, SiLU·up of the down projection), or tens of thousands gated,
-    stay finite and as exact as small ones, and so do tiny ones beside them."""
+    the thousands (Llama's largest, SiLU·up of the down projection), or tens of thousands as
+    SiLU·up (taken by the kernel from gate and up, or "made" before it), stay finite and as
+    exact as small ones, and so do tiny ones beside them."""
     n, k = 24, 512
     q, scale, zero = random_layout(4, n, k, 128)
     weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)).contiguous()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, k, generator=g) * 1e-2
     x[0, :8] = torch.tensor([1500.0, -1800, 1e-3, 2000, -1e-4, 900, 1700, -2000])
-    if gated:  # silu(gate) * up up to 4e4 where both are large
+    if gated != "plain":  # silu(gate) * up up to 4e4 where both are large
         x = torch.cat([x.abs() / 10, x / 10], dim=1)
         gate, up = x.split(k, dim=1)
         inputs = torch.nn.functional.silu(gate.bfloat16().float()).bfloat16().float()
         inputs = (inputs * up.bfloat16().float()).bfloat16().float()
+        x = inputs if gated == "made" else x
     else:
         inputs = x.bfloat16().float()
     want = inputs @ dequantized(4, q, scale, zero).t()
     on = [t.to(DEVICE) for t in (x.bfloat16(), weight, scale, zero)]
-    got = kernels.gemv(*on, 4, gated=gated).cpu().float()
+    got = kernels.gemv(*on, 4, gated=gated != "plain").cpu().float()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
@@ -156,7 +161,7 @@ def test_int4_tiles_fit_the_launch(k, monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "INTERPRETED", False)  # (the launch's autotuned arguments)
     q, scale, zero = random_layout(4, 8, k, 128)
     weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)).contiguous()
-    kernels._launch_gemv(torch.zeros(1, k).bfloat16(), weight, scale, zero, 4)
+    kernels.gemv(torch.zeros(1, k).bfloat16(), weight, scale, zero, 4)
     ((args, kwargs),) = launches
     named = dict(zip(kernels._gemv_int4.arg_names, args))
     fits = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)
@@ -485,13 +490,14 @@ from lmforge.generate import kernels
 target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
     (8, 2048, "", False, (8, 128, 4)), (8, 128, "RESIDUAL", True, (8, 128, 4)),
     (4, 128, "NORM", True, (16, 128, 8)), (4, 128, "GATED RESIDUAL", False, (8, 128, 4)),
-    (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM", False, (8, 512, 4)),
+    (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM SWIGLU", False, (8, 512, 4)),
+    (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
@@ -504,7 +510,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants |= {"X_TILE": x_tile, "EARLY": early, "PRELOAD": (2 if bits == 16 else 1) * early}
     constants["INT4_FROM_BITS"] = bits == 4 and fusions == "NORM"  # (its PTX; the other int4: not)
     constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
-    constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
+    constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
@@ -519,12 +525,12 @@ for bits in (8, 4):
     signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
     triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
-for fusions, (block_n, groups, warps) in (("NORM", (32, 4, 4)), ("GATED RESIDUAL", (8, 4, 1)),
+for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("GATED RESIDUAL", (8, 4, 1)),
                                           ("RESIDUAL", (16, 2, 2)), ("", (16, 1, 2))):
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": "*i32", "N": "i32", "eps": "fp32"}
     constants = {"K": 2048, "GROUP": 128, "BLOCK_N": block_n, "GROUPS": groups, "EARLY": True,
-                 "PRELOAD": 1, "DOWN": 2.0**-4, "UP": 16.0, "AHEAD": fusions == "NORM"}
-    constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL")}
+                 "PRELOAD": 1, "DOWN": 2.0**-4, "UP": 16.0}
+    constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
     signature |= {name: "constexpr" for name in constants}
     signature = {name: signature[name] for name in kernels._gemv_int4.arg_names}
     source = ASTSource(kernels._gemv_int4, signature, constexprs=constants)
@@ -567,7 +573,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 20" in done.stdout
+    assert "compiled 21" in done.stdout
 
 
 def _product(key: str) -> dict:

@@ -95,9 +95,9 @@ def _gemv(
     PRELOAD: tl.constexpr,  # (EARLY) weight tiles loaded before the wait: 0, 1 or 2
     INT4_FROM_BITS: tl.constexpr = False,  # (BITS 4) `_int4_values`, not the converter
     INT8_BIASED: tl.constexpr = False,  # (BITS 8, one scale a row) `_int8_biased`
+    SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
@@ -135,10 +135,35 @@ def _gemv(
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    if RESIDUAL:  # rounded as the unfused block rounds: the product, then the sum
-        residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+
+
+@triton.jit
+def _rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """A program's weight rows and which exist. SWIGLU: pairs (gate i, up i), rows i and N/2 + i
+    side by side, for BLOCK_N / 2 outputs i."""
+    if SWIGLU:
+        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        return at + (tl.arange(0, BLOCK_N) % 2) * (N // 2), at < N // 2
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < N
+
+
+@triton.jit
+def _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
+    """y [BLOCK_N] (fp32) out, rounded as the unfused block rounds: the product, then the
+    residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU)."""
+    dtype = y_ptr.dtype.element_ty
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + at, (silu * up).to(dtype), mask=at < N // 2)
+    else:
+        if RESIDUAL:
+            residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+            y = y.to(dtype).to(tl.float32) + residual
+        tl.store(y_ptr + rows, y.to(dtype), mask=row_ok)
 
 
 @triton.jit
@@ -357,9 +382,6 @@ def _int4_times(v, per_step, offset, x, scale_ptr, zero_ptr, at, row_ok):
 # path spends 7.4-10.5 instructions a weight (sm_90 SASS), too many for the weights' bandwidth.
 # False: int4 takes `_gemv` (the A/B in benchmarks/decode.py, variant lmforge-int4-bytes).
 INT4_HALVES = True
-# `_gemv_int4` issues the next weight tile's loads before a tile's products (two tiles in flight
-# instead of one). Not measured yet: benchmarks/decode.py variant lmforge-int4-ahead.
-INT4_AHEAD = False
 # x enters the packed products as fp16(x * 2^-shift): a lane's two products of |n - 8| <= 8 stay
 # below fp16's largest value (65,504) for |x| up to 2^11 * 2^shift, and x down to 2^-14 *
 # 2^shift keeps fp16's 11 bits. The scales put 2^shift back, in fp32.
@@ -389,15 +411,14 @@ def _gemv_int4(
     PRELOAD: tl.constexpr,  # (EARLY) 0 or 1 weight tile loaded before the wait
     DOWN: tl.constexpr,  # x enters the half-precision products as x * DOWN (2^-shift)
     UP: tl.constexpr,  # 1 / DOWN, with the scales
-    AHEAD: tl.constexpr = False,  # the next tile's loads issued before a tile's products
+    SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
 ):
     """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
     int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
     K/2 + 4c..4c+3. A tile is [BLOCK_N rows, GROUPS groups, GROUP / 4 words]: each low group
     comes with the high group K/2 columns on; `_int4_words_times` sums four words of a row in
     packed fp16 and applies their group's scale in fp32, the zeros go in through x's sums."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     words: tl.constexpr = GROUP // 4  # a group's low nibbles
     halves: tl.constexpr = K // 2 // GROUP  # the high nibbles' groups start here
     acc = tl.zeros([BLOCK_N, GROUPS, words], dtype=tl.float32)
@@ -406,52 +427,30 @@ def _gemv_int4(
     if PRELOAD >= 1:  # no kernel of the step writes the weights: they may come before the wait
         w0 = _int4_words(w_ptr, rows, row_ok, K, 0, halves, GROUPS, words)
     wait_for_previous(EARLY)
-    if AHEAD:  # each tile's loads are issued before the tile before it is multiplied
-        if PRELOAD == 0:
-            w0 = _int4_words(w_ptr, rows, row_ok, K, 0, halves, GROUPS, words)
-        w = w0
-        for g0 in range(0, halves, GROUPS):
-            ahead = _int4_words(w_ptr, rows, row_ok, K, g0 + GROUPS, halves, GROUPS, words, True)
-            acc, zeros, squares = _int4_accumulate(
-                acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-                GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
-            )  # fmt: skip
-            w = ahead
-    else:
-        if PRELOAD >= 1:
-            acc, zeros, squares = _int4_accumulate(
-                acc, zeros, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-                GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
-            )  # fmt: skip
-        for g0 in range(PRELOAD * GROUPS, halves, GROUPS):
-            w = _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS, words)
-            acc, zeros, squares = _int4_accumulate(
-                acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-                GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
-            )  # fmt: skip
+    if PRELOAD >= 1:
+        acc, zeros, squares = _int4_accumulate(
+            acc, zeros, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+        )  # fmt: skip
+    for g0 in range(PRELOAD * GROUPS, halves, GROUPS):
+        w = _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS, words)
+        acc, zeros, squares = _int4_accumulate(
+            acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
+        )  # fmt: skip
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    if RESIDUAL:
-        residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
 
 
 @triton.jit
-def _int4_words(
-    w_ptr, rows, row_ok, K, g0, halves, GROUPS: tl.constexpr, words: tl.constexpr,
-    PAST: tl.constexpr = False,
-):  # fmt: skip
-    """The word tile [rows, groups g0.., a group's words] as stored; PAST: g0 may be past the
-    row (from `halves` on: zeros, nothing read)."""
+def _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS: tl.constexpr, words: tl.constexpr):
+    """The word tile [rows, groups g0.., a group's words] as stored."""
     at = (g0 + tl.arange(0, GROUPS))[:, None] * words + tl.arange(0, words)[None, :]
-    ok = row_ok[:, None, None]
-    if PAST:
-        ok = ok & (at < halves * words)[None, :, :]
     return tl.load(
         w_ptr + rows[:, None, None] * (K // 8) + at[None, :, :],
-        mask=ok,
+        mask=row_ok[:, None, None],
         other=0,
         eviction_policy="evict_first",
     )
@@ -728,7 +727,8 @@ TILES = Path(__file__).with_name("gemv_tiles.json")
 def tile_key(args: dict) -> str:
     """A product's name in the table: `N K bits group` and its fusions (bits `4h`: int4 in
     packed fp16, `_gemv_int4`)."""
-    fusions = [name.lower() for name in ("NORM", "GATED", "RESIDUAL") if args[name]]
+    names = ("NORM", "GATED", "RESIDUAL", "SWIGLU")
+    fusions = [name.lower() for name in names if args.get(name)]
     bits = args.get("BITS", "4h")
     return " ".join(str(v) for v in (args["N"], args["K"], bits, args["GROUP"], *fusions))
 
@@ -778,7 +778,7 @@ if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs 
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
-        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL"],
+        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU"],
         prune_configs_by={"early_config_prune": _fits},
         # The picks are kept in Triton's cache directory (~/.triton/cache, TRITON_CACHE_DIR)
         # for this GPU and kernel source: a later process starts without tuning and runs the
@@ -802,14 +802,13 @@ def _interpreted_tiles(k: int, group: int, bits: int, gated: bool, dtype: torch.
     return {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
 
 
-def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, residual=None):
+def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
     n, stored = w.shape
     k = 2 * stored if bits == 4 else stored
     group = k // scale.shape[1] if scale is not None and scale.numel() else k  # (one: a row)
     if bits == 4 and int4_halves(group, x.dtype):
-        return _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        return _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu)
+    y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     _gemv_tuned[grid](
         x.contiguous(),
@@ -825,8 +824,9 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         GROUP=group,
         BITS=bits,
         NORM=norm is not None,
-        GATED=gated,
+        GATED=gated and x.shape[-1] == 2 * k,
         RESIDUAL=residual is not None,
+        SWIGLU=swiglu,
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
@@ -834,6 +834,13 @@ def _launch_gemv(x, w, scale, zero, bits, norm=None, eps=0.0, gated=False, resid
         **(_interpreted_tiles(k, group, bits, gated, x.dtype) if INTERPRETED else {}),
     )
     return y
+
+
+def _output(x: torch.Tensor, n: int, swiglu: bool):
+    """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid, one program a tile."""
+    width = n // 2 if swiglu else n
+    y = torch.empty(1, width, dtype=x.dtype, device=x.device)
+    return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)),)
 
 
 def int4_halves(group: int, dtype: torch.dtype) -> bool:
@@ -881,17 +888,16 @@ if INTERPRETED:
 else:
     _gemv_int4_tuned = triton.autotune(
         _int4_configs(),
-        key=["N", "K", "GROUP", "NORM", "GATED", "RESIDUAL"],
+        key=["N", "K", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU"],
         prune_configs_by={"early_config_prune": _int4_fits},
         cache_results=True,
     )(_gemv_int4)
 
 
-def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual):
+def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu):
     n, stored = w.shape
     k = 2 * stored
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     shift = _X_SHIFT_GATED if gated else _X_SHIFT
     interpreted = {}
@@ -911,11 +917,11 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual):
         eps,
         GROUP=group,
         NORM=norm is not None,
-        GATED=gated,
+        GATED=gated and x.shape[-1] == 2 * k,
         RESIDUAL=residual is not None,
         EARLY=early,
         PRELOAD=int(early),
-        AHEAD=INT4_AHEAD,
+        SWIGLU=swiglu,
         DOWN=2.0**-shift,
         UP=2.0**shift,
         launch_pdl=early,
@@ -935,19 +941,22 @@ def gemv(
     eps: float = 0.0,
     gated: bool = False,
     residual: torch.Tensor | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """One row of activations times a weight: [1, N]. The weight is plain (bits 16: [N, K],
     bf16, fp16, fp32) or quantized (`q`, `scale`, `zero` in the module docstring's layouts).
     What the decode step did around the product can happen inside it: `norm` (the RMSNorm
     weight, with `eps`): x [1, K] is the residual stream and the product takes its norm;
-    `gated`: x [1, 2K] is a gate and an up projection and the product takes silu(gate) * up;
-    `residual` [N]: it is added to the product."""
-    return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual)
+    `gated`: x is SiLU·up, given as [1, 2K] gate and up (the product takes silu(gate) * up)
+    or as [1, K] made already; `residual` [N]: it is added to the product; `swiglu`: the
+    weight is [gate; up] and the output [1, N/2] is silu(gate) * up of the two halves."""
+    return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual, swiglu)
 
 
 @gemv.register_fake
-def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None):
-    return x.new_empty(1, weight.shape[0])
+def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None,
+      swiglu=False):  # fmt: skip
+    return x.new_empty(1, weight.shape[0] // 2 if swiglu else weight.shape[0])
 
 
 @torch.library.custom_op("lmforge::quantized_matmul", mutates_args=())
@@ -995,9 +1004,11 @@ class _MatvecLayer(nn.Module):
         norm: nn.Module | None = None,
         gated: bool = False,
         residual: torch.Tensor | None = None,
+        swiglu: bool = False,
     ) -> torch.Tensor:
-        """One row x [..., K] (or [..., 2K] gated) -> [..., N]: the product of RMSNorm(x)
-        with `norm` (an RMSNorm), of silu(gate) * up when `gated`, plus `residual` [..., N]."""
+        """One row x [..., K] -> [..., N]: the product of RMSNorm(x) with `norm` (an
+        RMSNorm), of SiLU·up when `gated` (x [..., 2K], gate and up, or [..., K] made), plus
+        `residual` [..., N]; `swiglu`: silu(gate) * up of the output's halves, [..., N/2]."""
         y = gemv(
             x.reshape(1, -1),
             *self.weight_args(),
@@ -1005,6 +1016,7 @@ class _MatvecLayer(nn.Module):
             eps=norm.eps if norm is not None else 0.0,
             gated=gated,
             residual=residual.reshape(-1) if residual is not None else None,
+            swiglu=swiglu,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -1180,12 +1192,18 @@ def use_gemv(model: nn.Module) -> int:
     return _swap(model, swap)
 
 
+# SiLU·up made once, by w13's programs (each holds gate and up rows i side by side), not by each
+# of w2's programs as they load their input (all of it: 8,192 sigmoids a program on the 1B).
+# False: in w2 (the A/B in benchmarks/decode.py, variant lmforge-swiglu-in-w2).
+SWIGLU_IN_W13 = True
+
+
 class FusedDecodeBlock:
     """A transformer block whose single-row forward (batch-1 decoding) is four GEMV launches
     around one attention kernel, with the block's other work inside them: each RMSNorm in the
     product that reads it (wqkv, w13: x times the norm's weight as it is loaded, 1 / rms at the
-    end), SiLU·up as w2 loads its input, the residual adds after wo's and w2's products, and
-    RoPE with the cache write in the attention kernel (`decode_attention`; against a decode
+    end), SiLU·up after w13's products (`SWIGLU_IN_W13`), the residual adds after wo's and
+    w2's products, and RoPE with the cache write in the attention kernel (`decode_attention`; against a decode
     step's static cache, otherwise the model's own attention). Unfused, each of those is a
     kernel of its own: on an H200 the 1B step had 183 kernels and took 1.054 ms; fused with
     cuDNN's attention 136 and 0.983 ms; with the attention kernel 88 and 0.890 ms (torch.profiler;
@@ -1200,8 +1218,8 @@ class FusedDecodeBlock:
         qkv = attention.wqkv.matvec(x, norm=self.attention_norm)
         heads = _attend_one_row(attention, qkv, cos, sin, attn_mask, kv_cache)
         h = attention.wo.matvec(heads, residual=x)
-        gate_up = ffn.w13.matvec(h, norm=self.ffn_norm)
-        return ffn.w2.matvec(gate_up, gated=True, residual=h)
+        gated = ffn.w13.matvec(h, norm=self.ffn_norm, swiglu=SWIGLU_IN_W13)
+        return ffn.w2.matvec(gated, gated=True, residual=h)
 
 
 def _attend_one_row(attention: nn.Module, qkv, cos, sin, attn_mask, kv_cache) -> torch.Tensor:
