@@ -36,6 +36,8 @@
 #   bash benchmarks/device_calls.sh int4-tiles  # one H200: int4's tiles searched inside the decode step, 1B and 3B
 #   bash benchmarks/device_calls.sh int4-step   # one H200: the 1B int4 step profiled beside bf16; int4's step tiles, 1B
 #   bash benchmarks/device_calls.sh swiglu      # one H200: SiLU·up made by w13 or in w2, 1B/3B, tiles tuned; GPU tests; 1B int4 profiled
+#   bash benchmarks/device_calls.sh swiglu-tiles  # one H200: the tiles of the products SiLU·up changed, searched in the step, 1B and 3B
+#   bash benchmarks/device_calls.sh swiglu-rows # one H200: issue 14's decode rows with those tiles (carry the table as gemv_tiles.json)
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -51,9 +53,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -536,6 +538,32 @@ swiglu)
   grep -h '^{' "$OUT"/swiglu-*.log | cut -c1-250
   tail -n 3 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/swiglu-*.log || true
+  ;;
+swiglu-tiles)
+  # the tiles of the products the table does not pin (w13 with SiLU·up, w2 without it), searched
+  # inside the step from the autotuner's picks, the rest pinned as committed; 1B and 3B in bf16,
+  # int8 and int4; the picks merged into $OUT/gemv_tiles.json (to commit)
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
+  for preset in 1b 3b; do
+    TRITON_CACHE_DIR=/tmp/triton-swt-$preset step 270 "search-$preset" python3 \
+      benchmarks/tile_search.py --preset "llama3.2-$preset" --schemes bf16 int8-wo int4-wo \
+      --passes 1 --tokens 64 --unpinned --out "$OUT/$preset" --table "$OUT/gemv_tiles.json"
+  done
+  grep -h '^{' "$OUT"/search-*.log | cut -c1-200
+  grep -h -c Traceback "$OUT"/search-*.log || true
+  ;;
+swiglu-rows)
+  # issue 14's decode rows with the committed tiles, each preset in a fresh process and Triton
+  # cache: 1B bf16 / int8 / int4 / int4 with its output projection, 3B bf16 / int8 / int4
+  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 200 rows-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo int4-wo int4-wo-output \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 200 rows-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge --schemes bf16 int8-wo int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
+  grep -h -c Traceback "$OUT"/rows-*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

@@ -89,8 +89,11 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
     """Coordinate descent over the autotuners' caches (changed in place); returns the final
     rate."""
     rate = decode_rate(generator, prompt, args.tokens, args.repeats)
+    pinned = kernels.pinned_tiles(torch.cuda.get_device_name()) if args.unpinned else {}
+    keys = [(cache, key) for cache in caches for key in list(cache)]
+    keys = [(cache, key) for cache, key in keys if kernels.tile_key(named(key)) not in pinned]
     for round_ in range(args.passes):
-        for picks, key in [(cache, key) for cache in caches for key in list(cache)]:
+        for picks, key in keys:
             best, best_rate = picks[key], rate
             for config in candidates(key):
                 if describe(config) == describe(best):  # (picks read from disk are copies)
@@ -121,6 +124,11 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument(
         "--margin", type=float, default=0.005, help="a tile must beat the kept one by this much"
+    )
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="search only the products the table in use does not pin (new ones)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument(
