@@ -1193,8 +1193,10 @@ def use_gemv(model: nn.Module) -> int:
 
 
 # SiLU·up made once, by w13's programs (each holds gate and up rows i side by side), not by each
-# of w2's programs as they load their input (all of it: 8,192 sigmoids a program on the 1B).
-# False: in w2 (the A/B in benchmarks/decode.py, variant lmforge-swiglu-in-w2).
+# of w2's programs as they load their input (all of it: 8,192 sigmoids a program on the 1B). On
+# an H200 (2026-12-02, docs/benchmarks.md, autotuned tiles both ways): 1B bf16 +4.6%, int8
+# +6.9%, 3B bf16 +5.1%, the 1B's int4 step 0.667 ms against 0.735. False: in w2 (the A/B in
+# benchmarks/decode.py, variant lmforge-swiglu-in-w2).
 SWIGLU_IN_W13 = True
 
 
