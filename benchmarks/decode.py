@@ -142,6 +142,7 @@ VARIANTS = (
     "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
     "lmforge-int4-bytes",  # int4 through `_gemv`'s bytes, not the packed fp16 kernel
     "lmforge-swiglu-in-w2",  # SiLU·up made by each of w2's programs, not once by w13's
+    "lmforge-no-split",  # no product's rows split among programs (kernels.SPLIT_K)
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
     "hf",
@@ -183,15 +184,17 @@ def launch_context(variant: str):
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
     `kernels.PRELOAD`); `...int4-bytes` runs int4 through `_gemv`'s bytes, not the packed fp16
     kernel (`kernels.INT4_HALVES`), `...swiglu-in-w2` makes SiLU·up in each of w2's programs,
-    not once after w13's products (`kernels.SWIGLU_IN_W13`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles floats by the
+    not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
+    programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles floats by the
     converter, not from their bit patterns (`kernels.INT4_FROM_BITS`); `...int8-exact` int8 weights exact
     floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
     kept (Triton's cache directory; pinned ones: `kernels.TILES`), so every variant runs the
     first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
-    halves, swiglu = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13
+    halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
     kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
+    kernels.SPLIT_K = split and not variant.endswith("no-split")
     kernels.INT4_FROM_BITS = saved[2] and not variant.endswith("int4-converter")
     kernels.INT8_BIASED = saved[3] and not variant.endswith("int8-exact")
     early_launch.ENABLED = not variant.endswith("no-early")
@@ -203,7 +206,7 @@ def launch_context(variant: str):
         yield
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
-        kernels.INT4_HALVES, kernels.SWIGLU_IN_W13 = halves, swiglu
+        kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
 
 
 def _peak_gb() -> float | None:

@@ -38,6 +38,7 @@
 #   bash benchmarks/device_calls.sh swiglu      # one H200: SiLU·up made by w13 or in w2, 1B/3B, tiles tuned; GPU tests; 1B int4 profiled
 #   bash benchmarks/device_calls.sh swiglu-tiles  # one H200: the tiles of the products SiLU·up changed, searched in the step, 1B and 3B
 #   bash benchmarks/device_calls.sh swiglu-rows # one H200: issue 14's decode rows with those tiles (carry the table as gemv_tiles.json)
+#   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -53,9 +54,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -564,6 +565,24 @@ swiglu-rows)
     --new-tokens 128 --repeats 2 --out "$OUT/3b"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/rows-*.log || true
+  ;;
+split)
+  # products without a norm or SiLU·up (wo, w2, the output projection) with their rows shared
+  # among 1, 2 or 4 programs, the count tuned at the pinned tile (as shipped, kernels.SPLIT_K)
+  # against never (lmforge-no-split), 1B and 3B, bf16 / int8 / int4, each preset in a fresh
+  # process and Triton cache; then the GPU tests of the fusions (split among them)
+  export TRITON_PRINT_AUTOTUNING=1
+  TRITON_CACHE_DIR=/tmp/triton-split-1b step 130 split-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge lmforge-no-split --schemes bf16 int8-wo int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-split-3b step 160 split-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge lmforge-no-split --schemes bf16 int8-wo int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  kernel_tests 60 "fusions_equal and (split or swiglu)"
+  grep -h "best config" "$OUT"/split-*.log | grep -o "SPLITS: [0-9]" | sort | uniq -c
+  grep -h '^{' "$OUT"/split-*.log | cut -c1-250
+  tail -n 3 "$OUT/check.log"
+  grep -h -c Traceback "$OUT"/split-*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

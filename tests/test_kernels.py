@@ -71,7 +71,7 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
     "bits",
     [16, 8, "8 x as a vector", "8 exact", 4, "4 bytes from bits", "4 bytes converter"],
 )
-@pytest.mark.parametrize("fusion", ["norm", "norm+swiglu", "gated+residual", "residual"])
+@pytest.mark.parametrize("fusion", ["norm", "norm+swiglu", "gated+residual", "residual", "split"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
@@ -79,7 +79,9 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`) or
     through `_gemv` ("bytes"), its nibbles made floats from their bit patterns
     (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
-    halves, gate and up rows side by side in each program."""
+    halves, gate and up rows side by side in each program; `split`: each row's columns shared
+    among two programs (split-K), then a residual add, twice (the split's counts start at 0
+    again)."""
     monkeypatch.setattr(kernels, "INT4_HALVES", "bytes" not in str(bits))
     monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
     monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
@@ -88,8 +90,14 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
         monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
     if bits == "8 x as a vector":
         monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
+    if fusion == "split":
+        monkeypatch.setattr(kernels, "INTERPRETED_SPLITS", 2)
+        for tuner in (kernels._gemv_tuned, kernels._gemv_int4_tuned):
+            if not kernels.INTERPRETED:  # (only split tiles to choose from)
+                split = [c for c in tuner.configs if c.kwargs["SPLITS"] == 2]
+                monkeypatch.setattr(tuner, "configs", split)
     bits = int(str(bits).split()[0])
-    n, k = (24, 256) if kernels.INTERPRETED else (200, 2048)
+    n, k = (24, 512 if fusion == "split" else 256) if kernels.INTERPRETED else (200, 2048)
     g = torch.Generator().manual_seed(bits)
     if bits == 16:
         weight, scale, zero = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), None, None
@@ -101,7 +109,8 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     gated = "gated" in fusion
     x = torch.randn(1, 2 * k if gated else k, generator=g).bfloat16()
     norm = (1 + 0.1 * torch.randn(k, generator=g)).bfloat16() if fusion == "norm" else None
-    residual = torch.randn(n, generator=g).bfloat16() if "residual" in fusion else None
+    with_residual = "residual" in fusion or fusion == "split"
+    residual = torch.randn(n, generator=g).bfloat16() if with_residual else None
     inputs = x.float()
     if norm is not None:
         inputs = inputs * torch.rsqrt(inputs.pow(2).mean() + 1e-5) * norm.float()
@@ -115,7 +124,15 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
         want = torch.nn.functional.silu(gate) * up
     on = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, norm, residual)]
     x, weight, scale, zero, norm, residual = on
-    got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual, swiglu).cpu()
+    if fusion == "split":  # the workspace's sums start unwritten: both halves must fill them
+        partial, counts = kernels._split_workspace(x.device, n, max(kernels.SPLIT_COUNTS))
+        partial.fill_(float("nan"))
+    for _ in range(2 if fusion == "split" else 1):
+        got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual, swiglu)
+    if fusion == "split":
+        assert not partial[:2].isnan().any() and partial[2:].isnan().all()
+        assert not counts.any()
+    got = got.cpu()
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
@@ -488,20 +505,22 @@ from triton.compiler import ASTSource
 from lmforge.generate import kernels
 
 target = GPUTarget("cuda", 90, 32)
-pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr"]
+pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr",
+            "partial_ptr", "count_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
     (8, 2048, "", False, (8, 128, 4)), (8, 128, "RESIDUAL", True, (8, 128, 4)),
     (4, 128, "NORM", True, (16, 128, 8)), (4, 128, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM SWIGLU", False, (8, 512, 4)),
-    (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)),
+    (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)), (8, 8192, "RESIDUAL SPLITS", True, (2, 1024, 4)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
+    signature |= {"partial_ptr": "*fp32", "count_ptr": "*i32"}
     signature |= {"N": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags + ["K"]}
     signature = {name: signature[name] for name in kernels._gemv.arg_names}
     constants = {"GROUP": group, "BITS": bits, "BLOCK_N": block_n, "BLOCK_K": block_k}
@@ -511,12 +530,14 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants["INT4_FROM_BITS"] = bits == 4 and fusions == "NORM"  # (its PTX; the other int4: not)
     constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
+    constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": warps, "num_stages": 3, "launch_pdl": early}
     ptx = triton.compile(source, target=target, options=options).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == early, (bits, fusions)
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == ("SPLITS" in fusions), (bits, fusions)
     if early:  # the first weight tile is asked for before the wait
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), (bits, fusions)
 for bits in (8, 4):
@@ -525,17 +546,20 @@ for bits in (8, 4):
     signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
     triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
-for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("GATED RESIDUAL", (8, 4, 1)),
+for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("GATED RESIDUAL SPLITS", (8, 4, 1)),
                                           ("RESIDUAL", (16, 2, 2)), ("", (16, 1, 2))):
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": "*i32", "N": "i32", "eps": "fp32"}
+    signature |= {"partial_ptr": "*fp32", "count_ptr": "*i32"}
     constants = {"K": 2048, "GROUP": 128, "BLOCK_N": block_n, "GROUPS": groups, "EARLY": True,
                  "PRELOAD": 1, "DOWN": 2.0**-4, "UP": 16.0}
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
+    constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4}
     signature |= {name: "constexpr" for name in constants}
     signature = {name: signature[name] for name in kernels._gemv_int4.arg_names}
     source = ASTSource(kernels._gemv_int4, signature, constexprs=constants)
     ptx = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": True}).asm["ptx"]
     assert "fma.rn.f16x2" in ptx and ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == ("SPLITS" in fusions), fusions
 from lmforge.generate import decode_attention as da
 for dtype, head_dim, group in (("bf16", 64, 4), ("bf16", 128, 3), ("fp32", 64, 4)):
     signature = {name: "*" + dtype for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
@@ -573,7 +597,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 21" in done.stdout
+    assert "compiled 22" in done.stdout
 
 
 def _product(key: str) -> dict:

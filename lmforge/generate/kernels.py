@@ -80,6 +80,8 @@ def _gemv(
     norm_ptr,  # [K] RMSNorm weight (NORM)
     residual_ptr,  # [N] (RESIDUAL)
     y_ptr,  # [N]
+    partial_ptr,  # [SPLITS, N] fp32 (SPLITS > 1): each split's sums
+    count_ptr,  # [N] int32 zeros (SPLITS > 1): a row block's splits done, back to 0 at the end
     N,
     K: tl.constexpr,  # (compiled for each: the loop and the scales' layout are static)
     eps,  # RMSNorm's (NORM)
@@ -96,32 +98,36 @@ def _gemv(
     INT4_FROM_BITS: tl.constexpr = False,  # (BITS 4) `_int4_values`, not the converter
     INT8_BIASED: tl.constexpr = False,  # (BITS 8, one scale a row) `_int8_biased`
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
+    SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
+    MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
 ):
     rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
+    span: tl.constexpr = stored // SPLITS  # columns a program reads, from `begin`
+    begin = _split_begin(span, SPLITS)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
     biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
     sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
     # No kernel of the step writes the weights: their first tiles may come before the wait.
     first: tl.constexpr = PRELOAD >= 1
-    second: tl.constexpr = PRELOAD >= 2 and stored // BLOCK_K >= 2
+    second: tl.constexpr = PRELOAD >= 2 and span // BLOCK_K >= 2
     if first:
-        w0 = _weights(w_ptr, rows, row_ok, stored, 0, BLOCK_K)
+        w0 = _weights(w_ptr, rows, row_ok, stored, begin, BLOCK_K)
     if second:
-        w1 = _weights(w_ptr, rows, row_ok, stored, BLOCK_K, BLOCK_K)
+        w1 = _weights(w_ptr, rows, row_ok, stored, begin + BLOCK_K, BLOCK_K)
     wait_for_previous(EARLY)
     if first:
         acc, squares, sums = _accumulate(
-            acc, squares, sums, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
             BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     if second:
         acc, squares, sums = _accumulate(
-            acc, squares, sums, w1, BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
             GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
-    for k0 in range((first + second) * BLOCK_K, stored, BLOCK_K):
+    for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
         acc, squares, sums = _accumulate(
             acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
@@ -135,7 +141,50 @@ def _gemv(
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
+            SWIGLU, SPLITS)  # fmt: skip
+
+
+@triton.jit
+def _split_begin(span: tl.constexpr, SPLITS: tl.constexpr):
+    """Where this program's share of a row starts (in the units `span` counts)."""
+    if SPLITS > 1:
+        return tl.program_id(1) * span
+    return 0
+
+
+@triton.jit
+def _finish(
+    y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
+    RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """`_store` y, once a row block's SPLITS programs have all summed their columns."""
+    if SPLITS > 1:
+        y, last = _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
+        if last:
+            _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+    else:
+        _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+
+
+@triton.jit
+def _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.constexpr):
+    """Split-K without a second kernel: each of a row block's programs stores its sums, then
+    counts itself done (an atomic that publishes the stores); the last one adds the SPLITS sums
+    in order (the same sum whichever finishes last) and sets the count back to 0 for the next
+    launch. Returns (the sum, whether this program is the last)."""
+    block = tl.program_id(0)
+    tl.store(partial_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
+    tl.debug_barrier()  # every thread's sums stored before the count
+    done = tl.atomic_add(count_ptr + block, 1, sem="acq_rel")
+    last = done == SPLITS - 1
+    total = tl.zeros_like(y)
+    if last:
+        for split in tl.static_range(SPLITS):
+            at = partial_ptr + split * N + rows
+            total += tl.load(at, mask=row_ok, other=0, cache_modifier=".cg")  # (L2, not L1)
+        tl.store(count_ptr + block, 0)
+    return total, last
 
 
 @triton.jit
@@ -398,6 +447,8 @@ def _gemv_int4(
     norm_ptr,  # [K] RMSNorm weight (NORM)
     residual_ptr,  # [N] (RESIDUAL)
     y_ptr,  # [N]
+    partial_ptr,  # [SPLITS, N] fp32 (SPLITS > 1), as in `_gemv`
+    count_ptr,  # [N] int32 zeros (SPLITS > 1)
     N,
     K: tl.constexpr,
     eps,
@@ -412,6 +463,8 @@ def _gemv_int4(
     DOWN: tl.constexpr,  # x enters the half-precision products as x * DOWN (2^-shift)
     UP: tl.constexpr,  # 1 / DOWN, with the scales
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
+    SPLITS: tl.constexpr = 1,  # programs a row's groups are shared among (`_combine`)
+    MAX_SPLITS: tl.constexpr = 1,  # (the tuning key)
 ):
     """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
     int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
@@ -424,15 +477,17 @@ def _gemv_int4(
     acc = tl.zeros([BLOCK_N, GROUPS, words], dtype=tl.float32)
     zeros = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)  # sum over groups of zero * sum x
     squares = tl.zeros([GROUPS, words], dtype=tl.float32)
+    span: tl.constexpr = halves // SPLITS  # groups a program reads, from `begin`
+    begin = _split_begin(span, SPLITS)
     if PRELOAD >= 1:  # no kernel of the step writes the weights: they may come before the wait
-        w0 = _int4_words(w_ptr, rows, row_ok, K, 0, halves, GROUPS, words)
+        w0 = _int4_words(w_ptr, rows, row_ok, K, begin, halves, GROUPS, words)
     wait_for_previous(EARLY)
     if PRELOAD >= 1:
         acc, zeros, squares = _int4_accumulate(
-            acc, zeros, squares, w0, 0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            acc, zeros, squares, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
             GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
         )  # fmt: skip
-    for g0 in range(PRELOAD * GROUPS, halves, GROUPS):
+    for g0 in range(begin + PRELOAD * GROUPS, begin + span, GROUPS):
         w = _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS, words)
         acc, zeros, squares = _int4_accumulate(
             acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
@@ -441,7 +496,8 @@ def _gemv_int4(
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
+            SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -663,11 +719,19 @@ MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of
 _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
+# Split-K (`_combine`): a product without a norm or SiLU·up may share each row's columns among
+# 2 or 4 programs, tuned like a tile (a pinned tile without a split count is tried at each).
+# Long rows over few rows (w2: 8,192 columns, 2,048 rows on the 1B) otherwise leave one program
+# an SM reading one tile at a time. False: never (benchmarks/decode.py, lmforge-no-split).
+SPLIT_K = True
+SPLIT_COUNTS = (1, 2, 4)
+
+
 def _gemv_configs() -> list[triton.Config]:
     shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF}
     return [
         triton.Config(
-            {"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile, "INT8_BIASED": biased},
+            {"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile, "INT8_BIASED": biased, "SPLITS": splits},
             num_warps=w,
             num_stages=s,
         )
@@ -675,6 +739,7 @@ def _gemv_configs() -> list[triton.Config]:
         for n, w, s in sorted(shapes)
         for tile in (False, True)
         for biased in (False, True)
+        for splits in SPLIT_COUNTS
     ]
 
 
@@ -702,13 +767,21 @@ def _candidates(configs, args: dict) -> list:
         if args["NORM"] or args["GATED"]:
             wide, half = wide + _FUSED_WIDE, half + _FUSED_HALF
         chosen = {(width, *shape) for shape in wide} | {(width // 2, *shape) for shape in half}
+    stored = k // 2 if args["BITS"] == 4 else k
     return [
         c
         for c in configs
         if (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in chosen
         and not (c.kwargs["X_TILE"] and args["GATED"])
         and c.kwargs["INT8_BIASED"] in biased
+        and _splits_fit(c.kwargs["SPLITS"], stored, c.kwargs["BLOCK_K"], args)
     ]
+
+
+def _splits_fit(splits: int, length: int, step: int, args: dict) -> bool:
+    """Whether a row of `length` (columns, or int4 groups) shares among `splits` programs that
+    each take whole steps of `step`, within the product's MAX_SPLITS."""
+    return splits <= args.get("MAX_SPLITS", 1) and length % (splits * step) == 0
 
 
 def int8_biased(bits: int, group: int, k: int, dtype: torch.dtype) -> bool:
@@ -736,11 +809,13 @@ def tile_key(args: dict) -> str:
 def describe(config) -> str:
     """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased]`."""
     kwargs = config.kwargs
-    if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES`
-        return f"{kwargs['BLOCK_N']}x{kwargs['GROUPS']}g w{config.num_warps} s{config.num_stages}"
+    split = f" k{kwargs['SPLITS']}" if kwargs.get("SPLITS", 1) > 1 else ""
+    if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES[ kSPLITS]`
+        shape = f"{kwargs['BLOCK_N']}x{kwargs['GROUPS']}g"
+        return f"{shape} w{config.num_warps} s{config.num_stages}{split}"
     x = "tile" if kwargs["X_TILE"] else "vec"
     tile = f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
-    return tile + (" biased" if kwargs["INT8_BIASED"] else "")
+    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + split
 
 
 @cache
@@ -768,9 +843,15 @@ def gpu_name(device: torch.device) -> str:
 def _fits(configs, named_args, **kwargs):
     """The autotuner's configs for one product: its pinned tile, or `_candidates`."""
     args = {**named_args, **kwargs}
-    candidates = _candidates(configs, args)
-    pinned = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
-    return [c for c in candidates if describe(c) == pinned] or candidates
+    return _pinned(_candidates(configs, args), args)
+
+
+def _pinned(candidates: list, args: dict) -> list:
+    """The candidates that are the product's pinned tile (at each split count, unless the pin
+    names one), or all of them where nothing is pinned."""
+    pin = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
+    chosen = [c for c in candidates if pin in (describe(c), describe(c).split(" k")[0])]
+    return chosen or candidates
 
 
 if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs programs in turn)
@@ -778,7 +859,7 @@ if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs 
 else:
     _gemv_tuned = triton.autotune(
         _gemv_configs(),
-        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU"],
+        key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU", "MAX_SPLITS"],
         prune_configs_by={"early_config_prune": _fits},
         # The picks are kept in Triton's cache directory (~/.triton/cache, TRITON_CACHE_DIR)
         # for this GPU and kernel source: a later process starts without tuning and runs the
@@ -792,14 +873,25 @@ else:
 
 
 INTERPRETED_X_TILE = True  # x as a tile where it may be (tests set False for the vector path)
+INTERPRETED_SPLITS = 1  # programs a row is split among where it may be (tests set 2)
 
 
-def _interpreted_tiles(k: int, group: int, bits: int, gated: bool, dtype: torch.dtype) -> dict:
+def _interpreted_splits(length: int, step: int, max_splits: int) -> int:
+    """The interpreter's split count (`INTERPRETED_SPLITS` where the product takes it)."""
+    fits = _splits_fit(INTERPRETED_SPLITS, length, step, {"MAX_SPLITS": max_splits})
+    return INTERPRETED_SPLITS if fits else 1
+
+
+def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     """The one configuration the interpreter runs: wide tiles (it runs programs in turn)."""
     x_tile = INTERPRETED_X_TILE and not gated
     biased = int8_biased(bits, group, k, dtype)
-    width = _tile_width(k, group, bits)
-    return {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
+    stored = k // 2 if bits == 4 else k
+    splits = _interpreted_splits(stored, MIN_TILE, max_splits)
+    share = next(w for w in _WIDTHS if (stored // splits) % w == 0)  # the widest that divides it
+    width = min(_tile_width(k, group, bits), share)
+    tiles = {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
+    return tiles | {"SPLITS": splits}
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
@@ -810,6 +902,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         return _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu)
     y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
+    max_splits = _max_splits(norm, swiglu)
     _gemv_tuned[grid](
         x.contiguous(),
         w,
@@ -818,6 +911,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
+        *_split_workspace(x.device, n, max_splits),
         n,
         k,
         eps,
@@ -830,17 +924,37 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
+        MAX_SPLITS=max_splits,
         launch_pdl=early,
-        **(_interpreted_tiles(k, group, bits, gated, x.dtype) if INTERPRETED else {}),
+        **(_interpreted_tiles(k, group, bits, gated, x.dtype, max_splits) if INTERPRETED else {}),
     )
     return y
 
 
 def _output(x: torch.Tensor, n: int, swiglu: bool):
-    """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid, one program a tile."""
+    """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid: a program a tile of
+    rows and share of a row (`SPLITS`)."""
     width = n // 2 if swiglu else n
     y = torch.empty(1, width, dtype=x.dtype, device=x.device)
-    return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)),)
+    return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)), meta["SPLITS"])
+
+
+def _max_splits(norm, swiglu: bool) -> int:
+    """The most programs a product's rows may be split among: a norm needs all of a row's x
+    in each program (its sum of squares), and SiLU·up both halves of the output."""
+    return max(SPLIT_COUNTS) if SPLIT_K and norm is None and not swiglu else 1
+
+
+@cache
+def _split_workspace(device: torch.device, n: int, max_splits: int) -> tuple:
+    """Split-K's memory for products of N rows on `device`: partial sums [max_splits, N] and
+    the row blocks' counts [N], zeros that `_combine` sets back to zero. Made once and kept
+    (CUDA graphs that recorded it keep its address); one product at a time uses it, since each
+    kernel of the step starts on it only after the one before has finished."""
+    if max_splits == 1:  # (any pointers: unused)
+        return torch.empty(1, device=device), torch.empty(1, dtype=torch.int32, device=device)
+    partial = torch.empty(max_splits, n, dtype=torch.float32, device=device)
+    return partial, torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def int4_halves(group: int, dtype: torch.dtype) -> bool:
@@ -863,24 +977,24 @@ _INT4_TILES = [
 
 def _int4_configs() -> list[triton.Config]:
     return [
-        triton.Config({"BLOCK_N": n, "GROUPS": g}, num_warps=w, num_stages=st)
+        triton.Config({"BLOCK_N": n, "GROUPS": g, "SPLITS": k}, num_warps=w, num_stages=st)
         for n, g, w, st in _INT4_TILES
+        for k in SPLIT_COUNTS
     ]
 
 
 def _int4_candidates(configs, args: dict) -> list:
-    """The configs to try for one int4 product: those whose groups divide a row's."""
+    """The configs to try for one int4 product: those whose groups divide a row's (or its
+    share of a row, split)."""
     halves = args["K"] // 2 // args["GROUP"]
-    return [c for c in configs if halves % c.kwargs["GROUPS"] == 0]
+    return [c for c in configs if _splits_fit(c.kwargs["SPLITS"], halves, c.kwargs["GROUPS"], args)]
 
 
 def _int4_fits(configs, named_args, **kwargs):
     """The autotuner's configs for one int4 product (its arguments by name, as it passes them:
     positional ones in `named_args`, the rest in `kwargs`): its pinned tile, or the candidates."""
     args = {**named_args, **kwargs}
-    candidates = _int4_candidates(configs, args)
-    pinned = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
-    return [c for c in candidates if describe(c) == pinned] or candidates
+    return _pinned(_int4_candidates(configs, args), args)
 
 
 if INTERPRETED:
@@ -888,7 +1002,7 @@ if INTERPRETED:
 else:
     _gemv_int4_tuned = triton.autotune(
         _int4_configs(),
-        key=["N", "K", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU"],
+        key=["N", "K", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU", "MAX_SPLITS"],
         prune_configs_by={"early_config_prune": _int4_fits},
         cache_results=True,
     )(_gemv_int4)
@@ -900,10 +1014,13 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
     y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     shift = _X_SHIFT_GATED if gated else _X_SHIFT
+    max_splits = _max_splits(norm, swiglu)
     interpreted = {}
     if INTERPRETED:  # wide tiles: the interpreter runs programs in turn
         halves = k // 2 // group
-        interpreted = {"BLOCK_N": 16, "GROUPS": max(g for g in (1, 2, 4) if halves % g == 0)}
+        splits = _interpreted_splits(halves, 1, max_splits)
+        groups = max(g for g in (1, 2, 4) if (halves // splits) % g == 0)
+        interpreted = {"BLOCK_N": 16, "GROUPS": groups, "SPLITS": splits}
     _gemv_int4_tuned[grid](
         x.contiguous(),
         w.view(torch.int32),  # [N, K/8]: the bytes four to a word
@@ -912,6 +1029,7 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
+        *_split_workspace(x.device, n, max_splits),
         n,
         k,
         eps,
@@ -922,6 +1040,7 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         EARLY=early,
         PRELOAD=int(early),
         SWIGLU=swiglu,
+        MAX_SPLITS=max_splits,
         DOWN=2.0**-shift,
         UP=2.0**shift,
         launch_pdl=early,
