@@ -601,11 +601,15 @@ def test_the_kernels_compile_for_a_gpu():
 
 
 def _product(key: str) -> dict:
-    """The autotuner's arguments for a product named as in the tiles table."""
+    """The autotuner's arguments for a product named as in the tiles table (no BITS: int4 in
+    packed fp16, `_gemv_int4`'s)."""
     n, k, bits, group, *fusions = key.split()
-    named = {"N": int(n), "K": int(k), "BITS": int(bits), "GROUP": int(group)}
+    named = {"N": int(n), "K": int(k), "GROUP": int(group)}
+    named |= {"BITS": int(bits)} if bits != "4h" else {}
     named["x_ptr"] = torch.empty(1, dtype=torch.bfloat16)
-    return named | {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL")}
+    flags = {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
+    max_splits = kernels._max_splits(True if flags["NORM"] else None, flags["SWIGLU"])
+    return named | flags | {"MAX_SPLITS": max_splits}
 
 
 def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch, caplog):
@@ -659,8 +663,13 @@ def test_the_shipped_tiles_are_candidates():
     """Every tile of lmforge/generate/gemv_tiles.json is one its product's autotuner would try
     (a stale pin would be ignored silently)."""
     table = json.loads(kernels.TILES.read_text())
-    configs = kernels._gemv_configs()
+    configs, int4_configs = kernels._gemv_configs(), kernels._int4_configs()
     for gpu, pins in table.items():
         for key, pin in pins.items():
-            tried = [kernels.describe(c) for c in kernels._candidates(configs, _product(key))]
+            product = _product(key)
+            if "BITS" in product:
+                candidates = kernels._candidates(configs, product)
+            else:
+                candidates = kernels._int4_candidates(int4_configs, product)
+            tried = [kernels.describe(c) for c in candidates]
             assert pin in tried, (gpu, key, pin, tried)

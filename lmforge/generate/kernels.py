@@ -22,7 +22,8 @@ fp16 (`_gemv_int4`; on an H200 the 1B decoded 1.32-1.36x faster than on tinygemm
 1.27-1.29x, docs/benchmarks.md), and at 64 rows tinygemm took 2x as long as the bf16 expansion.
 
 A single-row product can take the decode block's work around it into the same kernel: the
-RMSNorm of its input, SiLU·up, a residual add (`gemv`'s arguments, `FusedDecodeBlock`).
+RMSNorm of its input, SiLU·up, a residual add (`gemv`'s arguments, `FusedDecodeBlock`). One
+without a norm or SiLU·up may share each row among 2 or 4 programs (split-K, `_combine`).
 
 The ops are registered with torch.library, so torch.compile treats them as opaque kernels and
 a CUDA graph records them. Under TRITON_INTERPRET=1 they run on the CPU (the tests).
@@ -720,9 +721,11 @@ _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
 # Split-K (`_combine`): a product without a norm or SiLU·up may share each row's columns among
-# 2 or 4 programs, tuned like a tile (a pinned tile without a split count is tried at each).
-# Long rows over few rows (w2: 8,192 columns, 2,048 rows on the 1B) otherwise leave one program
-# an SM reading one tile at a time. False: never (benchmarks/decode.py, lmforge-no-split).
+# 2 or 4 programs, tuned like a tile (pinned as `... kSPLITS`). Long rows over few rows (w2:
+# 8,192 columns, 2,048 rows on the 1B) otherwise leave one program an SM reading one tile at a
+# time. On an H200 (2026-12-02, docs/benchmarks.md) the autotuner split the int4 1B's w2 in 4
+# and the 3B's wo in 2, and int4 decoded 3.4% (1B) and 3.0% (3B) faster; bf16 and int8 kept
+# whole rows. False: never (benchmarks/decode.py, variant lmforge-no-split).
 SPLIT_K = True
 SPLIT_COUNTS = (1, 2, 4)
 
@@ -847,11 +850,9 @@ def _fits(configs, named_args, **kwargs):
 
 
 def _pinned(candidates: list, args: dict) -> list:
-    """The candidates that are the product's pinned tile (at each split count, unless the pin
-    names one), or all of them where nothing is pinned."""
+    """The candidate that is the product's pinned tile, or all of them where none is pinned."""
     pin = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
-    chosen = [c for c in candidates if pin in (describe(c), describe(c).split(" k")[0])]
-    return chosen or candidates
+    return [c for c in candidates if describe(c) == pin] or candidates
 
 
 if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs programs in turn)
