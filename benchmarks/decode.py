@@ -185,9 +185,9 @@ def launch_context(variant: str):
     `kernels.PRELOAD`); `...int4-bytes` runs int4 through `_gemv`'s bytes, not the packed fp16
     kernel (`kernels.INT4_HALVES`), `...swiglu-in-w2` makes SiLU·up in each of w2's programs,
     not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
-    programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles floats by the
-    converter, not from their bit patterns (`kernels.INT4_FROM_BITS`); `...int8-exact` int8 weights exact
-    floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
+    programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
+    floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
+    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
     kept (Triton's cache directory; pinned ones: `kernels.TILES`), so every variant runs the
     first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED

@@ -39,6 +39,7 @@
 #   bash benchmarks/device_calls.sh swiglu-tiles  # one H200: the tiles of the products SiLU·up changed, searched in the step, 1B and 3B
 #   bash benchmarks/device_calls.sh swiglu-rows # one H200: issue 14's decode rows with those tiles (carry the table as gemv_tiles.json)
 #   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
+#   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
@@ -54,9 +55,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -583,6 +584,18 @@ split)
   grep -h '^{' "$OUT"/split-*.log | cut -c1-250
   tail -n 3 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/split-*.log || true
+  ;;
+step-added)
+  # where the 1B's quantized steps stand against bf16's, kernel by kernel (what each adds to the
+  # step: decode_profile.py), as shipped; then the 1B's int4 row with its output projection int4
+  step 200 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b \
+    --schemes bf16 int8-wo int4-wo --out /tmp/traces
+  TRITON_CACHE_DIR=/tmp/triton-output step 110 output-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge --schemes bf16 int4-wo-output --new-tokens 128 \
+    --repeats 2 --out "$OUT/1b"
+  grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
+  grep -h '^{' "$OUT"/output-*.log | cut -c1-250
+  grep -h -c Traceback "$OUT"/*.log || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

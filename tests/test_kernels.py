@@ -546,8 +546,8 @@ for bits in (8, 4):
     signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
     triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
-for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("GATED RESIDUAL SPLITS", (8, 4, 1)),
-                                          ("RESIDUAL", (16, 2, 2)), ("", (16, 1, 2))):
+for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("RESIDUAL", (16, 2, 2)),
+                                          ("GATED RESIDUAL SPLITS", (8, 4, 1)), ("", (16, 1, 2))):
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": "*i32", "N": "i32", "eps": "fp32"}
     signature |= {"partial_ptr": "*fp32", "count_ptr": "*i32"}
     constants = {"K": 2048, "GROUP": 128, "BLOCK_N": block_n, "GROUPS": groups, "EARLY": True,

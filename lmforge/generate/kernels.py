@@ -120,13 +120,13 @@ def _gemv(
     wait_for_previous(EARLY)
     if first:
         acc, squares, sums = _accumulate(
-            acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     if second:
         acc, squares, sums = _accumulate(
-            acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows,
+            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
@@ -810,7 +810,7 @@ def tile_key(args: dict) -> str:
 
 
 def describe(config) -> str:
-    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased]`."""
+    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ kSPLITS]`."""
     kwargs = config.kwargs
     split = f" k{kwargs['SPLITS']}" if kwargs.get("SPLITS", 1) > 1 else ""
     if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES[ kSPLITS]`
@@ -1325,8 +1325,8 @@ class FusedDecodeBlock:
     around one attention kernel, with the block's other work inside them: each RMSNorm in the
     product that reads it (wqkv, w13: x times the norm's weight as it is loaded, 1 / rms at the
     end), SiLU·up after w13's products (`SWIGLU_IN_W13`), the residual adds after wo's and
-    w2's products, and RoPE with the cache write in the attention kernel (`decode_attention`; against a decode
-    step's static cache, otherwise the model's own attention). Unfused, each of those is a
+    w2's products, and RoPE with the cache write in the attention kernel (`decode_attention`;
+    against a decode step's static cache, otherwise the model's own attention). Unfused, each of those is a
     kernel of its own: on an H200 the 1B step had 183 kernels and took 1.054 ms; fused with
     cuDNN's attention 136 and 0.983 ms; with the attention kernel 88 and 0.890 ms (torch.profiler;
     docs/benchmarks.md). More rows take the block's own forward. A mixin: `use_fused_blocks`
