@@ -41,6 +41,8 @@
 #   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
 #   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
+#   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
+#   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
 #   bash benchmarks/device_calls.sh train       # one H200: 1B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-3b    # one H200: 3B training beside torchtitan
 #   bash benchmarks/device_calls.sh train-autotune  # one H200: 1B with max-autotune beside torchtitan
@@ -55,9 +57,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -596,6 +598,23 @@ step-added)
   grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
   grep -h '^{' "$OUT"/output-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+fsdp2)
+  # issue 13's scaling rows through the real CLI (benchmarks/multi_gpu.py): the 1B and 3B as
+  # shipped (tied embeddings) on one GPU and on two under FSDP2 (target >= 1.9x), the 1B also
+  # with bf16 reduce-scatters (parallel.reduce_dtype); the 1B's two-GPU step profiled
+  step 560 fsdp2 python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 1b-2+bf16r 3b-1 3b-2 \
+    --steps 12 --warmup 4 --profile 1b-2 --out "$OUT"
+  tail -n 8 "$OUT/fsdp2.log"
+  grep -h -c Traceback "$OUT/fsdp2.log" || true
+  ;;
+fsdp2-post)
+  # TP 2 on the 3B (tokens/s, memory), then 3B SFT with LoRA and DPO with LoRA on two GPUs,
+  # each against the planner's prediction (within 15% asked)
+  step 560 post python3 benchmarks/multi_gpu.py --rows 3b-tp2 3b-2-sft-lora 3b-2-dpo-lora \
+    --steps 10 --warmup 3 --out "$OUT"
+  tail -n 6 "$OUT/post.log"
+  grep -h -c Traceback "$OUT/post.log" || true
   ;;
 int4-products)
   # the 1B's and 3B's products one at a time (one row, in a CUDA graph): bf16 in the GEMV

@@ -11,7 +11,8 @@ Rows are PRESET-LAYOUT[-KIND][+nrs|+rs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2;
 as the reference) or dpo-lora; +nrs keeps the gathered
 parameters between forward and backward
 (parallel.reshard_after_forward = false), +rs frees them after forward (true); without either,
-the default "auto" decides (the row's result names its choice). Presets are as shipped (1B and
+the default "auto" decides (the row's result names its choice); +bf16r reduce-scatters bf16
+gradients (parallel.reduce_dtype). Presets are as shipped (1B and
 3B tie their embeddings); pass `--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
 (vocab 8192; the model keeps its 128256-row table).
 """
@@ -71,9 +72,10 @@ def write_data(root: Path, seq_len: int) -> dict[str, Path]:
     return paths
 
 
-OPTIONS = {  # row suffixes: +nrs, +rs
+OPTIONS = {  # row suffixes: +nrs, +rs, +bf16r
     "nrs": "parallel.reshard_after_forward=false",
     "rs": "parallel.reshard_after_forward=true",
+    "bf16r": "parallel.reduce_dtype=bfloat16",
 }
 
 

@@ -269,6 +269,25 @@ def test_gradient_accumulation_under_fsdp_holds_only_sharded_gradients():
     assert 0 <= four.total - one.total <= sharded_grads * 1.01
 
 
+def test_bf16_reduce_scatters_halve_the_reduce_buffers():
+    """parallel.reduce_dtype = "bfloat16": FSDP2 reduce-scatters bf16 gradients, so the
+    reduce-scatter inputs the planner counts take half the bytes; nothing else changes."""
+    from lmforge.train.config import PretrainJob
+
+    jobs = [
+        PretrainJob.model_validate(
+            {"model": {"source": "llama3.2-1b"}, "parallel": {"reduce_dtype": dtype}}
+        )
+        for dtype in ("float32", "bfloat16")
+    ]
+    fp32, bf16 = (plan_memory_module.setup_from_job(job, gpus=2) for job in jobs)
+    assert (fp32.reduce_bytes, bf16.reduce_bytes) == (4, 2)
+    assert plan_memory(bf16).largest("gradient buffers") < plan_memory(fp32).largest(
+        "gradient buffers"
+    )
+    assert plan_memory(bf16).largest("parameters") == plan_memory(fp32).largest("parameters")
+
+
 def test_qlora_stores_adapted_bases_as_nf4():
     pytest.importorskip("torchao")
     from lmforge.modules.lora import _to_nf4

@@ -213,6 +213,14 @@ def test_bf16_lora_keeps_frozen_linears_in_bf16_with_and_without_fsdp(tmp_path, 
     for step in reference:  # bf16 compute: autocast (one process) vs FSDP's casts (two)
         assert abs(two[step] - reference[step]) <= 5e-3, (step, two[step], reference[step])
     assert reference[5] < reference[1] and two[5] < two[1]
+    # gradients reduce-scattered in bf16 (parallel.reduce_dtype): the same steps, near
+    bf16_reduce = sft_args(tmp_path / "bf16r", base, bf16, "train.micro_batch_size=2",
+                           "parallel.reduce_dtype=bfloat16")  # fmt: skip
+    run_torchrun(2, "sft", bf16_reduce)
+    three = losses(tmp_path / "bf16r")
+    assert sorted(three) == sorted(reference)
+    for step in reference:
+        assert abs(three[step] - two[step]) <= 1e-2, (step, three[step], two[step])
 
 
 def test_sft_lora_writes_merged_artifact_and_peft_adapter(tmp_path, base):

@@ -2,9 +2,8 @@
 
 Everything here follows the code, not a textbook: `lmforge.train.stage` materializes parameters
 in fp32 (frozen LoRA linears in bf16 when training in bf16), `lmforge.train.parallelize`
-applies FSDP2 (bf16 all-gathers, fp32 reduce-scatters, the last block kept unsharded after
-forward) only when the data-parallel
-size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
+applies FSDP2 (bf16 all-gathers, reduce-scatters in parallel.reduce_dtype, the last block kept
+unsharded after forward) only when the data-parallel size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
 cache keeps a bf16 copy of every trainable matmul weight until the backward pass. The loss
 keeps one bf16 logits tensor [b, s, vocab] (fused, `lmforge.modules.cross_entropy`) or, under
 tensor parallelism and in DPO, materializes fp32 logits (`lmforge.train.losses`). Activations are counted tensor
@@ -89,6 +88,7 @@ class Setup:
     activation_checkpointing: str = "none"
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    reduce_dtype: str = "fp32"  # parallel.reduce_dtype (under mixed precision): fp32 | bf16
     compile: bool = False
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -212,8 +212,11 @@ class Setup:
 
     @property
     def reduce_bytes(self) -> int:
-        """dtype FSDP2 reduce-scatters gradients in (fp32 under mixed precision)."""
-        return 4 if self.compute_dtype != self.param_dtype else self.param_bytes
+        """dtype FSDP2 reduce-scatters gradients in (parallel.reduce_dtype under mixed
+        precision)."""
+        if self.compute_dtype == self.param_dtype:
+            return self.param_bytes
+        return 2 if self.reduce_dtype == "bf16" else 4
 
     @property
     def sequences(self) -> int:
@@ -1124,6 +1127,7 @@ def setup_from_job(
         activation_checkpointing=job.parallel.activation_checkpointing,
         cpu_offload=job.parallel.cpu_offload,
         reshard_after_forward=job.parallel.reshard_after_forward,
+        reduce_dtype={"float32": "fp32", "bfloat16": "bf16"}[job.parallel.reduce_dtype],
         compile=job.parallel.compile,
         micro_batch_size=job.train.micro_batch_size,
         seq_len=seq_len,

@@ -91,6 +91,10 @@ class ParallelSection(Section):
     """Float8 linear layers through torchao (GPUs with float8 support only)."""
     cpu_offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer states."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 under bf16 compute (train.mixed_precision): the dtype gradients are reduce-scattered
+    and summed in. bfloat16 sends half the bytes; the sums over ranks keep bf16's 8 bits.
+    Allowed: "float32", "bfloat16"."""
     reshard_after_forward: bool | Literal["auto"] = "auto"
     """FSDP2: free each block's gathered weights after its forward (true: gathered again for
     backward) or keep them until backward (false: less communication, more memory). "auto":

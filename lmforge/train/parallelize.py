@@ -149,7 +149,9 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 def apply_fsdp(model: Transformer, layout: Layout, cfg: ParallelSection, *, bf16: bool) -> None:
     mesh = layout.dp_mesh if layout.mesh is not None else None
     policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, cfg.reduce_dtype)
+        )
         if bf16
         else MixedPrecisionPolicy()
     )
