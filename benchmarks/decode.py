@@ -187,9 +187,9 @@ def launch_context(variant: str):
     not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
     programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
     floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
-    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`). The GEMV's tiles are tuned once a shape and
-    kept (Triton's cache directory; pinned ones: `kernels.TILES`), so every variant runs the
-    first one's tiles."""
+    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`). The
+    GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
+    `kernels.TILES`), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
     halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))

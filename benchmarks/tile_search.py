@@ -36,18 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import SCHEMES, copy_bandwidth, make_model
 from lmforge.generate import Generator, SamplingParams, kernels, weight_bytes
 
-KEY_NAMES = (
-    "N",
-    "K",
-    "BITS",
-    "GROUP",
-    "NORM",
-    "GATED",
-    "RESIDUAL",
-    "SWIGLU",
-)  # the autotuner's key
-INT4_KEY_NAMES = ("N", "K", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU")  # `_gemv_int4`'s
-
 
 def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: int) -> float:
     """Median decode tokens/s of a greedy generation of `tokens` tokens."""
@@ -65,8 +53,8 @@ def record_again(generator: Generator) -> None:
 
 def named(key: tuple) -> dict:
     """The autotuner's arguments from its key: the key's values, then its tensors' dtypes (x's
-    first). A key of `_gemv_int4` (int4 in packed fp16) is told by its length."""
-    names = INT4_KEY_NAMES if _is_int4(key) else KEY_NAMES
+    first), named as the autotuner that holds it names them (`_gemv_int4`'s or `_gemv`'s)."""
+    names = (kernels._gemv_int4_tuned if _is_int4(key) else kernels._gemv_tuned).keys
     x = torch.empty(0, dtype=getattr(torch, key[len(names)].removeprefix("torch.")))
     return dict(zip(names, key)) | {"x_ptr": x}
 

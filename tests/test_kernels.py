@@ -125,7 +125,7 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     on = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, norm, residual)]
     x, weight, scale, zero, norm, residual = on
     if fusion == "split":  # the workspace's sums start unwritten: both halves must fill them
-        partial, counts = kernels._split_workspace(x.device, n, max(kernels.SPLIT_COUNTS))
+        partial, counts = kernels._workspace(x.device, n, max(kernels.SPLIT_COUNTS))
         partial.fill_(float("nan"))
     for _ in range(2 if fusion == "split" else 1):
         got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual, swiglu)

@@ -481,7 +481,7 @@ def _gemv_int4(
     span: tl.constexpr = halves // SPLITS  # groups a program reads, from `begin`
     begin = _split_begin(span, SPLITS)
     if PRELOAD >= 1:  # no kernel of the step writes the weights: they may come before the wait
-        w0 = _int4_words(w_ptr, rows, row_ok, K, begin, halves, GROUPS, words)
+        w0 = _int4_words(w_ptr, rows, row_ok, K, begin, GROUPS, words)
     wait_for_previous(EARLY)
     if PRELOAD >= 1:
         acc, zeros, squares = _int4_accumulate(
@@ -489,7 +489,7 @@ def _gemv_int4(
             GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
         )  # fmt: skip
     for g0 in range(begin + PRELOAD * GROUPS, begin + span, GROUPS):
-        w = _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS, words)
+        w = _int4_words(w_ptr, rows, row_ok, K, g0, GROUPS, words)
         acc, zeros, squares = _int4_accumulate(
             acc, zeros, squares, w, g0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
             GROUP, NORM, GATED, GROUPS, words, halves, DOWN, UP,
@@ -502,7 +502,7 @@ def _gemv_int4(
 
 
 @triton.jit
-def _int4_words(w_ptr, rows, row_ok, K, g0, halves, GROUPS: tl.constexpr, words: tl.constexpr):
+def _int4_words(w_ptr, rows, row_ok, K, g0, GROUPS: tl.constexpr, words: tl.constexpr):
     """The word tile [rows, groups g0.., a group's words] as stored."""
     at = (g0 + tl.arange(0, GROUPS))[:, None] * words + tl.arange(0, words)[None, :]
     return tl.load(
@@ -912,7 +912,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
-        *_split_workspace(x.device, n, max_splits),
+        *_split_workspace(x.device, n, max_splits, y),
         n,
         k,
         eps,
@@ -946,15 +946,19 @@ def _max_splits(norm, swiglu: bool) -> int:
     return max(SPLIT_COUNTS) if SPLIT_K and norm is None and not swiglu else 1
 
 
+def _split_workspace(device: torch.device, n: int, max_splits: int, y: torch.Tensor) -> tuple:
+    """(partial sums, counts) for a launch: `_workspace`'s where rows may be split, else y
+    twice (any pointer where unused)."""
+    return _workspace(device, n, max_splits) if max_splits > 1 else (y, y)
+
+
 @cache
-def _split_workspace(device: torch.device, n: int, max_splits: int) -> tuple:
-    """Split-K's memory for products of N rows on `device`: partial sums [max_splits, N] and
-    the row blocks' counts [N], zeros that `_combine` sets back to zero. Made once and kept
-    (CUDA graphs that recorded it keep its address); one product at a time uses it, since each
-    kernel of the step starts on it only after the one before has finished."""
-    if max_splits == 1:  # (any pointers: unused)
-        return torch.empty(1, device=device), torch.empty(1, dtype=torch.int32, device=device)
-    partial = torch.empty(max_splits, n, dtype=torch.float32, device=device)
+def _workspace(device: torch.device, n: int, splits: int) -> tuple:
+    """Split-K's memory for products of N rows on `device`: partial sums [splits, N] and the
+    row blocks' counts [N], zeros that `_combine` sets back to zero. Made once and kept (CUDA
+    graphs that recorded it keep its address); one product at a time uses it, since each kernel
+    of the step starts on it only after the one before has finished."""
+    partial = torch.empty(splits, n, dtype=torch.float32, device=device)
     return partial, torch.zeros(n, dtype=torch.int32, device=device)
 
 
@@ -1030,7 +1034,7 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
-        *_split_workspace(x.device, n, max_splits),
+        *_split_workspace(x.device, n, max_splits, y),
         n,
         k,
         eps,
@@ -1326,12 +1330,12 @@ class FusedDecodeBlock:
     product that reads it (wqkv, w13: x times the norm's weight as it is loaded, 1 / rms at the
     end), SiLU·up after w13's products (`SWIGLU_IN_W13`), the residual adds after wo's and
     w2's products, and RoPE with the cache write in the attention kernel (`decode_attention`;
-    against a decode step's static cache, otherwise the model's own attention). Unfused, each of those is a
-    kernel of its own: on an H200 the 1B step had 183 kernels and took 1.054 ms; fused with
-    cuDNN's attention 136 and 0.983 ms; with the attention kernel 88 and 0.890 ms (torch.profiler;
-    docs/benchmarks.md). More rows take the block's own forward. A mixin: `use_fused_blocks`
-    swaps a block's class for one deriving from this and the family's own block class, so
-    names and the state dict stay."""
+    against a decode step's static cache, otherwise the model's own attention). Unfused, each
+    of those is a kernel of its own: on an H200 the 1B step had 183 kernels and took 1.054 ms;
+    fused with cuDNN's attention 136 and 0.983 ms; with the attention kernel 88 and 0.890 ms
+    (torch.profiler; docs/benchmarks.md). More rows take the block's own forward. A mixin:
+    `use_fused_blocks` swaps a block's class for one deriving from this and the family's own
+    block class, so names and the state dict stay."""
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         if not one_row(x):

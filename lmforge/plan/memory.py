@@ -3,8 +3,9 @@
 Everything here follows the code, not a textbook: `lmforge.train.stage` materializes parameters
 in fp32 (frozen LoRA linears in bf16 when training in bf16), `lmforge.train.parallelize`
 applies FSDP2 (bf16 all-gathers, reduce-scatters in parallel.reduce_dtype, the last block kept
-unsharded after forward) only when the data-parallel size is > 1 or CPU offload is on, and otherwise the loop runs under bf16 autocast, whose weight
-cache keeps a bf16 copy of every trainable matmul weight until the backward pass. The loss
+unsharded after forward) only when the data-parallel size is > 1 or CPU offload is on, and
+otherwise the loop runs under bf16 autocast, whose weight cache keeps a bf16 copy of every
+trainable matmul weight until the backward pass. The loss
 keeps one bf16 logits tensor [b, s, vocab] (fused, `lmforge.modules.cross_entropy`) or, under
 tensor parallelism and in DPO, materializes fp32 logits (`lmforge.train.losses`). Activations are counted tensor
 by tensor from what autograd saves in `lmforge.models.llama.model` (checked against the saved
@@ -1087,6 +1088,10 @@ def dtype_name(nbytes: int) -> str:
 # ----------------------------------------------------------------------------- from a job
 
 
+# A config's dtype names (lora.base_dtype, parallel.reduce_dtype) as `Setup` writes them.
+_SHORT_DTYPES = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}
+
+
 def setup_from_job(
     job, *, gpus: int, gpus_per_node: int = 8, args: ModelArgs | None = None
 ) -> Setup:
@@ -1127,7 +1132,7 @@ def setup_from_job(
         activation_checkpointing=job.parallel.activation_checkpointing,
         cpu_offload=job.parallel.cpu_offload,
         reshard_after_forward=job.parallel.reshard_after_forward,
-        reduce_dtype={"float32": "fp32", "bfloat16": "bf16"}[job.parallel.reduce_dtype],
+        reduce_dtype=_SHORT_DTYPES[job.parallel.reduce_dtype],
         compile=job.parallel.compile,
         micro_batch_size=job.train.micro_batch_size,
         seq_len=seq_len,
@@ -1137,7 +1142,7 @@ def setup_from_job(
         from_scratch=from_scratch,
     )
     if lora_on:
-        base_dtype = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[lora.base_dtype]
+        base_dtype = _SHORT_DTYPES[lora.base_dtype]
         base = base.replace(
             lora_rank=lora.rank, lora_targets=tuple(lora.targets), lora_base_dtype=base_dtype
         )
