@@ -39,7 +39,7 @@
 #   bash benchmarks/device_calls.sh swiglu-tiles  # one H200: the tiles of the products SiLU·up changed, searched in the step, 1B and 3B
 #   bash benchmarks/device_calls.sh swiglu-rows # one H200: issue 14's decode rows with those tiles (carry the table as gemv_tiles.json)
 #   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
-#   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output
+#   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output; launch_floor.py
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -595,7 +595,9 @@ step-added)
   TRITON_CACHE_DIR=/tmp/triton-output step 110 output-1b python3 benchmarks/decode.py \
     --presets llama3.2-1b --variants lmforge --schemes bf16 int4-wo-output --new-tokens 128 \
     --repeats 2 --out "$OUT/1b"
+  step 150 floor python3 benchmarks/launch_floor.py --out "$OUT"
   grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
+  grep -h '^{' "$OUT/floor.log"
   grep -h '^{' "$OUT"/output-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
