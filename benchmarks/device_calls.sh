@@ -40,6 +40,7 @@
 #   bash benchmarks/device_calls.sh swiglu-rows # one H200: issue 14's decode rows with those tiles (carry the table as gemv_tiles.json)
 #   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
 #   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output; launch_floor.py
+#   bash benchmarks/device_calls.sh ncu         # one H200: the 1B's block products (bf16/int8/int4) timed cold, then under Nsight Compute
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -57,9 +58,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -600,6 +601,18 @@ step-added)
   grep -h '^{' "$OUT/floor.log"
   grep -h '^{' "$OUT"/output-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+ncu)
+  # the 1B's block products as the fused block launches them, timed with the weights out of L2,
+  # then their hardware counters (Nsight Compute: memory throughput, occupancy, issue, stalls)
+  step 120 times python3 benchmarks/ncu_products.py --shape 1b
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
+  step 400 ncu "$ncu" --clock-control none --kernel-name regex:_gemv --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/ncu_products.py --shape 1b --untimed \
+    --launches 1
+  cat "$OUT/times.log"
+  grep -E "^  _gemv|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Warp Cycles Per Issued|Block Limit Reg|No Eligible|Executed Ipc A|Waves Per|Grid Size|Block Size" "$OUT/ncu.log" | cut -c1-110
   ;;
 fsdp2)
   # issue 13's scaling rows through the real CLI (benchmarks/multi_gpu.py): the 1B and 3B as
