@@ -145,6 +145,8 @@ VARIANTS = (
     "lmforge-no-split",  # no product's rows split among programs (kernels.SPLIT_K)
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
+    "lmforge-no-fold",  # a sum a tile column, reduced at the end (kernels.FOLD)
+    "lmforge-swiglu-bf16",  # SiLU·up stored in the activations' dtype (kernels.SWIGLU_FP32)
     "hf",
     "hf-static",
 )
@@ -187,11 +189,16 @@ def launch_context(variant: str):
     not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
     programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
     floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
-    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`). The
+    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`);
+    `...no-fold` keeps a sum a tile column (`kernels.FOLD`); `...swiglu-bf16` stores SiLU·up
+    in the activations' dtype (`kernels.SWIGLU_FP32`). The
     GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
     `kernels.TILES`), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
     halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
+    fold, swiglu_fp32 = kernels.FOLD, kernels.SWIGLU_FP32
+    kernels.FOLD = fold and not variant.endswith("no-fold")
+    kernels.SWIGLU_FP32 = swiglu_fp32 and not variant.endswith("swiglu-bf16")
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
     kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
     kernels.SPLIT_K = split and not variant.endswith("no-split")
@@ -207,6 +214,7 @@ def launch_context(variant: str):
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
         kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
+        kernels.FOLD, kernels.SWIGLU_FP32 = fold, swiglu_fp32
 
 
 def _peak_gb() -> float | None:

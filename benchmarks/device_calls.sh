@@ -41,6 +41,7 @@
 #   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
 #   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output; launch_floor.py
 #   bash benchmarks/device_calls.sh ncu         # one H200: the 1B's block products (bf16/int8/int4) timed cold, then under Nsight Compute
+#   bash benchmarks/device_calls.sh fold        # one H200: a sum a row and thread (kernels.FOLD), SiLU·up in fp32; 1B A/B; GPU tests
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -58,9 +59,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | fold | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|fold|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -601,6 +602,20 @@ step-added)
   grep -h '^{' "$OUT/floor.log"
   grep -h '^{' "$OUT"/output-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+fold)
+  # the GEMV's sums folded along each thread's columns (kernels.FOLD) and SiLU·up stored in
+  # fp32 for w2 (kernels.SWIGLU_FP32), as shipped, against each left out: the 1B, bf16 / int8 /
+  # int4 (pinned tiles); its products one at a time, cold; then the fusions' GPU tests
+  step 240 fold-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-no-fold lmforge-swiglu-bf16 --schemes bf16 int8-wo int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  step 90 times python3 benchmarks/ncu_products.py --shape 1b
+  kernel_tests 100 "fusions_equal"
+  cat "$OUT/times.log"
+  grep -h '^{' "$OUT"/fold-*.log | cut -c1-250
+  tail -n 3 "$OUT/check.log"
+  grep -h -c Traceback "$OUT"/fold-*.log || true
   ;;
 ncu)
   # the 1B's block products as the fused block launches them, timed with the weights out of L2,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -84,7 +85,7 @@ def chain_rows() -> list[dict]:
     rows = []
     for grid in (8, 132, 512, 2048):
         for early in (False, True):
-            launch = lambda: _touch[(grid,)](x, EARLY=early, launch_pdl=early)  # noqa: E731
+            launch = partial(_touch[(grid,)], x, EARLY=early, launch_pdl=early)
             rows.append({"probe": "chain", "grid": grid, "early": early,
                          "us": round(graph_us(launch, 200), 3)})  # fmt: skip
     return rows
@@ -95,6 +96,7 @@ def barrier_rows(sms: int) -> list[dict]:
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
     times = {}
     for rounds in (1, 101):
+
         def launch(rounds=rounds):
             count.zero_()
             _barriers[(sms,)](count, x, ROUNDS=rounds, num_warps=4)
@@ -116,9 +118,10 @@ def stream_rows(sms: int) -> list[dict]:
         for programs in (sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms):
             for block in (512, 1024, 2048):
                 share = triton.cdiv(words, programs * block) * block
-                launch = lambda: _stream[(programs,)](  # noqa: E731
-                    weight, out, share, BLOCK=block, EARLY=True, launch_pdl=True
-                )
+                launch = partial(
+                    _stream[(programs,)], weight, out, share, BLOCK=block, EARLY=True,
+                    launch_pdl=True,
+                )  # fmt: skip
                 us = graph_us(launch, 20) * words / (programs * share)
                 if best is None or us < best["us"]:
                     best = {"probe": "stream", "MB": megabytes, "us": round(us, 2),
@@ -126,7 +129,6 @@ def stream_rows(sms: int) -> list[dict]:
         best["TB/s"] = round(megabytes * 2**20 / best["us"] / 1e6, 2)
         best["limit_us"] = round(megabytes * 2**20 / COPY_TB_S / 1e6, 2)
         rows.append(best)
-        del weight
     return rows
 
 

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemv import SHAPES  # noqa: E402
-from lmforge.generate.kernels import gemv  # noqa: E402
+from benchmarks.gemv import SHAPES
+from lmforge.generate.kernels import gemv
 
 FUSIONS = {"wqkv": "norm", "wo": "residual", "w13": "norm swiglu", "w2": "made residual"}
 

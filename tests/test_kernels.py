@@ -133,7 +133,9 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
         assert not partial[:2].isnan().any() and partial[2:].isnan().all()
         assert not counts.any()
     got = got.cpu()
-    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    fp32 = swiglu and kernels.SWIGLU_FP32  # SiLU·up: float32 holding bf16 values, for w2
+    assert got.shape == want.shape and got.dtype == (torch.float32 if fp32 else torch.bfloat16)
+    assert torch.equal(got, got.bfloat16().to(got.dtype))
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
@@ -508,7 +510,7 @@ target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr",
             "partial_ptr", "count_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS", "FOLD"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -530,7 +532,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants["INT4_FROM_BITS"] = bits == 4 and fusions == "NORM"  # (its PTX; the other int4: not)
     constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
-    constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4}
+    constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4, "FOLD": bits != 16}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)

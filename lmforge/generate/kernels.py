@@ -101,12 +101,14 @@ def _gemv(
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
+    FOLD: tl.constexpr = False,  # a sum a row and run of a thread's columns (`FOLD`)
 ):
     rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     span: tl.constexpr = stored // SPLITS  # columns a program reads, from `begin`
     begin = _split_begin(span, SPLITS)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    run: tl.constexpr = (8 if BITS == 16 else 16) if FOLD else 1  # `_fold`
+    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
     biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
     sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
@@ -121,18 +123,18 @@ def _gemv(
     if first:
         acc, squares, sums = _accumulate(
             acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
     if second:
         acc, squares, sums = _accumulate(
             acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows,
-            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
     for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
         acc, squares, sums = _accumulate(
             acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
@@ -142,8 +144,8 @@ def _gemv(
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
-            SWIGLU, SPLITS)  # fmt: skip
+    _finish(y, x_ptr, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
+            RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -156,16 +158,16 @@ def _split_begin(span: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _finish(
-    y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
-    RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
+    y, x_ptr, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N,
+    BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """`_store` y, once a row block's SPLITS programs have all summed their columns."""
     if SPLITS > 1:
         y, last = _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
         if last:
-            _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+            _store(y, x_ptr, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
     else:
-        _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+        _store(y, x_ptr, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
 
 
 @triton.jit
@@ -200,16 +202,22 @@ def _rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
+def _store(
+    y, x_ptr, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU
+):  # fmt: skip
     """y [BLOCK_N] (fp32) out, rounded as the unfused block rounds: the product, then the
-    residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU)."""
-    dtype = y_ptr.dtype.element_ty
+    residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU:
+    rounded to x's dtype, stored in y's: fp32 for the fused block's w2, which then reads its
+    input without a conversion a column)."""
     if SWIGLU:
+        dtype = x_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
         at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + at, (silu * up).to(dtype), mask=at < N // 2)
+        made = (silu * up).to(dtype)
+        tl.store(y_ptr + at, made.to(y_ptr.dtype.element_ty), mask=at < N // 2)
     else:
+        dtype = y_ptr.dtype.element_ty
         if RESIDUAL:
             residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
             y = y.to(dtype).to(tl.float32) + residual
@@ -232,7 +240,7 @@ def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
 def _accumulate(
     acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
     BITS, NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr,
-    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr,
+    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr, run: tl.constexpr,
 ):  # fmt: skip
     """acc + the weight tile w (stored columns k0..) times its inputs, `squares` + x^2 (NORM)
     and `sums` + x (BIASED)."""
@@ -242,14 +250,14 @@ def _accumulate(
     x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
     if BIASED:
         sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
-        acc += _int8_biased(w) * x
+        acc += _fold(_int8_biased(w) * x, run)
     elif BITS == 16:
-        acc += w.to(tl.float32) * x
+        acc += _fold(w.to(tl.float32) * x, run)
     elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
-        acc += _int8_values(w) * x
+        acc += _fold(_int8_values(w) * x, run)
     elif BITS == 8:
         scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
-        acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x
+        acc += _fold(_int8_values(w) * scale.to(tl.float32)[:, None] * x, run)
     else:
         high_cols = stored + cols
         x_high, squares = _input(x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE)
@@ -257,13 +265,29 @@ def _accumulate(
         high = rows * groups + (stored + k0) // GROUP
         if INT4_FROM_BITS:
             low_values, high_values = _int4_values(w)
-            acc += _int4_times(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
-            acc += _int4_times(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high, row_ok)
+            low_sums = _int4_times(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
+            high_sums = _int4_times(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high,
+                                    row_ok)  # fmt: skip
+            acc += _fold(low_sums + high_sums, run)
         else:  # the converter: v = n, one step a unit, offset 8
             low_values, high_values = (w & 0xF).to(tl.float32), (w >> 4).to(tl.float32)
-            acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
-            acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
+            low_sums = _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
+            high_sums = _int4_times(
+                high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok
+            )
+            acc += _fold(low_sums + high_sums, run)
     return acc, squares, sums
+
+
+@triton.jit
+def _fold(products, RUN: tl.constexpr):
+    """products [rows, cols] summed over each run of RUN columns (a thread's load: 8 bf16 or
+    16 bytes) -> [rows, cols / RUN]: with fp contraction, a chain of FMAs a row and thread."""
+    if RUN == 1:
+        return products
+    rows: tl.constexpr = products.shape[0]
+    cols: tl.constexpr = products.shape[1]
+    return tl.sum(tl.reshape(products, [rows, cols // RUN, RUN]), axis=2)
 
 
 @triton.jit
@@ -497,8 +521,8 @@ def _gemv_int4(
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
-            SWIGLU, SPLITS)  # fmt: skip
+    _finish(y, x_ptr, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
+            RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -720,6 +744,18 @@ MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of
 _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
+# SiLU·up (w13's output in the fused block, w2's input) stored as float32 holding the values
+# rounded to the activations' dtype, so w2's programs read it without a conversion a column
+# (numerically the same). False: in the activations' dtype (the A/B in benchmarks/decode.py,
+# variant lmforge-swiglu-bf16).
+SWIGLU_FP32 = True
+# Each thread adds its products along a row into one sum (the FMAs of its 8 or 16 columns
+# chained) instead of keeping a sum for every column of the tile, reduced at the end: on sm_90
+# the 1B's int8 w13 takes 80 registers instead of 96 (6 programs an SM instead of 5), its wqkv
+# 92 instead of 128. False: a sum a column (the A/B, variant lmforge-no-fold).
+FOLD = True
+
+
 # Split-K (`_combine`): a product without a norm or SiLU·up may share each row's columns among
 # 2 or 4 programs, tuned like a tile (pinned as `... kSPLITS`). Long rows over few rows (w2:
 # 8,192 columns, 2,048 rows on the 1B) otherwise leave one program an SM reading one tile at a
@@ -926,17 +962,23 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
         MAX_SPLITS=max_splits,
+        FOLD=FOLD,
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated, x.dtype, max_splits) if INTERPRETED else {}),
     )
     return y
 
 
+def _output_dtype(dtype: torch.dtype, swiglu: bool) -> torch.dtype:
+    """A product's output dtype: x's, but float32 for SiLU·up (`SWIGLU_FP32`)."""
+    return torch.float32 if swiglu and SWIGLU_FP32 else dtype
+
+
 def _output(x: torch.Tensor, n: int, swiglu: bool):
     """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid: a program a tile of
     rows and share of a row (`SPLITS`)."""
     width = n // 2 if swiglu else n
-    y = torch.empty(1, width, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, width, dtype=_output_dtype(x.dtype, swiglu), device=x.device)
     return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)), meta["SPLITS"])
 
 
@@ -1080,7 +1122,8 @@ def gemv(
 @gemv.register_fake
 def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None,
       swiglu=False):  # fmt: skip
-    return x.new_empty(1, weight.shape[0] // 2 if swiglu else weight.shape[0])
+    width = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return x.new_empty(1, width, dtype=_output_dtype(x.dtype, swiglu))
 
 
 @torch.library.custom_op("lmforge::quantized_matmul", mutates_args=())
