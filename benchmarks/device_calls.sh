@@ -604,14 +604,15 @@ step-added)
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 fold)
-  # the GEMV's sums folded along each thread's columns (kernels.FOLD) and SiLU·up stored in
-  # fp32 for w2 (kernels.SWIGLU_FP32), as shipped, against each left out: the 1B, bf16 / int8 /
+  # the GEMV's sums folded along each thread's columns (kernels.FOLD), SiLU·up stored in fp32
+  # for w2 (kernels.SWIGLU_FP32), w13's input times its norm made by wo (kernels.NORMED_INPUT),
+  # as shipped, against each left out: the 1B, bf16 / int8 /
   # int4 (pinned tiles); its products one at a time, cold; then the fusions' GPU tests
-  step 240 fold-1b python3 benchmarks/decode.py --presets llama3.2-1b \
-    --variants lmforge lmforge-no-fold lmforge-swiglu-bf16 --schemes bf16 int8-wo int4-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  step 90 times python3 benchmarks/ncu_products.py --shape 1b
-  kernel_tests 100 "fusions_equal"
+  step 300 fold-1b python3 benchmarks/decode.py --presets llama3.2-1b \
+    --variants lmforge lmforge-no-fold lmforge-swiglu-bf16 lmforge-norm-in-w13 \
+    --schemes bf16 int8-wo int4-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  step 60 times python3 benchmarks/ncu_products.py --shape 1b
+  kernel_tests 80 "fusions_equal or norm_made_before"
   cat "$OUT/times.log"
   grep -h '^{' "$OUT"/fold-*.log | cut -c1-250
   tail -n 3 "$OUT/check.log"

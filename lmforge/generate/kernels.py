@@ -83,12 +83,14 @@ def _gemv(
     y_ptr,  # [N]
     partial_ptr,  # [SPLITS, N] fp32 (SPLITS > 1): each split's sums
     count_ptr,  # [N] int32 zeros (SPLITS > 1): a row block's splits done, back to 0 at the end
+    normed_ptr,  # [N] fp32 out (NORM_OUT): y times the next norm's weight (at norm_ptr)
     N,
     K: tl.constexpr,  # (compiled for each: the loop and the scales' layout are static)
     eps,  # RMSNorm's (NORM)
     GROUP: tl.constexpr,  # columns a scale covers (K for one per row)
     BITS: tl.constexpr,
-    NORM: tl.constexpr,  # x is the residual stream: the product takes RMSNorm(x)
+    NORM: tl.constexpr,  # x is the residual stream: the product takes RMSNorm(x); 2: norm_ptr
+    # holds x times the norm's weight in fp32 (`NORM_OUT` of the kernel before)
     GATED: tl.constexpr,  # x is a gate and an up projection: the product takes silu(gate) * up
     RESIDUAL: tl.constexpr,  # y = residual + the product
     BLOCK_N: tl.constexpr,
@@ -102,6 +104,7 @@ def _gemv(
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
     FOLD: tl.constexpr = False,  # a sum a row and run of a thread's columns (`FOLD`)
+    NORM_OUT: tl.constexpr = False,  # (RESIDUAL) y times norm_ptr's weight out, for the next
 ):
     rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
@@ -144,8 +147,8 @@ def _gemv(
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    _finish(y, x_ptr, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
-            RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
+    _finish(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, partial_ptr, count_ptr, rows,
+            row_ok, N, BLOCK_N, RESIDUAL, SWIGLU, SPLITS, NORM_OUT)  # fmt: skip
 
 
 @triton.jit
@@ -158,16 +161,18 @@ def _split_begin(span: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _finish(
-    y, x_ptr, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N,
-    BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
+    y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, partial_ptr, count_ptr, rows, row_ok,
+    N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU, SPLITS: tl.constexpr, NORM_OUT,
 ):  # fmt: skip
     """`_store` y, once a row block's SPLITS programs have all summed their columns."""
     if SPLITS > 1:
         y, last = _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
         if last:
-            _store(y, x_ptr, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+            _store(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, rows, row_ok, N, BLOCK_N,
+                   RESIDUAL, SWIGLU, NORM_OUT)  # fmt: skip
     else:
-        _store(y, x_ptr, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+        _store(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, rows, row_ok, N, BLOCK_N,
+                   RESIDUAL, SWIGLU, NORM_OUT)  # fmt: skip
 
 
 @triton.jit
@@ -203,12 +208,14 @@ def _rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _store(
-    y, x_ptr, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU
+    y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
+    RESIDUAL, SWIGLU, NORM_OUT,
 ):  # fmt: skip
     """y [BLOCK_N] (fp32) out, rounded as the unfused block rounds: the product, then the
     residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU:
     rounded to x's dtype, stored in y's: fp32 for the fused block's w2, which then reads its
-    input without a conversion a column)."""
+    input without a conversion a column). NORM_OUT: also y (rounded) times norm_ptr's weight
+    in fp32 (exact) to normed_ptr, the input of the next product's norm (its NORM 2)."""
     if SWIGLU:
         dtype = x_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
@@ -222,6 +229,9 @@ def _store(
             residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
             y = y.to(dtype).to(tl.float32) + residual
         tl.store(y_ptr + rows, y.to(dtype), mask=row_ok)
+        if NORM_OUT:
+            weight = tl.load(norm_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+            tl.store(normed_ptr + rows, y.to(dtype).to(tl.float32) * weight, mask=row_ok)
 
 
 @triton.jit
@@ -294,6 +304,8 @@ def _fold(products, RUN: tl.constexpr):
 def _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE: tl.constexpr):
     """The product's input at `cols` as a vector, given `_input`'s x: as a vector, x's only
     row; as a tile, loaded again (summing the tile would cost an add a weight)."""
+    if X_TILE and NORM == 2:
+        return tl.load(norm_ptr + cols)
     if X_TILE:
         row = tl.load(x_ptr + cols).to(tl.float32)
         if NORM:
@@ -313,10 +325,14 @@ def _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE: tl.cons
     sum of squares still reads x as a vector (it never meets the tile until the end)."""
     if X_TILE:  # (one return: the compiler wants every return of one type)
         at = cols[None, :] + 0 * rows[:, None]
-        x = tl.load(x_ptr + at).to(tl.float32)
+        if NORM == 2:  # x times the norm's weight, made by the kernel before
+            x = tl.load(norm_ptr + at)
+        else:
+            x = tl.load(x_ptr + at).to(tl.float32)
         if NORM:
             x_row = tl.load(x_ptr + cols).to(tl.float32)
             squares += x_row * x_row
+        if NORM == 1:
             x *= tl.load(norm_ptr + at).to(tl.float32)
     else:
         x, squares = _activation(x_ptr, norm_ptr, cols, K, squares, NORM, GATED)
@@ -328,7 +344,7 @@ def _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE: tl.cons
 def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl.constexpr):
     """(the product's input at `cols` in fp32, `squares` + x^2 there when NORM). GATED: silu(gate)
     * up, rounded where the unfused block rounds; NORM: x times the norm's weight (the 1 / rms
-    factor comes at the end, so the GEMV reads x once)."""
+    factor comes at the end, so the GEMV reads x once; NORM 2: that product read from norm_ptr)."""
     dtype = x_ptr.dtype.element_ty
     if GATED:
         gate = tl.load(x_ptr + cols).to(tl.float32)
@@ -336,6 +352,8 @@ def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
         return (silu * up).to(dtype).to(tl.float32), squares
     x = tl.load(x_ptr + cols).to(tl.float32)
+    if NORM == 2:  # x times the norm's weight in fp32, made by the kernel before
+        return tl.load(norm_ptr + cols), squares + x * x
     if NORM:
         return x * tl.load(norm_ptr + cols).to(tl.float32), squares + x * x
     return x, squares
@@ -474,6 +492,7 @@ def _gemv_int4(
     y_ptr,  # [N]
     partial_ptr,  # [SPLITS, N] fp32 (SPLITS > 1), as in `_gemv`
     count_ptr,  # [N] int32 zeros (SPLITS > 1)
+    normed_ptr,  # [N] fp32 out (NORM_OUT), as in `_gemv`
     N,
     K: tl.constexpr,
     eps,
@@ -490,6 +509,7 @@ def _gemv_int4(
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
     SPLITS: tl.constexpr = 1,  # programs a row's groups are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key)
+    NORM_OUT: tl.constexpr = False,
 ):
     """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
     int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
@@ -521,8 +541,8 @@ def _gemv_int4(
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    _finish(y, x_ptr, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
-            RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
+    _finish(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, partial_ptr, count_ptr, rows,
+            row_ok, N, BLOCK_N, RESIDUAL, SWIGLU, SPLITS, NORM_OUT)  # fmt: skip
 
 
 @triton.jit
@@ -931,33 +951,39 @@ def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     return tiles | {"SPLITS": splits}
 
 
-def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
+def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu, normed, next_norm):
+    """`gemv`'s launch: y, and with `next_norm` (y times its weight, in fp32) too."""
     n, stored = w.shape
     k = 2 * stored if bits == 4 else stored
     group = k // scale.shape[1] if scale is not None and scale.numel() else k  # (one: a row)
     if bits == 4 and int4_halves(group, x.dtype):
-        return _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu)
+        return _launch_gemv_int4(
+            x, w, scale, zero, group, norm, eps, gated, residual, swiglu, normed, next_norm
+        )
     y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     max_splits = _max_splits(norm, swiglu)
+    out = _normed_output(y, next_norm)
     _gemv_tuned[grid](
         x.contiguous(),
         w,
         scale if scale is not None else y,  # (any pointer where unused)
         zero if zero is not None else y,
-        norm if norm is not None else y,
+        _norm_pointer(norm, normed, next_norm, y),
         residual.contiguous() if residual is not None else y,
         y,
         *_split_workspace(x.device, n, max_splits, y),
+        out if out is not None else y,
         n,
         k,
         eps,
         GROUP=group,
         BITS=bits,
-        NORM=norm is not None,
+        NORM=_norm_mode(norm, normed),
         GATED=gated and x.shape[-1] == 2 * k,
         RESIDUAL=residual is not None,
         SWIGLU=swiglu,
+        NORM_OUT=out is not None,
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
@@ -966,7 +992,26 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated, x.dtype, max_splits) if INTERPRETED else {}),
     )
-    return y
+    return y if out is None else (y, out)
+
+
+def _norm_mode(norm, normed) -> int | bool:
+    """The kernels' NORM: False, True (the norm in the product), 2 (x times its weight made by
+    the product before, `normed`)."""
+    return 2 if norm is not None and normed is not None else norm is not None
+
+
+def _norm_pointer(norm, normed, next_norm, y):
+    """What a product's norm_ptr points at: the norm's weight, x times it (`normed`, NORM 2),
+    or the next product's norm weight (NORM_OUT)."""
+    if norm is not None:
+        return normed if normed is not None else norm
+    return next_norm if next_norm is not None else y
+
+
+def _normed_output(y: torch.Tensor, next_norm) -> torch.Tensor | None:
+    """NORM_OUT's output: y's shape in fp32 (None without a next norm)."""
+    return None if next_norm is None else torch.empty_like(y, dtype=torch.float32)
 
 
 def _output_dtype(dtype: torch.dtype, swiglu: bool) -> torch.dtype:
@@ -1055,10 +1100,12 @@ else:
     )(_gemv_int4)
 
 
-def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu):
+def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu, normed,
+                      next_norm):  # fmt: skip
     n, stored = w.shape
     k = 2 * stored
     y, grid = _output(x, n, swiglu)
+    out = _normed_output(y, next_norm)
     early = early_launch(x.device)
     shift = _X_SHIFT_GATED if gated else _X_SHIFT
     max_splits = _max_splits(norm, swiglu)
@@ -1073,17 +1120,19 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         w.view(torch.int32),  # [N, K/8]: the bytes four to a word
         scale,
         zero,
-        norm if norm is not None else y,
+        _norm_pointer(norm, normed, next_norm, y),
         residual.contiguous() if residual is not None else y,
         y,
         *_split_workspace(x.device, n, max_splits, y),
+        out if out is not None else y,
         n,
         k,
         eps,
         GROUP=group,
-        NORM=norm is not None,
+        NORM=_norm_mode(norm, normed),
         GATED=gated and x.shape[-1] == 2 * k,
         RESIDUAL=residual is not None,
+        NORM_OUT=out is not None,
         EARLY=early,
         PRELOAD=int(early),
         SWIGLU=swiglu,
@@ -1093,7 +1142,7 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         launch_pdl=early,
         **interpreted,
     )
-    return y
+    return y if out is None else (y, out)
 
 
 @torch.library.custom_op("lmforge::gemv", mutates_args=())
@@ -1108,22 +1157,51 @@ def gemv(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
+    normed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One row of activations times a weight: [1, N]. The weight is plain (bits 16: [N, K],
     bf16, fp16, fp32) or quantized (`q`, `scale`, `zero` in the module docstring's layouts).
     What the decode step did around the product can happen inside it: `norm` (the RMSNorm
-    weight, with `eps`): x [1, K] is the residual stream and the product takes its norm;
-    `gated`: x is SiLU·up, given as [1, 2K] gate and up (the product takes silu(gate) * up)
-    or as [1, K] made already; `residual` [N]: it is added to the product; `swiglu`: the
-    weight is [gate; up] and the output [1, N/2] is silu(gate) * up of the two halves."""
-    return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual, swiglu)
+    weight, with `eps`): x [1, K] is the residual stream and the product takes its norm (with
+    `normed` [1, K], x times the norm's weight in fp32 made by `gemv_normed`, read instead of
+    made again); `gated`: x is SiLU·up, given as [1, 2K] gate and up (the product takes
+    silu(gate) * up) or as [1, K] made already; `residual` [N]: it is added to the product;
+    `swiglu`: the weight is [gate; up] and the output [1, N/2] is silu(gate) * up of the two
+    halves."""
+    return _launch_gemv(
+        x, weight, scale, zero, bits, norm, eps, gated, residual, swiglu, normed, None
+    )
 
 
 @gemv.register_fake
 def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None,
-      swiglu=False):  # fmt: skip
+      swiglu=False, normed=None):  # fmt: skip
     width = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return x.new_empty(1, width, dtype=_output_dtype(x.dtype, swiglu))
+
+
+@torch.library.custom_op("lmforge::gemv_normed", mutates_args=())
+def gemv_normed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    bits: int,
+    residual: torch.Tensor,
+    next_norm: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv` with a residual add whose output y [1, N] (the residual stream) feeds a norm:
+    (y, y times `next_norm`'s weight [1, N] in fp32), the second for the next product's
+    `normed`, so that product's programs read it instead of each multiplying x by the weight."""
+    return _launch_gemv(
+        x, weight, scale, zero, bits, None, 0.0, False, residual, False, None, next_norm
+    )
+
+
+@gemv_normed.register_fake
+def _(x, weight, scale, zero, bits, residual, next_norm):
+    y = x.new_empty(1, weight.shape[0])
+    return y, y.new_empty(y.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("lmforge::quantized_matmul", mutates_args=())
@@ -1172,10 +1250,12 @@ class _MatvecLayer(nn.Module):
         gated: bool = False,
         residual: torch.Tensor | None = None,
         swiglu: bool = False,
+        normed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One row x [..., K] -> [..., N]: the product of RMSNorm(x) with `norm` (an
-        RMSNorm), of SiLU·up when `gated` (x [..., 2K], gate and up, or [..., K] made), plus
-        `residual` [..., N]; `swiglu`: silu(gate) * up of the output's halves, [..., N/2]."""
+        RMSNorm; `normed`: x times its weight, from `matvec_normed`), of SiLU·up when `gated`
+        (x [..., 2K], gate and up, or [..., K] made), plus `residual` [..., N]; `swiglu`:
+        silu(gate) * up of the output's halves, [..., N/2]."""
         y = gemv(
             x.reshape(1, -1),
             *self.weight_args(),
@@ -1184,8 +1264,19 @@ class _MatvecLayer(nn.Module):
             gated=gated,
             residual=residual.reshape(-1) if residual is not None else None,
             swiglu=swiglu,
+            normed=normed,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def matvec_normed(
+        self, x: torch.Tensor, *, residual: torch.Tensor, next_norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row x [..., K] -> (the product plus `residual` [..., N], that times
+        `next_norm`'s weight [1, N] in fp32: the next `matvec`'s `normed`)."""
+        y, normed = gemv_normed(
+            x.reshape(1, -1), *self.weight_args(), residual.reshape(-1), next_norm.weight
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1]), normed
 
 
 class GemvLinear(_MatvecLayer):
@@ -1367,6 +1458,13 @@ def use_gemv(model: nn.Module) -> int:
 SWIGLU_IN_W13 = True
 
 
+# w13's input times ffn_norm's weight made once, in fp32, by wo's programs (each for its own
+# rows, after the residual add), so w13's programs read it instead of each loading the norm's
+# weight and multiplying (numerically the same: the product of two bf16 values is exact in
+# fp32). False: in w13 (the A/B in benchmarks/decode.py, variant lmforge-norm-in-w13).
+NORMED_INPUT = True
+
+
 class FusedDecodeBlock:
     """A transformer block whose single-row forward (batch-1 decoding) is four GEMV launches
     around one attention kernel, with the block's other work inside them: each RMSNorm in the
@@ -1386,8 +1484,12 @@ class FusedDecodeBlock:
         attention, ffn = self.attention, self.feed_forward
         qkv = attention.wqkv.matvec(x, norm=self.attention_norm)
         heads = _attend_one_row(attention, qkv, cos, sin, attn_mask, kv_cache)
-        h = attention.wo.matvec(heads, residual=x)
-        gated = ffn.w13.matvec(h, norm=self.ffn_norm, swiglu=SWIGLU_IN_W13)
+        normed = None
+        if NORMED_INPUT:
+            h, normed = attention.wo.matvec_normed(heads, residual=x, next_norm=self.ffn_norm)
+        else:
+            h = attention.wo.matvec(heads, residual=x)
+        gated = ffn.w13.matvec(h, norm=self.ffn_norm, swiglu=SWIGLU_IN_W13, normed=normed)
         return ffn.w2.matvec(gated, gated=True, residual=h)
 
 
