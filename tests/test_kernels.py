@@ -385,10 +385,14 @@ def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype, x_tile, monkeypatch
     assert isinstance(model.layers["0"], kernels.FusedDecodeBlock)
     assert sorted(model.state_dict()) == names
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    streams = []  # each block's output: the residual stream stays in the model's dtype
+    for block in model.layers.values():
+        block.register_forward_hook(lambda module, args, out: streams.append(out.dtype))
     for tokens in (torch.tensor([[7]]), torch.tensor([[7, 9, 11]])):
         with torch.no_grad():
             want, got = reference(tokens).float(), model(tokens).float()
         torch.testing.assert_close(got, want, **tolerance)
+    assert streams == [dtype] * 2 * SMALL.num_layers
     if scheme == "fp32" and x_tile:  # through the KV cache (the others: the logits above)
         params = SamplingParams(max_new_tokens=3, temperature=0, stop_token_ids=())
         prompts = [[5, 17, 33, 2], [9]]

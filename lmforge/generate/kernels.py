@@ -960,7 +960,7 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu, no
         return _launch_gemv_int4(
             x, w, scale, zero, group, norm, eps, gated, residual, swiglu, normed, next_norm
         )
-    y, grid = _output(x, n, swiglu)
+    y, grid = _output(x, n, swiglu, residual)
     early = early_launch(x.device)
     max_splits = _max_splits(norm, swiglu)
     out = _normed_output(y, next_norm)
@@ -1014,16 +1014,19 @@ def _normed_output(y: torch.Tensor, next_norm) -> torch.Tensor | None:
     return None if next_norm is None else torch.empty_like(y, dtype=torch.float32)
 
 
-def _output_dtype(dtype: torch.dtype, swiglu: bool) -> torch.dtype:
-    """A product's output dtype: x's, but float32 for SiLU·up (`SWIGLU_FP32`)."""
-    return torch.float32 if swiglu and SWIGLU_FP32 else dtype
+def _output_dtype(x: torch.Tensor, swiglu: bool, residual: torch.Tensor | None) -> torch.dtype:
+    """A product's output dtype: the residual stream's where it adds one (its x may be SiLU·up
+    in fp32), float32 for SiLU·up (`SWIGLU_FP32`), else x's."""
+    if residual is not None:
+        return residual.dtype
+    return torch.float32 if swiglu and SWIGLU_FP32 else x.dtype
 
 
-def _output(x: torch.Tensor, n: int, swiglu: bool):
+def _output(x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None):
     """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid: a program a tile of
     rows and share of a row (`SPLITS`)."""
     width = n // 2 if swiglu else n
-    y = torch.empty(1, width, dtype=_output_dtype(x.dtype, swiglu), device=x.device)
+    y = torch.empty(1, width, dtype=_output_dtype(x, swiglu, residual), device=x.device)
     return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)), meta["SPLITS"])
 
 
@@ -1104,7 +1107,7 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
                       next_norm):  # fmt: skip
     n, stored = w.shape
     k = 2 * stored
-    y, grid = _output(x, n, swiglu)
+    y, grid = _output(x, n, swiglu, residual)
     out = _normed_output(y, next_norm)
     early = early_launch(x.device)
     shift = _X_SHIFT_GATED if gated else _X_SHIFT
@@ -1177,7 +1180,7 @@ def gemv(
 def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None,
       swiglu=False, normed=None):  # fmt: skip
     width = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    return x.new_empty(1, width, dtype=_output_dtype(x.dtype, swiglu))
+    return x.new_empty(1, width, dtype=_output_dtype(x, swiglu, residual))
 
 
 @torch.library.custom_op("lmforge::gemv_normed", mutates_args=())
@@ -1200,7 +1203,7 @@ def gemv_normed(
 
 @gemv_normed.register_fake
 def _(x, weight, scale, zero, bits, residual, next_norm):
-    y = x.new_empty(1, weight.shape[0])
+    y = x.new_empty(1, weight.shape[0], dtype=residual.dtype)
     return y, y.new_empty(y.shape, dtype=torch.float32)
 
 
