@@ -145,9 +145,6 @@ VARIANTS = (
     "lmforge-no-split",  # no product's rows split among programs (kernels.SPLIT_K)
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
-    "lmforge-no-fold",  # a sum a tile column, reduced at the end (kernels.FOLD)
-    "lmforge-swiglu-bf16",  # SiLU·up stored in the activations' dtype (kernels.SWIGLU_FP32)
-    "lmforge-norm-in-w13",  # w13 multiplies x by the norm's weight itself (kernels.NORMED_INPUT)
     "hf",
     "hf-static",
 )
@@ -190,18 +187,11 @@ def launch_context(variant: str):
     not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
     programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
     floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
-    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`);
-    `...no-fold` keeps a sum a tile column (`kernels.FOLD`); `...swiglu-bf16` stores SiLU·up
-    in the activations' dtype (`kernels.SWIGLU_FP32`); `...norm-in-w13` has w13 multiply x by
-    the norm's weight itself (`kernels.NORMED_INPUT`). The
+    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`). The
     GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
     `kernels.TILES`), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
     halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
-    fold, swiglu_fp32, normed = kernels.FOLD, kernels.SWIGLU_FP32, kernels.NORMED_INPUT
-    kernels.NORMED_INPUT = normed and not variant.endswith("norm-in-w13")
-    kernels.FOLD = fold and not variant.endswith("no-fold")
-    kernels.SWIGLU_FP32 = swiglu_fp32 and not variant.endswith("swiglu-bf16")
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
     kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
     kernels.SPLIT_K = split and not variant.endswith("no-split")
@@ -217,7 +207,6 @@ def launch_context(variant: str):
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
         kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
-        kernels.FOLD, kernels.SWIGLU_FP32, kernels.NORMED_INPUT = fold, swiglu_fp32, normed
 
 
 def _peak_gb() -> float | None:

@@ -41,8 +41,6 @@
 #   bash benchmarks/device_calls.sh split       # one H200: rows split among programs (split-K) or not, 1B/3B; GPU tests
 #   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output; launch_floor.py
 #   bash benchmarks/device_calls.sh ncu         # one H200: the 1B's block products (bf16/int8/int4) timed cold, then under Nsight Compute
-#   bash benchmarks/device_calls.sh fold        # one H200: a sum a row and thread (kernels.FOLD), SiLU·up in fp32; 1B A/B; GPU tests
-#   bash benchmarks/device_calls.sh fold-rows   # one H200: fold's A/B again (residual stream kept bf16), 1B and 3B; GPU test
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -60,9 +58,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | fold | fold-rows | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|fold|fold-rows|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -603,37 +601,6 @@ step-added)
   grep -h '^{' "$OUT/floor.log"
   grep -h '^{' "$OUT"/output-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
-  ;;
-fold)
-  # the GEMV's sums folded along each thread's columns (kernels.FOLD), SiLU·up stored in fp32
-  # for w2 (kernels.SWIGLU_FP32), w13's input times its norm made by wo (kernels.NORMED_INPUT),
-  # as shipped, against each left out: the 1B, bf16 / int8 /
-  # int4 (pinned tiles); its products one at a time, cold; then the fusions' GPU tests
-  step 300 fold-1b python3 benchmarks/decode.py --presets llama3.2-1b \
-    --variants lmforge lmforge-no-fold lmforge-swiglu-bf16 lmforge-norm-in-w13 \
-    --schemes bf16 int8-wo int4-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  step 60 times python3 benchmarks/ncu_products.py --shape 1b
-  kernel_tests 80 "fusions_equal or norm_made_before"
-  cat "$OUT/times.log"
-  grep -h '^{' "$OUT"/fold-*.log | cut -c1-250
-  tail -n 3 "$OUT/check.log"
-  grep -h -c Traceback "$OUT"/fold-*.log || true
-  ;;
-fold-rows)
-  # as fold, after its first run found the residual stream turned fp32 after w2 (the output
-  # took x's dtype): 1B with each change left out, 3B with and without the fold; each preset
-  # in a fresh process and Triton cache; then the GPU test of the norm made before
-  TRITON_CACHE_DIR=/tmp/triton-fr-1b step 250 rows-1b python3 benchmarks/decode.py \
-    --presets llama3.2-1b \
-    --variants lmforge lmforge-no-fold lmforge-swiglu-bf16 lmforge-norm-in-w13 \
-    --schemes bf16 int8-wo int4-wo --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  TRITON_CACHE_DIR=/tmp/triton-fr-3b step 200 rows-3b python3 benchmarks/decode.py \
-    --presets llama3.2-3b --variants lmforge lmforge-no-fold --schemes bf16 int8-wo int4-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/3b"
-  kernel_tests 70 "norm_made_before"
-  grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
-  tail -n 3 "$OUT/check.log"
-  grep -h -c Traceback "$OUT"/rows-*.log || true
   ;;
 ncu)
   # the 1B's block products as the fused block launches them, timed with the weights out of L2,

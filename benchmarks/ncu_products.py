@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemv import SHAPES
-from lmforge.generate import kernels
 from lmforge.generate.kernels import gemv
 
 FUSIONS = {"wqkv": "norm", "wo": "residual", "w13": "norm swiglu", "w2": "made residual"}
@@ -55,8 +54,6 @@ def product(name: str, n: int, k: int, bits: int):
         "residual": residual if "residual" in fusions else None,
         "swiglu": "swiglu" in fusions,
     }
-    if "swiglu" in fusions and kernels.NORMED_INPUT:  # x times the norm's weight made by wo
-        kwargs["normed"] = x.float() * norm.float()
     return lambda: gemv(x, *weight, **kwargs)
 
 

@@ -83,14 +83,12 @@ def _gemv(
     y_ptr,  # [N]
     partial_ptr,  # [SPLITS, N] fp32 (SPLITS > 1): each split's sums
     count_ptr,  # [N] int32 zeros (SPLITS > 1): a row block's splits done, back to 0 at the end
-    normed_ptr,  # [N] fp32 out (NORM_OUT): y times the next norm's weight (at norm_ptr)
     N,
     K: tl.constexpr,  # (compiled for each: the loop and the scales' layout are static)
     eps,  # RMSNorm's (NORM)
     GROUP: tl.constexpr,  # columns a scale covers (K for one per row)
     BITS: tl.constexpr,
-    NORM: tl.constexpr,  # x is the residual stream: the product takes RMSNorm(x); 2: norm_ptr
-    # holds x times the norm's weight in fp32 (`NORM_OUT` of the kernel before)
+    NORM: tl.constexpr,  # x is the residual stream: the product takes RMSNorm(x)
     GATED: tl.constexpr,  # x is a gate and an up projection: the product takes silu(gate) * up
     RESIDUAL: tl.constexpr,  # y = residual + the product
     BLOCK_N: tl.constexpr,
@@ -103,15 +101,12 @@ def _gemv(
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
-    FOLD: tl.constexpr = False,  # a sum a row and run of a thread's columns (`FOLD`)
-    NORM_OUT: tl.constexpr = False,  # (RESIDUAL) y times norm_ptr's weight out, for the next
 ):
     rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     span: tl.constexpr = stored // SPLITS  # columns a program reads, from `begin`
     begin = _split_begin(span, SPLITS)
-    run: tl.constexpr = (8 if BITS == 16 else 16) if FOLD else 1  # `_fold`
-    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
     biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
     sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
@@ -126,18 +121,18 @@ def _gemv(
     if first:
         acc, squares, sums = _accumulate(
             acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     if second:
         acc, squares, sums = _accumulate(
             acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows,
-            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
         acc, squares, sums = _accumulate(
             acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
         )  # fmt: skip
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
@@ -147,8 +142,8 @@ def _gemv(
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    _finish(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, partial_ptr, count_ptr, rows,
-            row_ok, N, BLOCK_N, RESIDUAL, SWIGLU, SPLITS, NORM_OUT)  # fmt: skip
+    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
+            SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -161,18 +156,16 @@ def _split_begin(span: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _finish(
-    y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, partial_ptr, count_ptr, rows, row_ok,
-    N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU, SPLITS: tl.constexpr, NORM_OUT,
+    y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
+    RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """`_store` y, once a row block's SPLITS programs have all summed their columns."""
     if SPLITS > 1:
         y, last = _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
         if last:
-            _store(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, rows, row_ok, N, BLOCK_N,
-                   RESIDUAL, SWIGLU, NORM_OUT)  # fmt: skip
+            _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
     else:
-        _store(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, rows, row_ok, N, BLOCK_N,
-                   RESIDUAL, SWIGLU, NORM_OUT)  # fmt: skip
+        _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
 
 
 @triton.jit
@@ -207,31 +200,20 @@ def _rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _store(
-    y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
-    RESIDUAL, SWIGLU, NORM_OUT,
-):  # fmt: skip
+def _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
     """y [BLOCK_N] (fp32) out, rounded as the unfused block rounds: the product, then the
-    residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU:
-    rounded to x's dtype, stored in y's: fp32 for the fused block's w2, which then reads its
-    input without a conversion a column). NORM_OUT: also y (rounded) times norm_ptr's weight
-    in fp32 (exact) to normed_ptr, the input of the next product's norm (its NORM 2)."""
+    residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU)."""
+    dtype = y_ptr.dtype.element_ty
     if SWIGLU:
-        dtype = x_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
         at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        made = (silu * up).to(dtype)
-        tl.store(y_ptr + at, made.to(y_ptr.dtype.element_ty), mask=at < N // 2)
+        tl.store(y_ptr + at, (silu * up).to(dtype), mask=at < N // 2)
     else:
-        dtype = y_ptr.dtype.element_ty
         if RESIDUAL:
             residual = tl.load(residual_ptr + rows, mask=row_ok, other=0).to(tl.float32)
             y = y.to(dtype).to(tl.float32) + residual
         tl.store(y_ptr + rows, y.to(dtype), mask=row_ok)
-        if NORM_OUT:
-            weight = tl.load(norm_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-            tl.store(normed_ptr + rows, y.to(dtype).to(tl.float32) * weight, mask=row_ok)
 
 
 @triton.jit
@@ -250,7 +232,7 @@ def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
 def _accumulate(
     acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
     BITS, NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr,
-    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr, run: tl.constexpr,
+    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr,
 ):  # fmt: skip
     """acc + the weight tile w (stored columns k0..) times its inputs, `squares` + x^2 (NORM)
     and `sums` + x (BIASED)."""
@@ -260,14 +242,14 @@ def _accumulate(
     x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
     if BIASED:
         sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
-        acc += _fold(_int8_biased(w) * x, run)
+        acc += _int8_biased(w) * x
     elif BITS == 16:
-        acc += _fold(w.to(tl.float32) * x, run)
+        acc += w.to(tl.float32) * x
     elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
-        acc += _fold(_int8_values(w) * x, run)
+        acc += _int8_values(w) * x
     elif BITS == 8:
         scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
-        acc += _fold(_int8_values(w) * scale.to(tl.float32)[:, None] * x, run)
+        acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x
     else:
         high_cols = stored + cols
         x_high, squares = _input(x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE)
@@ -275,37 +257,19 @@ def _accumulate(
         high = rows * groups + (stored + k0) // GROUP
         if INT4_FROM_BITS:
             low_values, high_values = _int4_values(w)
-            low_sums = _int4_times(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
-            high_sums = _int4_times(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high,
-                                    row_ok)  # fmt: skip
-            acc += _fold(low_sums + high_sums, run)
+            acc += _int4_times(low_values, 2.0, 264.0, x, scale_ptr, zero_ptr, low, row_ok)
+            acc += _int4_times(high_values, 0.125, 24.0, x_high, scale_ptr, zero_ptr, high, row_ok)
         else:  # the converter: v = n, one step a unit, offset 8
             low_values, high_values = (w & 0xF).to(tl.float32), (w >> 4).to(tl.float32)
-            low_sums = _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
-            high_sums = _int4_times(
-                high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok
-            )
-            acc += _fold(low_sums + high_sums, run)
+            acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
+            acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares, sums
-
-
-@triton.jit
-def _fold(products, RUN: tl.constexpr):
-    """products [rows, cols] summed over each run of RUN columns (a thread's load: 8 bf16 or
-    16 bytes) -> [rows, cols / RUN]: with fp contraction, a chain of FMAs a row and thread."""
-    if RUN == 1:
-        return products
-    rows: tl.constexpr = products.shape[0]
-    cols: tl.constexpr = products.shape[1]
-    return tl.sum(tl.reshape(products, [rows, cols // RUN, RUN]), axis=2)
 
 
 @triton.jit
 def _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE: tl.constexpr):
     """The product's input at `cols` as a vector, given `_input`'s x: as a vector, x's only
     row; as a tile, loaded again (summing the tile would cost an add a weight)."""
-    if X_TILE and NORM == 2:
-        return tl.load(norm_ptr + cols)
     if X_TILE:
         row = tl.load(x_ptr + cols).to(tl.float32)
         if NORM:
@@ -325,14 +289,10 @@ def _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE: tl.cons
     sum of squares still reads x as a vector (it never meets the tile until the end)."""
     if X_TILE:  # (one return: the compiler wants every return of one type)
         at = cols[None, :] + 0 * rows[:, None]
-        if NORM == 2:  # x times the norm's weight, made by the kernel before
-            x = tl.load(norm_ptr + at)
-        else:
-            x = tl.load(x_ptr + at).to(tl.float32)
+        x = tl.load(x_ptr + at).to(tl.float32)
         if NORM:
             x_row = tl.load(x_ptr + cols).to(tl.float32)
             squares += x_row * x_row
-        if NORM == 1:
             x *= tl.load(norm_ptr + at).to(tl.float32)
     else:
         x, squares = _activation(x_ptr, norm_ptr, cols, K, squares, NORM, GATED)
@@ -344,7 +304,7 @@ def _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE: tl.cons
 def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl.constexpr):
     """(the product's input at `cols` in fp32, `squares` + x^2 there when NORM). GATED: silu(gate)
     * up, rounded where the unfused block rounds; NORM: x times the norm's weight (the 1 / rms
-    factor comes at the end, so the GEMV reads x once; NORM 2: that product read from norm_ptr)."""
+    factor comes at the end, so the GEMV reads x once)."""
     dtype = x_ptr.dtype.element_ty
     if GATED:
         gate = tl.load(x_ptr + cols).to(tl.float32)
@@ -352,8 +312,6 @@ def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
         return (silu * up).to(dtype).to(tl.float32), squares
     x = tl.load(x_ptr + cols).to(tl.float32)
-    if NORM == 2:  # x times the norm's weight in fp32, made by the kernel before
-        return tl.load(norm_ptr + cols), squares + x * x
     if NORM:
         return x * tl.load(norm_ptr + cols).to(tl.float32), squares + x * x
     return x, squares
@@ -492,7 +450,6 @@ def _gemv_int4(
     y_ptr,  # [N]
     partial_ptr,  # [SPLITS, N] fp32 (SPLITS > 1), as in `_gemv`
     count_ptr,  # [N] int32 zeros (SPLITS > 1)
-    normed_ptr,  # [N] fp32 out (NORM_OUT), as in `_gemv`
     N,
     K: tl.constexpr,
     eps,
@@ -509,7 +466,6 @@ def _gemv_int4(
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
     SPLITS: tl.constexpr = 1,  # programs a row's groups are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key)
-    NORM_OUT: tl.constexpr = False,
 ):
     """`_gemv` for int4 (bits 4, the module docstring's layout), a row's bytes read four to an
     int32 word: word c holds the low nibbles of columns 4c..4c+3 and the high nibbles of
@@ -541,8 +497,8 @@ def _gemv_int4(
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    _finish(y, x_ptr, y_ptr, residual_ptr, norm_ptr, normed_ptr, partial_ptr, count_ptr, rows,
-            row_ok, N, BLOCK_N, RESIDUAL, SWIGLU, SPLITS, NORM_OUT)  # fmt: skip
+    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
+            SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -764,18 +720,6 @@ MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of
 _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 
 
-# SiLU·up (w13's output in the fused block, w2's input) stored as float32 holding the values
-# rounded to the activations' dtype, so w2's programs read it without a conversion a column
-# (numerically the same). False: in the activations' dtype (the A/B in benchmarks/decode.py,
-# variant lmforge-swiglu-bf16).
-SWIGLU_FP32 = True
-# Each thread adds its products along a row into one sum (the FMAs of its 8 or 16 columns
-# chained) instead of keeping a sum for every column of the tile, reduced at the end: on sm_90
-# the 1B's int8 w13 takes 80 registers instead of 96 (6 programs an SM instead of 5), its wqkv
-# 92 instead of 128. False: a sum a column (the A/B, variant lmforge-no-fold).
-FOLD = True
-
-
 # Split-K (`_combine`): a product without a norm or SiLU·up may share each row's columns among
 # 2 or 4 programs, tuned like a tile (pinned as `... kSPLITS`). Long rows over few rows (w2:
 # 8,192 columns, 2,048 rows on the 1B) otherwise leave one program an SM reading one tile at a
@@ -951,82 +895,48 @@ def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     return tiles | {"SPLITS": splits}
 
 
-def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu, normed, next_norm):
-    """`gemv`'s launch: y, and with `next_norm` (y times its weight, in fp32) too."""
+def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
     n, stored = w.shape
     k = 2 * stored if bits == 4 else stored
     group = k // scale.shape[1] if scale is not None and scale.numel() else k  # (one: a row)
     if bits == 4 and int4_halves(group, x.dtype):
-        return _launch_gemv_int4(
-            x, w, scale, zero, group, norm, eps, gated, residual, swiglu, normed, next_norm
-        )
-    y, grid = _output(x, n, swiglu, residual)
+        return _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu)
+    y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     max_splits = _max_splits(norm, swiglu)
-    out = _normed_output(y, next_norm)
     _gemv_tuned[grid](
         x.contiguous(),
         w,
         scale if scale is not None else y,  # (any pointer where unused)
         zero if zero is not None else y,
-        _norm_pointer(norm, normed, next_norm, y),
+        norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
         *_split_workspace(x.device, n, max_splits, y),
-        out if out is not None else y,
         n,
         k,
         eps,
         GROUP=group,
         BITS=bits,
-        NORM=_norm_mode(norm, normed),
+        NORM=norm is not None,
         GATED=gated and x.shape[-1] == 2 * k,
         RESIDUAL=residual is not None,
         SWIGLU=swiglu,
-        NORM_OUT=out is not None,
         EARLY=early,
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
         MAX_SPLITS=max_splits,
-        FOLD=FOLD,
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated, x.dtype, max_splits) if INTERPRETED else {}),
     )
-    return y if out is None else (y, out)
+    return y
 
 
-def _norm_mode(norm, normed) -> int | bool:
-    """The kernels' NORM: False, True (the norm in the product), 2 (x times its weight made by
-    the product before, `normed`)."""
-    return 2 if norm is not None and normed is not None else norm is not None
-
-
-def _norm_pointer(norm, normed, next_norm, y):
-    """What a product's norm_ptr points at: the norm's weight, x times it (`normed`, NORM 2),
-    or the next product's norm weight (NORM_OUT)."""
-    if norm is not None:
-        return normed if normed is not None else norm
-    return next_norm if next_norm is not None else y
-
-
-def _normed_output(y: torch.Tensor, next_norm) -> torch.Tensor | None:
-    """NORM_OUT's output: y's shape in fp32 (None without a next norm)."""
-    return None if next_norm is None else torch.empty_like(y, dtype=torch.float32)
-
-
-def _output_dtype(x: torch.Tensor, swiglu: bool, residual: torch.Tensor | None) -> torch.dtype:
-    """A product's output dtype: the residual stream's where it adds one (its x may be SiLU·up
-    in fp32), float32 for SiLU·up (`SWIGLU_FP32`), else x's."""
-    if residual is not None:
-        return residual.dtype
-    return torch.float32 if swiglu and SWIGLU_FP32 else x.dtype
-
-
-def _output(x: torch.Tensor, n: int, swiglu: bool, residual: torch.Tensor | None):
+def _output(x: torch.Tensor, n: int, swiglu: bool):
     """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid: a program a tile of
     rows and share of a row (`SPLITS`)."""
     width = n // 2 if swiglu else n
-    y = torch.empty(1, width, dtype=_output_dtype(x, swiglu, residual), device=x.device)
+    y = torch.empty(1, width, dtype=x.dtype, device=x.device)
     return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)), meta["SPLITS"])
 
 
@@ -1103,12 +1013,10 @@ else:
     )(_gemv_int4)
 
 
-def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu, normed,
-                      next_norm):  # fmt: skip
+def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swiglu):
     n, stored = w.shape
     k = 2 * stored
-    y, grid = _output(x, n, swiglu, residual)
-    out = _normed_output(y, next_norm)
+    y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     shift = _X_SHIFT_GATED if gated else _X_SHIFT
     max_splits = _max_splits(norm, swiglu)
@@ -1123,19 +1031,17 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         w.view(torch.int32),  # [N, K/8]: the bytes four to a word
         scale,
         zero,
-        _norm_pointer(norm, normed, next_norm, y),
+        norm if norm is not None else y,
         residual.contiguous() if residual is not None else y,
         y,
         *_split_workspace(x.device, n, max_splits, y),
-        out if out is not None else y,
         n,
         k,
         eps,
         GROUP=group,
-        NORM=_norm_mode(norm, normed),
+        NORM=norm is not None,
         GATED=gated and x.shape[-1] == 2 * k,
         RESIDUAL=residual is not None,
-        NORM_OUT=out is not None,
         EARLY=early,
         PRELOAD=int(early),
         SWIGLU=swiglu,
@@ -1145,7 +1051,7 @@ def _launch_gemv_int4(x, w, scale, zero, group, norm, eps, gated, residual, swig
         launch_pdl=early,
         **interpreted,
     )
-    return y if out is None else (y, out)
+    return y
 
 
 @torch.library.custom_op("lmforge::gemv", mutates_args=())
@@ -1160,51 +1066,21 @@ def gemv(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
-    normed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One row of activations times a weight: [1, N]. The weight is plain (bits 16: [N, K],
     bf16, fp16, fp32) or quantized (`q`, `scale`, `zero` in the module docstring's layouts).
     What the decode step did around the product can happen inside it: `norm` (the RMSNorm
-    weight, with `eps`): x [1, K] is the residual stream and the product takes its norm (with
-    `normed` [1, K], x times the norm's weight in fp32 made by `gemv_normed`, read instead of
-    made again); `gated`: x is SiLU·up, given as [1, 2K] gate and up (the product takes
-    silu(gate) * up) or as [1, K] made already; `residual` [N]: it is added to the product;
-    `swiglu`: the weight is [gate; up] and the output [1, N/2] is silu(gate) * up of the two
-    halves."""
-    return _launch_gemv(
-        x, weight, scale, zero, bits, norm, eps, gated, residual, swiglu, normed, None
-    )
+    weight, with `eps`): x [1, K] is the residual stream and the product takes its norm;
+    `gated`: x is SiLU·up, given as [1, 2K] gate and up (the product takes silu(gate) * up)
+    or as [1, K] made already; `residual` [N]: it is added to the product; `swiglu`: the
+    weight is [gate; up] and the output [1, N/2] is silu(gate) * up of the two halves."""
+    return _launch_gemv(x, weight, scale, zero, bits, norm, eps, gated, residual, swiglu)
 
 
 @gemv.register_fake
 def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False, residual=None,
-      swiglu=False, normed=None):  # fmt: skip
-    width = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    return x.new_empty(1, width, dtype=_output_dtype(x, swiglu, residual))
-
-
-@torch.library.custom_op("lmforge::gemv_normed", mutates_args=())
-def gemv_normed(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor | None,
-    zero: torch.Tensor | None,
-    bits: int,
-    residual: torch.Tensor,
-    next_norm: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv` with a residual add whose output y [1, N] (the residual stream) feeds a norm:
-    (y, y times `next_norm`'s weight [1, N] in fp32), the second for the next product's
-    `normed`, so that product's programs read it instead of each multiplying x by the weight."""
-    return _launch_gemv(
-        x, weight, scale, zero, bits, None, 0.0, False, residual, False, None, next_norm
-    )
-
-
-@gemv_normed.register_fake
-def _(x, weight, scale, zero, bits, residual, next_norm):
-    y = x.new_empty(1, weight.shape[0], dtype=residual.dtype)
-    return y, y.new_empty(y.shape, dtype=torch.float32)
+      swiglu=False):  # fmt: skip
+    return x.new_empty(1, weight.shape[0] // 2 if swiglu else weight.shape[0])
 
 
 @torch.library.custom_op("lmforge::quantized_matmul", mutates_args=())
@@ -1253,12 +1129,10 @@ class _MatvecLayer(nn.Module):
         gated: bool = False,
         residual: torch.Tensor | None = None,
         swiglu: bool = False,
-        normed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One row x [..., K] -> [..., N]: the product of RMSNorm(x) with `norm` (an
-        RMSNorm; `normed`: x times its weight, from `matvec_normed`), of SiLU·up when `gated`
-        (x [..., 2K], gate and up, or [..., K] made), plus `residual` [..., N]; `swiglu`:
-        silu(gate) * up of the output's halves, [..., N/2]."""
+        RMSNorm), of SiLU·up when `gated` (x [..., 2K], gate and up, or [..., K] made), plus
+        `residual` [..., N]; `swiglu`: silu(gate) * up of the output's halves, [..., N/2]."""
         y = gemv(
             x.reshape(1, -1),
             *self.weight_args(),
@@ -1267,19 +1141,8 @@ class _MatvecLayer(nn.Module):
             gated=gated,
             residual=residual.reshape(-1) if residual is not None else None,
             swiglu=swiglu,
-            normed=normed,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    def matvec_normed(
-        self, x: torch.Tensor, *, residual: torch.Tensor, next_norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row x [..., K] -> (the product plus `residual` [..., N], that times
-        `next_norm`'s weight [1, N] in fp32: the next `matvec`'s `normed`)."""
-        y, normed = gemv_normed(
-            x.reshape(1, -1), *self.weight_args(), residual.reshape(-1), next_norm.weight
-        )
-        return y.reshape(*x.shape[:-1], y.shape[-1]), normed
 
 
 class GemvLinear(_MatvecLayer):
@@ -1461,13 +1324,6 @@ def use_gemv(model: nn.Module) -> int:
 SWIGLU_IN_W13 = True
 
 
-# w13's input times ffn_norm's weight made once, in fp32, by wo's programs (each for its own
-# rows, after the residual add), so w13's programs read it instead of each loading the norm's
-# weight and multiplying (numerically the same: the product of two bf16 values is exact in
-# fp32). False: in w13 (the A/B in benchmarks/decode.py, variant lmforge-norm-in-w13).
-NORMED_INPUT = True
-
-
 class FusedDecodeBlock:
     """A transformer block whose single-row forward (batch-1 decoding) is four GEMV launches
     around one attention kernel, with the block's other work inside them: each RMSNorm in the
@@ -1487,12 +1343,8 @@ class FusedDecodeBlock:
         attention, ffn = self.attention, self.feed_forward
         qkv = attention.wqkv.matvec(x, norm=self.attention_norm)
         heads = _attend_one_row(attention, qkv, cos, sin, attn_mask, kv_cache)
-        normed = None
-        if NORMED_INPUT:
-            h, normed = attention.wo.matvec_normed(heads, residual=x, next_norm=self.ffn_norm)
-        else:
-            h = attention.wo.matvec(heads, residual=x)
-        gated = ffn.w13.matvec(h, norm=self.ffn_norm, swiglu=SWIGLU_IN_W13, normed=normed)
+        h = attention.wo.matvec(heads, residual=x)
+        gated = ffn.w13.matvec(h, norm=self.ffn_norm, swiglu=SWIGLU_IN_W13)
         return ffn.w2.matvec(gated, gated=True, residual=h)
 
 
