@@ -63,11 +63,14 @@ def _is_int4(key: tuple) -> bool:
     return key in kernels._gemv_int4_tuned.cache
 
 
-def candidates(key: tuple) -> list:
-    """The tiles the autotuner tries for the product of `key` where none is pinned."""
+def candidates(key: tuple, folded: bool = False) -> list:
+    """The tiles the autotuner tries for the product of `key` where none is pinned (`folded`:
+    only the folded ones, `kernels._ROW_DEEP`)."""
     if _is_int4(key):
-        return kernels._int4_candidates(kernels._gemv_int4_tuned.configs, named(key))
-    return kernels._candidates(kernels._gemv_tuned.configs, named(key))
+        found = kernels._int4_candidates(kernels._gemv_int4_tuned.configs, named(key))
+    else:
+        found = kernels._candidates(kernels._gemv_tuned.configs, named(key))
+    return [c for c in found if c.kwargs.get("FOLD")] if folded else found
 
 
 describe = kernels.describe
@@ -80,10 +83,12 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
     pinned = kernels.pinned_tiles(torch.cuda.get_device_name()) if args.unpinned else {}
     keys = [(cache, key) for cache in caches for key in list(cache)]
     keys = [(cache, key) for cache, key in keys if kernels.tile_key(named(key)) not in pinned]
+    if args.folded:
+        keys = [(cache, key) for cache, key in keys if candidates(key, folded=True)]
     for round_ in range(args.passes):
         for picks, key in keys:
             best, best_rate = picks[key], rate
-            for config in candidates(key):
+            for config in candidates(key, args.folded):
                 if describe(config) == describe(best):  # (picks read from disk are copies)
                     continue
                 picks[key] = config
@@ -117,6 +122,11 @@ def main() -> None:
         "--unpinned",
         action="store_true",
         help="search only the products the table in use does not pin (new ones)",
+    )
+    parser.add_argument(
+        "--folded",
+        action="store_true",
+        help="search only the products that may fold (int8), among their folded tiles",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument(

@@ -69,14 +69,14 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
 
 @pytest.mark.parametrize(
     "bits",
-    [16, 8, "8 x as a vector", "8 exact", 4, "4 bytes from bits", "4 bytes converter"],
+    [16, 8, "8 x as a vector", "8 exact", "8 folded", 4, "4 bytes from bits", "4 bytes converter"],
 )
 @pytest.mark.parametrize("fusion", ["norm", "norm+swiglu", "gated+residual", "residual", "split"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact"; int4 in packed fp16 (`kernels.INT4_HALVES`) or
+    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`); int4 in packed fp16 (`kernels.INT4_HALVES`) or
     through `_gemv` ("bytes"), its nibbles made floats from their bit patterns
     (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
     halves, gate and up rows side by side in each program; `split`: each row's columns shared
@@ -90,6 +90,8 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
         monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
     if bits == "8 x as a vector":
         monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
+    if bits == "8 folded":  # (on a GPU: among the candidates anyway)
+        monkeypatch.setattr(kernels, "INTERPRETED_FOLD", True)
     if fusion == "split":
         monkeypatch.setattr(kernels, "INTERPRETED_SPLITS", 2)
         for tuner in (kernels._gemv_tuned, kernels._gemv_int4_tuned):
@@ -512,7 +514,7 @@ target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr",
             "partial_ptr", "count_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS", "FOLD"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -520,6 +522,7 @@ cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and 
     (4, 128, "NORM", True, (16, 128, 8)), (4, 128, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM SWIGLU", False, (8, 512, 4)),
     (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)), (8, 8192, "RESIDUAL SPLITS", True, (2, 1024, 4)),
+    (8, 8192, "RESIDUAL FOLD", True, (16, 1024, 2)), (8, 2048, "NORM SWIGLU FOLD", True, (16, 1024, 4)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
@@ -534,7 +537,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants["INT4_FROM_BITS"] = bits == 4 and fusions == "NORM"  # (its PTX; the other int4: not)
     constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
-    constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4}
+    constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4, "FOLD": "FOLD" in fusions}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
@@ -601,7 +604,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 22" in done.stdout
+    assert "compiled 24" in done.stdout
 
 
 def _product(key: str) -> dict:

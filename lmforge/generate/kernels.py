@@ -101,12 +101,14 @@ def _gemv(
     SWIGLU: tl.constexpr = False,  # y = silu(gate) * up of the weight's two halves [N/2]
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
+    FOLD: tl.constexpr = False,  # (BITS 8) a sum a row and run of a thread's columns (`_fold`)
 ):
     rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     span: tl.constexpr = stored // SPLITS  # columns a program reads, from `begin`
     begin = _split_begin(span, SPLITS)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    run: tl.constexpr = 16 if FOLD else 1  # columns a sum covers (`_fold`)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
     biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
     sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
@@ -121,18 +123,18 @@ def _gemv(
     if first:
         acc, squares, sums = _accumulate(
             acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
     if second:
         acc, squares, sums = _accumulate(
             acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows,
-            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
     for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
         w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
         acc, squares, sums = _accumulate(
             acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
@@ -232,7 +234,7 @@ def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
 def _accumulate(
     acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
     BITS, NORM, GATED, BLOCK_K: tl.constexpr, X_TILE: tl.constexpr,
-    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr,
+    INT4_FROM_BITS: tl.constexpr, BIASED: tl.constexpr, run: tl.constexpr,
 ):  # fmt: skip
     """acc + the weight tile w (stored columns k0..) times its inputs, `squares` + x^2 (NORM)
     and `sums` + x (BIASED)."""
@@ -242,14 +244,14 @@ def _accumulate(
     x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
     if BIASED:
         sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
-        acc += _int8_biased(w) * x
+        acc += _fold(_int8_biased(w) * x, run)
     elif BITS == 16:
-        acc += w.to(tl.float32) * x
+        acc += _fold(w.to(tl.float32) * x, run)
     elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
-        acc += _int8_values(w) * x
+        acc += _fold(_int8_values(w) * x, run)
     elif BITS == 8:
         scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
-        acc += _int8_values(w) * scale.to(tl.float32)[:, None] * x
+        acc += _fold(_int8_values(w) * scale.to(tl.float32)[:, None] * x, run)
     else:
         high_cols = stored + cols
         x_high, squares = _input(x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE)
@@ -264,6 +266,18 @@ def _accumulate(
             acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
             acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares, sums
+
+
+@triton.jit
+def _fold(products, RUN: tl.constexpr):
+    """products [rows, cols] summed over each run of RUN columns (an int8 thread's 16-byte
+    load) -> [rows, cols / RUN]: with fp contraction, a chain of FMAs a row and thread, so a
+    thread keeps a sum a row instead of one a column, and may hold more rows (`_ROW_DEEP`)."""
+    if RUN == 1:
+        return products
+    rows: tl.constexpr = products.shape[0]
+    cols: tl.constexpr = products.shape[1]
+    return tl.sum(tl.reshape(products, [rows, cols // RUN, RUN]), axis=2)
 
 
 @triton.jit
@@ -715,6 +729,12 @@ _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
 # slower (1,085 against 1,217 tok/s): the autotuner, which flushes L2, picks among both sets.
 _FUSED_WIDE = [(8, 4, 3), (8, 8, 3), (4, 4, 3)]
 _FUSED_HALF = [(8, 4, 3), (8, 8, 3)]
+# int8 of one scale a row, folded (`_fold`, config FOLD): fewer warps for the rows, so a thread
+# holds 4-16 of them and loads and converts each x it needs once for all (a warp spans 512
+# columns at 16 bytes a thread, so at 1024 columns two warps share a row's width). Session
+# 22's count (sm_90): the 1B's int8 w2 at 2 rows a program spends 6.6 instructions a
+# weight (Nsight Compute), one x conversion a weight among them.
+_ROW_DEEP = [(8, 2, 3), (16, 4, 3), (16, 2, 3), (32, 4, 3), (8, 2, 1), (16, 4, 1)]
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
 _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
@@ -727,14 +747,24 @@ _WIDTHS = (1024, 512, 256, 128, 64, 32, MIN_TILE)
 # and the 3B's wo in 2, and int4 decoded 3.4% (1B) and 3.0% (3B) faster; bf16 and int8 kept
 # whole rows. False: never (benchmarks/decode.py, variant lmforge-no-split).
 SPLIT_K = True
+# int8 products of one scale a row may take folded sums (`_fold`) and the deep tiles
+# (`_ROW_DEEP`), chosen like a tile. False: neither is a candidate.
+FOLD = True
 SPLIT_COUNTS = (1, 2, 4)
 
 
 def _gemv_configs() -> list[triton.Config]:
-    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF}
+    shapes = {*_ROW_WIDE, *_ROW_HALF, *_GROUPED, *_FUSED_WIDE, *_FUSED_HALF, *_ROW_DEEP}
     return [
         triton.Config(
-            {"BLOCK_N": n, "BLOCK_K": k, "X_TILE": tile, "INT8_BIASED": biased, "SPLITS": splits},
+            {
+                "BLOCK_N": n,
+                "BLOCK_K": k,
+                "X_TILE": tile,
+                "INT8_BIASED": biased,
+                "SPLITS": splits,
+                "FOLD": fold,
+            },
             num_warps=w,
             num_stages=s,
         )
@@ -743,6 +773,7 @@ def _gemv_configs() -> list[triton.Config]:
         for tile in (False, True)
         for biased in (False, True)
         for splits in SPLIT_COUNTS
+        for fold in (False, True)
     ]
 
 
@@ -770,15 +801,28 @@ def _candidates(configs, args: dict) -> list:
         if args["NORM"] or args["GATED"]:
             wide, half = wide + _FUSED_WIDE, half + _FUSED_HALF
         chosen = {(width, *shape) for shape in wide} | {(width // 2, *shape) for shape in half}
+    deep = set()  # folded, whole rows (a sum a column for 4-16 rows a thread would not fit)
+    if FOLD and args["BITS"] == 8 and group >= k:
+        deep = {(width, *shape) for shape in _ROW_DEEP} - chosen
     stored = k // 2 if args["BITS"] == 4 else k
     return [
         c
         for c in configs
-        if (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in chosen
+        if (shape := (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages))
+        in chosen | deep
         and not (c.kwargs["X_TILE"] and args["GATED"])
         and c.kwargs["INT8_BIASED"] in biased
+        and _fold_fits(c, shape, deep)
         and _splits_fit(c.kwargs["SPLITS"], stored, c.kwargs["BLOCK_K"], args)
     ]
+
+
+def _fold_fits(config, shape: tuple, deep: set) -> bool:
+    """Whether a config's FOLD fits its shape: folded exactly on the deep tiles (`_ROW_DEEP`),
+    and those unsplit."""
+    if shape in deep:
+        return config.kwargs["FOLD"] and config.kwargs["SPLITS"] == 1
+    return not config.kwargs["FOLD"]
 
 
 def _splits_fit(splits: int, length: int, step: int, args: dict) -> bool:
@@ -810,7 +854,7 @@ def tile_key(args: dict) -> str:
 
 
 def describe(config) -> str:
-    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ kSPLITS]`."""
+    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ fold][ kSPLITS]`."""
     kwargs = config.kwargs
     split = f" k{kwargs['SPLITS']}" if kwargs.get("SPLITS", 1) > 1 else ""
     if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES[ kSPLITS]`
@@ -818,7 +862,8 @@ def describe(config) -> str:
         return f"{shape} w{config.num_warps} s{config.num_stages}{split}"
     x = "tile" if kwargs["X_TILE"] else "vec"
     tile = f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
-    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + split
+    fold = " fold" if kwargs.get("FOLD") else ""
+    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + fold + split
 
 
 @cache
@@ -875,6 +920,7 @@ else:
 
 INTERPRETED_X_TILE = True  # x as a tile where it may be (tests set False for the vector path)
 INTERPRETED_SPLITS = 1  # programs a row is split among where it may be (tests set 2)
+INTERPRETED_FOLD = False  # int8 of one scale a row folded (`_fold`; tests set True)
 
 
 def _interpreted_splits(length: int, step: int, max_splits: int) -> int:
@@ -892,7 +938,8 @@ def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     share = next(w for w in _WIDTHS if (stored // splits) % w == 0)  # the widest that divides it
     width = min(_tile_width(k, group, bits), share)
     tiles = {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
-    return tiles | {"SPLITS": splits}
+    fold = INTERPRETED_FOLD and FOLD and bits == 8 and group >= k
+    return tiles | {"SPLITS": splits, "FOLD": fold}
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
