@@ -42,6 +42,7 @@
 #   bash benchmarks/device_calls.sh step-added  # one H200: what each kernel adds to the 1B's bf16/int8/int4 step; int4 + int4 output; launch_floor.py
 #   bash benchmarks/device_calls.sh ncu         # one H200: the 1B's block products (bf16/int8/int4) timed cold, then under Nsight Compute
 #   bash benchmarks/device_calls.sh deep        # one H200: the 1B's int8 products searched among folded deep tiles in the step; rows
+#   bash benchmarks/device_calls.sh deep-split  # one H200: the 1B's int8 wo and w2 among folded deep tiles split among programs; rows
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -59,9 +60,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -613,6 +614,22 @@ deep)
     --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --out "$OUT/1b" \
     --table "$OUT/gemv_tiles.json"
   TRITON_CACHE_DIR=/tmp/triton-deep-rows step 110 rows python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/rows"
+  grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220
+  grep -h '^{' "$OUT/rows.log" | cut -c1-250
+  grep -h -c Traceback "$OUT"/search.log "$OUT"/rows.log || true
+  ;;
+deep-split)
+  # as deep, for the products with a residual add (wo, w2), whose deep tiles may now also share
+  # each row among 2 or 4 programs (few rows a program leave few programs otherwise); then the
+  # 1B's bf16 and int8 rows with the picks, in a fresh process and cache
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-ds step 190 search python3 benchmarks/tile_search.py \
+    --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --only residual \
+    --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-ds-rows step 70 rows python3 benchmarks/decode.py \
     --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
     --repeats 2 --out "$OUT/rows"
   grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220

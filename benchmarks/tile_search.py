@@ -85,6 +85,8 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
     keys = [(cache, key) for cache, key in keys if kernels.tile_key(named(key)) not in pinned]
     if args.folded:
         keys = [(cache, key) for cache, key in keys if candidates(key, folded=True)]
+    if args.only:
+        keys = [(cache, key) for cache, key in keys if args.only in kernels.tile_key(named(key))]
     for round_ in range(args.passes):
         for picks, key in keys:
             best, best_rate = picks[key], rate
@@ -128,6 +130,7 @@ def main() -> None:
         action="store_true",
         help="search only the products that may fold (int8), among their folded tiles",
     )
+    parser.add_argument("--only", default="", help="search only products whose key has this")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument(
         "--table", default=None, help="a tiles table to merge the step's picks into (made if new)"

@@ -801,7 +801,7 @@ def _candidates(configs, args: dict) -> list:
         if args["NORM"] or args["GATED"]:
             wide, half = wide + _FUSED_WIDE, half + _FUSED_HALF
         chosen = {(width, *shape) for shape in wide} | {(width // 2, *shape) for shape in half}
-    deep = set()  # folded, whole rows (a sum a column for 4-16 rows a thread would not fit)
+    deep = set()  # folded (a sum a column for 4-16 rows a thread would not fit)
     if FOLD and args["BITS"] == 8 and group >= k:
         deep = {(width, *shape) for shape in _ROW_DEEP} - chosen
     stored = k // 2 if args["BITS"] == 4 else k
@@ -818,11 +818,8 @@ def _candidates(configs, args: dict) -> list:
 
 
 def _fold_fits(config, shape: tuple, deep: set) -> bool:
-    """Whether a config's FOLD fits its shape: folded exactly on the deep tiles (`_ROW_DEEP`),
-    and those unsplit."""
-    if shape in deep:
-        return config.kwargs["FOLD"] and config.kwargs["SPLITS"] == 1
-    return not config.kwargs["FOLD"]
+    """Whether a config's FOLD fits its shape: folded exactly on the deep tiles (`_ROW_DEEP`)."""
+    return config.kwargs["FOLD"] == (shape in deep)
 
 
 def _splits_fit(splits: int, length: int, step: int, args: dict) -> bool:
