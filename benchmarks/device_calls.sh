@@ -626,10 +626,10 @@ deep-split)
   # 1B's bf16 and int8 rows with the picks, in a fresh process and cache
   cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
   export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-ds step 190 search python3 benchmarks/tile_search.py \
+  TRITON_CACHE_DIR=/tmp/triton-ds step 160 search python3 benchmarks/tile_search.py \
     --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --only residual \
     --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-ds-rows step 70 rows python3 benchmarks/decode.py \
+  TRITON_CACHE_DIR=/tmp/triton-ds-rows step 55 rows python3 benchmarks/decode.py \
     --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
     --repeats 2 --out "$OUT/rows"
   grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220
