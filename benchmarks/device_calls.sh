@@ -43,6 +43,7 @@
 #   bash benchmarks/device_calls.sh ncu         # one H200: the 1B's block products (bf16/int8/int4) timed cold, then under Nsight Compute
 #   bash benchmarks/device_calls.sh deep        # one H200: the 1B's int8 products searched among folded deep tiles in the step; rows
 #   bash benchmarks/device_calls.sh deep-split  # one H200: the 1B's int8 wo and w2 among folded deep tiles split among programs; rows
+#   bash benchmarks/device_calls.sh deep-next   # one H200: the 3B's int8 among deep tiles; the 1B's int8 a second pass; rows 1B/3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -60,9 +61,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -635,6 +636,28 @@ deep-split)
   grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220
   grep -h '^{' "$OUT/rows.log" | cut -c1-250
   grep -h -c Traceback "$OUT"/search.log "$OUT"/rows.log || true
+  ;;
+deep-next)
+  # prepared in session 22, not run: the 3B's int8 products searched among the folded deep
+  # tiles (split where they may be), then a second pass over all four of the 1B's (the picks
+  # interact), the picks merged into one table; then issue 14's int8 rows with it, fresh
+  # processes and caches
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-dn-3b step 200 search-3b python3 benchmarks/tile_search.py \
+    --preset llama3.2-3b --schemes int8-wo --passes 1 --tokens 48 --folded --out "$OUT/3b" \
+    --table "$OUT/gemv_tiles.json"
+  TRITON_CACHE_DIR=/tmp/triton-dn-1b step 200 search-1b python3 benchmarks/tile_search.py \
+    --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --out "$OUT/1b" \
+    --table "$OUT/gemv_tiles.json"
+  for preset in 1b 3b; do
+    TRITON_CACHE_DIR=/tmp/triton-dn-rows-$preset step 90 "rows-$preset" python3 \
+      benchmarks/decode.py --presets "llama3.2-$preset" --variants lmforge \
+      --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/rows-$preset"
+  done
+  grep -h "pass 1\|^{" "$OUT"/search-*.log | cut -c1-220
+  grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
+  grep -h -c Traceback "$OUT"/*.log || true
   ;;
 ncu)
   # the 1B's block products as the fused block launches them, timed with the weights out of L2,
