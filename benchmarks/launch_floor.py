@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -62,14 +61,15 @@ def _stream(w_ptr, out_ptr, words, BLOCK: tl.constexpr, EARLY: tl.constexpr):
 
 
 def graph_us(launch, repeats: int, replays: int = 20) -> float:
-    """Microseconds a launch, `repeats` launches captured in one CUDA graph, replayed."""
-    for _ in range(2):
-        launch()
+    """Microseconds a launch, `repeats` launches (`launch(i)`, the i-th) captured in one CUDA
+    graph, replayed."""
+    for i in range(2):
+        launch(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            launch()
+        for i in range(repeats):
+            launch(i)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -85,7 +85,10 @@ def chain_rows() -> list[dict]:
     rows = []
     for grid in (8, 132, 512, 2048):
         for early in (False, True):
-            launch = partial(_touch[(grid,)], x, EARLY=early, launch_pdl=early)
+
+            def launch(i, grid=grid, early=early):
+                _touch[(grid,)](x, EARLY=early, launch_pdl=early)
+
             rows.append({"probe": "chain", "grid": grid, "early": early,
                          "us": round(graph_us(launch, 200), 3)})  # fmt: skip
     return rows
@@ -97,7 +100,7 @@ def barrier_rows(sms: int) -> list[dict]:
     times = {}
     for rounds in (1, 101):
 
-        def launch(rounds=rounds):
+        def launch(i, rounds=rounds):
             count.zero_()
             _barriers[(sms,)](count, x, ROUNDS=rounds, num_warps=4)
 
@@ -108,20 +111,24 @@ def barrier_rows(sms: int) -> list[dict]:
 
 def stream_rows(sms: int) -> list[dict]:
     """Each size at its best grid: a program's share rounded up to whole blocks, so a grid may
-    read a little more than the size (its time is scaled back to the size's bytes)."""
+    read a little more than the size (its time is scaled back to the size's bytes). Successive
+    launches read successive slices of a 1 GB pool, so each reads from memory, not from L2."""
     rows = []
     out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
+    pool = torch.ones(2**30 // 4 + 16 * sms * 2048, dtype=torch.int32, device="cuda")
     for megabytes in (2, 4, 8, 16, 32, 64, 128, 512):
         words = megabytes * 2**20 // 4
-        weight = torch.ones(words + 16 * sms * 2048, dtype=torch.int32, device="cuda")
         best = None
         for programs in (sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms):
             for block in (512, 1024, 2048):
                 share = triton.cdiv(words, programs * block) * block
-                launch = partial(
-                    _stream[(programs,)], weight, out, share, BLOCK=block, EARLY=True,
-                    launch_pdl=True,
-                )  # fmt: skip
+
+                def launch(i, programs=programs, block=block, share=share, words=words):
+                    start = (i % (2**28 // words)) * words  # successive slices of the pool
+                    _stream[(programs,)](
+                        pool[start:], out, share, BLOCK=block, EARLY=True, launch_pdl=True
+                    )
+
                 us = graph_us(launch, 20) * words / (programs * share)
                 if best is None or us < best["us"]:
                     best = {"probe": "stream", "MB": megabytes, "us": round(us, 2),
