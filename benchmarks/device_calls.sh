@@ -90,6 +90,33 @@ kernel_tests() {  # kernel_tests SECONDS EXPR: tests/test_kernels.py -k EXPR on 
     tests/test_kernels.py -k "$2"
 }
 
+# deep_search SECONDS NAME PRESET TOKENS [ARGS...]: the preset's int8 products searched inside the
+# step among the folded deep tiles (tile_search.py --folded), merged into $OUT/gemv_tiles.json
+deep_search() {
+  local seconds=$1 name=$2 preset=$3 tokens=$4
+  shift 4
+  TRITON_CACHE_DIR=/tmp/triton-$name step "$seconds" "$name" python3 benchmarks/tile_search.py \
+    --preset "llama3.2-$preset" --schemes int8-wo --passes 1 --tokens "$tokens" --folded \
+    --out "$OUT/$name" --table "$OUT/gemv_tiles.json" "$@"
+}
+# deep_call SEARCH_SECONDS ROWS_SECONDS [ARGS...]: the 1B's deep search (ARGS to tile_search.py)
+# into a copy of the table, then its rows with that table
+deep_call() {
+  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
+  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
+  deep_search "$1" search 1b 64 "${@:3}"
+  int8_rows "$2" rows 1b
+  grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220
+  grep -h '^{' "$OUT/rows.log" | cut -c1-250
+  grep -h -c Traceback "$OUT"/search.log "$OUT"/rows.log || true
+}
+# int8_rows SECONDS NAME PRESET: the preset's bf16 and int8 decode rows, fresh process and cache
+int8_rows() {
+  TRITON_CACHE_DIR=/tmp/triton-$2 step "$1" "$2" python3 benchmarks/decode.py \
+    --presets "llama3.2-$3" --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
+    --repeats 2 --out "$OUT/$2"
+}
+
 case "${1:-}" in
 inference)
   # graphed prefills and scoring (time to the first token, lm-eval-like scoring eager vs
@@ -609,33 +636,13 @@ deep)
   # the 1B's int8 products searched inside the step among the folded deep tiles (kernels.FOLD,
   # _ROW_DEEP: 4-16 rows a thread, a sum a row), from the pinned tiles; then the 1B's bf16 and
   # int8 rows with the picks merged into a copy of the table, in a fresh process and cache
-  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
-  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-deep step 270 search python3 benchmarks/tile_search.py \
-    --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --out "$OUT/1b" \
-    --table "$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-deep-rows step 110 rows python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
-    --repeats 2 --out "$OUT/rows"
-  grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220
-  grep -h '^{' "$OUT/rows.log" | cut -c1-250
-  grep -h -c Traceback "$OUT"/search.log "$OUT"/rows.log || true
+  deep_call 270 110
   ;;
 deep-split)
   # as deep, for the products with a residual add (wo, w2), whose deep tiles may now also share
   # each row among 2 or 4 programs (few rows a program leave few programs otherwise); then the
   # 1B's bf16 and int8 rows with the picks, in a fresh process and cache
-  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
-  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-ds step 160 search python3 benchmarks/tile_search.py \
-    --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --only residual \
-    --out "$OUT/1b" --table "$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-ds-rows step 55 rows python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge --schemes bf16 int8-wo --new-tokens 128 \
-    --repeats 2 --out "$OUT/rows"
-  grep -h "pass 1\|^{" "$OUT/search.log" | cut -c1-220
-  grep -h '^{' "$OUT/rows.log" | cut -c1-250
-  grep -h -c Traceback "$OUT"/search.log "$OUT"/rows.log || true
+  deep_call 160 55 --only residual
   ;;
 deep-next)
   # prepared in session 22, not run: the 3B's int8 products searched among the folded deep
@@ -644,17 +651,10 @@ deep-next)
   # processes and caches
   cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
   export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-dn-3b step 200 search-3b python3 benchmarks/tile_search.py \
-    --preset llama3.2-3b --schemes int8-wo --passes 1 --tokens 48 --folded --out "$OUT/3b" \
-    --table "$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-dn-1b step 200 search-1b python3 benchmarks/tile_search.py \
-    --preset llama3.2-1b --schemes int8-wo --passes 1 --tokens 64 --folded --out "$OUT/1b" \
-    --table "$OUT/gemv_tiles.json"
-  for preset in 1b 3b; do
-    TRITON_CACHE_DIR=/tmp/triton-dn-rows-$preset step 90 "rows-$preset" python3 \
-      benchmarks/decode.py --presets "llama3.2-$preset" --variants lmforge \
-      --schemes bf16 int8-wo --new-tokens 128 --repeats 2 --out "$OUT/rows-$preset"
-  done
+  deep_search 200 search-3b 3b 48
+  deep_search 200 search-1b 1b 64
+  int8_rows 90 rows-1b 1b
+  int8_rows 90 rows-3b 3b
   grep -h "pass 1\|^{" "$OUT"/search-*.log | cut -c1-220
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
