@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.common import graph_us
 from lmforge.generate.early_launch import wait_for_previous
 
 COPY_TB_S = 4.28  # measured copy bandwidth of an H200 (docs/benchmarks.md): the limit column
@@ -58,26 +59,6 @@ def _stream(w_ptr, out_ptr, words, BLOCK: tl.constexpr, EARLY: tl.constexpr):
     for first in range(program * words, (program + 1) * words, BLOCK):
         total += tl.load(w_ptr + first + tl.arange(0, BLOCK), eviction_policy="evict_first")
     tl.store(out_ptr + program, tl.sum(total, 0))
-
-
-def graph_us(launch, repeats: int, replays: int = 20) -> float:
-    """Microseconds a launch, `repeats` launches (`launch(i)`, the i-th) captured in one CUDA
-    graph, replayed."""
-    for i in range(2):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(repeats):
-            launch(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * repeats)
 
 
 def chain_rows() -> list[dict]:

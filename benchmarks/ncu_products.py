@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import graph_us
 from benchmarks.gemv import SHAPES
 from lmforge.generate.kernels import gemv
 
@@ -57,29 +58,11 @@ def product(name: str, n: int, k: int, bits: int):
     return lambda: gemv(x, *weight, **kwargs)
 
 
-def flushed_us(fn, flush: torch.Tensor, replays: int = 20) -> float:
-    """Microseconds a launch of fn, in a CUDA graph after a write of `flush` (L2 emptied of the
+def flushed_us(fn, flush: torch.Tensor) -> float:
+    """Microseconds a launch of fn in a CUDA graph after a write of `flush` (L2 emptied of the
     weights), less the write alone."""
-
-    def graph_of(*steps):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(replays):
-                for step in steps:
-                    step()
-        return graph
-
-    def timed(graph):
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / replays
-
-    write = lambda: flush.fill_(1)  # noqa: E731
-    return timed(graph_of(write, fn)) - timed(graph_of(write))
+    write = lambda i: flush.fill_(1)  # noqa: E731
+    return graph_us(lambda i: (write(i), fn()), 20) - graph_us(write, 20)
 
 
 def main() -> None:

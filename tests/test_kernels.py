@@ -78,8 +78,9 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`); int4 in packed fp16 (`kernels.INT4_HALVES`) or
-    through `_gemv` ("bytes"), its nibbles made floats from their bit patterns
+    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`); int4 in packed
+    fp16 (`kernels.INT4_HALVES`) or through `_gemv` ("bytes"), its nibbles made floats from their
+    bit patterns
     (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
     halves, gate and up rows side by side in each program; `split`: each row's columns shared
     among two programs (split-K), then a residual add, twice (the split's counts start at 0

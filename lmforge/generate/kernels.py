@@ -729,11 +729,12 @@ _GROUPED = [(16, 8, 3), (8, 8, 1), (8, 8, 3), (4, 4, 3)]
 # slower (1,085 against 1,217 tok/s): the autotuner, which flushes L2, picks among both sets.
 _FUSED_WIDE = [(8, 4, 3), (8, 8, 3), (4, 4, 3)]
 _FUSED_HALF = [(8, 4, 3), (8, 8, 3)]
-# int8 of one scale a row, folded (`_fold`, config FOLD): fewer warps for the rows, so a thread
-# holds 4-16 of them and loads and converts each x it needs once for all (a warp spans 512
-# columns at 16 bytes a thread, so at 1024 columns two warps share a row's width). Session
-# 22's count (sm_90): the 1B's int8 w2 at 2 rows a program spends 6.6 instructions a
-# weight (Nsight Compute), one x conversion a weight among them.
+# int8 of one scale a row, folded (`_fold`; config FOLD is set on these shapes only, none of
+# which is in the lists above): fewer warps for the rows, so a thread holds 4-16 of them and
+# loads and converts each x it needs once for all (a warp spans 512 columns at 16 bytes a
+# thread, so at 1024 columns two warps share a row's width). Session 22's count (sm_90): the
+# 1B's int8 w2 at 2 rows a program spends 6.6 instructions a weight (Nsight Compute), one x
+# conversion a weight among them.
 _ROW_DEEP = [(8, 2, 3), (16, 4, 3), (16, 2, 3), (32, 4, 3), (8, 2, 1), (16, 4, 1)]
 
 MIN_TILE = 16  # the narrowest K tile: a row (and a group) must be a multiple of it
@@ -773,7 +774,7 @@ def _gemv_configs() -> list[triton.Config]:
         for tile in (False, True)
         for biased in (False, True)
         for splits in SPLIT_COUNTS
-        for fold in (False, True)
+        for fold in [(n, w, s) in _ROW_DEEP]  # the deep tiles are the folded ones
     ]
 
 
@@ -801,25 +802,17 @@ def _candidates(configs, args: dict) -> list:
         if args["NORM"] or args["GATED"]:
             wide, half = wide + _FUSED_WIDE, half + _FUSED_HALF
         chosen = {(width, *shape) for shape in wide} | {(width // 2, *shape) for shape in half}
-    deep = set()  # folded (a sum a column for 4-16 rows a thread would not fit)
-    if FOLD and args["BITS"] == 8 and group >= k:
-        deep = {(width, *shape) for shape in _ROW_DEEP} - chosen
+    if FOLD and args["BITS"] == 8 and group >= k:  # (folded: see `_ROW_DEEP`)
+        chosen |= {(width, *shape) for shape in _ROW_DEEP}
     stored = k // 2 if args["BITS"] == 4 else k
     return [
         c
         for c in configs
-        if (shape := (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages))
-        in chosen | deep
+        if (c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in chosen
         and not (c.kwargs["X_TILE"] and args["GATED"])
         and c.kwargs["INT8_BIASED"] in biased
-        and _fold_fits(c, shape, deep)
         and _splits_fit(c.kwargs["SPLITS"], stored, c.kwargs["BLOCK_K"], args)
     ]
-
-
-def _fold_fits(config, shape: tuple, deep: set) -> bool:
-    """Whether a config's FOLD fits its shape: folded exactly on the deep tiles (`_ROW_DEEP`)."""
-    return config.kwargs["FOLD"] == (shape in deep)
 
 
 def _splits_fit(splits: int, length: int, step: int, args: dict) -> bool:
