@@ -102,40 +102,82 @@ def _gemv(
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
     FOLD: tl.constexpr = False,  # (BITS 8) a sum a row and run of a thread's columns (`_fold`)
+    LAPS: tl.constexpr = 0,  # programs an SM, each taking row blocks in turn (`_LAPS`); 0: one
 ):
-    rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     span: tl.constexpr = stored // SPLITS  # columns a program reads, from `begin`
     begin = _split_begin(span, SPLITS)
-    run: tl.constexpr = 16 if FOLD else 1  # columns a sum covers (`_fold`)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
-    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
-    sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
     # No kernel of the step writes the weights: their first tiles may come before the wait.
-    first: tl.constexpr = PRELOAD >= 1
-    second: tl.constexpr = PRELOAD >= 2 and span // BLOCK_K >= 2
+    first: tl.constexpr = PRELOAD >= 1 and LAPS == 0
+    second: tl.constexpr = PRELOAD >= 2 and LAPS == 0 and span // BLOCK_K >= 2
+    block = tl.program_id(0)
+    rows, row_ok = _rows(block, N, BLOCK_N, SWIGLU)
+    w0 = 0  # (the first two tiles, where loaded early)
+    w1 = 0
     if first:
         w0 = _weights(w_ptr, rows, row_ok, stored, begin, BLOCK_K)
     if second:
         w1 = _weights(w_ptr, rows, row_ok, stored, begin + BLOCK_K, BLOCK_K)
     wait_for_previous(EARLY)
-    if first:
-        acc, squares, sums = _accumulate(
-            acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+    run: tl.constexpr = 16 if FOLD else 1  # columns a sum covers (`_fold`)
+    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
+    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
+    sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
+    if LAPS == 0:
+        if first:
+            acc, squares, sums = _accumulate(
+                acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok,
+                K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+            )  # fmt: skip
+        if second:
+            acc, squares, sums = _accumulate(
+                acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr,
+                rows, row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
+                biased, run,
+            )  # fmt: skip
+        for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
+            w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
+            acc, squares, sums = _accumulate(
+                acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+                GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+            )  # fmt: skip
+        _gemv_out(
+            block, acc, squares, sums, rows, row_ok, scale_ptr, y_ptr, residual_ptr, partial_ptr,
+            count_ptr, N, K, eps, GROUP, BITS, NORM, RESIDUAL, BLOCK_N, biased, SWIGLU, SPLITS,
         )  # fmt: skip
-    if second:
-        acc, squares, sums = _accumulate(
-            acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows,
-            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
-        )  # fmt: skip
-    for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
-        w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
-        acc, squares, sums = _accumulate(
-            acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
-            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
-        )  # fmt: skip
+    else:  # the program's blocks' tiles in one loop, which Triton pipelines (num_stages)
+        tiles: tl.constexpr = span // BLOCK_K
+        step = tl.num_programs(0)
+        mine = tl.cdiv(tl.cdiv(N, BLOCK_N) - block, step)  # (the grid leaves none without)
+        for i in tl.range(0, mine * tiles, num_stages=LAPS_STAGES):
+            at = block + (i // tiles) * step
+            k0 = begin + (i % tiles) * BLOCK_K
+            rows, row_ok = _rows(at, N, BLOCK_N, SWIGLU)
+            w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
+            acc, squares, sums = _accumulate(
+                acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+                GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+            )  # fmt: skip
+            if i % tiles == tiles - 1:  # the block's last tile: its output, then the next's
+                _gemv_out(
+                    at, acc, squares, sums, rows, row_ok, scale_ptr, y_ptr, residual_ptr,
+                    partial_ptr, count_ptr, N, K, eps, GROUP, BITS, NORM, RESIDUAL, BLOCK_N,
+                    biased, SWIGLU, SPLITS,
+                )  # fmt: skip
+                acc = tl.zeros_like(acc)
+                squares = tl.zeros_like(squares)
+                sums = tl.zeros_like(sums)
+
+
+@triton.jit
+def _gemv_out(
+    block, acc, squares, sums, rows, row_ok, scale_ptr, y_ptr, residual_ptr, partial_ptr,
+    count_ptr, N, K: tl.constexpr, eps, GROUP: tl.constexpr, BITS: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, biased: tl.constexpr,
+    SWIGLU: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """A row block's output from its sums over this program's columns (`_gemv`)."""
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
     if biased:  # sum (1 + (q + 128) / 2^15) x = sum q x / 2^15 + (1 + 128 / 2^15) sum x
@@ -144,8 +186,8 @@ def _gemv(
         y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
-            SWIGLU, SPLITS)  # fmt: skip
+    _finish(block, y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
+            RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -158,25 +200,24 @@ def _split_begin(span: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _finish(
-    y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
+    block, y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
     RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """`_store` y, once a row block's SPLITS programs have all summed their columns."""
     if SPLITS > 1:
-        y, last = _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
+        y, last = _combine(block, y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
         if last:
-            _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+            _store(block, y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
     else:
-        _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+        _store(block, y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
 
 
 @triton.jit
-def _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.constexpr):
+def _combine(block, y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.constexpr):
     """Split-K without a second kernel: each of a row block's programs stores its sums, then
     counts itself done (an atomic that publishes the stores); the last one adds the SPLITS sums
     in order (the same sum whichever finishes last) and sets the count back to 0 for the next
     launch. Returns (the sum, whether this program is the last)."""
-    block = tl.program_id(0)
     tl.store(partial_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
     tl.debug_barrier()  # every thread's sums stored before the count
     done = tl.atomic_add(count_ptr + block, 1, sem="acq_rel")
@@ -191,25 +232,25 @@ def _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+def _rows(block, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
     """A program's weight rows and which exist. SWIGLU: pairs (gate i, up i), rows i and N/2 + i
     side by side, for BLOCK_N / 2 outputs i."""
     if SWIGLU:
-        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        at = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
         return at + (tl.arange(0, BLOCK_N) % 2) * (N // 2), at < N // 2
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, rows < N
 
 
 @triton.jit
-def _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
+def _store(block, y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
     """y [BLOCK_N] (fp32) out, rounded as the unfused block rounds: the product, then the
     residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU)."""
     dtype = y_ptr.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        at = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + at, (silu * up).to(dtype), mask=at < N // 2)
     else:
         if RESIDUAL:
@@ -486,7 +527,7 @@ def _gemv_int4(
     K/2 + 4c..4c+3. A tile is [BLOCK_N rows, GROUPS groups, GROUP / 4 words]: each low group
     comes with the high group K/2 columns on; `_int4_words_times` sums four words of a row in
     packed fp16 and applies their group's scale in fp32, the zeros go in through x's sums."""
-    rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
+    rows, row_ok = _rows(tl.program_id(0), N, BLOCK_N, SWIGLU)
     words: tl.constexpr = GROUP // 4  # a group's low nibbles
     halves: tl.constexpr = K // 2 // GROUP  # the high nibbles' groups start here
     acc = tl.zeros([BLOCK_N, GROUPS, words], dtype=tl.float32)
@@ -511,8 +552,8 @@ def _gemv_int4(
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
-            SWIGLU, SPLITS)  # fmt: skip
+    _finish(tl.program_id(0), y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N,
+            BLOCK_N, RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -752,6 +793,17 @@ SPLIT_K = True
 # (`_ROW_DEEP`), chosen like a tile. False: neither is a candidate.
 FOLD = True
 SPLIT_COUNTS = (1, 2, 4)
+# A deep tile's programs may also stay resident and take row blocks in turn (config LAPS: that
+# many programs an SM), their blocks' tiles in one loop that Triton pipelines (LAPS_STAGES
+# tiles in flight through shared memory, `cp.async`). Launched a block a program, each program
+# loads all its tiles, then computes while its SM's memory traffic stops (session 22's
+# counters: int8 w13 at 28% occupancy, 44% of DRAM's peak), and the grid ends in a partial
+# wave; Triton pipelines no loop of `_gemv`'s otherwise (none feeds a `tl.dot`). x as a vector
+# only (as a tile, its pipelined copies took 170 KB of shared memory a program for the 1B's
+# w13), whole rows only (the split's atomic stops the pipelining). Chosen like a tile (pinned
+# as `... lapsN`), on the deep shapes of 3 stages.
+_LAPS = (2, 4)
+LAPS_STAGES = tl.constexpr(3)
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -765,6 +817,7 @@ def _gemv_configs() -> list[triton.Config]:
                 "INT8_BIASED": biased,
                 "SPLITS": splits,
                 "FOLD": fold,
+                "LAPS": laps,
             },
             num_warps=w,
             num_stages=s,
@@ -775,6 +828,7 @@ def _gemv_configs() -> list[triton.Config]:
         for biased in (False, True)
         for splits in SPLIT_COUNTS
         for fold in [(n, w, s) in _ROW_DEEP]  # the deep tiles are the folded ones
+        for laps in ((0, *_LAPS) if fold and s == 3 and not tile and splits == 1 else (0,))
     ]
 
 
@@ -844,7 +898,8 @@ def tile_key(args: dict) -> str:
 
 
 def describe(config) -> str:
-    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ fold][ kSPLITS]`."""
+    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ fold][ kSPLITS]
+    [ lapsLAPS]`."""
     kwargs = config.kwargs
     split = f" k{kwargs['SPLITS']}" if kwargs.get("SPLITS", 1) > 1 else ""
     if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES[ kSPLITS]`
@@ -853,7 +908,8 @@ def describe(config) -> str:
     x = "tile" if kwargs["X_TILE"] else "vec"
     tile = f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
     fold = " fold" if kwargs.get("FOLD") else ""
-    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + fold + split
+    laps = f" laps{kwargs['LAPS']}" if kwargs.get("LAPS") else ""
+    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + fold + split + laps
 
 
 @cache
@@ -911,6 +967,7 @@ else:
 INTERPRETED_X_TILE = True  # x as a tile where it may be (tests set False for the vector path)
 INTERPRETED_SPLITS = 1  # programs a row is split among where it may be (tests set 2)
 INTERPRETED_FOLD = False  # int8 of one scale a row folded (`_fold`; tests set True)
+INTERPRETED_LAPS = 0  # programs taking row blocks in turn (`_LAPS`; tests set 2: 2 programs)
 
 
 def _interpreted_splits(length: int, step: int, max_splits: int) -> int:
@@ -929,7 +986,7 @@ def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     width = min(_tile_width(k, group, bits), share)
     tiles = {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
     fold = INTERPRETED_FOLD and FOLD and bits == 8 and group >= k
-    return tiles | {"SPLITS": splits, "FOLD": fold}
+    return tiles | {"SPLITS": splits, "FOLD": fold, "LAPS": INTERPRETED_LAPS}
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
@@ -971,10 +1028,25 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
 
 def _output(x: torch.Tensor, n: int, swiglu: bool):
     """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid: a program a tile of
-    rows and share of a row (`SPLITS`)."""
+    rows and share of a row (`SPLITS`), or `LAPS` programs an SM taking the tiles in turn."""
     width = n // 2 if swiglu else n
     y = torch.empty(1, width, dtype=x.dtype, device=x.device)
-    return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)), meta["SPLITS"])
+
+    def grid(meta):
+        blocks = triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu))
+        if meta.get("LAPS"):  # resident programs, taking the blocks in turn
+            blocks = min(blocks, meta["LAPS"] * _processors(x.device))
+        return blocks, meta["SPLITS"]
+
+    return y, grid
+
+
+@cache
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors on `device` (1 off CUDA: the interpreter runs programs in turn)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _max_splits(norm, swiglu: bool) -> int:
