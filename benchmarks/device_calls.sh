@@ -666,10 +666,10 @@ laps)
   # rows with the picks, fresh process and cache; then the kernels' tests of those tiles, compiled
   cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
   export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  deep_search 230 search-1b 1b 64 --laps
+  deep_search 200 search-1b 1b 64 --laps
   int8_rows 90 rows-1b 1b
-  kernel_tests 120 "fusions_equal and laps"
-  grep -h "pass 1\|^{" "$OUT"/search-*.log | cut -c1-220
+  kernel_tests 100 "fusions_equal and laps"
+  grep -h "tried\|pass 1\|^{" "$OUT"/search-*.log | cut -c1-160
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   tail -n 3 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/*.log || true

@@ -102,6 +102,8 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
                 picks[key] = config
                 record_again(generator)
                 trial = decode_rate(generator, prompt, args.tokens, args.repeats)
+                print(f"    tried {kernels.tile_key(named(key))}: {describe(config)} {trial:.1f} tok/s"
+                      f" (kept: {best_rate:.1f})", flush=True)  # fmt: skip
                 if trial > best_rate * (1 + args.margin):
                     best, best_rate = config, trial
             picks[key] = best

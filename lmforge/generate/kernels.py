@@ -142,48 +142,81 @@ def _gemv(
                 acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
                 GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
             )  # fmt: skip
+        total, inverse_rms = _input_totals(squares, sums, K, eps, NORM, biased)
         _gemv_out(
-            block, acc, squares, sums, rows, row_ok, scale_ptr, y_ptr, residual_ptr, partial_ptr,
-            count_ptr, N, K, eps, GROUP, BITS, NORM, RESIDUAL, BLOCK_N, biased, SWIGLU, SPLITS,
+            block, acc, total, inverse_rms, rows, row_ok, scale_ptr, y_ptr, residual_ptr,
+            partial_ptr, count_ptr, N, K, GROUP, BITS, NORM, RESIDUAL, BLOCK_N, biased, SWIGLU,
+            SPLITS,
         )  # fmt: skip
-    else:  # the program's blocks' tiles in one loop, which Triton pipelines (num_stages)
-        tiles: tl.constexpr = span // BLOCK_K
-        step = tl.num_programs(0)
-        mine = tl.cdiv(tl.cdiv(N, BLOCK_N) - block, step)  # (the grid leaves none without)
-        for i in tl.range(0, mine * tiles, num_stages=LAPS_STAGES):
-            at = block + (i // tiles) * step
-            k0 = begin + (i % tiles) * BLOCK_K
-            rows, row_ok = _rows(at, N, BLOCK_N, SWIGLU)
-            w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
-            acc, squares, sums = _accumulate(
-                acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-                GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+    else:  # resident: x prepared once, the blocks in one loop that Triton pipelines
+        tl.static_assert(BITS == 16 or (BITS == 8 and GROUP == K))  # (`_times`)
+        tl.static_assert(span // BLOCK_K <= 2)  # (`_candidates`)
+        x0, squares, sums = _prepared(
+            begin, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K, X_TILE, biased
+        )  # fmt: skip
+        x1 = x0
+        if span // BLOCK_K == 2:
+            x1, squares, sums = _prepared(
+                begin + BLOCK_K, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K,
+                X_TILE, biased,
             )  # fmt: skip
-            if i % tiles == tiles - 1:  # the block's last tile: its output, then the next's
-                _gemv_out(
-                    at, acc, squares, sums, rows, row_ok, scale_ptr, y_ptr, residual_ptr,
-                    partial_ptr, count_ptr, N, K, eps, GROUP, BITS, NORM, RESIDUAL, BLOCK_N,
-                    biased, SWIGLU, SPLITS,
-                )  # fmt: skip
-                acc = tl.zeros_like(acc)
-                squares = tl.zeros_like(squares)
-                sums = tl.zeros_like(sums)
+        total, inverse_rms = _input_totals(squares, sums, K, eps, NORM, biased)
+        blocks = tl.cdiv(N, BLOCK_N)
+        for at in tl.range(block, blocks, tl.num_programs(0), num_stages=LAPS_STAGES):
+            rows, row_ok = _rows(at, N, BLOCK_N, SWIGLU)
+            w = _weights(w_ptr, rows, row_ok, stored, begin, BLOCK_K)
+            acc = _times(w, x0, BITS, biased, run)
+            if span // BLOCK_K == 2:
+                w = _weights(w_ptr, rows, row_ok, stored, begin + BLOCK_K, BLOCK_K)
+                acc += _times(w, x1, BITS, biased, run)
+            _gemv_out(
+                at, acc, total, inverse_rms, rows, row_ok, scale_ptr, y_ptr, residual_ptr,
+                partial_ptr, count_ptr, N, K, GROUP, BITS, NORM, RESIDUAL, BLOCK_N, biased,
+                SWIGLU, SPLITS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _prepared(
+    k0, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K: tl.constexpr,
+    X_TILE: tl.constexpr, biased: tl.constexpr,
+):  # fmt: skip
+    """The product's input at columns k0.. as `_accumulate` takes it, with `squares` + x^2
+    (NORM) and `sums` + x (biased)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
+    if biased:
+        sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
+    return x, squares, sums
+
+
+@triton.jit
+def _input_totals(squares, sums, K, eps, NORM: tl.constexpr, biased: tl.constexpr):
+    """(the sum of the product's input where biased, RMSNorm's 1 / rms where NORM; else 0, 1)."""
+    total = 0.0
+    inverse_rms = 1.0
+    if biased:
+        total = tl.sum(sums, axis=0)
+    if NORM:
+        inverse_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+    return total, inverse_rms
 
 
 @triton.jit
 def _gemv_out(
-    block, acc, squares, sums, rows, row_ok, scale_ptr, y_ptr, residual_ptr, partial_ptr,
-    count_ptr, N, K: tl.constexpr, eps, GROUP: tl.constexpr, BITS: tl.constexpr,
+    block, acc, total, inverse_rms, rows, row_ok, scale_ptr, y_ptr, residual_ptr, partial_ptr,
+    count_ptr, N, K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, biased: tl.constexpr,
     SWIGLU: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """A row block's output from its sums over this program's columns (`_gemv`)."""
+    """A row block's output from its sums over this program's columns (`_gemv`), given
+    `_input_totals`."""
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
     if biased:  # sum (1 + (q + 128) / 2^15) x = sum q x / 2^15 + (1 + 128 / 2^15) sum x
-        y = y * 32768.0 - 32896.0 * tl.sum(sums, axis=0)
+        y = y * 32768.0 - 32896.0 * total
     if NORM:  # the norm's 1 / rms scales the whole product: applied once, at the end
-        y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        y *= inverse_rms
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
     _finish(block, y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
@@ -282,14 +315,11 @@ def _accumulate(
     stored = K // 2 if BITS == 4 else K
     groups = K // GROUP
     cols = k0 + tl.arange(0, BLOCK_K)
-    x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
-    if BIASED:
-        sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
-        acc += _fold(_int8_biased(w) * x, run)
-    elif BITS == 16:
-        acc += _fold(w.to(tl.float32) * x, run)
-    elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
-        acc += _fold(_int8_values(w) * x, run)
+    x, squares, sums = _prepared(
+        k0, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K, X_TILE, BIASED
+    )  # fmt: skip
+    if BITS == 16 or (BITS == 8 and groups == 1):  # (one scale a row: applied at the end)
+        acc += _times(w, x, BITS, BIASED, run)
     elif BITS == 8:
         scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
         acc += _fold(_int8_values(w) * scale.to(tl.float32)[:, None] * x, run)
@@ -307,6 +337,16 @@ def _accumulate(
             acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
             acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares, sums
+
+
+@triton.jit
+def _times(w, x, BITS: tl.constexpr, BIASED: tl.constexpr, run: tl.constexpr):
+    """The weight tile w (bf16, or int8 of one scale a row) times x, `_fold`ed."""
+    if BIASED:
+        return _fold(_int8_biased(w) * x, run)
+    if BITS == 16:
+        return _fold(w.to(tl.float32) * x, run)
+    return _fold(_int8_values(w) * x, run)
 
 
 @triton.jit
@@ -794,14 +834,15 @@ SPLIT_K = True
 FOLD = True
 SPLIT_COUNTS = (1, 2, 4)
 # A deep tile's programs may also stay resident and take row blocks in turn (config LAPS: that
-# many programs an SM), their blocks' tiles in one loop that Triton pipelines (LAPS_STAGES
-# tiles in flight through shared memory, `cp.async`). Launched a block a program, each program
-# loads all its tiles, then computes while its SM's memory traffic stops (session 22's
-# counters: int8 w13 at 28% occupancy, 44% of DRAM's peak), and the grid ends in a partial
-# wave; Triton pipelines no loop of `_gemv`'s otherwise (none feeds a `tl.dot`). x as a vector
-# only (as a tile, its pipelined copies took 170 KB of shared memory a program for the 1B's
-# w13), whole rows only (the split's atomic stops the pipelining). Chosen like a tile (pinned
-# as `... lapsN`), on the deep shapes of 3 stages.
+# many programs an SM): each prepares its columns' x once (the norm's weight, the sums of x and
+# of its squares), then multiplies block after block in a loop that Triton pipelines (the next
+# blocks' weights in flight through shared memory, `cp.async`, LAPS_STAGES deep). Launched a
+# block a program, each program loads all its tiles, then computes while its SM's memory
+# traffic stops (session 22's counters: int8 w13 at 28% occupancy, 44% of DRAM's peak), x is
+# prepared again for every 8-32 rows, and the grid ends in a partial wave. Triton pipelines no
+# other loop of `_gemv`'s (none feeds a `tl.dot`). Where a program's columns are at most two
+# tiles (x kept in registers) and rows are whole (a split's atomic stops the pipelining).
+# Chosen like a tile (pinned as `... lapsN`), on the deep shapes of 3 stages.
 _LAPS = (2, 4)
 LAPS_STAGES = tl.constexpr(3)
 
@@ -828,7 +869,7 @@ def _gemv_configs() -> list[triton.Config]:
         for biased in (False, True)
         for splits in SPLIT_COUNTS
         for fold in [(n, w, s) in _ROW_DEEP]  # the deep tiles are the folded ones
-        for laps in ((0, *_LAPS) if fold and s == 3 and not tile and splits == 1 else (0,))
+        for laps in ((0, *_LAPS) if fold and s == 3 and splits == 1 else (0,))
     ]
 
 
@@ -866,6 +907,7 @@ def _candidates(configs, args: dict) -> list:
         and not (c.kwargs["X_TILE"] and args["GATED"])
         and c.kwargs["INT8_BIASED"] in biased
         and _splits_fit(c.kwargs["SPLITS"], stored, c.kwargs["BLOCK_K"], args)
+        and (not c.kwargs["LAPS"] or stored <= 2 * c.kwargs["BLOCK_K"])  # (`_LAPS`)
     ]
 
 
@@ -986,7 +1028,8 @@ def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     width = min(_tile_width(k, group, bits), share)
     tiles = {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
     fold = INTERPRETED_FOLD and FOLD and bits == 8 and group >= k
-    return tiles | {"SPLITS": splits, "FOLD": fold, "LAPS": INTERPRETED_LAPS}
+    laps = INTERPRETED_LAPS if fold and stored // splits <= 2 * width else 0
+    return tiles | {"SPLITS": splits, "FOLD": fold, "LAPS": laps}
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
