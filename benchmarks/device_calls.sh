@@ -44,7 +44,6 @@
 #   bash benchmarks/device_calls.sh deep        # one H200: the 1B's int8 products searched among folded deep tiles in the step; rows
 #   bash benchmarks/device_calls.sh deep-split  # one H200: the 1B's int8 wo and w2 among folded deep tiles split among programs; rows
 #   bash benchmarks/device_calls.sh deep-next   # one H200: the 3B's int8 among deep tiles; the 1B's int8 a second pass; rows 1B/3B
-#   bash benchmarks/device_calls.sh laps        # one H200: the 1B's int8 among resident pipelined programs; rows; tests
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -62,9 +61,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | laps | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|laps|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -658,20 +657,6 @@ deep-next)
   int8_rows 90 rows-3b 3b
   grep -h "pass 1\|^{" "$OUT"/search-*.log | cut -c1-220
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
-  grep -h -c Traceback "$OUT"/*.log || true
-  ;;
-laps)
-  # session 23: the 1B's int8 products searched among resident programs taking row blocks in
-  # turn, their tiles pipelined (kernels._LAPS), from the pinned tiles; the 1B's bf16 and int8
-  # rows with the picks, fresh process and cache; then the kernels' tests of those tiles, compiled
-  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
-  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  deep_search 200 search-1b 1b 64 --laps
-  int8_rows 90 rows-1b 1b
-  kernel_tests 100 "fusions_equal and laps"
-  grep -h "tried\|pass 1\|^{" "$OUT"/search-*.log | cut -c1-160
-  grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
-  tail -n 3 "$OUT/check.log"
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 ncu)

@@ -63,17 +63,13 @@ def _is_int4(key: tuple) -> bool:
     return key in kernels._gemv_int4_tuned.cache
 
 
-def candidates(key: tuple, folded: bool = False, laps=None) -> list:
+def candidates(key: tuple, folded: bool = False) -> list:
     """The tiles the autotuner tries for the product of `key` where none is pinned (`folded`:
-    only the folded ones, `kernels._ROW_DEEP`; `laps`, a pick: only those whose programs take
-    row blocks in turn, `kernels._LAPS`, biased as the pick is)."""
+    only the folded ones, `kernels._ROW_DEEP`)."""
     if _is_int4(key):
         found = kernels._int4_candidates(kernels._gemv_int4_tuned.configs, named(key))
     else:
         found = kernels._candidates(kernels._gemv_tuned.configs, named(key))
-    if laps is not None:
-        biased = laps.kwargs.get("INT8_BIASED")
-        return [c for c in found if c.kwargs.get("LAPS") and c.kwargs["INT8_BIASED"] == biased]
     return [c for c in found if c.kwargs.get("FOLD")] if folded else found
 
 
@@ -89,14 +85,12 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
     keys = [(cache, key) for cache, key in keys if kernels.tile_key(named(key)) not in pinned]
     if args.folded:
         keys = [(cache, key) for cache, key in keys if candidates(key, folded=True)]
-    if args.laps:
-        keys = [(cache, key) for cache, key in keys if candidates(key, laps=cache[key])]
     if args.only:
         keys = [(cache, key) for cache, key in keys if args.only in kernels.tile_key(named(key))]
     for round_ in range(args.passes):
         for picks, key in keys:
             best, best_rate = picks[key], rate
-            for config in candidates(key, args.folded, best if args.laps else None):
+            for config in candidates(key, args.folded):
                 if describe(config) == describe(best):  # (picks read from disk are copies)
                     continue
                 picks[key] = config
@@ -137,12 +131,6 @@ def main() -> None:
         "--folded",
         action="store_true",
         help="search only the products that may fold (int8), among their folded tiles",
-    )
-    parser.add_argument(
-        "--laps",
-        action="store_true",
-        help="search only the products whose programs may take row blocks in turn (int8), "
-        "among those tiles",
     )
     parser.add_argument("--only", default="", help="search only products whose key has this")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -71,17 +71,14 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
 
 @pytest.mark.parametrize(
     "bits",
-    [16, 8, "8 x as a vector", "8 exact", "8 folded", "8 laps", 4, "4 bytes from bits",
-     "4 bytes converter"],
-)  # fmt: skip
+    [16, 8, "8 x as a vector", "8 exact", "8 folded", 4, "4 bytes from bits", "4 bytes converter"],
+)
 @pytest.mark.parametrize("fusion", ["norm", "norm+swiglu", "gated+residual", "residual", "split"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`), or folded with
-    resident programs taking the row blocks in turn ("laps": here one program takes them all,
-    `kernels._LAPS`); int4 in packed
+    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`); int4 in packed
     fp16 (`kernels.INT4_HALVES`) or through `_gemv` ("bytes"), its nibbles made floats from their
     bit patterns
     (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
@@ -96,14 +93,8 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
         monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
     if bits == "8 x as a vector":
         monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
-    if bits in ("8 folded", "8 laps"):  # (on a GPU: among the candidates anyway)
+    if bits == "8 folded":  # (on a GPU: among the candidates anyway)
         monkeypatch.setattr(kernels, "INTERPRETED_FOLD", True)
-    if bits == "8 laps":
-        monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
-        monkeypatch.setattr(kernels, "INTERPRETED_LAPS", 1)
-        if not kernels.INTERPRETED and fusion != "split":  # (only such tiles to choose from)
-            laps = [c for c in kernels._gemv_tuned.configs if c.kwargs["LAPS"]]
-            monkeypatch.setattr(kernels._gemv_tuned, "configs", laps)
     if fusion == "split":
         monkeypatch.setattr(kernels, "INTERPRETED_SPLITS", 2)
         for tuner in (kernels._gemv_tuned, kernels._gemv_int4_tuned):
@@ -526,7 +517,7 @@ target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr",
             "partial_ptr", "count_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS", "FOLD", "LAPS"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS", "FOLD"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -535,7 +526,6 @@ cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and 
     (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM SWIGLU", False, (8, 512, 4)),
     (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)), (8, 8192, "RESIDUAL SPLITS", True, (2, 1024, 4)),
     (8, 8192, "RESIDUAL FOLD", True, (16, 1024, 2)), (8, 2048, "NORM SWIGLU FOLD", True, (16, 1024, 4)),
-    (8, 2048, "NORM SWIGLU FOLD LAPS", False, (16, 1024, 4)), (8, 2048, "RESIDUAL FOLD LAPS", True, (16, 1024, 2)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
@@ -551,7 +541,6 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
     constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4, "FOLD": "FOLD" in fusions}
-    constants["LAPS"] = 2 * ("LAPS" in fusions)
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
@@ -559,9 +548,8 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     ptx = triton.compile(source, target=target, options=options).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == early, (bits, fusions)
     assert ("atom.global.gpu.acq_rel.add" in ptx) == ("SPLITS" in fusions), (bits, fusions)
-    if early and "LAPS" not in fusions:  # the first weight tile is asked for before the wait
+    if early:  # the first weight tile is asked for before the wait
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), (bits, fusions)
-    assert ("cp.async.cg" in ptx) == ("LAPS" in fusions), (bits, fusions)  # (pipelined)
 for bits in (8, 4):
     signature = {"w_ptr": "*i8" if bits == 8 else "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                  "out_ptr": "*bf16", "N": "i32", "K": "i32"}
@@ -619,7 +607,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 26" in done.stdout
+    assert "compiled 24" in done.stdout
 
 
 def _product(key: str) -> dict:

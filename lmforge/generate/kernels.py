@@ -102,125 +102,50 @@ def _gemv(
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
     FOLD: tl.constexpr = False,  # (BITS 8) a sum a row and run of a thread's columns (`_fold`)
-    LAPS: tl.constexpr = 0,  # programs an SM, each taking row blocks in turn (`_LAPS`); 0: one
 ):
+    rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
     span: tl.constexpr = stored // SPLITS  # columns a program reads, from `begin`
     begin = _split_begin(span, SPLITS)
+    run: tl.constexpr = 16 if FOLD else 1  # columns a sum covers (`_fold`)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
+    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
+    sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
     # No kernel of the step writes the weights: their first tiles may come before the wait.
-    first: tl.constexpr = PRELOAD >= 1 and LAPS == 0
-    second: tl.constexpr = PRELOAD >= 2 and LAPS == 0 and span // BLOCK_K >= 2
-    block = tl.program_id(0)
-    rows, row_ok = _rows(block, N, BLOCK_N, SWIGLU)
-    w0 = 0  # (the first two tiles, where loaded early)
-    w1 = 0
+    first: tl.constexpr = PRELOAD >= 1
+    second: tl.constexpr = PRELOAD >= 2 and span // BLOCK_K >= 2
     if first:
         w0 = _weights(w_ptr, rows, row_ok, stored, begin, BLOCK_K)
     if second:
         w1 = _weights(w_ptr, rows, row_ok, stored, begin + BLOCK_K, BLOCK_K)
     wait_for_previous(EARLY)
-    run: tl.constexpr = 16 if FOLD else 1  # columns a sum covers (`_fold`)
-    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
-    acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
-    sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
-    if LAPS == 0:
-        if first:
-            acc, squares, sums = _accumulate(
-                acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok,
-                K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
-            )  # fmt: skip
-        if second:
-            acc, squares, sums = _accumulate(
-                acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr,
-                rows, row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS,
-                biased, run,
-            )  # fmt: skip
-        for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
-            w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
-            acc, squares, sums = _accumulate(
-                acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
-                GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
-            )  # fmt: skip
-        total, inverse_rms = _input_totals(squares, sums, K, eps, NORM, biased)
-        _gemv_out(
-            block, acc, total, inverse_rms, rows, row_ok, scale_ptr, y_ptr, residual_ptr,
-            partial_ptr, count_ptr, N, K, GROUP, BITS, NORM, RESIDUAL, BLOCK_N, biased, SWIGLU,
-            SPLITS,
+    if first:
+        acc, squares, sums = _accumulate(
+            acc, squares, sums, w0, begin, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K,
+            GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
-    else:  # resident: x prepared once, the blocks in one loop that Triton pipelines
-        tl.static_assert(BITS == 16 or (BITS == 8 and GROUP == K))  # (`_times`)
-        tl.static_assert(span // BLOCK_K <= 2)  # (`_candidates`)
-        x0, squares, sums = _prepared(
-            begin, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K, X_TILE, biased
+    if second:
+        acc, squares, sums = _accumulate(
+            acc, squares, sums, w1, begin + BLOCK_K, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows,
+            row_ok, K, GROUP, BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
         )  # fmt: skip
-        x1 = x0
-        if span // BLOCK_K == 2:
-            x1, squares, sums = _prepared(
-                begin + BLOCK_K, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K,
-                X_TILE, biased,
-            )  # fmt: skip
-        total, inverse_rms = _input_totals(squares, sums, K, eps, NORM, biased)
-        blocks = tl.cdiv(N, BLOCK_N)
-        for at in tl.range(block, blocks, tl.num_programs(0), num_stages=LAPS_STAGES):
-            rows, row_ok = _rows(at, N, BLOCK_N, SWIGLU)
-            w = _weights(w_ptr, rows, row_ok, stored, begin, BLOCK_K)
-            acc = _times(w, x0, BITS, biased, run)
-            if span // BLOCK_K == 2:
-                w = _weights(w_ptr, rows, row_ok, stored, begin + BLOCK_K, BLOCK_K)
-                acc += _times(w, x1, BITS, biased, run)
-            _gemv_out(
-                at, acc, total, inverse_rms, rows, row_ok, scale_ptr, y_ptr, residual_ptr,
-                partial_ptr, count_ptr, N, K, GROUP, BITS, NORM, RESIDUAL, BLOCK_N, biased,
-                SWIGLU, SPLITS,
-            )  # fmt: skip
-
-
-@triton.jit
-def _prepared(
-    k0, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K: tl.constexpr,
-    X_TILE: tl.constexpr, biased: tl.constexpr,
-):  # fmt: skip
-    """The product's input at columns k0.. as `_accumulate` takes it, with `squares` + x^2
-    (NORM) and `sums` + x (biased)."""
-    cols = k0 + tl.arange(0, BLOCK_K)
-    x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
-    if biased:
-        sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
-    return x, squares, sums
-
-
-@triton.jit
-def _input_totals(squares, sums, K, eps, NORM: tl.constexpr, biased: tl.constexpr):
-    """(the sum of the product's input where biased, RMSNorm's 1 / rms where NORM; else 0, 1)."""
-    total = 0.0
-    inverse_rms = 1.0
-    if biased:
-        total = tl.sum(sums, axis=0)
-    if NORM:
-        inverse_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-    return total, inverse_rms
-
-
-@triton.jit
-def _gemv_out(
-    block, acc, total, inverse_rms, rows, row_ok, scale_ptr, y_ptr, residual_ptr, partial_ptr,
-    count_ptr, N, K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, biased: tl.constexpr,
-    SWIGLU: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
-    """A row block's output from its sums over this program's columns (`_gemv`), given
-    `_input_totals`."""
+    for k0 in range(begin + (first + second) * BLOCK_K, begin + span, BLOCK_K):
+        w = _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K)
+        acc, squares, sums = _accumulate(
+            acc, squares, sums, w, k0, x_ptr, scale_ptr, zero_ptr, norm_ptr, rows, row_ok, K, GROUP,
+            BITS, NORM, GATED, BLOCK_K, X_TILE, INT4_FROM_BITS, biased, run,
+        )  # fmt: skip
     groups = K // GROUP
     y = tl.sum(acc, axis=1)
     if biased:  # sum (1 + (q + 128) / 2^15) x = sum q x / 2^15 + (1 + 128 / 2^15) sum x
-        y = y * 32768.0 - 32896.0 * total
+        y = y * 32768.0 - 32896.0 * tl.sum(sums, axis=0)
     if NORM:  # the norm's 1 / rms scales the whole product: applied once, at the end
-        y *= inverse_rms
+        y *= 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     if BITS == 8 and groups == 1:
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    _finish(block, y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N,
-            RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
+    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
+            SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -233,24 +158,25 @@ def _split_begin(span: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _finish(
-    block, y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
+    y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr,
     RESIDUAL, SWIGLU, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """`_store` y, once a row block's SPLITS programs have all summed their columns."""
     if SPLITS > 1:
-        y, last = _combine(block, y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
+        y, last = _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS)
         if last:
-            _store(block, y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+            _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
     else:
-        _store(block, y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
+        _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL, SWIGLU)
 
 
 @triton.jit
-def _combine(block, y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.constexpr):
+def _combine(y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.constexpr):
     """Split-K without a second kernel: each of a row block's programs stores its sums, then
     counts itself done (an atomic that publishes the stores); the last one adds the SPLITS sums
     in order (the same sum whichever finishes last) and sets the count back to 0 for the next
     launch. Returns (the sum, whether this program is the last)."""
+    block = tl.program_id(0)
     tl.store(partial_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
     tl.debug_barrier()  # every thread's sums stored before the count
     done = tl.atomic_add(count_ptr + block, 1, sem="acq_rel")
@@ -265,25 +191,25 @@ def _combine(block, y, partial_ptr, count_ptr, rows, row_ok, N, SPLITS: tl.const
 
 
 @triton.jit
-def _rows(block, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+def _rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
     """A program's weight rows and which exist. SWIGLU: pairs (gate i, up i), rows i and N/2 + i
     side by side, for BLOCK_N / 2 outputs i."""
     if SWIGLU:
-        at = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
         return at + (tl.arange(0, BLOCK_N) % 2) * (N // 2), at < N // 2
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, rows < N
 
 
 @triton.jit
-def _store(block, y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
+def _store(y, y_ptr, residual_ptr, rows, row_ok, N, BLOCK_N: tl.constexpr, RESIDUAL, SWIGLU):
     """y [BLOCK_N] (fp32) out, rounded as the unfused block rounds: the product, then the
     residual's sum (RESIDUAL); the gate and up, silu(gate), then its product with up (SWIGLU)."""
     dtype = y_ptr.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        at = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + at, (silu * up).to(dtype), mask=at < N // 2)
     else:
         if RESIDUAL:
@@ -315,11 +241,14 @@ def _accumulate(
     stored = K // 2 if BITS == 4 else K
     groups = K // GROUP
     cols = k0 + tl.arange(0, BLOCK_K)
-    x, squares, sums = _prepared(
-        k0, squares, sums, x_ptr, norm_ptr, rows, K, NORM, GATED, BLOCK_K, X_TILE, BIASED
-    )  # fmt: skip
-    if BITS == 16 or (BITS == 8 and groups == 1):  # (one scale a row: applied at the end)
-        acc += _times(w, x, BITS, BIASED, run)
+    x, squares = _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE)
+    if BIASED:
+        sums += _input_row(x, x_ptr, norm_ptr, cols, NORM, X_TILE)
+        acc += _fold(_int8_biased(w) * x, run)
+    elif BITS == 16:
+        acc += _fold(w.to(tl.float32) * x, run)
+    elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
+        acc += _fold(_int8_values(w) * x, run)
     elif BITS == 8:
         scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
         acc += _fold(_int8_values(w) * scale.to(tl.float32)[:, None] * x, run)
@@ -337,16 +266,6 @@ def _accumulate(
             acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
             acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares, sums
-
-
-@triton.jit
-def _times(w, x, BITS: tl.constexpr, BIASED: tl.constexpr, run: tl.constexpr):
-    """The weight tile w (bf16, or int8 of one scale a row) times x, `_fold`ed."""
-    if BIASED:
-        return _fold(_int8_biased(w) * x, run)
-    if BITS == 16:
-        return _fold(w.to(tl.float32) * x, run)
-    return _fold(_int8_values(w) * x, run)
 
 
 @triton.jit
@@ -567,7 +486,7 @@ def _gemv_int4(
     K/2 + 4c..4c+3. A tile is [BLOCK_N rows, GROUPS groups, GROUP / 4 words]: each low group
     comes with the high group K/2 columns on; `_int4_words_times` sums four words of a row in
     packed fp16 and applies their group's scale in fp32, the zeros go in through x's sums."""
-    rows, row_ok = _rows(tl.program_id(0), N, BLOCK_N, SWIGLU)
+    rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     words: tl.constexpr = GROUP // 4  # a group's low nibbles
     halves: tl.constexpr = K // 2 // GROUP  # the high nibbles' groups start here
     acc = tl.zeros([BLOCK_N, GROUPS, words], dtype=tl.float32)
@@ -592,8 +511,8 @@ def _gemv_int4(
     y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zeros, axis=1)
     if NORM:
         y *= 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
-    _finish(tl.program_id(0), y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N,
-            BLOCK_N, RESIDUAL, SWIGLU, SPLITS)  # fmt: skip
+    _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
+            SWIGLU, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -833,18 +752,6 @@ SPLIT_K = True
 # (`_ROW_DEEP`), chosen like a tile. False: neither is a candidate.
 FOLD = True
 SPLIT_COUNTS = (1, 2, 4)
-# A deep tile's programs may also stay resident and take row blocks in turn (config LAPS: that
-# many programs an SM): each prepares its columns' x once (the norm's weight, the sums of x and
-# of its squares), then multiplies block after block in a loop that Triton pipelines (the next
-# blocks' weights in flight through shared memory, `cp.async`, LAPS_STAGES deep). Launched a
-# block a program, each program loads all its tiles, then computes while its SM's memory
-# traffic stops (session 22's counters: int8 w13 at 28% occupancy, 44% of DRAM's peak), x is
-# prepared again for every 8-32 rows, and the grid ends in a partial wave. Triton pipelines no
-# other loop of `_gemv`'s (none feeds a `tl.dot`). Where a program's columns are at most two
-# tiles (x kept in registers) and rows are whole (a split's atomic stops the pipelining).
-# Chosen like a tile (pinned as `... lapsN`), on the deep shapes of 3 stages.
-_LAPS = (2, 4)
-LAPS_STAGES = tl.constexpr(3)
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -858,7 +765,6 @@ def _gemv_configs() -> list[triton.Config]:
                 "INT8_BIASED": biased,
                 "SPLITS": splits,
                 "FOLD": fold,
-                "LAPS": laps,
             },
             num_warps=w,
             num_stages=s,
@@ -869,7 +775,6 @@ def _gemv_configs() -> list[triton.Config]:
         for biased in (False, True)
         for splits in SPLIT_COUNTS
         for fold in [(n, w, s) in _ROW_DEEP]  # the deep tiles are the folded ones
-        for laps in ((0, *_LAPS) if fold and s == 3 and splits == 1 else (0,))
     ]
 
 
@@ -907,7 +812,6 @@ def _candidates(configs, args: dict) -> list:
         and not (c.kwargs["X_TILE"] and args["GATED"])
         and c.kwargs["INT8_BIASED"] in biased
         and _splits_fit(c.kwargs["SPLITS"], stored, c.kwargs["BLOCK_K"], args)
-        and (not c.kwargs["LAPS"] or stored <= 2 * c.kwargs["BLOCK_K"])  # (`_LAPS`)
     ]
 
 
@@ -940,8 +844,7 @@ def tile_key(args: dict) -> str:
 
 
 def describe(config) -> str:
-    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ fold][ kSPLITS]
-    [ lapsLAPS]`."""
+    """A tile in the table: `BLOCK_NxBLOCK_K vec|tile wWARPS sSTAGES[ biased][ fold][ kSPLITS]`."""
     kwargs = config.kwargs
     split = f" k{kwargs['SPLITS']}" if kwargs.get("SPLITS", 1) > 1 else ""
     if "GROUPS" in kwargs:  # `_gemv_int4`: `BLOCK_NxGROUPSg wWARPS sSTAGES[ kSPLITS]`
@@ -950,8 +853,7 @@ def describe(config) -> str:
     x = "tile" if kwargs["X_TILE"] else "vec"
     tile = f"{kwargs['BLOCK_N']}x{kwargs['BLOCK_K']} {x} w{config.num_warps} s{config.num_stages}"
     fold = " fold" if kwargs.get("FOLD") else ""
-    laps = f" laps{kwargs['LAPS']}" if kwargs.get("LAPS") else ""
-    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + fold + split + laps
+    return tile + (" biased" if kwargs["INT8_BIASED"] else "") + fold + split
 
 
 @cache
@@ -1009,7 +911,6 @@ else:
 INTERPRETED_X_TILE = True  # x as a tile where it may be (tests set False for the vector path)
 INTERPRETED_SPLITS = 1  # programs a row is split among where it may be (tests set 2)
 INTERPRETED_FOLD = False  # int8 of one scale a row folded (`_fold`; tests set True)
-INTERPRETED_LAPS = 0  # programs taking row blocks in turn (`_LAPS`; tests set 2: 2 programs)
 
 
 def _interpreted_splits(length: int, step: int, max_splits: int) -> int:
@@ -1028,8 +929,7 @@ def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
     width = min(_tile_width(k, group, bits), share)
     tiles = {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
     fold = INTERPRETED_FOLD and FOLD and bits == 8 and group >= k
-    laps = INTERPRETED_LAPS if fold and stored // splits <= 2 * width else 0
-    return tiles | {"SPLITS": splits, "FOLD": fold, "LAPS": laps}
+    return tiles | {"SPLITS": splits, "FOLD": fold}
 
 
 def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
@@ -1071,25 +971,10 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
 
 def _output(x: torch.Tensor, n: int, swiglu: bool):
     """A product's output [1, N] (or [1, N/2], `swiglu`) and its grid: a program a tile of
-    rows and share of a row (`SPLITS`), or `LAPS` programs an SM taking the tiles in turn."""
+    rows and share of a row (`SPLITS`)."""
     width = n // 2 if swiglu else n
     y = torch.empty(1, width, dtype=x.dtype, device=x.device)
-
-    def grid(meta):
-        blocks = triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu))
-        if meta.get("LAPS"):  # resident programs, taking the blocks in turn
-            blocks = min(blocks, meta["LAPS"] * _processors(x.device))
-        return blocks, meta["SPLITS"]
-
-    return y, grid
-
-
-@cache
-def _processors(device: torch.device) -> int:
-    """Streaming multiprocessors on `device` (1 off CUDA: the interpreter runs programs in turn)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return y, lambda meta: (triton.cdiv(width, meta["BLOCK_N"] // (1 + swiglu)), meta["SPLITS"])
 
 
 def _max_splits(norm, swiglu: bool) -> int:
