@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from lmforge.api import build_model, save_state
 from lmforge.generate import Generator, SamplingParams, early_launch, kernels
+from lmforge.generate import engine as engine_module
 from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import weight_bytes
 from lmforge.models.llama import get_preset
@@ -145,6 +146,7 @@ VARIANTS = (
     "lmforge-no-split",  # no product's rows split among programs (kernels.SPLIT_K)
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
+    "lmforge-host-argmax",  # greedy tokens chosen after the step's graph (engine.GREEDY_IN_GRAPH)
     "hf",
     "hf-static",
 )
@@ -187,11 +189,15 @@ def launch_context(variant: str):
     not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
     programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
     floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
-    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`). The
+    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`);
+    `...host-argmax` greedy tokens chosen after the step's CUDA graph, not inside it
+    (`engine.GREEDY_IN_GRAPH`). The
     GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
     `kernels.TILES`), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
     halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
+    in_graph = engine_module.GREEDY_IN_GRAPH
+    engine_module.GREEDY_IN_GRAPH = in_graph and not variant.endswith("host-argmax")
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
     kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
     kernels.SPLIT_K = split and not variant.endswith("no-split")
@@ -207,6 +213,7 @@ def launch_context(variant: str):
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
         kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
+        engine_module.GREEDY_IN_GRAPH = in_graph
 
 
 def _peak_gb() -> float | None:

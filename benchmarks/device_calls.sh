@@ -45,6 +45,7 @@
 #   bash benchmarks/device_calls.sh deep-split  # one H200: the 1B's int8 wo and w2 among folded deep tiles split among programs; rows
 #   bash benchmarks/device_calls.sh deep-next   # one H200: the 3B's int8 among deep tiles; the 1B's int8 a second pass; rows 1B/3B
 #   bash benchmarks/device_calls.sh quantized-rows  # one H200: issue 14's int8/int4 rows as shipped, 1B and 3B
+#   bash benchmarks/device_calls.sh greedy-graph    # one H200: greedy tokens chosen inside the graph: GPU test, A/B rows
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -62,9 +63,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -672,6 +673,22 @@ quantized-rows)
     --repeats 2 --out "$OUT/3b"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/rows-*.log || true
+  ;;
+greedy-graph)
+  # session 23: greedy steps choose their tokens inside the step's CUDA graph (engine.
+  # GREEDY_IN_GRAPH): the engine's GPU test of it, then the decode rows beside the host's argmax
+  # (variant lmforge-host-argmax) in the same process, 1B bf16/int8/int4 and 3B bf16/int8
+  step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_generate.py -k greedy_tokens_chosen
+  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 150 rows-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge lmforge-host-argmax --schemes bf16 int8-wo int4-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 150 rows-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge lmforge-host-argmax --schemes bf16 int8-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  tail -n 3 "$OUT/check.log"
+  grep -h '^{' "$OUT"/rows-*.log | cut -c1-260
+  grep -h -c Traceback "$OUT"/*.log || true
   ;;
 ncu)
   # the 1B's block products as the fused block launches them, timed with the weights out of L2,

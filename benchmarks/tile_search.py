@@ -47,7 +47,7 @@ def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: i
 def record_again(generator: Generator) -> None:
     """Drop the decode steps' CUDA graphs: the next step records with the current picks."""
     graphs = generator.engine.graphs.graphs
-    for key in [key for key in graphs if key[0] == "decode"]:
+    for key in [key for key in graphs if key[0] in ("decode", "greedy")]:
         del graphs[key]
 
 

@@ -149,14 +149,14 @@ def check_kv_lens(engine: Engine) -> list[int]:
     kv_lens = []
     decode_rows = engine.decode_rows
 
-    def checked(bucket, kv_len=None):
+    def checked(bucket, kv_len=None, **options):
         decoding = [s for s in engine._rows if s is not None and s.slot < bucket and s.prefilled]
         decoding = [s for s in decoding if s.num_scheduled < s.max_new_tokens]
         positions = [s.decode_position for s in decoding]
         assert engine._positions[[s.slot for s in decoding]].tolist() == positions
         assert kv_len == engine.kv_bucket(max(positions) + 1) and kv_len > max(positions)
         kv_lens.append(kv_len)
-        return decode_rows(bucket, kv_len)
+        return decode_rows(bucket, kv_len, **options)
 
     engine.decode_rows = checked
     return kv_lens
@@ -737,6 +737,31 @@ def test_a_long_prompt_among_short_ones_prefills_in_graphed_groups(monkeypatch):
     assert sorted(engine._prefills.buffers) == [(1, 16), (1, 768), (2, 32)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_greedy_tokens_chosen_inside_the_graph_equal_the_hosts():
+    """On a GPU, a step where every row of its bucket decodes greedily takes its argmax inside
+    the step's CUDA graph (`decode_rows(greedy=True)`), recorded mid-stream (its warm-up runs
+    put the rows' inputs back): the tokens equal those chosen from the logits outside it (the
+    path a sequence asking for log-probabilities takes), one sequence and four at a time."""
+    model = build_model(small_args(), seed=0).cuda().eval()
+    engine = Engine(model, max_batch=4, max_seq_len=64)
+    params = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=())
+    for prompts in (_random_prompts([7], seed=1), _random_prompts([7, 12, 3, 9], seed=2)):
+        runs = []
+        for num_logprobs in (None, 0):  # inside the graph, then outside it
+            sequences = [
+                engine.sequence(p, params, index=i, num_logprobs=num_logprobs)
+                for i, p in enumerate(prompts)
+            ]
+            engine.add(sequences)
+            while engine.has_work:
+                engine.step()
+            runs.append([s.token_ids for s in sequences])
+        assert runs[0] == runs[1] and all(len(ids) == 24 for ids in runs[0])
+    recorded = {key[:2] for key in engine.graphs.graphs}
+    assert ("greedy", 1) in recorded and ("greedy", 4) in recorded
+
+
 def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     """Where recording a graph fails (a step that syncs with the host, say), the step's
     result still comes back, with a warning, and no later step tries to record again."""
@@ -744,7 +769,7 @@ def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     graphs = engine_module.StepGraphs()
     recorded = []
 
-    def record(step):
+    def record(step, state=()):
         recorded.append(step)
         raise RuntimeError("operation not permitted when stream is capturing")
 

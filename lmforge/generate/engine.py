@@ -77,6 +77,12 @@ from lmforge.modules.kv_cache import KVCaches, attention_mask
 
 log = logging.getLogger(__name__)
 
+# A step where every row of its bucket decodes greedily takes its argmax, writes it as the
+# rows' next input and advances their positions inside its CUDA graph (`decode_rows(greedy=
+# True)`). False: on the host's stream after the graph, as sampled steps do (benchmarks/
+# decode.py, variant lmforge-host-argmax).
+GREEDY_IN_GRAPH = True
+
 # Decode batch sizes with a CUDA graph of their own.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # The fewest cache slots a decode step attends to; the KV buckets double from here up to
@@ -230,22 +236,26 @@ class StepGraphs:
     A step reads its inputs from buffers that never move (weights, cache, the decode row and
     slot views, the prefill input buffers), so nothing is copied in at replay; its output is
     the graph's own buffer, overwritten by the next replay of that graph (the engine consumes
-    it first). Steps are idempotent (they write K/V at their positions and advance nothing), so
-    a new key runs twice uncaptured (compiling, tuning) before it is recorded."""
+    it first). A new key runs twice uncaptured (compiling, tuning) before it is recorded: a step
+    is idempotent (it writes K/V at its positions and advances nothing) or names the `state`
+    it changes, which is put back after each of those runs."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed = False  # a recording failed: steps run as they are from then on
 
-    def run(self, key: tuple, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Replay `key`'s graph, recording it from `step` first if it is new; where CUDA
-        cannot capture a step (this one or an earlier one), run it as it is, with a warning."""
+    def run(
+        self, key: tuple, step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = ()
+    ) -> torch.Tensor:
+        """Replay `key`'s graph, recording it from `step` (which changes the tensors `state`)
+        first if it is new; where CUDA cannot capture a step (this one or an earlier one), run
+        it as it is, with a warning."""
         if self.failed:
             return step()
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._record(step)
+                self.graphs[key] = self._record(step, state)
             except RuntimeError as error:
                 log.warning("running without CUDA graphs: recording %s failed (%s)", key, error)
                 self.failed = True
@@ -255,13 +265,18 @@ class StepGraphs:
         return output
 
     def _record(
-        self, step: Callable[[], torch.Tensor]
+        self, step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = ()
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            saved = [tensor.clone() for tensor in state]
             for _ in range(2):
-                step()
+                try:
+                    step()
+                finally:  # as if it had not run
+                    for tensor, before in zip(state, saved):
+                        tensor.copy_(before)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's event loop thread may touch CUDA meanwhile.
@@ -553,8 +568,9 @@ class Engine:
         return events
 
     def warmup(self) -> None:
-        """Compile the decode steps now, and record the CUDA graphs of every batch bucket at
-        the smallest KV bucket (what short sequences use) and of batch 1 at every KV bucket (a
+        """Compile the decode steps now, and record the CUDA graphs (plain and `greedy`) of
+        every batch bucket at the smallest KV bucket (what short sequences use) and of batch 1
+        at every KV bucket (a
         single stream, as `lmforge generate` runs, never pauses to record one), and those of
         fresh prefills (`warm_prefill_shapes`: short prompts; no sequence is in the cache yet,
         so any rows will do). Other shapes record on first use, once per process; compiling is
@@ -567,6 +583,8 @@ class Engine:
         with torch.no_grad():
             for bucket, kv_len in pairs:  # the first call compiles (and records its graph)
                 self.decode_rows(bucket, kv_len).argmax(-1)
+                if self.graphs is not None and not self.num_running:  # (it rewrites rows' inputs)
+                    self.decode_rows(bucket, kv_len, greedy=True)
             for bucket, width in prefills:
                 tokens = torch.zeros(bucket, width, dtype=torch.long)
                 positions = torch.arange(width).clamp(max=self._last_slot).repeat(bucket, 1)
@@ -626,20 +644,35 @@ class Engine:
         return next((b for b in self.kv_buckets if b >= length), self.kv_buckets[-1])
 
     @torch.no_grad()
-    def decode_rows(self, bucket: int, kv_len: int | None = None) -> torch.Tensor:
+    def decode_rows(
+        self, bucket: int, kv_len: int | None = None, *, greedy: bool = False
+    ) -> torch.Tensor:
         """One compiled decode step over cache rows 0..bucket-1 (a bucket size) with the tokens
         and positions they hold, attending to cache slots 0..kv_len-1 (kv_len rounded up to a
         KV bucket; default: the largest, max_seq_len - 1) -> float32 logits [bucket, vocab];
         changes no state but the caches' slots at those positions (warm-up, benchmarks: a
-        sequence decoding at position p attends to `kv_bucket(p + 1)` slots)."""
+        sequence decoding at position p attends to `kv_bucket(p + 1)` slots). `greedy`: each
+        row's argmax becomes its next input token and its position advances, in the same CUDA
+        graph -> those tokens [bucket] (on the device)."""
         kv_len = self.kv_bucket(kv_len or self.max_seq_len)
         slots = self._kv_slots[kv_len]  # [kv_len]
         tokens, positions = self._row_inputs[bucket]  # [bucket, 1] each
         decode = self._decode_one if bucket == 1 else self._decode_many
         step = partial(decode, self.model, self.caches, tokens, positions, slots)
+        state = ()
+        if greedy:
+            step, state = partial(self._greedy_step, step, tokens, positions), (tokens, positions)
         if self.graphs is None:
             return step()
-        return self.graphs.run(("decode", bucket, kv_len), step)
+        return self.graphs.run(("greedy" if greedy else "decode", bucket, kv_len), step, state)
+
+    def _greedy_step(self, decode: Callable, tokens: torch.Tensor, positions: torch.Tensor):
+        """decode() -> logits [b, vocab]; their argmax [b] becomes `tokens` [b, 1], and
+        `positions` [b, 1] advance (rows not decoding stay at the last slot)."""
+        chosen = decode().argmax(dim=-1)
+        tokens.copy_(chosen[:, None])
+        positions.add_(1).clamp_(max=self._last_slot)
+        return chosen
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
         """One token for each decoding sequence -> their tokens [n] (on the device)."""
@@ -647,8 +680,14 @@ class Engine:
         bucket = next(b for b in self.buckets if b > max(slots))
         # Host state only (the same on every process under tensor parallelism, like `bucket`).
         kv_len = self.kv_bucket(max(s.decode_position for s in decoding) + 1)
-        logits = self.decode_rows(bucket, kv_len)
         self.num_decode_steps += 1
+        whole = slots == list(range(bucket))
+        if GREEDY_IN_GRAPH and whole and all(s.plain_greedy for s in decoding):
+            # every row of the bucket takes its argmax: chosen inside the step's CUDA graph
+            # (on an H200 the argmax, the copy and the position update outside it were ~4
+            # launches, 17-27 µs a token of a 0.6-0.8 ms 1B step)
+            return self.decode_rows(bucket, kv_len, greedy=True)
+        logits = self.decode_rows(bucket, kv_len)
         if slots == list(range(len(slots))):  # rows 0..n-1: plain slices
             tokens = self._sample(decoding, logits[: len(slots)])
             self._tokens[: len(slots)] = tokens

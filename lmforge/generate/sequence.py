@@ -150,6 +150,12 @@ class Sequence:
         return self.finished or self.cancelled
 
     @property
+    def plain_greedy(self) -> bool:
+        """Whether its next token is its logits' argmax and nothing else reads them (no draws
+        of its own, no log-probabilities)."""
+        return self.params.greedy and self.generator is None and self.num_logprobs is None
+
+    @property
     def prefilled(self) -> bool:
         return self.num_cached == len(self.prompt_ids)
 
