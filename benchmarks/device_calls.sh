@@ -46,7 +46,6 @@
 #   bash benchmarks/device_calls.sh deep-next   # one H200: the 3B's int8 among deep tiles; the 1B's int8 a second pass; rows 1B/3B
 #   bash benchmarks/device_calls.sh quantized-rows  # one H200: issue 14's int8/int4 rows as shipped, 1B and 3B
 #   bash benchmarks/device_calls.sh greedy-graph    # one H200: greedy tokens chosen inside the graph: GPU test, A/B rows
-#   bash benchmarks/device_calls.sh int4-deep       # one H200: the 1B's int4 w13 among tiles of 4-8 rows a thread
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -64,9 +63,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | int4-deep | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|int4-deep|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -689,18 +688,6 @@ greedy-graph)
     --new-tokens 128 --repeats 2 --out "$OUT/3b"
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-260
-  grep -h -c Traceback "$OUT"/*.log || true
-  ;;
-int4-deep)
-  # session 23: the 1B's int4 w13 (with its norm and SiLU·up) searched inside the step among
-  # the int4 tiles, three new ones holding 4-8 rows a thread (kernels._INT4_TILES), from the
-  # pinned tiles; the step's rate with the pinned tile against the best one, one process
-  cp lmforge/generate/gemv_tiles.json "$OUT/gemv_tiles.json"
-  export LMFORGE_GEMV_TILES="$OUT/gemv_tiles.json"
-  TRITON_CACHE_DIR=/tmp/triton-int4-deep step 170 search python3 benchmarks/tile_search.py \
-    --preset llama3.2-1b --schemes int4-wo --passes 1 --tokens 64 --only "norm swiglu" \
-    --out "$OUT/search" --table "$OUT/gemv_tiles.json"
-  grep -h "tried\|pass 1\|^{" "$OUT"/search.log | cut -c1-200
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 ncu)

@@ -1011,13 +1011,9 @@ def int4_halves(group: int, dtype: torch.dtype) -> bool:
 # (BLOCK_N, GROUPS, num_warps, num_stages) `_gemv_int4` tries; GROUPS must divide a row's groups
 # of low nibbles. A thread reads 16 bytes of a row at a time (4 words), and holds BLOCK_N /
 # num_warps rows where GROUPS x group / 128 threads span a row: x is made once for those rows.
-# The last three hold 4-8 rows a thread over one group (session 22's counters: the 1B's int4
-# w13 at 2 rows a thread spends 5.1 instructions a weight, most of them preparing x; compiled
-# for sm_90, w13 at 16 and 32 rows a warp takes 96 and 168 registers, none spilled).
 _INT4_TILES = [
     (4, 4, 1, 1), (8, 4, 2, 1), (16, 4, 4, 1), (16, 4, 4, 3), (32, 4, 4, 1), (8, 2, 2, 1),
     (16, 2, 4, 3), (8, 8, 2, 1), (16, 8, 4, 1), (8, 1, 1, 1), (16, 1, 2, 3),
-    (16, 1, 1, 1), (32, 1, 1, 1), (32, 1, 2, 1),
 ]  # fmt: skip
 
 
