@@ -762,6 +762,29 @@ def test_greedy_tokens_chosen_inside_the_graph_equal_the_hosts():
     assert ("greedy", 1) in recorded and ("greedy", 4) in recorded
 
 
+def test_warm_up_puts_back_what_a_step_changes():
+    """A step recorded as a CUDA graph runs twice before (`engine.warm_up`): the state it names
+    comes back as it was after each run, also when a run fails, so that the recorded graph's
+    one replay advances it once."""
+    tokens, positions, runs = torch.tensor([[5]]), torch.tensor([[7]]), []
+
+    def step():
+        runs.append((tokens.item(), positions.item()))
+        tokens.fill_(9)
+        positions.add_(1)
+        if len(runs) == 3:
+            raise RuntimeError("capture failed")
+        return tokens
+
+    engine_module.warm_up(step, (tokens, positions))
+    assert runs == [(5, 7), (5, 7)] and (tokens.item(), positions.item()) == (5, 7)
+    with pytest.raises(RuntimeError):
+        engine_module.warm_up(step, (tokens, positions))
+    assert (tokens.item(), positions.item()) == (5, 7)
+    engine_module.warm_up(lambda: positions.add_(1))  # no state named: idempotent steps only
+    assert positions.item() == 9
+
+
 def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     """Where recording a graph fails (a step that syncs with the host, say), the step's
     result still comes back, with a warning, and no later step tries to record again."""

@@ -225,6 +225,18 @@ def plain_quantized_weights(model: nn.Module) -> None:
     unwrap_tensor_subclass(model)
 
 
+def warm_up(step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = ()) -> None:
+    """Run `step` twice before its CUDA graph records it (compiling, tuning), the tensors of
+    `state` it changes put back after each run, as if it had not run."""
+    saved = [tensor.clone() for tensor in state]
+    for _ in range(2):
+        try:
+            step()
+        finally:
+            for tensor, before in zip(state, saved):
+                tensor.copy_(before)
+
+
 class StepGraphs:
     """CUDA graphs of the engine's steps, recorded by the engine, all in one memory pool: the
     compiled decode steps, one per (batch bucket, KV bucket), and the eager prefill forwards of
@@ -270,13 +282,7 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-            saved = [tensor.clone() for tensor in state]
-            for _ in range(2):
-                try:
-                    step()
-                finally:  # as if it had not run
-                    for tensor, before in zip(state, saved):
-                        tensor.copy_(before)
+            warm_up(step, state)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's event loop thread may touch CUDA meanwhile.
