@@ -576,11 +576,10 @@ class Engine:
     def warmup(self) -> None:
         """Compile the decode steps now, and record the CUDA graphs (plain and `greedy`) of
         every batch bucket at the smallest KV bucket (what short sequences use) and of batch 1
-        at every KV bucket (a
-        single stream, as `lmforge generate` runs, never pauses to record one), and those of
-        fresh prefills (`warm_prefill_shapes`: short prompts; no sequence is in the cache yet,
-        so any rows will do). Other shapes record on first use, once per process; compiling is
-        not repeated."""
+        at every KV bucket (a single stream, as `lmforge generate` runs, never pauses to
+        record one), and those of fresh prefills (`warm_prefill_shapes`: short prompts; no
+        sequence is in the cache yet, so any rows will do). Other shapes record on first use,
+        once per process; compiling is not repeated."""
         pairs = [(bucket, self.kv_buckets[0]) for bucket in self.buckets]
         pairs += [(1, kv_len) for kv_len in self.kv_buckets[1:]]
         if not self.compiled:
@@ -589,7 +588,8 @@ class Engine:
         with torch.no_grad():
             for bucket, kv_len in pairs:  # the first call compiles (and records its graph)
                 self.decode_rows(bucket, kv_len).argmax(-1)
-                if self.graphs is not None and not self.num_running:  # (it rewrites rows' inputs)
+                greedy = GREEDY_IN_GRAPH and self.graphs is not None
+                if greedy and not self.num_running:  # (it rewrites the rows' inputs)
                     self.decode_rows(bucket, kv_len, greedy=True)
             for bucket, width in prefills:
                 tokens = torch.zeros(bucket, width, dtype=torch.long)
@@ -674,10 +674,10 @@ class Engine:
 
     def _greedy_step(self, decode: Callable, tokens: torch.Tensor, positions: torch.Tensor):
         """decode() -> logits [b, vocab]; their argmax [b] becomes `tokens` [b, 1], and
-        `positions` [b, 1] advance (rows not decoding stay at the last slot)."""
+        `positions` [b, 1] advance (`_advance`)."""
         chosen = decode().argmax(dim=-1)
         tokens.copy_(chosen[:, None])
-        positions.add_(1).clamp_(max=self._last_slot)
+        self._advance(positions)
         return chosen
 
     def _decode_running(self, decoding: list[Sequence]) -> torch.Tensor:
@@ -687,23 +687,27 @@ class Engine:
         # Host state only (the same on every process under tensor parallelism, like `bucket`).
         kv_len = self.kv_bucket(max(s.decode_position for s in decoding) + 1)
         self.num_decode_steps += 1
-        whole = slots == list(range(bucket))
+        leading = slots == list(range(len(slots)))  # rows 0..n-1: plain slices
+        whole = leading and len(slots) == bucket
         if GREEDY_IN_GRAPH and whole and all(s.plain_greedy for s in decoding):
             # every row of the bucket takes its argmax: chosen inside the step's CUDA graph
             # (on an H200 the argmax, the copy and the position update outside it were ~4
             # launches, 17-27 µs a token of a 0.6-0.8 ms 1B step)
             return self.decode_rows(bucket, kv_len, greedy=True)
         logits = self.decode_rows(bucket, kv_len)
-        if slots == list(range(len(slots))):  # rows 0..n-1: plain slices
+        if leading:
             tokens = self._sample(decoding, logits[: len(slots)])
             self._tokens[: len(slots)] = tokens
         else:
             index = self._to_device(slots)
             tokens = self._sample(decoding, logits[index])
             self._tokens[index] = tokens
-        positions = self._positions[:bucket]
-        positions.add_(1).clamp_(max=self._last_slot)  # rows not decoding stay at the last slot
+        self._advance(self._positions[:bucket])
         return tokens
+
+    def _advance(self, positions: torch.Tensor) -> None:
+        """A step's rows' positions one on (rows not decoding stay at the last slot)."""
+        positions.add_(1).clamp_(max=self._last_slot)
 
     # ---- prefill --------------------------------------------------------------------------
 
