@@ -146,6 +146,7 @@ VARIANTS = (
     "lmforge-no-split",  # no product's rows split among programs (kernels.SPLIT_K)
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
+    "lmforge-int8-signed",  # int8 bytes as torchao keeps them, not q + 128 (kernels.INT8_OFFSET)
     "lmforge-host-argmax",  # greedy tokens chosen after the step's graph (engine.GREEDY_IN_GRAPH)
     "hf",
     "hf-static",
@@ -190,13 +191,15 @@ def launch_context(variant: str):
     programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
     floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
     `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`);
+    `...int8-signed` int8 bytes as torchao stores them, not q + 128 (`kernels.INT8_OFFSET`);
     `...host-argmax` greedy tokens chosen after the step's CUDA graph, not inside it
     (`engine.GREEDY_IN_GRAPH`). The
     GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
     `kernels.TILES`), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
     halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
-    in_graph = engine_module.GREEDY_IN_GRAPH
+    in_graph, offset = engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET
+    kernels.INT8_OFFSET = offset and not variant.endswith("int8-signed")
     engine_module.GREEDY_IN_GRAPH = in_graph and not variant.endswith("host-argmax")
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
     kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
@@ -213,7 +216,7 @@ def launch_context(variant: str):
     finally:
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
         kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
-        engine_module.GREEDY_IN_GRAPH = in_graph
+        engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET = in_graph, offset
 
 
 def _peak_gb() -> float | None:
@@ -365,7 +368,7 @@ def main() -> None:
                     continue  # the bf16 comparison
                 if variant.startswith("lmforge-int4") and scheme != "int4-wo":
                     continue
-                if variant == "lmforge-int8-exact" and not scheme.startswith("int8"):
+                if variant.startswith("lmforge-int8") and not scheme.startswith("int8"):
                     continue
                 row = {"preset": preset, "variant": f"{variant} {scheme}"}
                 try:

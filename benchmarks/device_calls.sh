@@ -46,6 +46,7 @@
 #   bash benchmarks/device_calls.sh deep-next   # one H200: the 3B's int8 among deep tiles; the 1B's int8 a second pass; rows 1B/3B
 #   bash benchmarks/device_calls.sh quantized-rows  # one H200: issue 14's int8/int4 rows as shipped, 1B and 3B
 #   bash benchmarks/device_calls.sh greedy-graph    # one H200: greedy tokens chosen inside the graph: GPU test, A/B rows
+#   bash benchmarks/device_calls.sh offset      # one H200: int8 kept as q + 128: GPU tests, A/B rows 1B/3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -63,9 +64,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -685,6 +686,23 @@ greedy-graph)
     --new-tokens 128 --repeats 2 --out "$OUT/1b"
   TRITON_CACHE_DIR=/tmp/triton-rows-3b step 150 rows-3b python3 benchmarks/decode.py \
     --presets llama3.2-3b --variants lmforge lmforge-host-argmax --schemes bf16 int8-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  tail -n 3 "$OUT/check.log"
+  grep -h '^{' "$OUT"/rows-*.log | cut -c1-260
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+offset)
+  # session 24: int8 weights kept as uint8 q + 128 (kernels.INT8_OFFSET: the xor that makes the
+  # bytes the byte permutes read done once, at conversion): the int8 kernels' GPU tests, then
+  # the 1B's and 3B's bf16 and int8 rows beside int8 as torchao stores it (variant
+  # lmforge-int8-signed), one process a preset, the pinned tiles
+  kernel_tests 200 "(fusions_equal and not 16 and not 4 and not signed and not vector) or \
+(dequantized_product and int8) or torchao_linears"
+  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 150 rows-1b python3 benchmarks/decode.py \
+    --presets llama3.2-1b --variants lmforge lmforge-int8-signed --schemes bf16 int8-wo \
+    --new-tokens 128 --repeats 2 --out "$OUT/1b"
+  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 170 rows-3b python3 benchmarks/decode.py \
+    --presets llama3.2-3b --variants lmforge lmforge-int8-signed --schemes bf16 int8-wo \
     --new-tokens 128 --repeats 2 --out "$OUT/3b"
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-260

@@ -67,18 +67,25 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
     torch.testing.assert_close(
         got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()
     )
+    if bits == 8:  # int8 bytes, or uint8 q + 128 as `from_linear` keeps them: the same product
+        offset = QuantizedLinear(q.view(torch.uint8) ^ 0x80, scale, zero, bits).to(DEVICE)
+        assert torch.equal(offset(x.to(DEVICE)).cpu(), got)
+
+
+INT8_HOWS = ("", " signed", " x as a vector", " exact", " exact signed", " folded")
 
 
 @pytest.mark.parametrize(
     "bits",
-    [16, 8, "8 x as a vector", "8 exact", "8 folded", 4, "4 bytes from bits", "4 bytes converter"],
+    [16, *(f"8{how}" for how in INT8_HOWS), 4, "4 bytes from bits", "4 bytes converter"],
 )
 @pytest.mark.parametrize("fusion", ["norm", "norm+swiglu", "gated+residual", "residual", "split"])
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`); int4 in packed
+    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`), its bytes q + 128
+    as `QuantizedLinear` keeps them or int8 ("signed"); int4 in packed
     fp16 (`kernels.INT4_HALVES`) or through `_gemv` ("bytes"), its nibbles made floats from their
     bit patterns
     (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
@@ -87,7 +94,8 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     again)."""
     monkeypatch.setattr(kernels, "INT4_HALVES", "bytes" not in str(bits))
     monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
-    monkeypatch.setattr(kernels, "INT8_BIASED", bits != "8 exact")
+    monkeypatch.setattr(kernels, "INT8_BIASED", "exact" not in str(bits))
+    signed = "signed" in str(bits)
     if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
         monkeypatch.setattr(kernels._gemv_tuned, "cache", {})
         monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
@@ -110,6 +118,7 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     else:
         q, scale, zero = random_layout(bits, n, k, 128 if bits == 4 else k)
         weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
+        weight = weight if bits == 4 or signed else q.view(torch.uint8) ^ 0x80
         dense = dequantized(bits, q, scale, zero)
     gated = "gated" in fusion
     x = torch.randn(1, 2 * k if gated else k, generator=g).bfloat16()
@@ -526,9 +535,10 @@ cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and 
     (16, 8192, "GATED RESIDUAL", False, (8, 1024, 4)), (8, 2048, "NORM SWIGLU", False, (8, 512, 4)),
     (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)), (8, 8192, "RESIDUAL SPLITS", True, (2, 1024, 4)),
     (8, 8192, "RESIDUAL FOLD", True, (16, 1024, 2)), (8, 2048, "NORM SWIGLU FOLD", True, (16, 1024, 4)),
+    (8, 2048, "NORM SWIGLU FOLD OFFSET", True, (16, 1024, 4)), (8, 2048, "RESIDUAL OFFSET", False, (8, 1024, 4)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
-    weight = {16: "*bf16", 8: "*i8", 4: "*u8"}[bits]
+    weight = {16: "*bf16", 8: "*u8" if "OFFSET" in fusions else "*i8", 4: "*u8"}[bits]  # q + 128
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
     signature |= {"partial_ptr": "*fp32", "count_ptr": "*i32"}
     signature |= {"N": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags + ["K"]}
@@ -550,8 +560,8 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     assert ("atom.global.gpu.acq_rel.add" in ptx) == ("SPLITS" in fusions), (bits, fusions)
     if early:  # the first weight tile is asked for before the wait
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), (bits, fusions)
-for bits in (8, 4):
-    signature = {"w_ptr": "*i8" if bits == 8 else "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
+for bits, weight in ((8, "*i8"), (8, "*u8"), (4, "*u8")):
+    signature = {"w_ptr": weight, "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                  "out_ptr": "*bf16", "N": "i32", "K": "i32"}
     signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
@@ -590,7 +600,7 @@ signature = {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "
              "HEAD_DIM": "constexpr", "SPLITS": "constexpr", "EARLY": "constexpr"}
 source = ASTSource(da._combine, signature, constexprs={"HEAD_DIM": 64, "SPLITS": 32, "EARLY": True})
 assert "griddepcontrol.wait" in triton.compile(source, target=target).asm["ptx"]
-print("compiled", len(cases) + 2 + 4 + 4)
+print("compiled", len(cases) + 3 + 4 + 4)
 """
 
 
@@ -607,7 +617,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 24" in done.stdout
+    assert "compiled 27" in done.stdout
 
 
 def _product(key: str) -> dict:

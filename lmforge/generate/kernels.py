@@ -9,7 +9,8 @@ where inductor's tuned reductions (what the compiled step made of them before) r
 26%. `_gemv` keeps a [BLOCK_N, BLOCK_K] fp32 accumulator over the whole row and reduces it once
 at the end, so its loop is loads, conversions and fused multiply-adds only.
 
-Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K]; 4: uint8 [N, K/2], byte j of a
+Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K] (or uint8 q + 128, as
+`QuantizedLinear` keeps it: the kernels' byte permutes read it as it is); 4: uint8 [N, K/2], byte j of a
 row holding q[j] in its low and q[j + K/2] in its high nibble (so a tile reads two contiguous
 runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * scale + zero
 (int4, tinygemm's convention), scale and zero [N, K / group]. With more than one row of
@@ -70,6 +71,12 @@ INT4_FROM_BITS = True
 # benchmarks/decode.py, variant lmforge-int8-exact). Never for an fp32 model: its sums keep
 # ~15 bits where the exact conversion keeps 24, visible in an fp32 output, not in a bf16 one.
 INT8_BIASED = True
+# `QuantizedLinear` keeps int8 weights as uint8 q + 128, the bytes `_int8_biased` and
+# `_int8_values` set into floats' patterns: the xor that makes them (a quarter instruction a
+# weight) is done once, at conversion. Compiled for sm_90 the 1B's int8 products take 4-5.5%
+# fewer instructions (w13 1,296 SASS instructions a program instead of 1,360). False: int8 as
+# torchao stores it (the A/B in benchmarks/decode.py, variant lmforge-int8-signed).
+INT8_OFFSET = True
 
 
 @triton.jit
@@ -331,65 +338,77 @@ def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl
     return x, squares
 
 
+def _int8_asm(selectors: tuple[str, ...], subtract: str | None, offset: bool) -> str:
+    """PTX making four fp32 $0-$3 from the four bytes of $4: each byte q + 128 (`offset`: the
+    bytes are q; one xor adds 128 to all four), set by a byte permute (its selector) into a
+    float's pattern, then `subtract` taken off each (None: none)."""
+    biased = "biased" if offset else "$4"
+    lines = [".reg .b32 biased;", "xor.b32 biased, $4, 0x80808080;"] if offset else []
+    pattern = "0x4B000000" if subtract else "0x3F800000"
+    for i, selector in enumerate(selectors):
+        lines.append(f"prmt.b32 ${i}, {biased}, {pattern}, {selector};")
+    if subtract:
+        lines += [f"sub.f32 ${i}, ${i}, {subtract};" for i in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_VALUES = ("0x7540", "0x7541", "0x7542", "0x7543"), "0f4B000080"  # into 0x4B0000__, - (2^23 + 128)
+_INT8_VALUES_ASM = tl.constexpr(_int8_asm(*_VALUES, offset=True))
+_INT8_VALUES_ASM_OFFSET = tl.constexpr(_int8_asm(*_VALUES, offset=False))
+_BIASED = ("0x7604", "0x7614", "0x7624", "0x7634"), None  # into 0x3F80__00
+_INT8_BIASED_ASM = tl.constexpr(_int8_asm(*_BIASED, offset=True))
+_INT8_BIASED_ASM_OFFSET = tl.constexpr(_int8_asm(*_BIASED, offset=False))
+
+
+@triton.jit
+def _offset_bytes(q):
+    """int8 q [rows, cols] as uint32 q + 128: from int8 one xor; uint8 holds q + 128 already
+    (`QuantizedLinear`'s copy: the xor done once, when the weights are converted)."""
+    if q.dtype == tl.uint8:
+        return q.to(tl.uint32)
+    return q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80
+
+
 @triton.jit
 def _int8_values(q):
-    """int8 [rows, cols] as exact fp32 without the integer-to-float converter (a quarter of
-    the FMA rate): as bits, 2^23 + 128 + q is 0x4B000000 | (q ^ 0x80). Four at a time from
-    the register that holds them: one xor makes each byte q + 128, a byte permute sets each
-    into 0x4B0000__, a subtraction leaves q: 2.25 instructions a weight where Triton's own
-    code for the same arithmetic spent 3 (a byte extract, an xor, a subtraction). Compiled for
-    sm_90, 1B w13's kernel with its norm went from 7.49 to 6.77 instructions a weight, w2's
-    with SiLU·up from 7.34 to 6.62 (SASS counted over a program's rows; docs/benchmarks.md).
-    The interpreter runs no PTX: there, the same in Triton."""
+    """int8 [rows, cols] (or uint8 q + 128: `_offset_bytes`) as exact fp32 without the
+    integer-to-float converter (a quarter of the FMA rate): as bits, 2^23 + 128 + q is
+    0x4B000000 | (q + 128). Four at a time from the register that holds them: a byte permute
+    sets each q + 128 into 0x4B0000__, a subtraction leaves q; 2 instructions a weight (2.25
+    with the xor that makes int8 bytes q + 128), where Triton's own code for the same
+    arithmetic spent 3 (a byte extract, an xor, a subtraction). Compiled for sm_90, 1B w13's
+    kernel with its norm went from 7.49 to 6.77 instructions a weight, w2's with SiLU·up from
+    7.34 to 6.62 (SASS counted over a program's rows, with the xor; docs/benchmarks.md). The
+    interpreter runs no PTX: there, the same in Triton."""
     if not ASSEMBLY:
-        bits = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
+        bits = _offset_bytes(q) | 0x4B000000
         return bits.to(tl.float32, bitcast=True) - 8388736.0
+    if q.dtype == tl.uint8:
+        return tl.inline_asm_elementwise(
+            _INT8_VALUES_ASM_OFFSET, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+        )
     return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 biased;
-        xor.b32 biased, $4, 0x80808080;
-        prmt.b32 $0, biased, 0x4B000000, 0x7540;
-        prmt.b32 $1, biased, 0x4B000000, 0x7541;
-        prmt.b32 $2, biased, 0x4B000000, 0x7542;
-        prmt.b32 $3, biased, 0x4B000000, 0x7543;
-        sub.f32 $0, $0, 0f4B000080;
-        sub.f32 $1, $1, 0f4B000080;
-        sub.f32 $2, $2, 0f4B000080;
-        sub.f32 $3, $3, 0f4B000080;
-        }""",
-        "=r,=r,=r,=r,r",
-        [q],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=4,
+        _INT8_VALUES_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
     )
 
 
 @triton.jit
 def _int8_biased(q):
-    """int8 [rows, cols] as fp32 1 + (q + 128) / 2^15, exactly, from their bits: 0x3F80__00
-    with q + 128 in the second byte. Four at a time from the register that holds them: one xor
-    makes each byte q + 128, one byte permute each sets it into 1.0's pattern, 1.25
-    instructions a weight. The product's sum takes the bias off at the end (`_gemv`): the
-    terms carry ~2^8 times their size in x, so the fp32 sums keep ~15 of their 24 bits, to a
-    bf16 output's 8. The interpreter runs no PTX: there, the same in Triton."""
+    """int8 [rows, cols] (or uint8 q + 128: `_offset_bytes`) as fp32 1 + (q + 128) / 2^15,
+    exactly, from their bits: 0x3F80__00 with q + 128 in the second byte. Four at a time from
+    the register that holds them: one byte permute each sets q + 128 into 1.0's pattern, 1
+    instruction a weight (1.25 with the xor that makes int8 bytes q + 128). The product's sum
+    takes the bias off at the end (`_gemv`): the terms carry ~2^8 times their size in x, so the
+    fp32 sums keep ~15 of their 24 bits, to a bf16 output's 8. The interpreter runs no PTX:
+    there, the same in Triton."""
     if not ASSEMBLY:
-        biased = q.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80
-        return ((biased << 8) | 0x3F800000).to(tl.float32, bitcast=True)
+        return ((_offset_bytes(q) << 8) | 0x3F800000).to(tl.float32, bitcast=True)
+    if q.dtype == tl.uint8:
+        return tl.inline_asm_elementwise(
+            _INT8_BIASED_ASM_OFFSET, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+        )
     return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 biased;
-        xor.b32 biased, $4, 0x80808080;
-        prmt.b32 $0, biased, 0x3F800000, 0x7604;
-        prmt.b32 $1, biased, 0x3F800000, 0x7614;
-        prmt.b32 $2, biased, 0x3F800000, 0x7624;
-        prmt.b32 $3, biased, 0x3F800000, 0x7634;
-        }""",
-        "=r,=r,=r,=r,r",
-        [q],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=4,
+        _INT8_BIASED_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
     )
 
 
@@ -700,7 +719,8 @@ def _dequantize(
     out = out_ptr + rows[:, None] * K + cols[None, :]
     if BITS == 8:
         scale = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.float32)
-        tl.store(out, (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=ok)
+        values = (_offset_bytes(q).to(tl.int32) - 128).to(tl.float32)  # int8 or uint8 q + 128
+        tl.store(out, (values * scale).to(out_ptr.dtype.element_ty), mask=ok)
     else:  # the low nibbles are columns 0..K/2-1, the high ones K/2..K-1
         _store_int4(q & 0xF, scale_ptr, zero_ptr, at, out, ok)
         _store_int4(q >> 4, scale_ptr, zero_ptr, at + stored // GROUP, out + stored, ok)
@@ -1240,6 +1260,8 @@ class QuantizedLinear(_MatvecLayer):
         if values is None:
             return None
         bits, q, scale, zero = values
+        if bits == 8 and INT8_OFFSET:  # q + 128 as uint8, which the byte permutes take as it is
+            q = q.view(torch.uint8) ^ 0x80
         if bits == 4:
             half = q.shape[1] // 2
             q = (q[:, :half] | (q[:, half:] << 4)).to(torch.uint8)  # [N, K/2]
