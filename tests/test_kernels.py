@@ -239,9 +239,10 @@ def test_torchao_linears_convert_and_agree(scheme):
         expected = [layer(x).float() for layer in model]
     assert use_quantized_kernels(model) == 2
     assert all(type(layer) is QuantizedLinear for layer in model)
+    model, x = model.to(DEVICE), x.to(DEVICE)  # converted on the CPU, run where the kernels do
     for layer, want in zip(model, expected, strict=True):
         for inputs in (x[:1], x):  # one row (gemv) and two (matmul)
-            got = layer(inputs).float()
+            got = layer(inputs).float().cpu()
             torch.testing.assert_close(
                 got, want[: len(inputs)], rtol=2e-2, atol=2e-2 * want.abs().max().item()
             )
