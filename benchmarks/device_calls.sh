@@ -49,6 +49,7 @@
 #   bash benchmarks/device_calls.sh offset      # one H200: int8 kept as q + 128: GPU tests, A/B rows 1B/3B
 #   bash benchmarks/device_calls.sh offset-tiles  # one H200: the rest of offset's GPU tests; the 1B's int8 tiles searched again; rows
 #   bash benchmarks/device_calls.sh offset-final  # one H200: the torchao conversion tests on the GPU; quantized-rows
+#   bash benchmarks/device_calls.sh serve-now   # one H200: the server at 1-64 streams beside Generator's batch-1 rate, today's engine
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -66,9 +67,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -176,6 +177,19 @@ serve)
   tail -n 7 "$OUT/serve.log"
   tail -n 4 "$OUT/serve-64.log"
   python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 30 | cut -c1-160
+  ;;
+serve-now)
+  # issue 14's server rows again (last measured in session 11, when Generator decoded the 1B at
+  # ~880 tok/s; the GEMV sessions since made it ~1,280): the server at 1-64 streams, then
+  # Generator's batch-1 bf16 rate in the same call for the one-stream ratio
+  step 220 serve python3 benchmarks/serve_load.py --preset llama3.2-1b --device cuda \
+    --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 --max-seq-len 4096 \
+    --out "$OUT"
+  step 120 decode python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes bf16 --new-tokens 128 --repeats 2 --out "$OUT/decode"
+  tail -n 7 "$OUT/serve.log"
+  grep -h '^{' "$OUT/decode.log" | cut -c1-250
+  grep -h -c Traceback "$OUT"/*.log || true
   ;;
 switch)
   # the server's GIL switch interval: Python's default 5 ms against 0.5 ms, alternating, at
