@@ -42,7 +42,7 @@ def register(subparsers) -> None:
         action="store_true",
         help="quantize the output projection too (untied from the embeddings if tied): faster "
         "batch-1 decode, at the cost of the head's precision and, when tied, a second copy "
-        "(Llama 3.2 1B on an H200: int8 1.35x bf16 instead of 1.27x; docs/benchmarks.md)",
+        "(Llama 3.2 1B on an H200: int8 1.38x bf16 instead of 1.29x; docs/benchmarks.md)",
     )
     quantize.add_argument(
         "--pack-int4",

@@ -9,10 +9,10 @@ where inductor's tuned reductions (what the compiled step made of them before) r
 26%. `_gemv` keeps a [BLOCK_N, BLOCK_K] fp32 accumulator over the whole row and reduces it once
 at the end, so its loop is loads, conversions and fused multiply-adds only.
 
-Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K] (or uint8 q + 128, as
-`QuantizedLinear` keeps it: the kernels' byte permutes read it as it is); 4: uint8 [N, K/2], byte j of a
-row holding q[j] in its low and q[j + K/2] in its high nibble (so a tile reads two contiguous
-runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * scale + zero
+Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K], or uint8 q + 128 as
+`QuantizedLinear` keeps it (the bytes the kernels' byte permutes read); 4: uint8 [N, K/2], byte
+j of a row holding q[j] in its low and q[j + K/2] in its high nibble (so a tile reads two
+contiguous runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * scale + zero
 (int4, tinygemm's convention), scale and zero [N, K / group]. With more than one row of
 activations (batched decoding, prefill), a quantized weight is expanded to bf16 by
 `_dequantize` and multiplied by cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.6-4.8
@@ -74,8 +74,9 @@ INT8_BIASED = True
 # `QuantizedLinear` keeps int8 weights as uint8 q + 128, the bytes `_int8_biased` and
 # `_int8_values` set into floats' patterns: the xor that makes them (a quarter instruction a
 # weight) is done once, at conversion. Compiled for sm_90 the 1B's int8 products take 4-5.5%
-# fewer instructions (w13 1,296 SASS instructions a program instead of 1,360). False: int8 as
-# torchao stores it (the A/B in benchmarks/decode.py, variant lmforge-int8-signed).
+# fewer instructions (w13 1,296 SASS instructions a program instead of 1,360); on an H200
+# (2026-12-03, docs/benchmarks.md) the 1B's int8 decoded 0.8% faster, the 3B's 1.3%. False:
+# int8 as torchao stores it (the A/B in benchmarks/decode.py, variant lmforge-int8-signed).
 INT8_OFFSET = True
 
 
