@@ -147,7 +147,6 @@ VARIANTS = (
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
     "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
     "lmforge-int8-signed",  # int8 bytes as torchao keeps them, not q + 128 (kernels.INT8_OFFSET)
-    "lmforge-l2-ahead",  # each GEMV program asks L2 for a later one's weights (kernels.L2_AHEAD)
     "lmforge-host-argmax",  # greedy tokens chosen after the step's graph (engine.GREEDY_IN_GRAPH)
     "hf",
     "hf-static",
@@ -193,16 +192,13 @@ def launch_context(variant: str):
     floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
     `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`);
     `...int8-signed` int8 bytes as torchao stores them, not q + 128 (`kernels.INT8_OFFSET`);
-    `...l2-ahead` each GEMV program asks L2 for the weights of one half a grid later
-    (`kernels.L2_AHEAD`);
     `...host-argmax` greedy tokens chosen after the step's CUDA graph, not inside it
     (`engine.GREEDY_IN_GRAPH`). The
     GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
     `kernels.TILES`), so every variant runs the first one's tiles."""
     saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
     halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
-    in_graph, offset, ahead = engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET, kernels.L2_AHEAD
-    kernels.L2_AHEAD = ahead or variant.endswith("l2-ahead")
+    in_graph, offset = engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET
     kernels.INT8_OFFSET = offset and not variant.endswith("int8-signed")
     engine_module.GREEDY_IN_GRAPH = in_graph and not variant.endswith("host-argmax")
     kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
@@ -221,7 +217,6 @@ def launch_context(variant: str):
         early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
         kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
         engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET = in_graph, offset
-        kernels.L2_AHEAD = ahead
 
 
 def _peak_gb() -> float | None:

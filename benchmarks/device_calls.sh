@@ -50,7 +50,6 @@
 #   bash benchmarks/device_calls.sh offset-tiles  # one H200: the rest of offset's GPU tests; the 1B's int8 tiles searched again; rows
 #   bash benchmarks/device_calls.sh offset-final  # one H200: the torchao conversion tests on the GPU; quantized-rows
 #   bash benchmarks/device_calls.sh serve-now   # one H200: the server at 1-64 streams beside Generator's batch-1 rate, today's engine
-#   bash benchmarks/device_calls.sh l2-ahead    # one H200: GEMV programs asking L2 for later ones' weights: GPU tests, A/B 1B/3B
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -68,9 +67,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | l2-ahead | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|l2-ahead|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -190,22 +189,6 @@ serve-now)
     --schemes bf16 --new-tokens 128 --repeats 2 --out "$OUT/decode"
   tail -n 7 "$OUT/serve.log"
   grep -h '^{' "$OUT/decode.log" | cut -c1-250
-  grep -h -c Traceback "$OUT"/*.log || true
-  ;;
-l2-ahead)
-  # session 24: each GEMV program asks L2 (Hopper's bulk prefetch) for the weights of the
-  # program half a grid later, so a product's second wave finds its weights there
-  # (kernels.L2_AHEAD, products of at most 64 MB): its GPU tests, then A/B in one process a
-  # preset, 1B bf16/int8 and 3B bf16/int8, pinned tiles
-  kernel_tests 100 "fusions_equal and ahead"
-  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 150 rows-1b python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge lmforge-l2-ahead --schemes bf16 int8-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 170 rows-3b python3 benchmarks/decode.py \
-    --presets llama3.2-3b --variants lmforge lmforge-l2-ahead --schemes bf16 int8-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/3b"
-  tail -n 3 "$OUT/check.log"
-  grep -h '^{' "$OUT"/rows-*.log | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 switch)

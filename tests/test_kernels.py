@@ -72,7 +72,7 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
         assert torch.equal(offset(x.to(DEVICE)).cpu(), got)
 
 
-INT8_HOWS = ("", " signed", " x as a vector", " exact", " exact signed", " folded", " l2 ahead")
+INT8_HOWS = ("", " signed", " x as a vector", " exact", " exact signed", " folded")
 
 
 @pytest.mark.parametrize(
@@ -85,8 +85,7 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
     early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
     with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`), its bytes q + 128
-    as `QuantizedLinear` keeps them or int8 ("signed"), later programs' weights asked of L2
-    ("l2 ahead": `kernels.L2_AHEAD`, nothing under the interpreter); int4 in packed
+    as `QuantizedLinear` keeps them or int8 ("signed"); int4 in packed
     fp16 (`kernels.INT4_HALVES`) or through `_gemv` ("bytes"), its nibbles made floats from their
     bit patterns
     (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
@@ -97,7 +96,6 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
     monkeypatch.setattr(kernels, "INT8_BIASED", "exact" not in str(bits))
     signed = "signed" in str(bits)
-    monkeypatch.setattr(kernels, "L2_AHEAD", "ahead" in str(bits))
     if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
         monkeypatch.setattr(kernels._gemv_tuned, "cache", {})
         monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
@@ -529,8 +527,7 @@ target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr",
             "partial_ptr", "count_ptr"]
 flags = ["GROUP", "BITS", "NORM", "GATED", "RESIDUAL", "BLOCK_N", "BLOCK_K", "X_TILE", "EARLY",
-         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS", "FOLD",
-         "L2_AHEAD"]
+         "PRELOAD", "INT4_FROM_BITS", "INT8_BIASED", "SWIGLU", "SPLITS", "MAX_SPLITS", "FOLD"]
 cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and harness launch
     (16, 2048, "NORM", True, (8, 1024, 8)), (16, 2048, "GATED RESIDUAL", False, (8, 128, 4)),
     (16, 2048, "RESIDUAL", False, (2, 1024, 4)), (8, 2048, "NORM", True, (8, 1024, 8)),
@@ -540,7 +537,6 @@ cases = [  # (bits, group, fusions, x_tile, tile): what the engine's blocks and 
     (16, 2048, "NORM SWIGLU", True, (8, 1024, 8)), (8, 8192, "RESIDUAL SPLITS", True, (2, 1024, 4)),
     (8, 8192, "RESIDUAL FOLD", True, (16, 1024, 2)), (8, 2048, "NORM SWIGLU FOLD", True, (16, 1024, 4)),
     (8, 2048, "NORM SWIGLU FOLD OFFSET", True, (16, 1024, 4)), (8, 2048, "RESIDUAL OFFSET", False, (8, 1024, 4)),
-    (8, 2048, "NORM SWIGLU FOLD OFFSET AHEAD", True, (16, 1024, 4)), (16, 2048, "RESIDUAL AHEAD", False, (2, 1024, 4)),
 ]
 for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     weight = {16: "*bf16", 8: "*u8" if "OFFSET" in fusions else "*i8", 4: "*u8"}[bits]  # q + 128
@@ -556,7 +552,6 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants["INT8_BIASED"] = bits == 8 and group == 2048 and not x_tile  # (and one exact)
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
     constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4, "FOLD": "FOLD" in fusions}
-    constants["L2_AHEAD"] = "AHEAD" in fusions
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
     source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
@@ -564,7 +559,6 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     ptx = triton.compile(source, target=target, options=options).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == early, (bits, fusions)
     assert ("atom.global.gpu.acq_rel.add" in ptx) == ("SPLITS" in fusions), (bits, fusions)
-    assert ("cp.async.bulk.prefetch.L2" in ptx) == ("AHEAD" in fusions), (bits, fusions)
     if early:  # the first weight tile is asked for before the wait
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), (bits, fusions)
 for bits, weight in ((8, "*i8"), (8, "*u8"), (4, "*u8")):
@@ -624,7 +618,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 29" in done.stdout
+    assert "compiled 27" in done.stdout
 
 
 def _product(key: str) -> dict:

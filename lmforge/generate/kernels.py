@@ -78,10 +78,6 @@ INT8_BIASED = True
 # (2026-12-03, docs/benchmarks.md) the 1B's int8 decoded 0.8% faster, the 3B's 1.3%. False:
 # int8 as torchao stores it (the A/B in benchmarks/decode.py, variant lmforge-int8-signed).
 INT8_OFFSET = True
-# Each program of a product asks L2 for the weights of the program half a grid later
-# (`_prefetch_later`), for products whose weights L2 holds well (at most L2_AHEAD_BYTES).
-L2_AHEAD = False
-L2_AHEAD_BYTES = 64 << 20
 
 
 @triton.jit
@@ -114,7 +110,6 @@ def _gemv(
     SPLITS: tl.constexpr = 1,  # programs a row's columns are shared among (`_combine`)
     MAX_SPLITS: tl.constexpr = 1,  # (the tuning key: the most SPLITS a product may take)
     FOLD: tl.constexpr = False,  # (BITS 8) a sum a row and run of a thread's columns (`_fold`)
-    L2_AHEAD: tl.constexpr = False,  # ask L2 for a later program's weights (`_prefetch_later`)
 ):
     rows, row_ok = _rows(N, BLOCK_N, SWIGLU)
     stored: tl.constexpr = K // 2 if BITS == 4 else K  # columns a row stores
@@ -132,8 +127,6 @@ def _gemv(
         w0 = _weights(w_ptr, rows, row_ok, stored, begin, BLOCK_K)
     if second:
         w1 = _weights(w_ptr, rows, row_ok, stored, begin + BLOCK_K, BLOCK_K)
-    if L2_AHEAD and SPLITS == 1:
-        _prefetch_later(w_ptr, N, stored, BLOCK_N, SWIGLU)
     wait_for_previous(EARLY)
     if first:
         acc, squares, sums = _accumulate(
@@ -161,50 +154,6 @@ def _gemv(
         y *= tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
     _finish(y, y_ptr, residual_ptr, partial_ptr, count_ptr, rows, row_ok, N, BLOCK_N, RESIDUAL,
             SWIGLU, SPLITS)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_later(w_ptr, N, stored, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
-    """Ask L2 for the weight rows of the program half a grid later (none for the second half):
-    a grid of more programs than its GPU holds at once runs in waves, and a later wave's
-    programs ask for their weights only once they start, when the first wave's have arrived and
-    the memory would idle. One bulk request a range of whole rows, from the program's first
-    thread; weights only (the step writes none of them), so before the wait."""
-    later = tl.program_id(0) + (tl.num_programs(0) + 1) // 2
-    if later < tl.num_programs(0):
-        size = stored * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # bytes a row
-        if SWIGLU:  # gate rows and up rows, N/2 apart
-            half: tl.constexpr = BLOCK_N // 2
-            first = later * half
-            count = tl.minimum(half, N // 2 - first)
-            _prefetch_rows(w_ptr + first.to(tl.int64) * stored, count * size)
-            _prefetch_rows(w_ptr + (N // 2 + first).to(tl.int64) * stored, count * size)
-        else:
-            first = later * BLOCK_N
-            count = tl.minimum(BLOCK_N, N - first)
-            _prefetch_rows(w_ptr + first.to(tl.int64) * stored, count * size)
-
-
-@triton.jit
-def _prefetch_rows(at, size):
-    """`size` bytes from `at` (16-byte aligned, a multiple of 16) into L2, asked by one thread
-    (Hopper's bulk prefetch); nothing under the interpreter or elsewhere."""
-    if ASSEMBLY:
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred first;
-            .reg .b32 thread;
-            mov.u32 thread, %tid.x;
-            setp.eq.u32 first, thread, 0;
-            @first cp.async.bulk.prefetch.L2.global [$1], $2;
-            mov.u32 $0, 0;
-            }""",
-            "=r,l,r",
-            [at.to(tl.int64, bitcast=True), size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -1035,7 +984,6 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         PRELOAD=PRELOAD[bits] if early else 0,
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
         MAX_SPLITS=max_splits,
-        L2_AHEAD=L2_AHEAD and w.numel() * w.element_size() <= L2_AHEAD_BYTES,
         launch_pdl=early,
         **(_interpreted_tiles(k, group, bits, gated, x.dtype, max_splits) if INTERPRETED else {}),
     )
