@@ -9,18 +9,18 @@ where inductor's tuned reductions (what the compiled step made of them before) r
 26%. `_gemv` keeps a [BLOCK_N, BLOCK_K] fp32 accumulator over the whole row and reduces it once
 at the end, so its loop is loads, conversions and fused multiply-adds only.
 
-Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K], or uint8 q + 128 as
-`QuantizedLinear` keeps it (the bytes the kernels' byte permutes read); 4: uint8 [N, K/2], byte
-j of a row holding q[j] in its low and q[j + K/2] in its high nibble (so a tile reads two
-contiguous runs of x). A quantized weight is w = q * scale (int8, symmetric) or (q - 8) * scale + zero
-(int4, tinygemm's convention), scale and zero [N, K / group]. With more than one row of
-activations (batched decoding, prefill), a quantized weight is expanded to bf16 by
-`_dequantize` and multiplied by cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.6-4.8
-ms a product of the 1B, this 10-57 us. Which weights come here (`quantized_values`): int8 and
-the int4 made on the CPU, and tinygemm's int4 (made on CUDA) converted where the engine decodes
-one sequence at a time and for lm-eval's scoring: at one row bf16-activation int4 runs in packed
-fp16 (`_gemv_int4`; on an H200 the 1B decoded 1.32-1.36x faster than on tinygemm, the 3B
-1.27-1.29x, docs/benchmarks.md), and at 64 rows tinygemm took 2x as long as the bf16 expansion.
+Layouts (`bits`): 16: the weight as it is; 8: int8 q [N, K], or uint8 q + 128 as `QuantizedLinear`
+keeps it (the bytes the kernels' byte permutes read); 4: uint8 [N, K/2], byte j of a row holding
+q[j] in its low and q[j + K/2] in its high nibble (so a tile reads two contiguous runs of x). A
+quantized weight is w = q * scale (int8, symmetric) or (q - 8) * scale + zero (int4, tinygemm's
+convention), scale and zero [N, K / group]. With more than one row of activations (batched
+decoding, prefill), a quantized weight is expanded to bf16 by `_dequantize` and multiplied by
+cuBLAS: at 64 rows on an H200 torchao's int8 kernel took 0.6-4.8 ms a product of the 1B, this 10-57
+us. Which weights come here (`quantized_values`): int8 and the int4 made on the CPU, and tinygemm's
+int4 (made on CUDA) converted where the engine decodes one sequence at a time and for lm-eval's
+scoring: at one row bf16-activation int4 runs in packed fp16 (`_gemv_int4`; on an H200 the 1B
+decoded 1.32-1.36x faster than on tinygemm, the 3B 1.27-1.29x, docs/benchmarks.md), and at 64 rows
+tinygemm took 2x as long as the bf16 expansion.
 
 A single-row product can take the decode block's work around it into the same kernel: the
 RMSNorm of its input, SiLU·up, a residual add (`gemv`'s arguments, `FusedDecodeBlock`). One
@@ -339,12 +339,12 @@ def _activation(x_ptr, norm_ptr, cols, K, squares, NORM: tl.constexpr, GATED: tl
     return x, squares
 
 
-def _int8_asm(selectors: tuple[str, ...], subtract: str | None, offset: bool) -> str:
-    """PTX making four fp32 $0-$3 from the four bytes of $4: each byte q + 128 (`offset`: the
-    bytes are q; one xor adds 128 to all four), set by a byte permute (its selector) into a
+def _int8_asm(selectors: tuple[str, ...], subtract: str | None, signed: bool) -> str:
+    """PTX making four fp32 $0-$3 from the four bytes q + 128 of $4 (`signed`: the bytes are
+    int8 q; one xor makes all four q + 128), each set by a byte permute (its selector) into a
     float's pattern, then `subtract` taken off each (None: none)."""
-    biased = "biased" if offset else "$4"
-    lines = [".reg .b32 biased;", "xor.b32 biased, $4, 0x80808080;"] if offset else []
+    biased = "biased" if signed else "$4"
+    lines = [".reg .b32 biased;", "xor.b32 biased, $4, 0x80808080;"] if signed else []
     pattern = "0x4B000000" if subtract else "0x3F800000"
     for i, selector in enumerate(selectors):
         lines.append(f"prmt.b32 ${i}, {biased}, {pattern}, {selector};")
@@ -354,11 +354,11 @@ def _int8_asm(selectors: tuple[str, ...], subtract: str | None, offset: bool) ->
 
 
 _VALUES = ("0x7540", "0x7541", "0x7542", "0x7543"), "0f4B000080"  # into 0x4B0000__, - (2^23 + 128)
-_INT8_VALUES_ASM = tl.constexpr(_int8_asm(*_VALUES, offset=True))
-_INT8_VALUES_ASM_OFFSET = tl.constexpr(_int8_asm(*_VALUES, offset=False))
+_INT8_VALUES_ASM = tl.constexpr(_int8_asm(*_VALUES, signed=False))
+_INT8_VALUES_ASM_SIGNED = tl.constexpr(_int8_asm(*_VALUES, signed=True))
 _BIASED = ("0x7604", "0x7614", "0x7624", "0x7634"), None  # into 0x3F80__00
-_INT8_BIASED_ASM = tl.constexpr(_int8_asm(*_BIASED, offset=True))
-_INT8_BIASED_ASM_OFFSET = tl.constexpr(_int8_asm(*_BIASED, offset=False))
+_INT8_BIASED_ASM = tl.constexpr(_int8_asm(*_BIASED, signed=False))
+_INT8_BIASED_ASM_SIGNED = tl.constexpr(_int8_asm(*_BIASED, signed=True))
 
 
 @triton.jit
@@ -386,10 +386,10 @@ def _int8_values(q):
         return bits.to(tl.float32, bitcast=True) - 8388736.0
     if q.dtype == tl.uint8:
         return tl.inline_asm_elementwise(
-            _INT8_VALUES_ASM_OFFSET, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+            _INT8_VALUES_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
         )
     return tl.inline_asm_elementwise(
-        _INT8_VALUES_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+        _INT8_VALUES_ASM_SIGNED, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
     )
 
 
@@ -406,10 +406,10 @@ def _int8_biased(q):
         return ((_offset_bytes(q) << 8) | 0x3F800000).to(tl.float32, bitcast=True)
     if q.dtype == tl.uint8:
         return tl.inline_asm_elementwise(
-            _INT8_BIASED_ASM_OFFSET, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+            _INT8_BIASED_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
         )
     return tl.inline_asm_elementwise(
-        _INT8_BIASED_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+        _INT8_BIASED_ASM_SIGNED, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
     )
 
 
