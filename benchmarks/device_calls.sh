@@ -116,6 +116,15 @@ deep_call() {
   grep -h '^{' "$OUT/rows.log" | cut -c1-250
   grep -h -c Traceback "$OUT"/search.log "$OUT"/rows.log || true
 }
+# ab_rows SECONDS PRESET VARIANT SCHEMES...: the preset's decode rows as shipped and as VARIANT,
+# one process (its own Triton cache), into rows-PRESET.log and $OUT/PRESET
+ab_rows() {
+  local seconds=$1 preset=$2 variant=$3
+  shift 3
+  TRITON_CACHE_DIR=/tmp/triton-rows-$preset step "$seconds" "rows-$preset" python3 \
+    benchmarks/decode.py --presets "llama3.2-$preset" --variants lmforge "$variant" \
+    --schemes "$@" --new-tokens 128 --repeats 2 --out "$OUT/$preset"
+}
 # int8_rows SECONDS NAME PRESET: the preset's bf16 and int8 decode rows, fresh process and cache
 int8_rows() {
   TRITON_CACHE_DIR=/tmp/triton-$2 step "$1" "$2" python3 benchmarks/decode.py \
@@ -702,12 +711,8 @@ greedy-graph)
   # (variant lmforge-host-argmax) in the same process, 1B bf16/int8/int4 and 3B bf16/int8
   step 120 check env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     tests/test_generate.py -k greedy_tokens_chosen
-  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 150 rows-1b python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge lmforge-host-argmax --schemes bf16 int8-wo int4-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 150 rows-3b python3 benchmarks/decode.py \
-    --presets llama3.2-3b --variants lmforge lmforge-host-argmax --schemes bf16 int8-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  ab_rows 150 1b lmforge-host-argmax bf16 int8-wo int4-wo
+  ab_rows 150 3b lmforge-host-argmax bf16 int8-wo
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-260
   grep -h -c Traceback "$OUT"/*.log || true
@@ -719,12 +724,8 @@ offset)
   # lmforge-int8-signed), one process a preset, the pinned tiles
   kernel_tests 200 "(fusions_equal and not 16 and not 4 and not signed and not vector) or \
 (dequantized_product and int8) or torchao_linears"
-  TRITON_CACHE_DIR=/tmp/triton-rows-1b step 150 rows-1b python3 benchmarks/decode.py \
-    --presets llama3.2-1b --variants lmforge lmforge-int8-signed --schemes bf16 int8-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/1b"
-  TRITON_CACHE_DIR=/tmp/triton-rows-3b step 170 rows-3b python3 benchmarks/decode.py \
-    --presets llama3.2-3b --variants lmforge lmforge-int8-signed --schemes bf16 int8-wo \
-    --new-tokens 128 --repeats 2 --out "$OUT/3b"
+  ab_rows 150 1b lmforge-int8-signed bf16 int8-wo
+  ab_rows 170 3b lmforge-int8-signed bf16 int8-wo
   tail -n 3 "$OUT/check.log"
   grep -h '^{' "$OUT"/rows-*.log | cut -c1-260
   grep -h -c Traceback "$OUT"/*.log || true
