@@ -50,6 +50,8 @@
 #   bash benchmarks/device_calls.sh offset-tiles  # one H200: the rest of offset's GPU tests; the 1B's int8 tiles searched again; rows
 #   bash benchmarks/device_calls.sh offset-final  # one H200: the torchao conversion tests on the GPU; quantized-rows
 #   bash benchmarks/device_calls.sh serve-now   # one H200: the server at 1-64 streams beside Generator's batch-1 rate, today's engine
+#   bash benchmarks/device_calls.sh final-profile    # one H200: the 1B's bf16/int8/int4 step kernel by kernel; a dropped Generator's memory
+#   bash benchmarks/device_calls.sh final-profile-3b # one H200: the 3B's bf16/int4 step kernel by kernel
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -67,9 +69,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | final-profile | final-profile-3b | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|final-profile|final-profile-3b|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -186,6 +188,24 @@ serve)
   tail -n 7 "$OUT/serve.log"
   tail -n 4 "$OUT/serve-64.log"
   python3 benchmarks/py_spy_summary.py "$OUT/profiled/serve_py_spy.txt" --top 30 | cut -c1-160
+  ;;
+final-profile)
+  # issue 14's rows that miss (1B int8 and int4), kernel by kernel as the step runs today
+  # (decode_profile.py: what each kernel adds), beside bf16; then whether a dropped Generator's
+  # GPU memory comes back (engine_release.py)
+  step 260 profile python3 benchmarks/decode_profile.py --preset llama3.2-1b \
+    --schemes bf16 int8-wo int4-wo --out /tmp/traces
+  step 150 release python3 benchmarks/engine_release.py --preset llama3.2-1b --scheme int8-wo
+  grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
+  cat "$OUT/release.log" | cut -c1-200 | head -60
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+final-profile-3b)
+  # the same profile for the 3B (its int4 row misses), beside its bf16
+  step 330 profile python3 benchmarks/decode_profile.py --preset llama3.2-3b \
+    --schemes bf16 int4-wo --out /tmp/traces
+  grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
+  grep -h -c Traceback "$OUT"/*.log || true
   ;;
 serve-now)
   # issue 14's server rows again (last measured in session 11, when Generator decoded the 1B at
