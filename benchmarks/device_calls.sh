@@ -201,10 +201,12 @@ final-profile)
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 final-profile-3b)
-  # the same profile for the 3B (its int4 row misses), beside its bf16
+  # the same profile for the 3B (its int4 row misses), beside its bf16; engine_release.py again
   step 330 profile python3 benchmarks/decode_profile.py --preset llama3.2-3b \
     --schemes bf16 int4-wo --out /tmp/traces
+  step 150 release python3 benchmarks/engine_release.py --preset llama3.2-1b --scheme int8-wo
   grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
+  grep -v Warning "$OUT/release.log" | cut -c1-240 | head -60
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 serve-now)

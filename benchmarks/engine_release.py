@@ -38,10 +38,33 @@ def referrers(obj, depth: int = 3, seen: set | None = None, indent: str = "  ") 
 
 
 def live_cuda_tensors(least_bytes: int = 1 << 20) -> tuple[int, float]:
+    """Python-visible CUDA tensors of real storage (not dynamo's fake ones) of at least that."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     found = [
-        o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda and o.nbytes >= least_bytes
+        o
+        for o in gc.get_objects()
+        if torch.is_tensor(o) and not isinstance(o, FakeTensor) and o.is_cuda
+        if o.nbytes >= least_bytes
     ]
     return len(found), sum(t.nbytes for t in found) / 1e9
+
+
+def allocated_blocks(top: int = 8) -> None:
+    """The largest blocks still allocated, with where each was allocated (the allocator's
+    recorded history: `_record_memory_history` at the start)."""
+    blocks = [
+        (block["size"], block.get("frames", []))
+        for segment in torch.cuda.memory._snapshot()["segments"]
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    ]
+    blocks.sort(key=lambda b: -b[0])
+    print(f"  {len(blocks)} blocks allocated, {sum(b[0] for b in blocks) / 1e9:.3f} GB; largest:")
+    for size, frames in blocks[:top]:
+        ours = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in frames]
+        ours = [f for f in ours if not f.startswith(("<", "__init__.py"))][:6]
+        print(f"    {size / 1e6:.1f} MB: " + " <- ".join(ours))
 
 
 @torch.no_grad()
@@ -62,6 +85,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
     print(f"before: {allocated_gb():.3f} GB allocated", flush=True)
     for round_ in range(args.rounds):
         print(f"round {round_ + 1}", flush=True)
@@ -75,6 +99,7 @@ def main() -> None:
             f"engine alive {engine() is not None}",
             flush=True,
         )
+        allocated_blocks()
         for name, ref in (("model", model), ("engine", engine)):
             if ref() is not None:
                 print(f"  what refers to the {name}:")
