@@ -52,6 +52,7 @@
 #   bash benchmarks/device_calls.sh serve-now   # one H200: the server at 1-64 streams beside Generator's batch-1 rate, today's engine
 #   bash benchmarks/device_calls.sh final-profile    # one H200: the 1B's bf16/int8/int4 step kernel by kernel; a dropped Generator's memory
 #   bash benchmarks/device_calls.sh final-profile-3b # one H200: the 3B's bf16/int4 step kernel by kernel
+#   bash benchmarks/device_calls.sh release-fix      # one H200: the engine's recordings on one stream: GPU tests, memory left, 1B rows
 #   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
 #   bash benchmarks/device_calls.sh fsdp2       # two H200s: issue 13's FSDP2 rows, 1B and 3B as shipped (tied), 1 vs 2 GPUs
 #   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA and DPO-LoRA on 2 GPUs against the plan
@@ -69,9 +70,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | final-profile | final-profile-3b | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
+inference | kernels | output | serve | switch | gc | http | sampled | decode-table | mslk | gemv | fused | profile-fused | xtile | attention | search | final | verify | early | check | preload | dot | decode-rows | tiles | step-tiles | int8-tiles | pinned | int4 | int4-products | int4-rows | fsdp2 | fsdp2-post | int4-tiles | int4-step | swiglu | swiglu-tiles | swiglu-rows | split | step-added | ncu | deep | deep-split | deep-next | quantized-rows | greedy-graph | offset | offset-tiles | offset-final | serve-now | final-profile | final-profile-3b | release-fix | tp | train | train-3b | train-autotune | train-fused | train-fused-3b | train-kernels | train-final | train-bf16p | train-full-post | train-dpo-full) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|final-profile|final-profile-3b|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
+  echo "usage: bash benchmarks/device_calls.sh inference|kernels|output|serve|switch|gc|http|sampled|decode-table|mslk|gemv|fused|profile-fused|xtile|attention|search|final|verify|early|check|preload|dot|decode-rows|tiles|step-tiles|int8-tiles|pinned|int4|int4-products|int4-rows|fsdp2|fsdp2-post|int4-tiles|int4-step|swiglu|swiglu-tiles|swiglu-rows|split|step-added|ncu|deep|deep-split|deep-next|quantized-rows|greedy-graph|offset|offset-tiles|offset-final|serve-now|final-profile|final-profile-3b|release-fix|tp|train|train-3b|train-autotune|train-fused|train-fused-3b|train-kernels|train-final|train-bf16p|train-full-post|train-dpo-full" >&2
   exit 2
   ;;
 esac
@@ -207,6 +208,20 @@ final-profile-3b)
   step 150 release python3 benchmarks/engine_release.py --preset llama3.2-1b --scheme int8-wo
   grep -A 40 "^== " "$OUT/profile.log" | grep -v "^  longest\|->" | cut -c1-160
   grep -v Warning "$OUT/release.log" | cut -c1-240 | head -60
+  grep -h -c Traceback "$OUT"/*.log || true
+  ;;
+release-fix)
+  # the engine's recordings on one stream: the GPU tests of tests/test_generate.py (a dropped
+  # engine leaves at most its stream's cuBLAS workspace), engine_release.py again, and the 1B's
+  # rows with their peak memory, bf16 then int8 then int4 in one process
+  step 150 tests env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_generate.py -k "dropped_engine or greedy_tokens_chosen"
+  step 120 release python3 benchmarks/engine_release.py --preset llama3.2-1b --scheme int8-wo
+  step 200 rows python3 benchmarks/decode.py --presets llama3.2-1b --variants lmforge \
+    --schemes bf16 int8-wo int4-wo --new-tokens 128 --repeats 2 --out "$OUT/rows"
+  tail -n 3 "$OUT/tests.log"
+  grep -v Warning "$OUT/release.log" | cut -c1-240 | head -40
+  grep -h '^{' "$OUT/rows.log" | cut -c1-250
   grep -h -c Traceback "$OUT"/*.log || true
   ;;
 serve-now)

@@ -3,6 +3,7 @@ forwards, sampling, stops, streaming, chat prompts and the `lmforge generate` co
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -762,6 +763,24 @@ def test_greedy_tokens_chosen_inside_the_graph_equal_the_hosts():
     assert ("greedy", 1) in recorded and ("greedy", 4) in recorded
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_dropped_engine_leaves_at_most_its_streams_cublas_workspace():
+    """cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run on, until the
+    process ends: the engine warms up and records all its graphs on one stream of its own, so
+    a dropped engine leaves that one behind (with a new stream a recording, ~10 of them)."""
+    torch._C._cuda_clearCublasWorkspaces()  # the baseline (no graph alive uses them)
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    model = build_model(small_args(), seed=0).cuda().eval()
+    engine = Engine(model, max_batch=4, max_seq_len=64)
+    engine.warmup()
+    recorded = len(engine.graphs.graphs)
+    del engine, model
+    gc.collect()
+    left = torch.cuda.memory_allocated() - before
+    assert recorded >= 6 and left <= 2 * 32 * 2**20 + 4 * 2**20, (recorded, left)
+
+
 def test_warm_up_puts_back_what_a_step_changes():
     """A step recorded as a CUDA graph runs twice before (`engine.warm_up`): the state it names
     comes back as it was after each run, also when a run fails, so that the recorded graph's
@@ -789,6 +808,7 @@ def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     """Where recording a graph fails (a step that syncs with the host, say), the step's
     result still comes back, with a warning, and no later step tries to record again."""
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no GPU here
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
     graphs = engine_module.StepGraphs()
     recorded = []
 

@@ -254,6 +254,12 @@ class StepGraphs:
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
+        # Every step warms up and records on this one stream. cuBLAS keeps a workspace (32 MiB
+        # on Hopper) for each stream it has run on, for the life of the process: a stream a
+        # recording, as torch.cuda.graph takes by default, left 0.1 GB of workspaces behind
+        # a 1B engine's warm-up (benchmarks/engine_release.py on an H200) and up to 1 GiB
+        # (32 pooled streams) behind a server's recordings.
+        self.stream = torch.cuda.Stream()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed = False  # a recording failed: steps run as they are from then on
 
@@ -279,14 +285,15 @@ class StepGraphs:
     def _record(
         self, step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = ()
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):  # warm-up off the default stream, as capture wants
             warm_up(step, state)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's event loop thread may touch CUDA meanwhile.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+        ):
             output = step()
         return graph, output
 
