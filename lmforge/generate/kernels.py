@@ -384,13 +384,7 @@ def _int8_values(q):
     if not ASSEMBLY:
         bits = _offset_bytes(q) | 0x4B000000
         return bits.to(tl.float32, bitcast=True) - 8388736.0
-    if q.dtype == tl.uint8:
-        return tl.inline_asm_elementwise(
-            _INT8_VALUES_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
-        )
-    return tl.inline_asm_elementwise(
-        _INT8_VALUES_ASM_SIGNED, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
-    )
+    return _permuted(q, _INT8_VALUES_ASM, _INT8_VALUES_ASM_SIGNED)
 
 
 @triton.jit
@@ -404,12 +398,16 @@ def _int8_biased(q):
     there, the same in Triton."""
     if not ASSEMBLY:
         return ((_offset_bytes(q) << 8) | 0x3F800000).to(tl.float32, bitcast=True)
-    if q.dtype == tl.uint8:
-        return tl.inline_asm_elementwise(
-            _INT8_BIASED_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
-        )
+    return _permuted(q, _INT8_BIASED_ASM, _INT8_BIASED_ASM_SIGNED)
+
+
+@triton.jit
+def _permuted(q, OFFSET_ASM: tl.constexpr, SIGNED_ASM: tl.constexpr):
+    """fp32 from q's bytes, four a register, by `_int8_asm`'s PTX: OFFSET_ASM for uint8 q + 128,
+    SIGNED_ASM (its xor first) for int8 q."""
+    asm: tl.constexpr = OFFSET_ASM if q.dtype == tl.uint8 else SIGNED_ASM
     return tl.inline_asm_elementwise(
-        _INT8_BIASED_ASM_SIGNED, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
+        asm, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4
     )
 
 
