@@ -30,7 +30,7 @@ def referrers(obj, depth: int = 3, seen: set | None = None, indent: str = "  ") 
     if depth == 0:
         return
     for ref in gc.get_referrers(obj):
-        if id(ref) in seen or ref is seen or type(ref).__name__ == "frame":
+        if id(ref) in seen or type(ref).__name__ == "frame":
             continue
         seen.add(id(ref))
         print(f"{indent}{type(ref).__module__}.{type(ref).__qualname__}: {repr(ref)[:120]}")
