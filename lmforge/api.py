@@ -262,8 +262,10 @@ def save(
     parent: str | Path | None = None,
     config: dict | None = None,
     metrics: dict | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write `loaded` as an artifact directory (atomically); returns its path."""
+    """Write `loaded` as an artifact directory (atomically); returns its path. An existing
+    artifact at `directory` is replaced only with `overwrite`; see `artifact.check_output`."""
     return save_state(
         loaded.model.state_dict(),
         loaded.config,
@@ -275,6 +277,7 @@ def save(
         parent=parent if parent is not None else loaded.source,
         config=config,
         metrics=metrics,
+        overwrite=overwrite,
     )
 
 
@@ -290,14 +293,17 @@ def save_state(
     parent: str | Path | None,
     config: dict | None = None,
     metrics: dict | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a full (unsharded) state dict with our names as an artifact directory."""
+    """Write a full (unsharded) state dict with our names as an artifact directory (not over
+    `parent`, nor over an artifact unless `overwrite`)."""
+    artifact.check_output(directory, inputs=[parent] if parent else [], overwrite=overwrite)
     dtype = parse_dtype(dtype)
     state = {n: t.to(dtype or t.dtype) for n, t in state.items()}
     hf_state = models.ours_state_dict_to_hf(state, args)
     stored_dtype = next(iter(hf_state.values())).dtype
     directory = Path(directory)
-    with artifact.atomic_directory(directory) as staging:
+    with artifact.atomic_directory(directory, overwrite=overwrite) as staging:
         max_bytes = artifact.parse_size(max_shard_size)
         artifact.write_safetensors(hf_state, staging, max_shard_bytes=max_bytes)
         hf_config = models.args_to_hf_config(args, stored_dtype)

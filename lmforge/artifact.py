@@ -15,15 +15,16 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmforge.errors import ModelFormatError
+from lmforge.errors import ModelFormatError, OutputError, write_error
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -196,16 +197,100 @@ def lineage_record(
     }
 
 
+# The entries an artifact directory holds when lmforge wrote it (tokenizer files, PEFT
+# adapter, Meta's original tokenizer): what `--overwrite` may replace without losing a file
+# the user put there.
+ARTIFACT_ENTRIES = (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    LINEAGE_NAME,
+    INDEX_NAME,
+    "*.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "adapter_config.json",
+    "original",
+    "adapter",
+)
+
+
+def _within(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def check_output(
+    out: str | Path, *, inputs: Iterable[str | Path] = (), overwrite: bool = False
+) -> None:
+    """Refuse (one line, exit 2) an output directory whose writing would lose something:
+    one of the command's `inputs` or a directory that holds or is inside one; a file; a
+    directory that is neither empty nor an lmforge artifact; an artifact that holds entries
+    lmforge does not write; an artifact without `overwrite`."""
+    out = Path(out)
+    resolved = out.resolve()
+    for source in inputs:
+        source_path = Path(source)
+        if not source_path.exists():
+            continue  # a preset or hub id: nothing on this disk to lose
+        source_path = source_path.resolve()
+        if _within(resolved, source_path) or _within(source_path, resolved):
+            how = (
+                "is"
+                if resolved == source_path
+                else ("is inside" if _within(resolved, source_path) else "holds")
+            )
+            raise OutputError(
+                f"OUT {out} {how} the input {source}: writing it would destroy what the "
+                "command reads; choose another output directory"
+            )
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputError(f"OUT {out} is a file; name a directory (new, empty or an artifact)")
+    entries = sorted(entry.name for entry in out.iterdir())
+    if not entries:
+        return
+    if LINEAGE_NAME not in entries:
+        raise OutputError(
+            f"OUT {out} is not empty and not an lmforge artifact (it holds "
+            f"{_listing(entries)}); write to a new or empty directory"
+        )
+    foreign = [e for e in entries if not any(fnmatch(e, p) for p in ARTIFACT_ENTRIES)]
+    if foreign:
+        raise OutputError(
+            f"OUT {out} is an artifact that also holds files lmforge did not write "
+            f"({_listing(foreign)}); move them out first"
+        )
+    if not overwrite:
+        raise OutputError(f"OUT {out} is an artifact already; pass --overwrite to replace it")
+
+
+def _listing(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 @contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
+def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `final` by rename, so a
-    crash never leaves a half-written artifact at the final path."""
+    crash never leaves a half-written artifact at the final path, and an artifact replaced
+    (`overwrite`) stays whole until the new one is complete. `final` is checked first
+    (`check_output`); a write that fails for the user's reasons is one `OutputError`."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    check_output(final, overwrite=overwrite)
+    if final.is_dir() and os.path.ismount(final):
+        raise OutputError(
+            f"OUT {final} is a mount point, which cannot be replaced by a finished directory "
+            "(lmforge's atomic write); name a directory inside it"
+        )
     staging = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
         yield staging
+        make_readable(staging)
         if final.exists():
             old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
@@ -213,6 +298,22 @@ def atomic_directory(final: Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(staging, final)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        error = write_error(err, final)
+        if error is None:
+            raise
+        raise error from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def make_readable(directory: Path) -> None:
+    """Give every file the mode the umask allows (safetensors writes its files 0600: another
+    user, or a serving container, could not read the weights)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)

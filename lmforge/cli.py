@@ -30,7 +30,8 @@ from lmforge.commands import (
     train,
 )
 from lmforge.commands import eval as eval_command
-from lmforge.errors import UserError
+from lmforge.errors import UserError, write_error
+from lmforge.procs import Terminated
 
 # The modules that register subcommands, in the order `--help` lists them.
 COMMAND_MODULES = [
@@ -107,17 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    except Terminated as stop:
+        print("terminated (SIGTERM); the running stage was stopped first", file=sys.stderr)
+        code = stop.exit_code
+    except Exception as err:  # a full disk or a read-only directory is the user's to fix
+        error = write_error(err)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        code = error.exit_code
     else:
         code = int(result or 0)
-    if argv is None and "TORCHELASTIC_RUN_ID" in os.environ:
-        _leave_worker(code)
+    if argv is None and ("TORCHELASTIC_RUN_ID" in os.environ or getattr(args, "exit_fast", False)):
+        leave_now(code)
     return code
 
 
-def _leave_worker(code: int) -> None:
-    """A torchrun worker whose work is done and flushed leaves without running C++ destructors:
-    a finished gloo rank was seen to abort while tearing down ("terminate called without an
-    active exception", SIGABRT), which torchrun and Slurm then report as a failed job."""
+def leave_now(code: int) -> None:
+    """Leave, once the work is done and flushed, without running finalizers or C++
+    destructors: a finished gloo rank of torchrun was seen to abort while tearing down
+    ("terminate called without an active exception", SIGABRT), which torchrun and Slurm then
+    report as a failed job; a server (`exit_fast`) would print Triton's leak reports."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

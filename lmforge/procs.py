@@ -39,3 +39,15 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # someone else's: it exists
         return True
     return True
+
+
+class Terminated(BaseException):
+    """SIGTERM reached a process that passes it on to its children and waits for them (`lmforge
+    run`'s local launcher); the command then exits with 128 + SIGTERM, as the signal would."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def raise_terminated(signum, frame) -> None:
+    """A SIGTERM handler: `Terminated` in the main thread, where the process waits."""
+    raise Terminated()

@@ -114,3 +114,23 @@ def hf_variant(request, tmp_path):
     directory = tmp_path / request.param
     model = make_hf_llama(directory, **HF_VARIANTS[request.param])
     return directory, model
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """(tokenizer_dir, shards_dir) of a small generated corpus."""
+    from tests.train_utils import make_shards
+
+    return make_shards(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, data):
+    """A pretraining run directory with checkpoints at steps 2 and 4."""
+    from tests.train_utils import pretrain_args, run_inprocess
+
+    tokenizer, shards = data
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    extra = ["train.steps=4", "checkpoint.every=2"]
+    assert run_inprocess("pretrain", pretrain_args(run_dir, tokenizer, shards, *extra)) == 0
+    return run_dir

@@ -23,7 +23,7 @@ import torch
 
 from lmforge import safe_dcp
 from lmforge.train.checkpoint import COMMIT_FILENAME, Checkpointer, CheckpointError
-from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess
+from tests.train_utils import losses, pretrain_args, run_inprocess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,21 +71,6 @@ def two_checkpoints(tmp_path):
         tmp_path / "checkpoints" / "step-00000001",
         tmp_path / "checkpoints" / "step-00000002",
     )
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_shards(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, data):
-    """A pretraining run directory with checkpoints at steps 2 and 4."""
-    tokenizer, shards = data
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    extra = ["train.steps=4", "checkpoint.every=2"]
-    assert run_inprocess("pretrain", pretrain_args(run_dir, tokenizer, shards, *extra)) == 0
-    return run_dir
 
 
 def lmforge_cli(*args: str) -> subprocess.CompletedProcess:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -151,6 +152,8 @@ def servers(artifact, tmp_path_factory):
             "3",
             "--max-request-bytes",
             str(SMALL_BODY_LIMIT),
+            "--body-timeout",
+            "2",
             "--no-http-process",
         ),
         "cutoff": Server(
@@ -481,6 +484,10 @@ BAD_REQUESTS = [
      400, "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
      400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]},
+     400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]},
+     400, "messages[0].content"),
     ("/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200},
      400, "max_tokens"),
@@ -744,6 +751,22 @@ def test_oversized_bodies_get_413_before_they_are_read(servers):
     assert request(small, "GET", "/health")[0] == 200
 
 
+def test_a_body_that_stalls_gets_408_and_its_connection_closed(servers):
+    small = servers["small"]
+    with socket.create_connection(("127.0.0.1", small.port), timeout=30) as connection:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"model":'.encode())
+        start = time.monotonic()
+        answer = b""
+        while chunk := connection.recv(4096):  # the server closes after its answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert 1.5 < time.monotonic() - start < 20  # --body-timeout 2
+    body = answer.split(b"\r\n\r\n", 1)[1]
+    assert b"--body-timeout" in body and assert_error_envelope(body)["code"] == "request_timeout"
+    assert request(small, "GET", "/health")[0] == 200
+
+
 def test_sigterm_past_the_grace_period_answers_503(servers):
     cutoff = servers["cutoff"]
     endless = {"model": MODEL, "prompt": "hi", "max_tokens": LONG_CONTEXT - 8, "ignore_eos": True}
@@ -761,7 +784,8 @@ def test_sigterm_past_the_grace_period_answers_503(servers):
     status, _, content = answer["value"]
     assert status == 503 and assert_error_envelope(content)["code"] == "server_shutting_down"
     assert cutoff.process.wait(timeout=30) == 0
-    assert "Traceback" not in cutoff.log.read_text()
+    log = cutoff.log.read_text()
+    assert "Traceback" not in log and "leaked" not in log, log[-3000:]
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(servers):
@@ -818,6 +842,18 @@ def test_the_http_process_ends_with_the_engine_process(artifact, tmp_path):
     _wait_for(gone)
     with pytest.raises(OSError):
         request(server, "GET", "/health", timeout=2)
+    assert "the engine's process exited; the HTTP process stops too" in server.log.read_text()
+
+
+def test_the_engine_process_ends_with_the_http_process_and_says_why(artifact, tmp_path):
+    server = Server(artifact, tmp_path / "cut.log", "--max-concurrency", "1").wait_ready()
+    pid = server.process.pid
+    (child,) = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    os.kill(int(child), signal.SIGKILL)
+    assert server.process.wait(timeout=30) == 1
+    log = server.log.read_text()
+    assert "error: the HTTP process was killed by SIGKILL; the engine stops too" in log
+    assert "Traceback" not in log, log[-3000:]
 
 
 # ---- pieces ---------------------------------------------------------------------------------

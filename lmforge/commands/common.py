@@ -28,6 +28,16 @@ def add_runtime_arguments(
         )
 
 
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    """--overwrite: the one way to replace an existing artifact at OUT."""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT when it is an lmforge artifact already (OUT must otherwise be new or "
+        "empty: a directory with other files is never written into)",
+    )
+
+
 def add_config_file(parser: argparse.ArgumentParser, keys: Mapping[str, str], *, what: str) -> None:
     """`--config FILE`: the settings `keys` ({dest: how the command line spells it}) from a TOML
     or YAML file instead of the command line; what a pipeline stage runs (`lmforge COMMAND

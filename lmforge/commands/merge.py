@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from lmforge.commands.common import add_overwrite_argument
+
 
 def register(subparsers) -> None:
     merge = subparsers.add_parser(
@@ -25,14 +27,17 @@ def register(subparsers) -> None:
         default=None,
         help="dtype of the written weights (default: the base's stored dtype)",
     )
+    add_overwrite_argument(merge)
     merge.set_defaults(func=merge_main)
 
 
 def merge_main(args: argparse.Namespace) -> int:
     import lmforge
+    from lmforge.artifact import check_output
     from lmforge.modules import lora
 
     start = time.perf_counter()
+    check_output(args.out, inputs=[args.adapter, args.base], overwrite=args.overwrite)
     adapter_cfg = lora.read_peft_config(args.adapter)  # fail on a bad adapter before loading
     loaded = lmforge.load(args.base)
     lora.load_peft_adapter(loaded.model, args.adapter)
@@ -43,7 +48,13 @@ def merge_main(args: argparse.Namespace) -> int:
         "lora": adapter_cfg.model_dump(exclude={"enabled", "quantize_base"}),
     }
     out = lmforge.save(
-        loaded, args.out, dtype=args.dtype, stage="merge", parent=args.base, config=config
+        loaded,
+        args.out,
+        dtype=args.dtype,
+        stage="merge",
+        parent=args.base,
+        config=config,
+        overwrite=args.overwrite,
     )
     print(
         f"merged {args.adapter} (rank {adapter_cfg.rank}, targets "

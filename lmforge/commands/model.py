@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from lmforge.commands.common import add_overwrite_argument
+
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
 MODEL_CONFIG_HELP = (
     "for a torchtitan checkpoint (which does not record the model): a preset, a torchtitan "
@@ -54,6 +56,7 @@ def register(subparsers) -> None:
         help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)",
     )
     convert.add_argument("--model-config", default=None, metavar="CONFIG", help=MODEL_CONFIG_HELP)
+    add_overwrite_argument(convert)
     convert.set_defaults(func=convert_main)
 
 
@@ -108,10 +111,18 @@ def info_main(args: argparse.Namespace) -> int:
 
 def convert_main(args: argparse.Namespace) -> int:
     import lmforge
+    from lmforge.artifact import check_output
 
     start = time.perf_counter()
+    check_output(args.out, inputs=[args.source], overwrite=args.overwrite)  # before loading
     loaded = lmforge.load(args.source, dtype=args.dtype, model_config=args.model_config)
-    out = lmforge.save(loaded, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    out = lmforge.save(
+        loaded,
+        args.out,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
     files = sorted(p.name for p in out.iterdir())
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(

@@ -7,7 +7,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from lmforge.commands.common import add_config_file, apply_config_file, require_arguments
+from lmforge.commands.common import (
+    add_config_file,
+    add_overwrite_argument,
+    apply_config_file,
+    require_arguments,
+)
 from lmforge.quantize.schemes import SCHEMES
 
 
@@ -74,6 +79,7 @@ def register(subparsers) -> None:
         default=None,
         help="cast the model before quantizing (default: the stored dtype)",
     )
+    add_overwrite_argument(quantize)
     add_config_file(quantize, _ARGUMENTS, what="ARTIFACT, OUT and the options")
     quantize.set_defaults(func=quantize_main)
 
@@ -129,6 +135,7 @@ def quantize_main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         stream=args.stream,
+        overwrite=args.overwrite,
     )
     spec, old, new = result.spec, result.original, result.quantized
     group = f"group size {spec.group_size}" if spec.group_size else "per output row"

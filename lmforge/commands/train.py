@@ -8,7 +8,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from lmforge.commands.common import add_config_file, apply_config_file, require_arguments
+from lmforge.commands.common import (
+    add_config_file,
+    add_overwrite_argument,
+    apply_config_file,
+    require_arguments,
+)
 from lmforge.errors import UserError
 
 CONFIG_HELP = (
@@ -71,6 +76,7 @@ def register(subparsers) -> None:
     export.add_argument("source", nargs="?", type=Path, metavar="RUN_DIR_OR_CHECKPOINT")
     export.add_argument("out", nargs="?", type=Path, metavar="OUT")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    add_overwrite_argument(export)
     add_config_file(export, _EXPORT_ARGUMENTS, what="the source, OUT and --dtype")
     export.set_defaults(func=export_main)
 
@@ -135,7 +141,7 @@ def export_main(args: argparse.Namespace) -> int:
 
     apply_config_file(args, ExportStageSection)
     require_arguments(args, {"source": "RUN_DIR_OR_CHECKPOINT", "out": "OUT"})
-    out = export_checkpoint(args.source, args.out, dtype=args.dtype)
+    out = export_checkpoint(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 

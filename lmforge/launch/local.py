@@ -9,6 +9,7 @@ which stage failed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shlex
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -29,7 +30,7 @@ from lmforge.launch.base import (
     redact,
     torchrun_command,
 )
-from lmforge.procs import die_with_parent, process_alive
+from lmforge.procs import Terminated, die_with_parent, process_alive, raise_terminated
 
 
 class LocalLauncher:
@@ -155,6 +156,9 @@ class LocalLauncher:
                     stdin=subprocess.DEVNULL,
                     # a killed `lmforge run` takes its stage down (SIGTERM: training saves)
                     preexec_fn=die_with_parent,
+                    # the stage's processes (torchrun and its workers) as one group, signalled
+                    # as one: see _stop
+                    process_group=0,
                 )
             except OSError as err:
                 handle.state = JobState.FAILED
@@ -170,17 +174,14 @@ class LocalLauncher:
             )
             pump.start()
             try:
-                code = process.wait()
-            except KeyboardInterrupt:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                with _terminate_raises():
+                    code = process.wait()
+            except (KeyboardInterrupt, Terminated) as stop:
+                ctrl_c = isinstance(stop, KeyboardInterrupt)
+                _stop(process, signal.SIGINT if ctrl_c else signal.SIGTERM, job)
                 pump.join(timeout=5)
                 handle.state = JobState.CANCELLED
-                handle.reason = "interrupted (Ctrl-C)"
+                handle.reason = "interrupted (Ctrl-C)" if ctrl_c else "terminated (SIGTERM)"
                 handle.exit_code = process.returncode
                 _notify(on_event, handle)
                 raise
@@ -210,6 +211,35 @@ class LocalLauncher:
                 stream.write(f"[{name}] {line}" if self.prefix else line)
                 stream.flush()
         pipe.close()
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """While a stage runs, SIGTERM to `lmforge run` (a scheduler's or `timeout`'s) raises
+    `Terminated` where it waits, so that the stage is stopped and waited for (`_stop`) instead
+    of left running as an orphan while the runner exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(process: subprocess.Popen, signum: int, job: StageJob) -> None:
+    """Pass `signum` to the stage's process group (torchrun and its workers: a trainer saves
+    and exits) and wait for it for the stage's grace, `launcher.signal_lead_s`; then kill the
+    group. A Ctrl-C in the terminal reached only the runner: the stage has its own group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
+    try:
+        process.wait(timeout=job.resources.signal_lead_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _last_drawing(line: str) -> str:

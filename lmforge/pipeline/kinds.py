@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveInt, model_validator
 
 from lmforge.config import Section
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, StageOrderError
 from lmforge.manifest import TRAINING_KINDS, read_metrics
 from lmforge.pipeline.references import References, directory_bytes
 from lmforge.pipeline.schema import PipelineFile, deep_merge, validate_file, validate_section
@@ -259,7 +259,11 @@ def _build_eval(ctx: StageContext) -> Built:
         raise ConfigError(f"{ctx.where}: name the models to evaluate (models = [...] or from)")
     for model in models:
         if model in ctx.all_names and model not in ctx.outputs:
-            raise ConfigError(f"{ctx.where}: models: stage {model!r} comes after it")
+            raise StageOrderError(
+                f"{ctx.where}: models: stage {model!r} comes after it in the file (stages run "
+                "in file order)",
+                stage=model,
+            )
     ctx.refs.depends.update(m for m in models if m in ctx.outputs)
     data = {
         **ctx.settings,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, StageOrderError
 
 if TYPE_CHECKING:
     from lmforge.pipeline.schema import DataSetSection
@@ -74,9 +74,10 @@ class References:
         if key in self.outputs:
             self.depends.add(key)
             return str(self.outputs[key])
-        raise ConfigError(
+        raise StageOrderError(  # a stage that failed to resolve has said why already
             f"{self.where}: ${{{key}}} names no earlier stage and no data set (stages before "
-            f"it: {', '.join(self.outputs) or '(none)'}; data sets: ${{data.NAME}})"
+            f"it: {', '.join(self.outputs) or '(none)'}; data sets: ${{data.NAME}})",
+            stage=key,
         )
 
 

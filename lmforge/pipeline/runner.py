@@ -3,6 +3,7 @@ Kubernetes) as `StageJob`s, and keep each stage's manifest in step with its job'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shlex
 import shutil
@@ -19,6 +20,7 @@ from lmforge.launch.base import (
     load_secrets,
     redact,
 )
+from lmforge.locks import one_writer
 from lmforge.manifest import TRAINING_KINDS, read_manifest, write_manifest
 from lmforge.pipeline.manifest import (
     STATUS,
@@ -32,6 +34,7 @@ from lmforge.pipeline.manifest import (
 from lmforge.pipeline.planning import PlanItem, make_plan, plan_memory
 from lmforge.pipeline.schema import STAGE_CONFIG
 from lmforge.pipeline.spec import Pipeline, Stage, load_pipeline
+from lmforge.procs import Terminated
 
 
 @dataclasses.dataclass
@@ -89,6 +92,24 @@ def run_pipeline(
         pipeline = load_pipeline(pipeline, overrides=overrides)
     if isinstance(launcher, str):
         launcher = make_launcher(launcher)
+    with contextlib.ExitStack() as held:
+        if not dry_run:  # one `lmforge run` at a time writes the run directory
+            held.enter_context(one_writer(pipeline.path(pipeline.run_dir)))
+        return _plan_and_run(
+            pipeline, launcher, from_stage, only, dry_run, secrets_file, wait, echo
+        )
+
+
+def _plan_and_run(
+    pipeline: Pipeline,
+    launcher: Launcher,
+    from_stage: str | None,
+    only: str | None,
+    dry_run: bool,
+    secrets_file: str | Path | None,
+    wait: bool,
+    echo: Callable[[str], None],
+) -> RunResult:
     secrets_file = secrets_file or pipeline.section.secrets_file
     secrets = load_secrets(secrets_file)
     plan = make_plan(pipeline, from_stage=from_stage, only=only)
@@ -144,8 +165,12 @@ def run_pipeline(
         handles = launcher.submit(jobs, secrets=secrets, on_event=tracker.event)
         if wait:
             handles = launcher.wait(handles, on_event=tracker.event)
-    except KeyboardInterrupt:
-        tracker.interrupted()
+    except (KeyboardInterrupt, Terminated) as stop:
+        tracker.interrupted(
+            "interrupted (Ctrl-C)"
+            if isinstance(stop, KeyboardInterrupt)
+            else "terminated (SIGTERM)"
+        )
         raise
     for handle in handles.values():
         if handle.state.finished:
@@ -258,7 +283,7 @@ class Tracker:
                 self.echo(f"[pipeline] {name}: {manifest['status']}: {manifest['reason']}")
         write_manifest(stage_dir, manifest)
 
-    def interrupted(self) -> None:
+    def interrupted(self, reason: str) -> None:
         for name, item in self.items.items():
             if self.seen.get(name, JobState.PENDING).finished:
                 continue
@@ -268,7 +293,7 @@ class Tracker:
                 manifest["status"] = (
                     "cancelled" if manifest["status"] == "running" else "not_started"
                 )
-                manifest["reason"] = "interrupted (Ctrl-C)"
+                manifest["reason"] = reason
                 write_manifest(stage_dir, manifest)
 
 

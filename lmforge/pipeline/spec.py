@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config import Section, apply_overrides, dump_config, read_config_file
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, StageOrderError
 from lmforge.launch.base import LauncherSection
 from lmforge.pipeline.kinds import STAGE_KINDS, StageContext
 from lmforge.pipeline.references import References, external_inputs, sha256_text
@@ -111,7 +111,9 @@ def load_pipeline(
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"pipeline file not found: {file}")
-    raw = apply_overrides(read_config_file(file), overrides)
+    raw = read_config_file(file)
+    _check_override_stages(raw, overrides, file)
+    raw = apply_overrides(raw, overrides)
     refuse_secrets(raw, file)
     spec = validate_section(PipelineFile, raw, f"{file}")
     workdir = Path(workdir or Path.cwd()).resolve()
@@ -121,9 +123,11 @@ def load_pipeline(
     run_dir = Path(spec.pipeline.run_dir) / name
     tables = _stage_tables(spec.stages, file)
     all_names = [stage_name for stage_name, _ in tables]
+    _refuse_cycles(tables, file)
 
     stages: list[Stage] = []
     problems: list[str] = []
+    failed: set[str] = set()
     for index, (stage_name, table) in enumerate(tables):
         try:
             stage = _resolve_stage(
@@ -138,12 +142,62 @@ def load_pipeline(
                 workdir=workdir,
             )
         except ConfigError as err:
-            problems.append(str(err))
+            failed.add(stage_name)
+            if not (isinstance(err, StageOrderError) and err.stage in failed):
+                problems.append(str(err))  # else: the stage it needs has said what is wrong
             continue
         stages.append(stage)
     if problems:
         raise ConfigError("\n".join(problems))
     return Pipeline(name, file, workdir, run_dir, stages, spec.pipeline, spec.plan)
+
+
+def _check_override_stages(raw: dict, overrides: Sequence[str], file: Path) -> None:
+    """A `stages.NAME.key=value` override may only change a stage the file has."""
+    stages = raw.get("stages")
+    if isinstance(stages, list):
+        names = [str(t.get("name")) for t in stages if isinstance(t, dict)]
+    else:
+        names = list(stages) if isinstance(stages, dict) else []
+    for item in overrides:
+        parts = item.partition("=")[0].strip().split(".")
+        if len(parts) > 2 and parts[0] == "stages" and parts[1] not in names:
+            raise ConfigError(
+                f"override {item!r}: {file} has no stage {parts[1]!r}; its stages: "
+                f"{', '.join(names) or '(none)'}"
+            )
+
+
+def _stage_needs(table: dict) -> set[str]:
+    """The stage names a raw stage table points at: `from` and an eval's `models`."""
+    needs = {table["from"]} if isinstance(table.get("from"), str) else set()
+    models = table.get("models")
+    return needs | (
+        {m for m in models if isinstance(m, str)} if isinstance(models, list) else set()
+    )
+
+
+def _refuse_cycles(tables: list[tuple[str, dict]], file: Path) -> None:
+    """Stages that need each other's outputs (a cycle: none of them can run first)."""
+    needs = {name: _stage_needs(table) for name, table in tables}
+
+    def path_back(start: str, node: str, seen: list[str]) -> list[str] | None:
+        for nxt in sorted(needs.get(node, ())):
+            if nxt == start:
+                return [*seen, nxt]
+            if nxt in needs and nxt not in seen:
+                found = path_back(start, nxt, [*seen, nxt])
+                if found:
+                    return found
+        return None
+
+    for name, _ in tables:
+        cycle = path_back(name, name, [name])
+        if cycle:
+            raise ConfigError(
+                f"{file}: stages {' -> '.join(cycle)} form a cycle (each needs the output of "
+                "the next, through from or models): none of them can run first"
+            )
 
 
 def _stage_tables(stages: Any, file: Path) -> list[tuple[str, dict]]:
@@ -193,12 +247,14 @@ def _resolve_stage(
     outputs = {stage.name: stage.output for stage in earlier}
     from_stage = table.get("from")
     if from_stage is not None and from_stage not in outputs:
-        later = from_stage in all_names
-        raise ConfigError(
-            f"{where}: from = {from_stage!r} names "
-            + ("a stage that comes after it" if later else "no earlier stage")
-            + f"; earlier stages: {', '.join(outputs) or '(none)'}"
-        )
+        before = f"stages before it: {', '.join(outputs)}" if outputs else "it is the first stage"
+        if from_stage in all_names:
+            raise StageOrderError(
+                f"{where}: from = {from_stage!r} names a stage that comes after it in the file "
+                f"(stages run in file order; {before})",
+                stage=from_stage,
+            )
+        raise ConfigError(f"{where}: from = {from_stage!r} names no stage; {before}")
     defaults = spec.launcher
     resources = validate_section(
         LauncherSection, deep_merge(defaults, table.get("launcher", {})), f"{where}: launcher"

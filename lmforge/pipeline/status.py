@@ -60,8 +60,9 @@ def pipeline_status(run_dir: str | Path, *, refresh: bool = True) -> list[StageS
         scheduler_state = None
         job = manifest.get("launcher")
         gone = _runner_gone(manifest)
-        if gone:
-            manifest.update(status="interrupted", reason=gone)
+        if gone:  # a stage that had not started did not stop: it never ran
+            started = manifest.get("status") == "running"
+            manifest.update(status="interrupted" if started else "not_started", reason=gone)
         elif (
             refresh
             and job
@@ -99,6 +100,11 @@ def _runner_gone(manifest: dict) -> str | None:
     pid = runner.get("pid")
     if not isinstance(pid, int) or process_alive(pid):
         return None
+    if manifest.get("status") == "pending":
+        return (
+            f"the `lmforge run` that was to start it (pid {pid}) is gone: it was killed or lost "
+            "its machine first; run the pipeline again"
+        )
     return (
         f"the `lmforge run` that started it (pid {pid}) is gone: it was killed or lost its "
         "machine; run the pipeline again to resume"

@@ -441,6 +441,7 @@ def save_quantized(
     spec: QuantSpec,
     modules: list[str],
     max_shard_size: str | int = artifact.DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write a `LoadedModel` quantized by `quantize_model(model, spec)` (which returned
     `modules`) as an artifact, atomically; returns its path."""
@@ -459,6 +460,7 @@ def save_quantized(
         flat=flat,
         produce=tensors.pop,
         max_shard_size=max_shard_size,
+        overwrite=overwrite,
     )
 
 
@@ -474,6 +476,7 @@ def write_quantized(
     flat: FlatState,
     produce: Callable[[str], torch.Tensor],
     max_shard_size: str | int,
+    overwrite: bool = False,
 ) -> Path:
     """Write a quantized artifact atomically: weights as planned by `flat`, each key's tensor
     got from `produce(key)` shard by shard, in order; `model` (real, or quantized on the meta
@@ -509,7 +512,7 @@ def write_quantized(
     if tensor_type == "Int4TilePackedTo4dTensor":
         record_quantization["note"] = "tinygemm layout: loads on CUDA only"
     directory = Path(directory)
-    with artifact.atomic_directory(directory) as staging:
+    with artifact.atomic_directory(directory, overwrite=overwrite) as staging:
         max_bytes = artifact.parse_size(max_shard_size)
         _write_shards(flat, produce, staging, max_bytes)
         hf_config = models.args_to_hf_config(args, first.dtype)

@@ -44,12 +44,14 @@ def quantize_artifact(
     dtype: str | torch.dtype | None = None,
     max_shard_size: str | int = artifact.DEFAULT_MAX_SHARD_BYTES,
     stream: bool = True,
+    overwrite: bool = False,
 ) -> QuantizeResult:
     """Quantize `source` on `device` and write the quantized artifact to `out`.
 
     A safetensors source (artifact or HF directory) is streamed one tensor at a time unless
     `stream=False`; other sources are loaded whole. `dtype` casts the weights first (default:
-    keep the stored dtype; int4 on CUDA uses bf16).
+    keep the stored dtype; int4 on CUDA uses bf16). `out` may not be or hold `source`; an
+    artifact there is replaced only with `overwrite`.
     """
     from lmforge.api import detect_format
 
@@ -57,13 +59,20 @@ def quantize_artifact(
     check_scheme(scheme, device)
     check_packing(spec, device)
     artifact.parse_size(max_shard_size)  # a bad size fails before any work
+    artifact.check_output(out, inputs=[source], overwrite=overwrite)
     kind = detect_format(source)
     if stream and kind == "hf":
         result = quantize_streaming(
-            Path(source), Path(out), spec, device=device, dtype=dtype, max_shard_size=max_shard_size
+            Path(source),
+            Path(out),
+            spec,
+            device=device,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
         )
     else:
-        result = _quantize_whole(source, out, spec, device, dtype, max_shard_size)
+        result = _quantize_whole(source, out, spec, device, dtype, max_shard_size, overwrite)
         if kind != "hf":
             result.notes.append(
                 f"loaded the whole model: only safetensors directories are streamed, not a "
@@ -74,7 +83,9 @@ def quantize_artifact(
     return result
 
 
-def _quantize_whole(source, out, spec: QuantSpec, device, dtype, max_shard_size) -> QuantizeResult:
+def _quantize_whole(
+    source, out, spec: QuantSpec, device, dtype, max_shard_size, overwrite
+) -> QuantizeResult:
     """Load the whole model on `device`, quantize it there and save it."""
     from lmforge.api import detect_format, load
 
@@ -92,5 +103,7 @@ def _quantize_whole(source, out, spec: QuantSpec, device, dtype, max_shard_size)
     modules = quantize_model(loaded.model, spec)
     notes = quantize_notes(loaded.config, loaded.model, spec, device, start_dtype)
     loaded.config = loaded.model.args
-    path = save_quantized(loaded, out, spec=spec, modules=modules, max_shard_size=max_shard_size)
+    path = save_quantized(
+        loaded, out, spec=spec, modules=modules, max_shard_size=max_shard_size, overwrite=overwrite
+    )
     return finish_result(path, spec, modules, original, loaded.model, source_dir, notes)

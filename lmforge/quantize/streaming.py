@@ -173,6 +173,7 @@ def quantize_streaming(
     device: str | torch.device,
     dtype: str | torch.dtype | None,
     max_shard_size: str | int,
+    overwrite: bool = False,
 ) -> QuantizeResult:
     """Quantize the safetensors model directory `source` tensor by tensor into `out`."""
     from lmforge.api import load_tokenizer_for, parse_dtype, read_args
@@ -205,6 +206,7 @@ def quantize_streaming(
         flat=flat,
         produce=maker.take,
         max_shard_size=max_shard_size,
+        overwrite=overwrite,
     )
     result = finish_result(path, spec, modules, original, model, source, notes)
     result.streamed = True

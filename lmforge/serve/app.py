@@ -160,7 +160,9 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
         metrics.running.set(engine.num_running)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, limit=settings.max_request_bytes, timeout=settings.body_timeout
+    )
     if settings.api_key:  # outside the body limit: no key, no reading of the body
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: 401s count too

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe
 
+from lmforge.procs import die_with_parent
 from lmforge.serve.engine import run_engine
 
 
@@ -67,7 +68,7 @@ class PipeChannel:
                 self._deliver(message)
         except (EOFError, OSError):  # the engine's process is gone
             self._end()
-            self._deliver(("failed", "the engine's process exited; shutting down"))
+            self._deliver(("failed", "the engine's process exited; the HTTP process stops too"))
             os.kill(os.getpid(), signal.SIGTERM)  # nothing to serve with
 
     def _end(self) -> None:
@@ -138,7 +139,9 @@ def serve_in_two_processes(
     ours, theirs = Pipe()
     command = [sys.executable, "-m", "lmforge.serve.frontend"]
     command += [str(theirs.fileno()), str(sock.fileno())]
-    process = subprocess.Popen(command, pass_fds=(theirs.fileno(), sock.fileno()))
+    process = subprocess.Popen(
+        command, pass_fds=(theirs.fileno(), sock.fileno()), preexec_fn=die_with_parent
+    )
     theirs.close()
     sock.close()  # the HTTP process's copy is the one that listens (and closes on SIGTERM)
     signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signal.SIGTERM))
@@ -150,7 +153,11 @@ def serve_in_two_processes(
         channel.post(("stopped",))
     finally:
         ours.close()
-    return process.wait()
+    code = process.wait()
+    if code != 0:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited {code}"
+        print(f"error: the HTTP process {how}; the engine stops too", file=sys.stderr, flush=True)
+    return code
 
 
 def main(argv: list[str]) -> int:
@@ -168,4 +175,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from lmforge.cli import leave_now
+
+    leave_now(main(sys.argv[1:]))

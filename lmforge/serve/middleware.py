@@ -1,8 +1,9 @@
-"""What wraps every route: Prometheus metrics, the API key check and the request-body limit
-(ASGI middlewares, so that they also see the 401s and 413s they answer themselves)."""
+"""What wraps every route: Prometheus metrics, the API key check and the request-body limits
+(ASGI middlewares, so that they also see the 401s, 408s and 413s they answer themselves)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import hmac
 import time
@@ -157,10 +158,11 @@ class AuthMiddleware:
 
 class BodyLimitMiddleware:
     """413 for a body over `limit` bytes: at once when Content-Length says so, else as soon as
-    the bytes received pass it (chunked uploads). Smaller bodies are read here and replayed."""
+    the bytes received pass it (chunked uploads); 408 (and the connection closed) for a body
+    not whole within `timeout` seconds. Bodies within both are read here and replayed."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float) -> None:
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -171,8 +173,14 @@ class BodyLimitMiddleware:
             await error_response(self._too_large())(scope, receive, send)
             return
         messages, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                await error_response(self._too_slow())(scope, receive, send)
+                return
             messages.append(message)
             if message["type"] != "http.request":
                 break
@@ -187,6 +195,15 @@ class BodyLimitMiddleware:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
+
+    def _too_slow(self) -> ApiError:
+        return ApiError(
+            408,
+            f"the request body did not arrive within {self.timeout:g} s (lmforge serve "
+            "--body-timeout)",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of the body may still come: not ours
+        )
 
     def _too_large(self) -> ApiError:
         return ApiError(

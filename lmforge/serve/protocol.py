@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -38,6 +38,8 @@ class ServeSettings:
             for no limit.
         retry_after: seconds a 429 asks the client to wait.
         max_request_bytes: larger request bodies get a 413 before they are read.
+        body_timeout: seconds a request's body may take to arrive, else 408 (a client that
+            declares a length and sends less would hold its connection for ever).
         stream_interval: engine steps between a decoding sequence's deliveries to its request
             (None: the engine's load-dependent default; see `lmforge.serve.engine.Engine`).
     """
@@ -49,6 +51,7 @@ class ServeSettings:
     request_timeout: float | None = 600.0
     retry_after: int = 1
     max_request_bytes: int = 8 << 20
+    body_timeout: float = 30.0
     stream_interval: int | None = None
 
 
@@ -223,9 +226,16 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[TextPart] | None  # required; null only for an assistant's turn
     name: Text | None = None
     tool_call_id: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content, info):
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("content is null; only an assistant's message may have none")
+        return content
 
 
 class ResponseFormat(_Strict):

@@ -42,9 +42,12 @@ def _run_dir_of(source: Path) -> Path:
     return source.parent.parent if read_commit(source) is not None else source
 
 
-def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
+def export_checkpoint(
+    source: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False
+) -> Path:
     source = Path(source)
     run_dir = _run_dir_of(source)
+    artifact.check_output(out, inputs=[run_dir], overwrite=overwrite)
     model_dir = run_dir / MODEL_DIR
     config_path = model_dir / artifact.CONFIG_NAME
     if not config_path.exists():
@@ -66,4 +69,5 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "bflo
         parent=str(checkpoint_dir),
         config=lineage_config,
         metrics={"step": step},
+        overwrite=overwrite,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,8 +279,9 @@ class Trainer:
 
     def restore(self) -> int:
         step = self.checkpointer.restore_latest(self._state())
-        if step is not None:
-            log.info("resumed from step %d", step)
+        if step is not None and self.layout.is_main:  # at any log level: a user must know
+            where = self.checkpointer.last_load.path
+            print(f"resumed from step {step} ({where})", file=sys.stderr, flush=True)
         return self.step
 
     def save(self) -> None:

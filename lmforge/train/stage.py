@@ -10,6 +10,7 @@ Run directory layout:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lmforge import api, artifact, models
 from lmforge.config import ModelSection, dump_config
 from lmforge.errors import ConfigError, UserError
+from lmforge.locks import DirectoryInUseError, one_writer
 from lmforge.models import ModelArgs, Transformer
 from lmforge.modules.lora import (
     WRAPPER_PREFIX,
@@ -333,8 +335,10 @@ def export_artifact(
             parent=parent,
             config=config,
             metrics=metrics,
+            overwrite=True,  # the run's own output, written again by a longer run
         )
         if adapter_staging is not None:
+            artifact.make_readable(adapter_staging)
             os.replace(adapter_staging, out_dir / ADAPTER_DIR)
     if layout.world_size > 1:
         dist.barrier()
@@ -533,9 +537,11 @@ def run_stage(
         False  # whether every rank leaves from the same point (then they wait for each other)
     )
     try:
-        artifact = _run(
-            job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout
-        )
+        with contextlib.ExitStack() as held:
+            _hold_run_dir(held, job.run_dir, layout)
+            artifact = _run(
+                job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout
+            )
         together = True
         return artifact
     except PreemptedError:
@@ -543,6 +549,24 @@ def run_stage(
         raise
     finally:
         distributed.teardown(wait_for_all=together)
+
+
+def _hold_run_dir(held: contextlib.ExitStack, run_dir: str, layout: distributed.Layout) -> None:
+    """Rank 0 takes the run directory's writer lock (`lmforge.locks`) for `held`'s life; every
+    rank learns whether it got it (a refused rank 0 alone would leave the others waiting in a
+    collective)."""
+    refusal = None
+    if layout.is_main:
+        try:
+            held.enter_context(one_writer(run_dir))
+        except DirectoryInUseError as err:
+            refusal = str(err)
+    if layout.world_size > 1:
+        told = [refusal]
+        dist.broadcast_object_list(told, src=0)
+        refusal = told[0]
+    if refusal is not None:
+        raise DirectoryInUseError(refusal)
 
 
 def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout) -> Path:
