@@ -270,7 +270,8 @@ def test_merge_command_round_trip(tmp_path, saved_lora, capsys):
     assert lineage["config"]["lora"]["rank"] == 4 and lineage["config"]["adapter_hash"]
     assert not (out / "adapter_config.json").exists()
 
-    assert cli.main(["merge", str(tmp_path), str(base_dir), str(tmp_path / "x")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["merge", str(tmp_path / "empty"), str(base_dir), str(tmp_path / "x")]) == 2
     assert "adapter_config.json: file not found" in capsys.readouterr().err
 
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lmforge import api, artifact, models
 from lmforge.config import ModelSection, dump_config
 from lmforge.errors import ConfigError, UserError
-from lmforge.locks import DirectoryInUseError, one_writer
+from lmforge.locks import one_writer
 from lmforge.models import ModelArgs, Transformer
 from lmforge.modules.lora import (
     WRAPPER_PREFIX,
@@ -413,8 +413,6 @@ def check_job(job: TrainJob, spec: ModelSpec, layout: distributed.Layout, seq_le
             "CPU already: set parallel.cpu_offload = false"
         )
     run_dir = Path(job.run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run_dir = {str(run_dir)!r} is a file; name a directory")
     saved = run_dir / MODEL_DIR / artifact.CONFIG_NAME
     if saved.is_file() and Checkpointer(run_dir).committed():  # quiet: restore warns later
         before = models.args_from_hf_config(artifact.read_json(saved), saved)
@@ -555,18 +553,22 @@ def _hold_run_dir(held: contextlib.ExitStack, run_dir: str, layout: distributed.
     """Rank 0 takes the run directory's writer lock (`lmforge.locks`) for `held`'s life; every
     rank learns whether it got it (a refused rank 0 alone would leave the others waiting in a
     collective)."""
-    refusal = None
+    refusal: UserError | None = None
     if layout.is_main:
         try:
+            if Path(run_dir).exists() and not Path(run_dir).is_dir():
+                raise ConfigError(f"run_dir = {run_dir!r} is a file; name a directory")
             held.enter_context(one_writer(run_dir))
-        except DirectoryInUseError as err:
-            refusal = str(err)
+        except UserError as err:
+            refusal = err
+        except OSError as err:  # read-only, permission, quota: the user's to fix
+            refusal = UserError(f"cannot write to run_dir {run_dir}: {err.strerror or err}")
     if layout.world_size > 1:
         told = [refusal]
         dist.broadcast_object_list(told, src=0)
         refusal = told[0]
     if refusal is not None:
-        raise DirectoryInUseError(refusal)
+        raise refusal
 
 
 def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout) -> Path:
