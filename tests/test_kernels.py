@@ -696,3 +696,25 @@ def test_the_shipped_tiles_are_candidates():
                 candidates = kernels._int4_candidates(int4_configs, product)
             tried = [kernels.describe(c) for c in candidates]
             assert pin in tried, (gpu, key, pin, tried)
+
+
+@pytest.mark.parametrize(
+    "bits,group", [(8, 64), (4, 64), (4, 256)], ids=["int8", "int4", "int4-row"]
+)
+@pytest.mark.parametrize("rows", [2, 17, 40])
+def test_the_tiled_product_of_several_rows_equals_the_dequantized_one(bits, group, rows):
+    """`quantized_gemm` (weights dequantized tile by tile, split over K, in fp32 here: IEEE
+    products) against x @ the dequantized weight; rows 17 and 40: partly masked row tiles."""
+    from lmforge.generate import quantized_gemm
+
+    n, k = 40, 512
+    q, scale, zero = random_layout(bits, n, k, group)
+    packed = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert quantized_gemm.supported(x, packed, scale, bits)
+    got = quantized_gemm.quantized_gemm(x, packed, scale, zero, bits)
+    expected = x @ dequantized(bits, q, scale, zero).t()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert not quantized_gemm.supported(x[:1], packed, scale, bits)  # one row: the GEMV's
+    many = x.new_empty(quantized_gemm.MAX_ROWS + 1, k)
+    assert not quantized_gemm.supported(many, packed, scale, bits)  # prefill: expansion + cuBLAS

@@ -34,9 +34,10 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
 
 On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
 GEMV (lmforge/generate/kernels.py) for plain, int8 and int4 weight-only weights (int4 in packed
-fp16 arithmetic; tinygemm's layout converted where max_batch is 1), each block as four GEMVs
+fp16 arithmetic; tinygemm's layout converted at load), each block as four GEMVs
 around attention with its norms, SiLU·up and residual adds inside them; such a quantized weight
-meets more rows expanded to bf16, then cuBLAS. On Hopper and later those kernels launch while
+meets 2-128 rows in `quantized_gemm` (dequantized tile by tile into tensor-core products), more
+expanded to bf16, then cuBLAS. On Hopper and later those kernels launch while
 the kernel before them finishes (lmforge/generate/early_launch.py).
 
 The last token and position of every row live on the device, so a decode step needs nothing
@@ -53,6 +54,7 @@ chunked prefill.
 from __future__ import annotations
 
 import logging
+import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -346,10 +348,9 @@ class Engine:
         tune_decode: on CUDA, compile the batch-1 step with coordinate descent tuning (see
             `_compile_decode`).
         quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
-            the CPU; tinygemm's int4, made on CUDA, where max_batch is 1) through lmforge's
-            Triton kernels (lmforge/generate/kernels.py) instead of torchao's. (Converted,
-            an int4 weight meets several rows expanded to bf16 each step; tinygemm was not
-            measured against that at 2-32 rows, so a batched engine keeps tinygemm's.)
+            the CPU, and tinygemm's int4, made on CUDA, converted once here) through lmforge's
+            Triton kernels instead of torchao's: one row in the GEMV, 2-128 rows in
+            `quantized_gemm` (dequantized tile by tile), more expanded to bf16 for cuBLAS.
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
@@ -387,8 +388,12 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device).eval()
-        if quantized_kernels:  # tinygemm's int4 too where every step is one row (see the docs)
-            use_quantized_kernels(model, device, tinygemm=max_batch == 1)
+        if quantized_kernels:  # whatever the layout: see the docs
+            start = time.perf_counter()
+            if use_quantized_kernels(model, device, tinygemm=True):
+                log.info(
+                    "quantized weights in the kernels' layout: %.1f s", time.perf_counter() - start
+                )
         self.fused = fuse and model.fuse_projections()
         kernels = _kernels(device)
         if kernels and gemv:

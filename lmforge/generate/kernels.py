@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from lmforge.generate import quantized_gemm
 from lmforge.generate.decode_attention import decode_attention, supported
 from lmforge.generate.early_launch import INTERPRETED, early_launch, wait_for_previous
 from lmforge.modules.kv_cache import StaticKVCache
@@ -1143,8 +1144,11 @@ def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False
 def quantized_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
 ) -> torch.Tensor:
-    """x [M, K] @ w.T for a quantized w (module docstring's layouts) and several rows: w
-    expanded to x's dtype, then one matmul: [M, N] in x's dtype."""
+    """x [M, K] @ w.T for a quantized w (module docstring's layouts) and several rows: up to
+    `quantized_gemm.MAX_ROWS`, dequantized tile by tile in the product; more, w expanded to
+    x's dtype, then one matmul: [M, N] in x's dtype."""
+    if quantized_gemm.supported(x, q, scale, bits):
+        return quantized_gemm.quantized_gemm(x, q, scale, zero, bits)
     return F.linear(x, dequantize(q, scale, zero, bits, x.dtype))
 
 

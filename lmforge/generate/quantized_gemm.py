@@ -1,0 +1,184 @@
+"""Products of a few rows of activations (2-128: batched decoding) with int8 or int4 weights,
+the weights dequantized in registers, tile by tile, and multiplied on the tensor cores.
+
+Before this kernel, several rows met a quantized weight expanded to bf16 in memory first
+(`dequantize`), then multiplied by cuBLAS: a decode step of 64 sequences wrote and read back
+the whole bf16 model besides the quantized bytes, 2.5-4x the bytes bf16 itself reads, and the
+int4 1B served 64 streams at 0.28x bf16 (docs/benchmarks.md). Here each program streams a
+[BLOCK_N, BLOCK_K] tile of quantized bytes once, makes it x's dtype and takes `tl.dot` with the
+[BLOCK_M, BLOCK_K] rows of x, so a step reads the quantized bytes and nothing more.
+
+Layouts as `lmforge.generate.kernels` keeps them: int8 q [N, K] (uint8 q + 128 when
+`INT8_OFFSET`), w = q * scale; int4 uint8 [N, K/2], byte j holding q[j] in its low nibble and
+q[j + K/2] in its high one, w = (q - 8) * scale + zero; scale and zero [N, K / group]. An int4
+tile therefore covers columns k0.. and K/2 + k0.. with two dots. A tile never crosses a group
+(BLOCK_K divides the group), so each tile row takes one scale.
+
+Small batches give few output tiles (the 1B's attention output: 2048 columns, 32 tiles of 64),
+too few for 132 SMs: SPLIT_K programs share a row's K and add into an fp32 buffer atomically.
+Tiles and splits are autotuned per (rows, N, K) on the first call, which the engine makes
+while warming up, before any CUDA graph records.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmforge.generate.early_launch import INTERPRETED
+
+MAX_ROWS = 128  # more rows (prefill chunks) are compute-bound: expansion + cuBLAS is faster
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRETED:  # one small tile: the CPU tests run every program in Python
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, num_warps=w, num_stages=st)
+        for n, k, s, w, st in (
+            (64, 64, 1, 4, 4),
+            (64, 128, 1, 4, 4),
+            (128, 64, 1, 4, 4),
+            (32, 128, 1, 4, 4),
+            (64, 64, 2, 4, 4),
+            (64, 128, 2, 4, 3),
+            (32, 128, 4, 4, 4),
+            (64, 64, 4, 4, 4),
+            (32, 256, 2, 4, 3),
+            (64, 256, 1, 8, 3),
+        )
+    ]
+
+
+def _fits(configs, named_args, **kwargs):
+    """Tiles that fit the weight: BLOCK_K divides the group (one scale a tile) and the stored
+    row splits evenly into SPLIT_K runs of whole tiles."""
+    stored, group = named_args["STORED"], kwargs["GROUP"]
+    kept = [
+        c
+        for c in configs
+        if group % c.kwargs["BLOCK_K"] == 0
+        and stored % (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) == 0
+    ]
+    return kept or [_smallest(stored, group)]
+
+
+def _smallest(stored: int, group: int) -> triton.Config:
+    block_k = 16
+    while group % (block_k * 2) == 0 and stored % (block_k * 2) == 0 and block_k < 64:
+        block_k *= 2
+    return triton.Config({"BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": 1}, num_warps=4)
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["M", "N", "STORED", "GROUP", "BITS"],
+    prune_configs_by={"early_config_prune": _fits},
+    reset_to_zero=["y_ptr"],
+)
+@triton.jit
+def _quantized_gemm(
+    x_ptr,  # [M, K] activations
+    q_ptr,  # int8/uint8 [N, K] (8 bits) or uint8 [N, K/2] (4 bits)
+    scale_ptr,  # [N, K / GROUP]
+    zero_ptr,  # [N, K / GROUP] (4 bits)
+    y_ptr,  # fp32 [M, N], zeroed: programs of one tile add their partial sums
+    M,
+    N,
+    STORED,  # bytes a weight row: K (8 bits) or K / 2 (4 bits)
+    stride_x,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED_DOT: tl.constexpr,  # of fp32 products: "ieee" for an fp32 model, not tf32's 10 bits
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # of x and y
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # of y: rows of the weight
+    row_ok, col_ok = rows < M, cols < N
+    span = STORED // SPLIT_K  # whole tiles (`_fits`)
+    begin = tl.program_id(2) * span
+    groups = (2 * STORED if BITS == 4 else STORED) // GROUP
+    dtype = x_ptr.dtype.element_ty
+    # the interpreter's tl.dot gets bf16 wrong (numpy has no bf16): there, products in fp32 of
+    # the same bf16-rounded operands
+    dot_dtype = tl.float32 if INTERPRETED_DOT else dtype
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(begin, begin + span, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_ptr + cols[:, None] * STORED + ks[None, :], mask=col_ok[:, None], other=0)
+        at = cols * groups + k0 // GROUP  # the tile's group, one a weight row
+        scale = tl.load(scale_ptr + at, mask=col_ok, other=0).to(tl.float32)[:, None]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None], other=0)
+        x = x.to(dot_dtype)
+        if BITS == 8:
+            if q.dtype == tl.uint8:  # q + 128 (`INT8_OFFSET`)
+                values = (q.to(tl.int32) - 128).to(tl.float32)
+            else:
+                values = q.to(tl.float32)
+            acc += tl.dot(
+                x, tl.trans((values * scale).to(dtype).to(dot_dtype)), input_precision=PRECISION
+            )
+        else:  # low nibbles: columns k0.., high ones: STORED + k0.. (their own group)
+            zero = tl.load(zero_ptr + at, mask=col_ok, other=0).to(tl.float32)[:, None]
+            low = ((q & 0xF).to(tl.float32) - 8.0) * scale + zero
+            acc += tl.dot(x, tl.trans(low.to(dtype).to(dot_dtype)), input_precision=PRECISION)
+            high_at = at + STORED // GROUP
+            scale = tl.load(scale_ptr + high_at, mask=col_ok, other=0).to(tl.float32)[:, None]
+            zero = tl.load(zero_ptr + high_at, mask=col_ok, other=0).to(tl.float32)[:, None]
+            high = ((q >> 4).to(tl.float32) - 8.0) * scale + zero
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + STORED + ks[None, :],
+                mask=row_ok[:, None],
+                other=0,
+            ).to(dot_dtype)
+            acc += tl.dot(x, tl.trans(high.to(dtype).to(dot_dtype)), input_precision=PRECISION)
+    out = y_ptr + rows[:, None] * N + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=ok)
+    else:
+        tl.atomic_add(out, acc, mask=ok)
+
+
+def supported(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bits: int) -> bool:
+    """Whether `quantized_gemm` takes these operands: 2..MAX_ROWS rows on CUDA (or the
+    interpreter), 16-bit or fp32 activations, groups of at least 16 columns."""
+    rows = x.numel() // x.shape[-1]
+    stored = q.shape[1]
+    k = 2 * stored if bits == 4 else stored
+    group = k // scale.shape[1]
+    return (
+        1 < rows <= MAX_ROWS
+        and (x.is_cuda or INTERPRETED)
+        and group % 16 == 0
+        and stored % 16 == 0
+        and (bits == 8 or stored % group == 0)  # int4's halves start at a group boundary
+    )
+
+
+def quantized_gemm(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """x [M, K] @ w.T for a quantized w (the module docstring's layouts): [M, N] in x's dtype.
+    `supported` must hold."""
+    m, n, stored = x.shape[0], q.shape[0], q.shape[1]
+    k = 2 * stored if bits == 4 else stored
+    x = x.contiguous()
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+
+    def grid(meta):
+        return (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    _quantized_gemm[grid](
+        x, q, scale, zero, y, m, n, stored, x.stride(0),
+        GROUP=k // scale.shape[1], BITS=bits, BLOCK_M=block_m,
+        PRECISION="ieee" if x.dtype == torch.float32 or INTERPRETED else "tf32",
+        INTERPRETED_DOT=INTERPRETED,
+    )  # fmt: skip
+    return y.to(x.dtype)
