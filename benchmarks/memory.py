@@ -13,6 +13,7 @@ reservation plus what lives outside it: CUDA context, NCCL) with the plan's tota
 
 "fsdp1" rows wrap the model in FSDP2 on a one-rank process group: the multi-GPU code path
 (bf16 all-gathers, fp32 reduce-scatters, no autocast) on one GPU. Writes $OUT/memory.json.
+Fills docs/benchmarks.md's "Planner" table (`bash benchmarks/device_calls.sh memory`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ from lmforge.modules.lora import (
     reset_lora_parameters,
 )
 from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
-from lmforge.train.config import (
-    ParallelSection,
-)
+from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import MESH_AXES, Layout
 from lmforge.train.losses import CausalLMLoss, DPOLossStep, count_label_tokens, count_pairs
 from lmforge.train.parallelize import apply_fsdp, parallelize
@@ -228,17 +227,6 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer, args = build_trainer(cfg, device, steps)
-    probe = {}
-    if on_cuda:  # allocated memory when the loss forward is done (activations + logits held)
-        inner = trainer.loss_step
-
-        def probed(model, batch):
-            out = inner(model, batch)
-            probe["forward_end_gib"] = round(torch.cuda.memory_allocated() / GiB, 2)
-            probe["forward_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
-            return out
-
-        trainer.loss_step = probed
     losses, peak = [], 0
     for _ in range(steps):  # the peak of a steady step (optimizer states exist from step 2)
         if on_cuda:
@@ -250,7 +238,6 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
         "config": cfg.name,
         "seconds": round(time.perf_counter() - start, 1),
         "loss": round(losses[-1], 3),
-        **probe,
     }
     plan = predict(cfg, args, compute="bf16" if on_cuda else "fp32")
     row["predicted_peak_gib"] = round(plan.peak_allocated / GiB, 2)
@@ -258,9 +245,6 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
     row["predicted_phase"] = plan.peak_phase
     row["predicted_components_gib"] = {
         k: round(v / GiB, 2) for k, v in plan.phases[plan.peak_phase].items()
-    }
-    row["predicted_phases_gib"] = {
-        phase: round(sum(parts.values()) / GiB, 2) for phase, parts in plan.phases.items()
     }
     if on_cuda:
         torch.cuda.synchronize()

@@ -19,6 +19,8 @@ both count allocated bytes) and their ratio.
 The artifact (16 GB for the 8B preset: random init on the GPU, saved in bf16 with a small BPE
 tokenizer trained on the demo corpus; the model keeps its vocabulary) is written once to
 --work and reused. Writes tp_inference.json to --out ($OUT if set) and one log per row.
+Fills docs/benchmarks.md's "Tensor-parallel inference" table (`bash benchmarks/device_calls.sh
+tp`, two GPUs) and the planner's inference rows beside it.
 """
 
 from __future__ import annotations
