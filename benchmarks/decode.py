@@ -6,12 +6,9 @@ Fills docs/benchmarks.md's "Decode" table (bf16 rows, transformers beside them) 
 quantized decode rows of its "Quantized" section (`--schemes int8-wo int4-wo ...`);
 `bash benchmarks/device_calls.sh decode` runs both presets.
 
-For each preset (random weights, bf16): lmforge's decode tokens/s (prefill excluded) and overall
-tokens/s; transformers' `generate` on the same weights exported with `lmforge.save` and loaded
-with `LlamaForCausalLM.from_pretrained(..., dtype=torch.bfloat16)`, greedy, with its
-static cache ("hf-static", which transformers compiles itself);
-the bandwidth limit = measured device copy bandwidth / weight bytes read per token, and each
-row's % of it. DESIGN's target: lmforge bf16 >= 70% of the limit.
+Rows: lmforge's decode tokens/s (prefill excluded) on random weights in each --schemes, and
+transformers' static-cache `generate` (compiled by transformers) on the same bf16 weights saved
+as an artifact, greedy; the limit = device copy bandwidth / weight bytes read a token.
 
     python benchmarks/decode.py                                  # 1B and 3B, both variants
     python benchmarks/decode.py --presets llama3.2-1b --variants lmforge hf-static

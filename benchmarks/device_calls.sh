@@ -3,20 +3,9 @@
 # (every step has its own timeout, so what finished comes back even if a later step runs long).
 # Run `bash benchmarks/device_wheels.sh` here first, carry [".whl"], and on the device:
 #
-#   bash benchmarks/device_calls.sh train       # one H200: 1B, 1B float8 and 3B beside torchtitan
-#   bash benchmarks/device_calls.sh lora        # one H200: 1B LoRA and QLoRA steps
-#   bash benchmarks/device_calls.sh cli         # one H200: `lmforge launch --nproc 1 pretrain`, 1B and 3B
-#   bash benchmarks/device_calls.sh cli-post    # one H200: full SFT and full DPO through the CLI
-#   bash benchmarks/device_calls.sh memory      # one H200: the training planner against measured peaks
-#   bash benchmarks/device_calls.sh fsdp2       # two H200s: 1B and 3B on one GPU and on two (FSDP2)
-#   bash benchmarks/device_calls.sh fsdp2-post  # two H200s: TP 2 on the 3B; 3B SFT-LoRA, DPO-LoRA
-#   bash benchmarks/device_calls.sh tp          # two H200s: tensor-parallel inference (8B)
-#   bash benchmarks/device_calls.sh decode      # one H200: batch-1 decode, bf16 / int8 / int4, 1B and 3B
-#   bash benchmarks/device_calls.sh decode-hf   # one H200: transformers' static-cache generate, 1B
-#   bash benchmarks/device_calls.sh serve       # one H200: the server at 1-64 streams, greedy and sampled
-#   bash benchmarks/device_calls.sh tiles       # one H200: the GEMV's tiles searched in the step (gemv_tiles.json)
-#   bash benchmarks/device_calls.sh check       # one H200: the GPU-only tests (kernels, engine, training kernels)
+#   bash benchmarks/device_calls.sh CASE     # CASE: one of the cases below, one a table
 #
+# Each case's first comment names the machine (one H200 unless it says two) and what it measures.
 # Logs and JSON go to $OUT; the last lines printed are each step's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,39 +55,43 @@ train)
   grep -h '^{' "$OUT/ours-1b.log" "$OUT/ours-3b.log"
   ;;
 lora)
+  # 1B LoRA and QLoRA (rank 16, the blocks' seven linears) training steps
   step 300 lora python3 benchmarks/train_throughput.py --shapes 1b:8x2048 --variants \
     ours-lora-compile ours-qlora-compile --steps 6 --warmup 3
   grep -h '^{' "$OUT/lora.log"
   ;;
 cli)
+  # `lmforge launch --nproc 1 pretrain` on real shards, 1B and 3B, against the planner
   step 500 cli python3 benchmarks/multi_gpu.py --rows 1b-1 3b-1 --steps 12 --warmup 4 \
     --out "$OUT"
   tail -n 6 "$OUT/cli.log"
   ;;
 cli-post)
+  # full SFT and full DPO on one GPU through the CLI, against the planner
   step 560 cli-post python3 benchmarks/multi_gpu.py --rows 1b-1-sft-full 1b-1-dpo-full \
     --steps 10 --warmup 3 --out "$OUT"
   tail -n 4 "$OUT/cli-post.log"
   ;;
 memory)
+  # the training planner against measured peaks, 19 setups (benchmarks/memory.py)
   step 580 memory python3 benchmarks/memory.py --out "$OUT"
   tail -n 21 "$OUT/memory.log"
   ;;
 fsdp2)
-  # 1B and 3B as shipped (tied) on one GPU and on two under FSDP2 (target >= 1.9x), the 1B
+  # two H200s: 1B and 3B as shipped (tied) on one GPU and on two under FSDP2 (target >= 1.9x), the 1B
   # also with bf16 reduce-scatters (parallel.reduce_dtype)
   step 560 fsdp2 python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 1b-2+bf16r 3b-1 3b-2 \
     --steps 12 --warmup 4 --out "$OUT"
   tail -n 8 "$OUT/fsdp2.log"
   ;;
 fsdp2-post)
-  # TP 2 on the 3B, then 3B SFT with LoRA and DPO with LoRA on two GPUs, against the planner
+  # two H200s: TP 2 on the 3B, then 3B SFT with LoRA and DPO with LoRA on two GPUs, against the planner
   step 560 post python3 benchmarks/multi_gpu.py --rows 3b-tp2 3b-2-sft-lora 3b-2-dpo-lora \
     --steps 10 --warmup 3 --out "$OUT"
   tail -n 6 "$OUT/post.log"
   ;;
 tp)
-  # 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
+  # two H200s: 8B (random weights, bf16): decode tokens/s and eval seconds on one GPU and on two, with
   # the planner's figure beside each measured peak
   step 580 tp python3 benchmarks/tp_inference.py --rows eval-tp2 eval-tp1 generate-tp1 \
     generate-tp2 --work /tmp/tp-work --out "$OUT"
@@ -112,6 +105,7 @@ decode)
   grep -h '^{' "$OUT"/decode-*.log | cut -c1-250
   ;;
 decode-hf)
+  # transformers' static-cache `generate` on the 1B's weights, for the decode table
   step 300 decode-hf python3 benchmarks/decode.py --presets llama3.2-1b --variants hf-static \
     --new-tokens 128 --repeats 2 --out "$OUT"
   grep -h '^{' "$OUT/decode-hf.log" | cut -c1-250
@@ -142,6 +136,7 @@ tiles)
   grep -h '^{' "$OUT"/tiles-*.log | cut -c1-200
   ;;
 check)
+  # the GPU-only tests: the kernels compiled, the engine's graphs, the training kernels
   gpu_tests 240 kernels tests/test_kernels.py
   gpu_tests 150 generate tests/test_generate.py -k "dropped_engine or greedy_tokens_chosen"
   gpu_tests 60 train-kernels tests/test_train_kernels.py

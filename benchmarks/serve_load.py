@@ -137,42 +137,6 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
     }
 
 
-ENGINE_COUNTERS = {
-    "lmforge_engine_step_seconds_count": "steps",
-    "lmforge_engine_step_seconds_sum": "step_seconds",
-    "lmforge_batch_size_sum": "advanced",
-}
-
-
-def engine_counters(client: Client) -> dict[str, float]:
-    """The server's engine counters from GET /metrics (Prometheus text); {} if unavailable."""
-    status, body = client.get("/metrics")
-    if status != 200:
-        return {}
-    counters = {}
-    for line in body.decode().splitlines():
-        name, _, value = line.partition(" ")
-        if name in ENGINE_COUNTERS:
-            counters[ENGINE_COUNTERS[name]] = float(value)
-        elif name.startswith("lmforge_gc_pause_seconds_sum{"):  # one line per generation
-            counters["gc_seconds"] = counters.get("gc_seconds", 0.0) + float(value)
-    return counters
-
-
-def engine_rates(before: dict, after: dict, wall: float) -> dict:
-    """Engine steps a second, sequences advanced per step and the share of the wall time the
-    engine's worker thread spent in steps (the rest: the event loop, HTTP, waiting)."""
-    if not before or not after:
-        return {}
-    steps = after["steps"] - before["steps"]
-    return {
-        "steps_per_s": steps / wall,
-        "advanced_per_step": (after["advanced"] - before["advanced"]) / max(steps, 1),
-        "engine_busy": (after["step_seconds"] - before["step_seconds"]) / wall,
-        "gc_seconds": after.get("gc_seconds", 0.0) - before.get("gc_seconds", 0.0),
-    }
-
-
 def preset_artifact(preset: str, root: Path) -> Path:
     """Random bf16 weights of `preset` with a BPE tokenizer of this script's words."""
     import torch
@@ -267,10 +231,7 @@ def main() -> None:
         rows = []
         for concurrency in args.concurrency:
             num_requests = args.requests or max(8, 4 * concurrency)
-            before = engine_counters(client)
-            row = run_level(client, model, concurrency, num_requests, args)
-            row.update(engine_rates(before, engine_counters(client), row["wall_s"]))
-            rows.append(row)
+            rows.append(run_level(client, model, concurrency, num_requests, args))
             print(f"concurrency {concurrency}: done", file=sys.stderr, flush=True)
     finally:
         process.terminate()
@@ -279,8 +240,7 @@ def main() -> None:
     print(f"\nlmforge serve load: model {model!r}, {args.max_tokens} new tokens per request")
     header = (
         f"{'concurrency':>11} {'requests':>8} {'tokens/s':>9} {'p50 lat s':>9} "
-        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10} {'steps/s':>8} "
-        f"{'seqs/step':>9} {'engine busy':>11} {'gc s':>6}"
+        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -288,9 +248,7 @@ def main() -> None:
         print(
             f"{row['concurrency']:>11} {row['requests']:>8} {row['tokens_per_s']:>9.1f} "
             f"{row['p50_latency_s']:>9.3f} {row['p99_latency_s']:>9.3f} "
-            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f} "
-            f"{row.get('steps_per_s', 0):>8.1f} {row.get('advanced_per_step', 0):>9.1f} "
-            f"{100 * row.get('engine_busy', 0):>10.1f}% {row.get('gc_seconds', 0):>6.3f}"
+            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"model": model, "max_tokens": args.max_tokens, "levels": rows}
