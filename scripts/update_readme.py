@@ -51,6 +51,8 @@ BLOCK_FILES = {
 def block_file(name: str) -> Path:
     """The file that holds block `name`."""
     return BLOCK_FILES.get(name, README)
+
+
 TINY = Path("examples/tiny/pipeline.toml")
 EXAMPLE_70B = Path("examples/llama3_70b/pipeline.toml")
 QLORA_PLAN = "--model llama3.1-70b --gpus 2 --gpu-memory 80GB --ac full"
