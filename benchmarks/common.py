@@ -1,6 +1,6 @@
-"""What the GPU benchmarks share: a Trainer that runs lmforge's training step exactly as the
-training commands do (fused AdamW, constant LR), minus checkpoints and TensorBoard; a launch
-timed inside a CUDA graph (`graph_us`).
+"""What the training benchmarks (train_throughput.py, memory.py) share: a Trainer that runs
+lmforge's training step exactly as the training commands do (fused AdamW, constant LR), minus
+checkpoints and TensorBoard.
 
 Run the benchmarks from the repository root with it on the path: `PYTHONPATH=$PWD python3
 benchmarks/NAME.py`.
@@ -26,26 +26,6 @@ from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler
 
 
-def graph_us(launch: Callable[[int], object], repeats: int, replays: int = 20) -> float:
-    """Microseconds a launch: `repeats` launches (`launch(i)`, the i-th) captured in one CUDA
-    graph, the graph replayed `replays` times (after one untimed replay)."""
-    for i in range(2):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(repeats):
-            launch(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * repeats)
-
-
 class NoCheckpoints:
     """The Checkpointer interface, saving nothing."""
 
@@ -60,12 +40,6 @@ class NoCheckpoints:
 
     def close(self):
         pass
-
-
-def autotuned():
-    """Inductor's max-autotune for the compiles inside: GEMMs benchmarked among cuBLAS and
-    Triton templates."""
-    return torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
 
 
 def bench_trainer(

@@ -9,10 +9,10 @@ reservation plus what lives outside it: CUDA context, NCCL) with the plan's tota
 
     python benchmarks/memory.py                       # all configurations, one GPU
     python benchmarks/memory.py --only 1b-full-none 3b-lora-none
-    python benchmarks/memory.py --cpu-smoke           # the same code path on CPU, tiny model
 
 "fsdp1" rows wrap the model in FSDP2 on a one-rank process group: the multi-GPU code path
 (bf16 all-gathers, fp32 reduce-scatters, no autocast) on one GPU. Writes $OUT/memory.json.
+Fills docs/benchmarks.md's "Planner" table (`bash benchmarks/device_calls.sh memory`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ from lmforge.modules.lora import (
     reset_lora_parameters,
 )
 from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
-from lmforge.train.config import (
-    ParallelSection,
-)
+from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import MESH_AXES, Layout
 from lmforge.train.losses import CausalLMLoss, DPOLossStep, count_label_tokens, count_pairs
 from lmforge.train.parallelize import apply_fsdp, parallelize
@@ -81,15 +79,6 @@ CONFIGS = [
     Config("1b-full-selective-fsdp1", "1b", ac="selective", batch=8, fsdp1=True),
     Config("1b-full-full-fsdp1-accum2", "1b", ac="full", batch=8, fsdp1=True, accumulation=2),
 ]
-SMOKE_CONFIGS = [
-    Config("tiny-full-none", "tiny", batch=2, seq=64),
-    Config("tiny-full-selective", "tiny", ac="selective", batch=2, seq=64),
-    Config("tiny-lora-full", "tiny", method="lora", ac="full", batch=2, seq=64),
-    Config("tiny-dpo-lora-none", "tiny", method="dpo-lora", batch=2, seq=64),
-    Config("tiny-dpo-full-none", "tiny", method="dpo-full", batch=2, seq=64),
-    Config("tiny-qlora-full", "tiny", method="qlora", ac="full", batch=2, seq=64),
-    Config("tiny-full-none-fsdp1", "tiny", batch=2, seq=64, fsdp1=True),
-]  # no CPU-offload row: FSDP2's offload policy needs an accelerator to offload from
 LORA_RANK = 16
 
 
@@ -221,68 +210,41 @@ def predict(cfg: Config, args, *, compute: str = "bf16"):
 
 
 def measure(cfg: Config, device: torch.device, steps: int) -> dict:
-    on_cuda = device.type == "cuda"
-    if on_cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    gc.collect()
+    torch.cuda.empty_cache()
     start = time.perf_counter()
     trainer, args = build_trainer(cfg, device, steps)
-    probe = {}
-    if on_cuda:  # allocated memory when the loss forward is done (activations + logits held)
-        inner = trainer.loss_step
-
-        def probed(model, batch):
-            out = inner(model, batch)
-            probe["forward_end_gib"] = round(torch.cuda.memory_allocated() / GiB, 2)
-            probe["forward_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
-            return out
-
-        trainer.loss_step = probed
     losses, peak = [], 0
     for _ in range(steps):  # the peak of a steady step (optimizer states exist from step 2)
-        if on_cuda:
-            torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()
         losses.append(trainer.train_step(False)["loss"])
-        if on_cuda:
-            peak = max(peak, torch.cuda.max_memory_allocated())
+        peak = max(peak, torch.cuda.max_memory_allocated())
+    plan = predict(cfg, args)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.max_memory_reserved()
+    free, total = torch.cuda.mem_get_info()
+    # Reserved at its peak, plus what lives outside the caching allocator (CUDA context, NCCL
+    # buffers): what the device must hold.
+    outside = (total - free) - torch.cuda.memory_reserved()
     row = {
         "config": cfg.name,
         "seconds": round(time.perf_counter() - start, 1),
         "loss": round(losses[-1], 3),
-        **probe,
+        "predicted_peak_gib": round(plan.peak_allocated / GiB, 2),
+        "predicted_total_gib": round(plan.total / GiB, 2),
+        "predicted_phase": plan.peak_phase,
+        "predicted_components_gib": {
+            k: round(v / GiB, 2) for k, v in plan.phases[plan.peak_phase].items()
+        },
+        "measured_peak_gib": round(peak / GiB, 2),
+        "measured_total_gib": round((reserved + outside) / GiB, 2),
+        "peak_error_pct": round(100 * (plan.peak_allocated - peak) / peak, 1),
+        "total_error_pct": round(100 * (plan.total - reserved - outside) / (reserved + outside), 1),
     }
-    plan = predict(cfg, args, compute="bf16" if on_cuda else "fp32")
-    row["predicted_peak_gib"] = round(plan.peak_allocated / GiB, 2)
-    row["predicted_total_gib"] = round(plan.total / GiB, 2)
-    row["predicted_phase"] = plan.peak_phase
-    row["predicted_components_gib"] = {
-        k: round(v / GiB, 2) for k, v in plan.phases[plan.peak_phase].items()
-    }
-    row["predicted_phases_gib"] = {
-        phase: round(sum(parts.values()) / GiB, 2) for phase, parts in plan.phases.items()
-    }
-    if on_cuda:
-        torch.cuda.synchronize()
-        reserved = torch.cuda.max_memory_reserved()
-        free, total = torch.cuda.mem_get_info()
-        row["measured_peak_gib"] = round(peak / GiB, 2)
-        row["measured_reserved_gib"] = round(reserved / GiB, 2)
-        row["persistent_after_step_gib"] = round(torch.cuda.memory_allocated() / GiB, 2)
-        row["device_used_gib"] = round((total - free) / GiB, 2)
-        # Reserved at its peak, plus what lives outside the caching allocator (CUDA context,
-        # NCCL buffers): what the device must hold.
-        outside = (total - free) - torch.cuda.memory_reserved()
-        row["measured_total_gib"] = round((reserved + outside) / GiB, 2)
-        row["total_error_pct"] = round(
-            100 * (plan.total - reserved - outside) / (reserved + outside), 1
-        )
-        row["peak_error_pct"] = round(100 * (plan.peak_allocated - peak) / peak, 1)
     del trainer
     gc.collect()
-    if on_cuda:
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
     return row
 
 
@@ -306,17 +268,16 @@ def main() -> None:
     )
     parser.add_argument("--only", nargs="+", help="configuration names")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny configurations on the CPU")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    configs = SMOKE_CONFIGS if args.cpu_smoke else CONFIGS
+    configs = CONFIGS
     if args.only:
         known = {c.name: c for c in configs}
         unknown = [n for n in args.only if n not in known]
         if unknown:
             parser.error(f"unknown configurations {unknown}; known: {', '.join(known)}")
         configs = [known[n] for n in args.only]
-    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    device = torch.device("cuda")
     context = None
     if device.type == "cuda":
         torch.cuda.init()
@@ -354,10 +315,6 @@ def main() -> None:
                 f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi {row['measured_peak_gib']:8.2f}Gi "
                 f"{row['peak_error_pct']:+6.1f}%   {row['predicted_total_gib']:9.2f}Gi "
                 f"{row['measured_total_gib']:7.2f}Gi {row['total_error_pct']:+6.1f}%"
-            )
-        else:
-            print(
-                f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi (CPU smoke: loss {row['loss']})"
             )
 
 

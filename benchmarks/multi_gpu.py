@@ -4,6 +4,9 @@ the steps after warm-up, the measured peak memory (torch.cuda.max_memory_allocat
 planner's prediction for the same job (`lmforge plan --config <run>/job.toml`, the total less its
 context/slack line, so both count allocated bytes).
 
+Fills docs/benchmarks.md's "Training through the CLI, one GPU" rows (`bash
+benchmarks/device_calls.sh cli`, `cli-post`) and its "Multi-GPU" table (`fsdp2`, `fsdp2-post`).
+
     python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
 
 Rows are PRESET-LAYOUT[-KIND][+nrs|+rs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
@@ -13,7 +16,7 @@ parameters between forward and backward
 (parallel.reshard_after_forward = false), +rs frees them after forward (true); without either,
 the default "auto" decides (the row's result names its choice); +bf16r reduce-scatters bf16
 gradients (parallel.reduce_dtype). Presets are as shipped (1B and
-3B tie their embeddings); pass `--untied` to compare with the untied shape. Data: a generated corpus and a BPE tokenizer
+3B tie their embeddings). Data: a generated corpus and a BPE tokenizer
 (vocab 8192; the model keeps its 128256-row table).
 """
 
@@ -29,8 +32,6 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-
-from benchmarks.trace_summary import summarize
 
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
 MICRO_BATCH = {"1b": 8, "3b": 4, "8b": 2, "tiny": 4}
@@ -103,8 +104,6 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
         "checkpoint.export_dtype=bfloat16",
         f"parallel.compile={str(args.device == 'cuda').lower()}",
     ]
-    if args.untied:
-        keys.append("model.overrides.tie_embeddings=false")
     keys += [OPTIONS[option] for option in options]
     if layout == "tp2":
         keys += ["parallel.tp=2", "parallel.dp_shard=1"]
@@ -119,12 +118,6 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
         keys.append("data.pack=true" if stage == "sft" else "data.pad_to_max_seq_len=true")
         if kind == "sft-qlora":
             keys.append('lora.quantize_base="nf4"')
-    if "+".join([row, *options]) in args.profile:
-        keys += [
-            "profile.enabled=true",
-            f"profile.start_step={args.warmup + 1}",
-            "profile.num_steps=2",
-        ]
     launch = [sys.executable, "-m", "lmforge", "launch", "--nproc", str(nproc), stage]
     return nproc, launch + keys
 
@@ -159,8 +152,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--untied", action="store_true")
-    parser.add_argument("--profile", nargs="*", default=[], help="rows to trace (2 steps)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lmforge-multi-gpu"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
@@ -180,28 +171,18 @@ def main() -> None:
             if choice:
                 results[row]["reshard_after_forward"] = choice.group(1)
         print(row, json.dumps(results[row]), flush=True)
-        for trace in sorted((run_dir / "profile").glob("rank0*.json*")):
-            print(summarize(trace), flush=True)
-        for name in ("checkpoints", "artifact", "profile"):  # a 3B row leaves ~40 GB
+        for name in ("checkpoints", "artifact"):  # a 3B row leaves ~40 GB
             shutil.rmtree(run_dir / name, ignore_errors=True)
     (args.out / "multi_gpu.json").write_text(json.dumps(results, indent=1))
     print(
-        "\n| row | tokens/s | vs 1 GPU | peak GiB | planner GiB (allocated) | loss first → last |"
+        "\n| row | tokens/s | vs 1 GPU | peak GiB | planner GiB (allocated) |\n|---|---|---|---|---|"
     )
-    print("|---|---|---|---|---|---|")
     for row, r in results.items():
-        if "error" in r:
-            print(f"| {row} | failed: {r['error'][-200:]!r} | | | | |")
-            continue
-        parts = row.split("+")[0].split("-")
-        one = results.get("-".join([parts[0], "1", *parts[2:]]), {})
-        ratio = r["tokens_per_s"] / one["tokens_per_s"] if one.get("tokens_per_s") else None
-        plan = r.get("plan_allocated_gib")
-        print(
-            f"| {row} | {r['tokens_per_s']:,.0f} | {f'{ratio:.3f}x' if ratio else ''} | "
-            f"{r['peak_gib']:.1f} | {f'{plan:.1f}' if plan else '?'} | "
-            f"{r['loss_first_last'][0]:.2f} → {r['loss_first_last'][1]:.2f} |"
-        )
+        one = results.get(re.sub(r"-2|-tp2", "-1", row.split("+")[0]), {}).get("tokens_per_s")
+        ratio = f"{r['tokens_per_s'] / one:.3f}x" if one and "error" not in r else ""
+        cells = [r.get("error", "")[-200:]] if "error" in r else [f"{r['tokens_per_s']:,.0f}"]
+        cells += [ratio, f"{r.get('peak_gib', 0):.1f}", f"{r.get('plan_allocated_gib', 0):.1f}"]
+        print(f"| {row} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

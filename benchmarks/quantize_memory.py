@@ -8,7 +8,8 @@ subprocess, which reports its own peak resident set (`resource.getrusage(RUSAGE_
     PYTHONPATH=$PWD python3 benchmarks/quantize_memory.py                  # llama3.2-1b
     PYTHONPATH=$PWD python3 benchmarks/quantize_memory.py --preset tiny --schemes int8-wo
 
-Writes a markdown table to stdout and the rows as JSON to --out (default $OUT/quantize_memory.json
+Fills docs/benchmarks.md's quantization-memory table (CPU; no device call). Writes a markdown
+table to stdout and the rows as JSON to --out (default $OUT/quantize_memory.json
 when $OUT is set).
 """
 

@@ -4,18 +4,19 @@ At each concurrency c, c client threads send streaming completion requests back 
 fixed `--max-tokens`, `ignore_eos` so every request generates exactly that many, greedy) until
 `--requests` (default 4 x c, at least 8) have finished. Per level it reports generated
 tokens/s over the level's wall time, and the p50/p99 of request latency (send to last byte)
-and of time to first token. Against a running server (`--url`), or one it starts on an artifact
-(`--artifact`, with `--max-concurrency` rows; stopped at the end).
+and of time to first token, from a server it starts on an artifact (`--artifact`, with
+`--max-concurrency` rows) or on random weights (`--preset`), stopped at the end.
 
     python benchmarks/serve_load.py --artifact runs/demo/sft/artifact          # CPU, tiny model
-    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY
     python benchmarks/serve_load.py --artifact ART --device cuda --concurrency 1 8 32 64
     python benchmarks/serve_load.py --preset llama3.2-1b --device cuda --max-concurrency 64
 
 `--preset` serves random bf16 weights of a preset shape with a small BPE tokenizer trained on
 this script's words (the model keeps the preset's vocabulary).
 
-Writes serve_load.json to --out ($OUT if set). Only the standard library on the client side.
+Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh serve`: the 1B at
+1-64 streams, greedy and sampled). Writes serve_load.json to --out ($OUT if set). Only the
+standard library on the client side.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import http.client
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,30 +37,15 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "models",
-    "learn",
-    "from",
-    "text",
-    "and",
-    "tokens",
-]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "models", "learn", "from", "text", "and",
+         "tokens"]  # fmt: skip
 
 
 class Client:
-    def __init__(self, url: str, api_key: str | None) -> None:
+    def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port or 80
         self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def get(self, path: str) -> tuple[int, bytes]:
         connection = http.client.HTTPConnection(self.host, self.port, timeout=10)
@@ -152,42 +137,6 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
     }
 
 
-ENGINE_COUNTERS = {
-    "lmforge_engine_step_seconds_count": "steps",
-    "lmforge_engine_step_seconds_sum": "step_seconds",
-    "lmforge_batch_size_sum": "advanced",
-}
-
-
-def engine_counters(client: Client) -> dict[str, float]:
-    """The server's engine counters from GET /metrics (Prometheus text); {} if unavailable."""
-    status, body = client.get("/metrics")
-    if status != 200:
-        return {}
-    counters = {}
-    for line in body.decode().splitlines():
-        name, _, value = line.partition(" ")
-        if name in ENGINE_COUNTERS:
-            counters[ENGINE_COUNTERS[name]] = float(value)
-        elif name.startswith("lmforge_gc_pause_seconds_sum{"):  # one line per generation
-            counters["gc_seconds"] = counters.get("gc_seconds", 0.0) + float(value)
-    return counters
-
-
-def engine_rates(before: dict, after: dict, wall: float) -> dict:
-    """Engine steps a second, sequences advanced per step and the share of the wall time the
-    engine's worker thread spent in steps (the rest: the event loop, HTTP, waiting)."""
-    if not before or not after:
-        return {}
-    steps = after["steps"] - before["steps"]
-    return {
-        "steps_per_s": steps / wall,
-        "advanced_per_step": (after["advanced"] - before["advanced"]) / max(steps, 1),
-        "engine_busy": (after["step_seconds"] - before["step_seconds"]) / wall,
-        "gc_seconds": after.get("gc_seconds", 0.0) - before.get("gc_seconds", 0.0),
-    }
-
-
 def preset_artifact(preset: str, root: Path) -> Path:
     """Random bf16 weights of `preset` with a BPE tokenizer of this script's words."""
     import torch
@@ -212,41 +161,15 @@ def preset_artifact(preset: str, root: Path) -> Path:
     return lmforge.save(loaded, root / "artifact")
 
 
-def start_py_spy(server: subprocess.Popen | None, args) -> subprocess.Popen | None:
-    """py-spy sampling the started server's threads for `--profile-server` seconds, into
-    OUT/serve_py_spy.txt (collapsed stacks); None if py-spy is missing or there is no server."""
-    if server is None or shutil.which("py-spy") is None:
-        print("--profile-server: needs py-spy on PATH and a server this script started")
-        return None
-    out = args.out / "serve_py_spy.txt"
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = ["py-spy", "record", "--pid", str(server.pid), "--duration"]
-    command += [str(args.profile_server), "--rate", "200", "--format", "raw", "--threads"]
-    command += ["--subprocesses"]  # the HTTP process too
-    return subprocess.Popen([*command, "--output", str(out), "--nonblocking"])
-
-
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
     command = [sys.executable, "-m", "lmforge", "serve", str(args.artifact), "--port", "0"]
-    prelude = []  # run in the server's interpreter before `python -m lmforge`
-    if args.switch_interval_ms is not None:
-        prelude.append(f"sys.setswitchinterval({args.switch_interval_ms / 1000})")
-    if args.no_gc_freeze:
-        prelude.append("gc.freeze = lambda: None")
-    if prelude:
-        start = "; ".join(["import gc, runpy, sys", *prelude, "sys.argv[0] = 'lmforge'"])
-        command[1:3] = ["-c", start + "; runpy.run_module('lmforge', run_name='__main__')"]
     command += ["--max-concurrency", str(args.max_concurrency), "--device", args.device]
     command += ["--max-queue", str(max(args.concurrency) * 2), "--log-level", "warning"]
     if args.max_seq_len:
         command += ["--max-seq-len", str(args.max_seq_len)]
     if args.num_threads:
         command += ["--num-threads", str(args.num_threads)]
-    if args.api_key:
-        command += ["--api-key", args.api_key]
-    if args.no_http_process:
-        command += ["--no-http-process"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -254,7 +177,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         found = re.search(r"on (http://[^/\s]+)/v1", log.read_text())
         if found:
             url = found.group(1)
-            client = Client(url, args.api_key)
+            client = Client(url)
             try:
                 if client.get("/health")[0] == 200:
                     return process, url, log
@@ -269,11 +192,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--artifact", type=Path, help="start `lmforge serve` on this artifact")
     target.add_argument("--preset", help="start `lmforge serve` on random weights of a preset")
-    parser.add_argument("--api-key", default=os.environ.get("LMFORGE_API_KEY"))
-    parser.add_argument("--model", default=None, help="model name (default: the server's)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=None, help="per level (4 x c, >= 8)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -288,74 +208,39 @@ def main() -> None:
         "300 of its tokenizer have logits 0, and a draw among those streams no text",
     )
     parser.add_argument("--warmup", type=int, default=2, help="requests before measuring")
-    # For --artifact:
+    # The server:
     parser.add_argument("--max-concurrency", type=int, default=32, help="server rows (32)")
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
-    parser.add_argument(
-        "--switch-interval-ms",
-        type=float,
-        help="the server's sys.setswitchinterval (how long a thread that wants the GIL waits "
-        "before the holder must drop it; Python's default 5 ms)",
-    )
-    parser.add_argument(
-        "--no-gc-freeze",
-        action="store_true",
-        help="keep the server from freezing its start-up objects out of the garbage "
-        "collector's sight (to measure what the freeze changes)",
-    )
-    parser.add_argument(
-        "--no-http-process",
-        action="store_true",
-        help="start the server with HTTP and the engine in one process (its --no-http-process)",
-    )
-    parser.add_argument(
-        "--profile-server",
-        type=int,
-        metavar="SECONDS",
-        help="sample the started server with py-spy for this long after the warm-up",
-    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
 
-    process = None
     if args.preset is not None:
         args.artifact = preset_artifact(args.preset, Path(tempfile.mkdtemp(prefix="serve_load_")))
-    if args.artifact is not None:
-        process, url, log = start_server(args)
-        print(f"started lmforge serve on {url} (log: {log})", file=sys.stderr)
-    else:
-        url = args.url.rstrip("/").removesuffix("/v1")
+    process, url, log = start_server(args)
+    print(f"started lmforge serve on {url} (log: {log})", file=sys.stderr)
     try:
-        client = Client(url, args.api_key)
+        client = Client(url)
         status, body = client.get("/v1/models")
         if status != 200:
             raise SystemExit(f"GET /v1/models: HTTP {status}: {body[:200]!r}")
-        model = args.model or json.loads(body)["data"][0]["id"]
+        model = json.loads(body)["data"][0]["id"]
         for _ in range(args.warmup):
             run_level(client, model, 1, 1, args)
-        profiler = start_py_spy(process, args) if args.profile_server else None
         rows = []
         for concurrency in args.concurrency:
             num_requests = args.requests or max(8, 4 * concurrency)
-            before = engine_counters(client)
-            row = run_level(client, model, concurrency, num_requests, args)
-            row.update(engine_rates(before, engine_counters(client), row["wall_s"]))
-            rows.append(row)
+            rows.append(run_level(client, model, concurrency, num_requests, args))
             print(f"concurrency {concurrency}: done", file=sys.stderr, flush=True)
-        if profiler is not None:
-            profiler.wait(timeout=args.profile_server + 60)
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=120)
+        process.terminate()
+        process.wait(timeout=120)
 
     print(f"\nlmforge serve load: model {model!r}, {args.max_tokens} new tokens per request")
     header = (
         f"{'concurrency':>11} {'requests':>8} {'tokens/s':>9} {'p50 lat s':>9} "
-        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10} {'steps/s':>8} "
-        f"{'seqs/step':>9} {'engine busy':>11} {'gc s':>6}"
+        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -363,9 +248,7 @@ def main() -> None:
         print(
             f"{row['concurrency']:>11} {row['requests']:>8} {row['tokens_per_s']:>9.1f} "
             f"{row['p50_latency_s']:>9.3f} {row['p99_latency_s']:>9.3f} "
-            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f} "
-            f"{row.get('steps_per_s', 0):>8.1f} {row.get('advanced_per_step', 0):>9.1f} "
-            f"{100 * row.get('engine_busy', 0):>10.1f}% {row.get('gc_seconds', 0):>6.3f}"
+            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"model": model, "max_tokens": args.max_tokens, "levels": rows}

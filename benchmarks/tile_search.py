@@ -1,20 +1,14 @@
-"""The GEMV's tiles chosen inside the batch-1 decode step instead of alone.
-
-Triton's autotuner times each candidate tile of a product alone, L2 flushed, and the engine
-keeps its pick (`kernels._gemv_tuned`; the picks are kept on disk). Inside the step the kernels
-launch early and overlap (early_launch.py), and a pick that is fastest alone can be slow there:
-on an H200 (session 16, docs/benchmarks.md) one tune ran the 1B's int8 at 1,057 tok/s and four
-others at 1,361-1,417, while two processes with the same picks agreed within 1%.
-
-Here, after the engine's own tuning, each product's candidate tiles (the autotuner's list,
-`kernels._candidates`) go into the step in turn (its CUDA graph recorded again) and the step is timed
-over --tokens greedy tokens, the median of --repeats; a product keeps its fastest tile before
-the next product is searched (coordinate descent, --passes rounds). Prints tok/s with the
-autotuner's picks and with the step's, writes both pick sets to tile_search.json in --out,
-and merges the step's into --table, a table of pinned tiles in `kernels.TILES`' format. The
-search starts from the pinned tiles where the table in use has them (LMFORGE_GEMV_TILES=none: from
-the autotuner's picks). int4 products in packed fp16 (`kernels._gemv_int4`) are searched alike,
-among `kernels._int4_configs()`, and pinned under bits `4h`.
+"""The GEMV's tiles chosen inside the batch-1 decode step: the tool that writes the table of
+pinned tiles lmforge reads at run time (`kernels.TILES`, gemv_tiles.json; `bash
+benchmarks/device_calls.sh tiles`). Triton's autotuner times each tile alone; inside the step
+the kernels launch early and overlap, and a pick fastest alone can be slow there
+(docs/inference.md). After the engine's own tuning, each product's candidate tiles
+(`kernels._candidates`, `kernels._int4_configs()` for int4 in packed fp16) go into the step in
+turn (its CUDA graph recorded again), timed over --tokens greedy tokens (median of --repeats); a
+product keeps its fastest tile before the next is searched (coordinate descent, --passes
+rounds). Prints tok/s with the autotuner's and the step's picks, writes both to
+tile_search.json in --out and merges the step's into --table. The search starts from the pinned
+tiles of the table in use (LMFORGE_GEMV_TILES=none: from the autotuner's picks).
 
     LMFORGE_GEMV_TILES=none python3 benchmarks/tile_search.py --preset llama3.2-1b --schemes bf16
 """

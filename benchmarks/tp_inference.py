@@ -19,6 +19,8 @@ both count allocated bytes) and their ratio.
 The artifact (16 GB for the 8B preset: random init on the GPU, saved in bf16 with a small BPE
 tokenizer trained on the demo corpus; the model keeps its vocabulary) is written once to
 --work and reused. Writes tp_inference.json to --out ($OUT if set) and one log per row.
+Fills docs/benchmarks.md's "Tensor-parallel inference" table (`bash benchmarks/device_calls.sh
+tp`, two GPUs) and the planner's inference rows beside it.
 """
 
 from __future__ import annotations
@@ -227,27 +229,6 @@ def main() -> None:
             results[row].update(plan, ratio=ratio if args.device == "cuda" else None)
         print(row, json.dumps(results[row]), flush=True)
     (args.out / "tp_inference.json").write_text(json.dumps(results, indent=1))
-    print_table(results, args.device)
-
-
-def print_table(results: dict, device: str) -> None:
-    memory = "peak GiB measured (per process)" if device == "cuda" else "peak RSS GiB (CPU)"
-    print(f"\n| row | TP | tokens/s or seconds | {memory} | planner GiB | ratio |")
-    print("|---|---|---|---|---|---|")
-    for row, r in results.items():
-        tp = row.split("-tp")[1]
-        if "error" in r:
-            print(f"| {row} | {tp} | failed: {r['error'][-200:]!r} | | | |")
-            continue
-        if "decode_tokens_per_s" in r:
-            speed = f"{r['decode_tokens_per_s']:,.1f} tok/s decode ({r['new_tokens']} new)"
-        else:
-            speed = (
-                f"{r['eval_s']:.1f} s eval ({r['questions']} questions; {r['wall_s']:.0f} s wall)"
-            )
-        peaks = ", ".join(f"{p:.2f}" for p in r["peak_gib"])
-        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
-        print(f"| {row} | {tp} | {speed} | {peaks} | {r['plan_gib']:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -1,33 +1,31 @@
-"""Training throughput on one GPU: lmforge's training step vs Hugging Face transformers, side by
-side in one run, on the same Llama shape and batch (random tokens, fp32 master weights, bf16
-compute, fused AdamW). Prints a table of tokens/s, MFU and peak memory.
+"""Training throughput on one GPU: lmforge's training step (`Trainer.train_step` after
+`parallelize()`, random tokens, bf16 compute) on a Llama shape and batch. Prints a table of
+tokens/s, MFU and peak memory.
 
-    python benchmarks/train_throughput.py --shapes 1b:8x2048 3b:4x2048 --variants ours-compile hf-compile
+Fills docs/benchmarks.md's "Training, one GPU" table (beside torchtitan 0.2.2, run in the same
+device call: `bash benchmarks/device_calls.sh train`) and its LoRA / QLoRA rows
+(`device_calls.sh lora`).
 
-A variant's name says what it runs: hf-compile or hf-eager (transformers' Llama); ours-compile or
-ours-eager, with any of -float8, -sac (selective activation checkpointing), -lora or -qlora,
--autotune (inductor's max-autotune: each GEMM benchmarked among cuBLAS and Triton templates),
--logits (the output projection and the loss apart, the cross entropy compiled: before the fused
-loss), -torchadam (PyTorch's fused AdamW instead of lmforge's Triton update) and -bf16p (bf16
-weights with fp32 masters in the optimizer, no autocast casts of the weights).
+    python benchmarks/train_throughput.py --shapes 1b:8x2048 --variants ours-compile-bf16p ours-float8-bf16p
+
+A variant's name says what it runs: ours-compile or ours-eager, with any of -float8, -sac
+(selective activation checkpointing), -lora or -qlora (rank 16 on the blocks' seven linears;
+QLoRA's frozen base in NF4) and -bf16p (bf16 weights with fp32 masters in the optimizer, as one
+GPU trains; without it fp32 weights under autocast).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import gc
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import autotuned, bench_trainer
+from benchmarks.common import bench_trainer
 from lmforge.models.llama import Transformer, get_preset
-from lmforge.train import optim
 from lmforge.train.config import ParallelSection
 from lmforge.train.distributed import Layout
 from lmforge.train.losses import CausalLMLoss
@@ -55,7 +53,6 @@ def bench_ours(
     float8: bool,
     ac: str,
     lora: str | None = None,
-    fused_loss: bool = True,
     bf16_params: bool = False,
 ):
     """lora: None (full training), "lora" (rank 16 on every linear of the blocks) or "qlora"
@@ -83,59 +80,13 @@ def bench_ours(
     trainer = bench_trainer(
         model,
         layout,
-        loss_step=CausalLMLoss(compile=compile, fused=fused_loss),
+        loss_step=CausalLMLoss(compile=compile, fused=True),
         batches=random_batches(args.vocab_size, batch, seq, device),
         steps=steps + warmup,
         micro_batch_size=batch,
         bf16_params=bf16_params,
     )
-    return time_steps(lambda: trainer.train_step(False), steps, warmup), args, trainer
-
-
-def bench_hf(preset: str, batch: int, seq: int, steps: int, warmup: int, *, compile: bool):
-    import transformers
-
-    args = get_preset(preset)
-    device = torch.device("cuda")
-    scaling = args.rope_scaling
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads,
-        rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_seq_len,
-        },
-        max_position_embeddings=args.max_seq_len,
-        tie_word_embeddings=args.tie_embeddings,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config).to(device)
-    model.train()
-    if compile:
-        model = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = random_batches(args.vocab_size, batch, seq, device)
-
-    def step():
-        b = next(batches)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=b["inputs"], labels=b["inputs"]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return time_steps(step, steps, warmup), args, step
+    return time_steps(lambda: trainer.train_step(False), steps, warmup), args
 
 
 def time_steps(step, steps: int, warmup: int) -> float:
@@ -149,77 +100,40 @@ def time_steps(step, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def profile_steps(step, trace: str, steps: int = 2) -> None:
-    """Trace `steps` more steps (after one untraced) into a Chrome trace at `trace`."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(
-        activities=activities,
-        schedule=schedule(wait=0, warmup=1, active=steps),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(trace),
-    ) as prof:
-        for _ in range(1 + steps):
-            step()
-            prof.step()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", nargs="+", default=["1b:8x2048", "3b:4x2048"])
     parser.add_argument(
-        "--variants", nargs="+", default=["hf-compile", "ours-compile", "ours-eager", "ours-float8"]
+        "--variants", nargs="+", default=["ours-compile-bf16p", "ours-float8-bf16p"]
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="after timing, trace two steps of each variant and print where the GPU time goes",
-    )
     args = parser.parse_args()
     rows = []
     for shape in args.shapes:
         name, dims = shape.split(":")
         batch, seq = map(int, dims.split("x"))
         for variant in args.variants:
-            step = trainer = None  # this variant's peak must not count the last one's state
-            gc.collect()
+            gc.collect()  # this variant's peak must not count the last one's state
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
-                if variant.startswith("hf"):
-                    seconds, margs, step = bench_hf(
-                        PRESETS[name],
-                        batch,
-                        seq,
-                        args.steps,
-                        args.warmup,
-                        compile=variant.endswith("compile"),
-                    )
-                else:
-                    lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
-                    # "autotune": inductor's max-autotune (GEMMs among cuBLAS and Triton)
-                    tuning = autotuned() if "autotune" in variant else contextlib.nullcontext()
-                    optim.TRITON_ADAMW = "torchadam" not in variant
-                    with tuning:
-                        seconds, margs, trainer = bench_ours(
-                            PRESETS[name],
-                            batch,
-                            seq,
-                            args.steps,
-                            args.warmup,
-                            compile="eager" not in variant,
-                            float8="float8" in variant,
-                            ac="selective" if "sac" in variant else "none",
-                            lora=lora,
-                            fused_loss="logits" not in variant,
-                            bf16_params="bf16p" in variant,
-                        )
-                    step = functools.partial(trainer.train_step, False)
+                lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
+                seconds, margs = bench_ours(
+                    PRESETS[name],
+                    batch,
+                    seq,
+                    args.steps,
+                    args.warmup,
+                    compile="eager" not in variant,
+                    float8="float8" in variant,
+                    ac="selective" if "sac" in variant else "none",
+                    lora=lora,
+                    bf16_params="bf16p" in variant,
+                )
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
                 rows.append({"shape": shape, "variant": variant, "error": str(err)[:200]})
@@ -237,13 +151,6 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
-            if args.profile:
-                from benchmarks.trace_summary import summarize
-
-                trace = os.path.join(args.out, f"trace-{name}-{variant}.json")
-                profile_steps(step, trace)
-                print(summarize(Path(trace), top=25), flush=True)
-                os.remove(trace)  # large; the summary is what the run keeps
             gc.collect()
             torch._dynamo.reset()
     with open(os.path.join(args.out, "train_throughput.json"), "w") as handle:

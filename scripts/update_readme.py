@@ -1,4 +1,5 @@
-"""Rewrite the README's generated blocks from what the code prints, so its numbers stay true.
+"""Rewrite the README's generated blocks (and docs/planning.md's) from what the code prints, so
+their numbers stay true.
 
 A generated block lies between two lines `<!-- begin NAME ... -->` and `<!-- end NAME -->`;
 everything between them is replaced. The blocks:
@@ -19,7 +20,9 @@ Usage, from the repository root:
   python scripts/update_readme.py --no-run        # only the blocks that need no run
   python scripts/update_readme.py --check         # exit 1, naming the blocks, if any differ
 
-tests/test_readme.py checks the blocks that need no run against the code on every CI run.
+memory-plan-80gb and inference-plan live in docs/planning.md (`BLOCK_FILES`), the rest in
+README.md. tests/test_readme.py checks the blocks that need no run against the code on every CI
+run.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# Blocks that live outside the README, by the file that holds them.
+BLOCK_FILES = {
+    "memory-plan-80gb": REPO / "docs" / "planning.md",
+    "inference-plan": REPO / "docs" / "planning.md",
+}
+
+
+def block_file(name: str) -> Path:
+    """The file that holds block `name`."""
+    return BLOCK_FILES.get(name, README)
+
+
 TINY = Path("examples/tiny/pipeline.toml")
 EXAMPLE_70B = Path("examples/llama3_70b/pipeline.toml")
 QLORA_PLAN = "--model llama3.1-70b --gpus 2 --gpu-memory 80GB --ac full"
@@ -63,7 +78,7 @@ def read_block(text: str, name: str) -> str:
     """The text between block `name`'s markers."""
     match = _markers(name).search(text)
     if match is None:
-        raise SystemExit(f"README.md: no block {name!r} (<!-- begin {name} --> ... end)")
+        raise SystemExit(f"no block {name!r} (<!-- begin {name} --> ... end)")
     return match.group(2)
 
 
@@ -291,21 +306,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = {name: make() for name, make in BLOCKS_WITHOUT_RUN.items()}
     if not args.no_run:
         blocks["demo-results"] = demo_results(args.run)
-    text = README.read_text()
-    updated = text
-    for name, body in blocks.items():
-        updated = replace_block(updated, name, body)
-    stale = [
-        name for name, body in blocks.items() if read_block(text, name) != read_block(updated, name)
-    ]
+    stale = []
+    for path in sorted({block_file(name) for name in blocks}):
+        text = path.read_text()
+        updated = text
+        names = [name for name in blocks if block_file(name) == path]
+        for name in names:
+            updated = replace_block(updated, name, blocks[name])
+        stale += [name for name in names if read_block(text, name) != read_block(updated, name)]
+        if not args.check:
+            path.write_text(updated)
     if args.check:
         if stale:
-            print(f"README.md: stale blocks: {', '.join(stale)} (run scripts/update_readme.py)")
+            print(f"stale blocks: {', '.join(stale)} (run scripts/update_readme.py)")
         return 1 if stale else 0
-    README.write_text(updated)
-    print(
-        f"README.md: {len(blocks)} blocks, {len(stale)} changed{': ' if stale else ''}{', '.join(stale)}"
-    )
+    print(f"{len(blocks)} blocks, {len(stale)} changed{': ' if stale else ''}{', '.join(stale)}")
     return 0
 
 
