@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | tiles | check) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | quantized-serve | tiles | check) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|tiles|check" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|quantized-serve|tiles|check" >&2
   exit 2
   ;;
 esac
@@ -123,6 +123,18 @@ serve)
     --temperature 1 --top-k 50 --out "$OUT/sampled"
   tail -n 7 "$OUT/serve.log" "$OUT/sampled.log"
   grep -h '^{' "$OUT/decode.log" | cut -c1-250
+  ;;
+quantized-serve)
+  # the random 1B (PRESET=llama3.1-8b: the 8B) artifact as it is (bf16) and as `lmforge quantize
+  # --scheme int8-wo|int4-wo` makes it with its defaults, each served at 1-64 streams (greedy);
+  # first the compiled quantized kernels against the dequantized products
+  preset=${PRESET:-llama3.2-1b}
+  gpu_tests 150 kernels tests/test_kernels.py -k "tiled or dequantized_product"
+  step 540 "qserve-$preset" python3 benchmarks/serve_load.py --preset "$preset" --device cuda \
+    --schemes bf16 int8-wo int4-wo --max-concurrency 64 --concurrency 1 8 32 64 \
+    --max-tokens 128 --max-seq-len 4096 --out "$OUT/$preset"
+  tail -n 3 "$OUT/kernels.log"
+  tail -n 6 "$OUT/qserve-$preset.log"
   ;;
 tiles)
   # the GEMV's tiles searched inside the decode step from the pinned ones, 1B and 3B, merged

@@ -15,7 +15,8 @@ and of time to first token, from a server it starts on an artifact (`--artifact`
 this script's words (the model keeps the preset's vocabulary).
 
 Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh serve`: the 1B at
-1-64 streams, greedy and sampled). Writes serve_load.json to --out ($OUT if set). Only the
+1-64 streams, greedy and sampled) and its quantized rows (`--schemes bf16 int8-wo int4-wo`,
+`device_calls.sh quantized-serve`). Writes serve_load.json to --out ($OUT if set). Only the
 standard library on the client side.
 """
 
@@ -213,13 +214,50 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        default=["bf16"],
+        help="serve the artifact as it is (bf16) and/or as `lmforge quantize --scheme S` makes "
+        "it with its defaults (int8-wo, int4-wo), each in turn; a table of ratios to bf16 last",
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
 
     if args.preset is not None:
         args.artifact = preset_artifact(args.preset, Path(tempfile.mkdtemp(prefix="serve_load_")))
+    results, source = {}, args.artifact
+    for scheme in args.schemes:
+        artifact = source if scheme == "bf16" else quantized(source, scheme, args)
+        model, rows = serve_and_load(artifact, args)
+        print_table(f"{model!r}, {scheme}", rows, args)
+        results[scheme] = {"model": model, "max_tokens": args.max_tokens, "levels": rows}
+    if len(results) > 1 and "bf16" in results:
+        print_ratios(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_load.json").write_text(json.dumps(results, indent=2))
+
+
+def quantized(source: Path, scheme: str, args) -> Path:
+    """`lmforge quantize SOURCE OUT --scheme SCHEME` with the command's defaults, as a user
+    makes it (timed)."""
+    out = source.parent / scheme
+    command = [sys.executable, "-m", "lmforge", "quantize", str(source), str(out)]
+    command += ["--scheme", scheme, "--overwrite"]
+    command += [] if args.device == "auto" else ["--device", args.device]
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    print(f"quantized {scheme} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return out
+
+
+def serve_and_load(artifact: Path, args) -> tuple[str, list[dict]]:
+    """Start `lmforge serve` on `artifact`, run every concurrency level, stop it."""
+    args.artifact = artifact
+    start = time.perf_counter()
     process, url, log = start_server(args)
-    print(f"started lmforge serve on {url} (log: {log})", file=sys.stderr)
+    print(f"started lmforge serve on {url} in {time.perf_counter() - start:.1f} s (log: {log})",
+          file=sys.stderr)  # fmt: skip
     try:
         client = Client(url)
         status, body = client.get("/v1/models")
@@ -236,8 +274,11 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=120)
+    return model, rows
 
-    print(f"\nlmforge serve load: model {model!r}, {args.max_tokens} new tokens per request")
+
+def print_table(name: str, rows: list[dict], args) -> None:
+    print(f"\nlmforge serve load: model {name}, {args.max_tokens} new tokens per request")
     header = (
         f"{'concurrency':>11} {'requests':>8} {'tokens/s':>9} {'p50 lat s':>9} "
         f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10}"
@@ -250,9 +291,21 @@ def main() -> None:
             f"{row['p50_latency_s']:>9.3f} {row['p99_latency_s']:>9.3f} "
             f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {"model": model, "max_tokens": args.max_tokens, "levels": rows}
-    (args.out / "serve_load.json").write_text(json.dumps(result, indent=2))
+
+
+def print_ratios(results: dict) -> None:
+    """tokens/s of each scheme as a multiple of bf16's, and p99 TTFT, by concurrency."""
+    schemes = list(results)
+    print("\nstreams | " + " | ".join(f"{s} tok/s (x bf16, p99 TTFT s)" for s in schemes))
+    base = {r["concurrency"]: r for r in results["bf16"]["levels"]}
+    for level in results["bf16"]["levels"]:
+        c = level["concurrency"]
+        cells = []
+        for scheme in schemes:
+            row = next(r for r in results[scheme]["levels"] if r["concurrency"] == c)
+            ratio = row["tokens_per_s"] / base[c]["tokens_per_s"]
+            cells.append(f"{row['tokens_per_s']:,.0f} ({ratio:.2f}x, {row['p99_ttft_s']:.3f})")
+        print(f"{c} | " + " | ".join(cells))
 
 
 if __name__ == "__main__":
