@@ -711,10 +711,11 @@ def test_the_tiled_product_of_several_rows_equals_the_dequantized_one(bits, grou
     q, scale, zero = random_layout(bits, n, k, group)
     packed = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    assert quantized_gemm.supported(x, packed, scale, bits)
-    got = quantized_gemm.quantized_gemm(x, packed, scale, zero, bits)
+    on = [t.to(DEVICE) for t in (x, packed, scale, zero)]
+    assert quantized_gemm.supported(on[0], on[1], on[2], bits)
+    got = quantized_gemm.quantized_gemm(*on, bits).cpu()
     expected = x @ dequantized(bits, q, scale, zero).t()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert not quantized_gemm.supported(x[:1], packed, scale, bits)  # one row: the GEMV's
-    many = x.new_empty(quantized_gemm.MAX_ROWS + 1, k)
-    assert not quantized_gemm.supported(many, packed, scale, bits)  # prefill: expansion + cuBLAS
+    assert not quantized_gemm.supported(on[0][:1], *on[1:3], bits)  # one row: the GEMV's
+    many = on[0].new_empty(quantized_gemm.MAX_ROWS + 1, k)
+    assert not quantized_gemm.supported(many, *on[1:3], bits)  # prefill: expansion + cuBLAS

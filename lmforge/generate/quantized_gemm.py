@@ -15,12 +15,16 @@ tile therefore covers columns k0.. and K/2 + k0.. with two dots. A tile never cr
 (BLOCK_K divides the group), so each tile row takes one scale.
 
 Small batches give few output tiles (the 1B's attention output: 2048 columns, 32 tiles of 64),
-too few for 132 SMs: SPLIT_K programs share a row's K and add into an fp32 buffer atomically.
-Tiles and splits are autotuned per (rows, N, K) on the first call, which the engine makes
-while warming up, before any CUDA graph records.
+too few for 132 SMs: then 2 or 4 programs share a tile's K (`_splits`), and the last of them to
+finish adds their sums and stores the tile, in the same kernel (no zeroed buffer, no second
+kernel: each costs microseconds, times seven products a block). Tiles are autotuned per (rows,
+N, K) on the first call, which the engine makes while warming up, before any CUDA graph
+records.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import triton
@@ -33,16 +37,16 @@ MAX_ROWS = 128  # more rows (prefill chunks) are compute-bound: expansion + cuBL
 
 def _configs() -> list[triton.Config]:
     if INTERPRETED:  # one small tile: the CPU tests run every program in Python
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}, num_warps=4)]
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4)]
     return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, num_warps=w, num_stages=st)
-        for n, k, s, w, st in (
-            (64, 64, 1, 4, 4),
-            (64, 128, 1, 4, 3),
-            (128, 64, 1, 4, 4),
-            (64, 64, 2, 4, 4),
-            (32, 128, 4, 4, 3),
-            (64, 128, 2, 4, 3),
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+        for n, k, w, st in (
+            (64, 64, 4, 4),
+            (64, 128, 4, 3),
+            (128, 64, 4, 4),
+            (32, 128, 4, 4),
+            (32, 64, 4, 4),
+            (64, 256, 8, 3),
         )
     ]
 
@@ -50,28 +54,26 @@ def _configs() -> list[triton.Config]:
 def _fits(configs, named_args, **kwargs):
     """Tiles that fit the weight: BLOCK_K divides the group (one scale a tile) and the stored
     row splits evenly into SPLIT_K runs of whole tiles."""
-    stored, group = named_args["STORED"], kwargs["GROUP"]
+    stored, group, splits = named_args["STORED"], kwargs["GROUP"], kwargs["SPLIT_K"]
     kept = [
         c
         for c in configs
-        if group % c.kwargs["BLOCK_K"] == 0
-        and stored % (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) == 0
+        if group % c.kwargs["BLOCK_K"] == 0 and stored % (c.kwargs["BLOCK_K"] * splits) == 0
     ]
-    return kept or [_smallest(stored, group)]
+    return kept or [_smallest(stored // splits, group)]
 
 
-def _smallest(stored: int, group: int) -> triton.Config:
+def _smallest(span: int, group: int) -> triton.Config:
     block_k = 16
-    while group % (block_k * 2) == 0 and stored % (block_k * 2) == 0 and block_k < 64:
+    while group % (block_k * 2) == 0 and span % (block_k * 2) == 0 and block_k < 64:
         block_k *= 2
-    return triton.Config({"BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": 1}, num_warps=4)
+    return triton.Config({"BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=4)
 
 
 @triton.autotune(
     configs=_configs(),
-    key=["M", "N", "STORED", "GROUP", "BITS"],
+    key=["M", "N", "STORED", "GROUP", "BITS", "SPLIT_K"],
     prune_configs_by={"early_config_prune": _fits},
-    reset_to_zero=["y_ptr"],
 )
 @triton.jit
 def _quantized_gemm(
@@ -79,13 +81,16 @@ def _quantized_gemm(
     q_ptr,  # int8/uint8 [N, K] (8 bits) or uint8 [N, K/2] (4 bits)
     scale_ptr,  # [N, K / GROUP]
     zero_ptr,  # [N, K / GROUP] (4 bits)
-    y_ptr,  # fp32 [M, N], zeroed: programs of one tile add their partial sums
+    y_ptr,  # [M, N] in x's dtype
+    partial_ptr,  # fp32 [SPLIT_K, MAX_ROWS, N]: split-K's sums (`_workspace`)
+    count_ptr,  # int32, one a tile: split-K's programs done, back to 0 after each launch
     M,
     N,
     STORED,  # bytes a weight row: K (8 bits) or K / 2 (4 bits)
     stride_x,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -133,12 +138,22 @@ def _quantized_gemm(
                 other=0,
             ).to(dot_dtype)
             acc += tl.dot(x, tl.trans(high.to(dtype).to(dot_dtype)), input_precision=PRECISION)
-    out = y_ptr + rows[:, None] * N + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=ok)
+    if SPLIT_K > 1:  # the tile's last program to finish adds the SPLIT_K sums and stores them
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        at = rows[:, None] * N + cols[None, :]
+        tl.store(partial_ptr + tl.program_id(2) * MAX_ROWS * N + at, acc, mask=ok)
+        tl.debug_barrier()  # every thread's sums stored before the count
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # in order: one sum, whoever ends last
+                acc += tl.load(partial_ptr + split * MAX_ROWS * N + at, mask=ok, other=0,
+                               cache_modifier=".cg")  # fmt: skip
+            tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(count_ptr + tile, 0)
     else:
-        tl.atomic_add(out, acc, mask=ok)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def supported(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bits: int) -> bool:
@@ -165,16 +180,45 @@ def quantized_gemm(
     m, n, stored = x.shape[0], q.shape[0], q.shape[1]
     k = 2 * stored if bits == 4 else stored
     x = x.contiguous()
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    splits = _splits(x.device, triton.cdiv(m, block_m) * triton.cdiv(n, 64), stored)
+    partial, count = _workspace(x.device, n)
 
     def grid(meta):
-        return (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+        return (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]), splits)
 
     _quantized_gemm[grid](
-        x, q, scale, zero, y, m, n, stored, x.stride(0),
-        GROUP=k // scale.shape[1], BITS=bits, BLOCK_M=block_m,
+        x, q, scale, zero, y, partial, count, m, n, stored, x.stride(0),
+        GROUP=k // scale.shape[1], BITS=bits, MAX_ROWS=MAX_ROWS, BLOCK_M=block_m, SPLIT_K=splits,
         PRECISION="ieee" if x.dtype == torch.float32 or INTERPRETED else "tf32",
         INTERPRETED_DOT=INTERPRETED,
     )  # fmt: skip
-    return y.to(x.dtype)
+    return y
+
+
+def _splits(device: torch.device, tiles: int, stored: int) -> int:
+    """How many programs share a tile's K: enough that the tiles' programs fill 3/4 of the SMs
+    (at most 4, each a run of at least 512 bytes); 2 under the interpreter (the tests)."""
+    if INTERPRETED:
+        return 2 if stored % 64 == 0 else 1
+    sms = _multiprocessors(device)
+    splits = 1
+    while tiles * splits < 3 * sms // 4 and splits < 4 and stored % (2 * splits * 512) == 0:
+        splits *= 2
+    return splits
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@cache
+def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's memory for products of N outputs on `device`: sums [4, MAX_ROWS, N] and the
+    tiles' counts, zeros the kernel sets back to zero. Made once and kept (CUDA graphs that
+    recorded it keep its address); products run one after another on it."""
+    partial = torch.empty(4, MAX_ROWS, n, dtype=torch.float32, device=device)
+    tiles = triton.cdiv(MAX_ROWS, 16) * triton.cdiv(n, 16)
+    return partial, torch.zeros(tiles, dtype=torch.int32, device=device)
