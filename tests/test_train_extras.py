@@ -15,11 +15,12 @@ from lmforge.cli import main as cli_main
 from lmforge.config import load_config
 from lmforge.errors import ConfigError
 from lmforge.models.llama import get_preset
+from lmforge.parallel.config import ParallelSection
+from lmforge.parallel.distributed import Layout
 from lmforge.plan import plan_job, plan_memory, setup_from_job
 from lmforge.plan.search import resolve_reshard_after_forward
 from lmforge.train import stage
-from lmforge.train.config import ParallelSection, PretrainJob
-from lmforge.train.distributed import Layout
+from lmforge.train.config import PretrainJob
 from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess, run_torchrun
 
 

@@ -48,8 +48,8 @@ from lmforge.modules.lora import (
     reset_lora_parameters,
     save_peft_adapter,
 )
+from lmforge.parallel import distributed
 from lmforge.sizes import module_bytes
-from lmforge.train import distributed
 from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
 from lmforge.train.loop import LoopSections, LossStep, Trainer
