@@ -39,10 +39,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from lmforge.api import build_model, save_state
-from lmforge.generate import Generator, SamplingParams, early_launch, kernels
+from lmforge.generate import Generator, SamplingParams, early_launch
 from lmforge.generate import engine as engine_module
 from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import weight_bytes
+from lmforge.generate.kernels import fused_block, gemv_kernel, int4, int8, tiles
 from lmforge.models.llama import get_preset
 
 
@@ -140,13 +141,13 @@ VARIANTS = (
     "lmforge-no-early",  # the step's kernels launched only after the one before has finished
     "lmforge-no-preload",  # launched early, but nothing is read before a kernel's wait
     "lmforge-preload-1",  # launched early, the GEMV loading one weight tile before its wait
-    "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, kernels.PRELOAD)
+    "lmforge-preload-2",  # ... two tiles (the engine: by the weight's bits, gemv_kernel.PRELOAD)
     "lmforge-int4-bytes",  # int4 through `_gemv`'s bytes, not the packed fp16 kernel
     "lmforge-swiglu-in-w2",  # SiLU·up made by each of w2's programs, not once by w13's
-    "lmforge-no-split",  # no product's rows split among programs (kernels.SPLIT_K)
+    "lmforge-no-split",  # no product's rows split among programs (tiles.SPLIT_K)
     "lmforge-int4-converter",  # ... its nibbles floats by the converter, not from their bits
-    "lmforge-int8-exact",  # int8 made exact floats, not biased ones (kernels.INT8_BIASED)
-    "lmforge-int8-signed",  # int8 bytes as torchao keeps them, not q + 128 (kernels.INT8_OFFSET)
+    "lmforge-int8-exact",  # int8 made exact floats, not biased ones (int8.INT8_BIASED)
+    "lmforge-int8-signed",  # int8 bytes as torchao keeps them, not q + 128 (int8.INT8_OFFSET)
     "lmforge-host-argmax",  # greedy tokens chosen after the step's graph (engine.GREEDY_IN_GRAPH)
     "hf",
     "hf-static",
@@ -185,38 +186,40 @@ def launch_context(variant: str):
     """The kernels' launch for `variant`: `...no-early` launches each after the one before has
     finished; `...no-preload` early, without the GEMV's first weight tiles loaded before its
     wait; `...preload-1` / `...preload-2` with one / two GEMV tiles at every width (the engine:
-    `kernels.PRELOAD`); `...int4-bytes` runs int4 through `_gemv`'s bytes, not the packed fp16
-    kernel (`kernels.INT4_HALVES`), `...swiglu-in-w2` makes SiLU·up in each of w2's programs,
-    not once after w13's products (`kernels.SWIGLU_IN_W13`), `...no-split` shares no row among
-    programs (`kernels.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
-    floats by the converter, not from their bit patterns (`kernels.INT4_FROM_BITS`);
-    `...int8-exact` int8 weights exact floats, not biased ones (`kernels.INT8_BIASED`);
-    `...int8-signed` int8 bytes as torchao stores them, not q + 128 (`kernels.INT8_OFFSET`);
+    `gemv_kernel.PRELOAD`); `...int4-bytes` runs int4 through `_gemv`'s bytes, not the packed fp16
+    kernel (`int4.INT4_HALVES`), `...swiglu-in-w2` makes SiLU·up in each of w2's programs,
+    not once after w13's products (`fused_block.SWIGLU_IN_W13`), `...no-split` shares no row among
+    programs (`tiles.SPLIT_K`), `...int4-converter` runs `_gemv`'s bytes too, its nibbles
+    floats by the converter, not from their bit patterns (`gemv_kernel.INT4_FROM_BITS`);
+    `...int8-exact` int8 weights exact floats, not biased ones (`int8.INT8_BIASED`);
+    `...int8-signed` int8 bytes as torchao stores them, not q + 128 (`int8.INT8_OFFSET`);
     `...host-argmax` greedy tokens chosen after the step's CUDA graph, not inside it
     (`engine.GREEDY_IN_GRAPH`). The
     GEMV's tiles are tuned once a shape and kept (Triton's cache directory; pinned ones:
-    `kernels.TILES`), so every variant runs the first one's tiles."""
-    saved = early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED
-    halves, swiglu, split = kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K
-    in_graph, offset = engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET
-    kernels.INT8_OFFSET = offset and not variant.endswith("int8-signed")
+    `tiles.TILES`), so every variant runs the first one's tiles."""
+    saved = early_launch.ENABLED, gemv_kernel.PRELOAD, gemv_kernel.INT4_FROM_BITS, int8.INT8_BIASED
+    halves, swiglu, split = int4.INT4_HALVES, fused_block.SWIGLU_IN_W13, tiles.SPLIT_K
+    in_graph, offset = engine_module.GREEDY_IN_GRAPH, int8.INT8_OFFSET
+    int8.INT8_OFFSET = offset and not variant.endswith("int8-signed")
     engine_module.GREEDY_IN_GRAPH = in_graph and not variant.endswith("host-argmax")
-    kernels.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
-    kernels.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
-    kernels.SPLIT_K = split and not variant.endswith("no-split")
-    kernels.INT4_FROM_BITS = saved[2] and not variant.endswith("int4-converter")
-    kernels.INT8_BIASED = saved[3] and not variant.endswith("int8-exact")
+    int4.INT4_HALVES = halves and not variant.endswith(("int4-bytes", "int4-converter"))
+    fused_block.SWIGLU_IN_W13 = swiglu and not variant.endswith("swiglu-in-w2")
+    tiles.SPLIT_K = split and not variant.endswith("no-split")
+    gemv_kernel.INT4_FROM_BITS = saved[2] and not variant.endswith("int4-converter")
+    int8.INT8_BIASED = saved[3] and not variant.endswith("int8-exact")
     early_launch.ENABLED = not variant.endswith("no-early")
     if variant.endswith(("no-early", "no-preload")):
-        kernels.PRELOAD = dict.fromkeys(saved[1], 0)
+        gemv_kernel.PRELOAD = dict.fromkeys(saved[1], 0)
     elif variant.endswith(("preload-1", "preload-2")):
-        kernels.PRELOAD = dict.fromkeys(saved[1], int(variant[-1]))
+        gemv_kernel.PRELOAD = dict.fromkeys(saved[1], int(variant[-1]))
     try:
         yield
     finally:
-        early_launch.ENABLED, kernels.PRELOAD, kernels.INT4_FROM_BITS, kernels.INT8_BIASED = saved
-        kernels.INT4_HALVES, kernels.SWIGLU_IN_W13, kernels.SPLIT_K = halves, swiglu, split
-        engine_module.GREEDY_IN_GRAPH, kernels.INT8_OFFSET = in_graph, offset
+        early_launch.ENABLED, gemv_kernel.PRELOAD, gemv_kernel.INT4_FROM_BITS, int8.INT8_BIASED = (
+            saved
+        )
+        int4.INT4_HALVES, fused_block.SWIGLU_IN_W13, tiles.SPLIT_K = halves, swiglu, split
+        engine_module.GREEDY_IN_GRAPH, int8.INT8_OFFSET = in_graph, offset
 
 
 def _peak_gb() -> float | None:

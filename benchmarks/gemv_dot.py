@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemv_search import PRODUCTS
 from lmforge.generate import kernels
-from lmforge.generate.kernels import _activation, _int8_values
+from lmforge.generate.kernels.int8 import _int8_values
+from lmforge.generate.kernels.shared import _activation
 
 TILE_ROWS = tl.constexpr(16)  # x broadcast to a tile of 16 rows: tl.dot's least
 

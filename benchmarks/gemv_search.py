@@ -83,7 +83,7 @@ def cases() -> list[tuple]:
 
 def launch(case: tuple, config: dict, rows: int | None = None) -> None:
     """One launch of `_gemv` for `case` (with `rows` outputs instead of its N: compiling)."""
-    from lmforge.generate.kernels import _gemv
+    from lmforge.generate.kernels.gemv_kernel import _gemv
 
     _, n, k, bits, fused = case
     n = rows or n
@@ -116,10 +116,10 @@ def timed(case: tuple, config: dict) -> float:
 def autotuner_choices(case: tuple) -> set[tuple]:
     """The tiles the engine's autotuner tries for this product where none is pinned (int8
     exact: this search launches it so)."""
-    from lmforge.generate import kernels
+    from lmforge.generate.kernels import tiles
 
     _, n, k, bits, fused = case
-    candidates = kernels._candidates(kernels._gemv_configs(), inputs(n, k, bits, fused))
+    candidates = tiles._candidates(tiles._gemv_configs(), inputs(n, k, bits, fused))
     kept = [c for c in candidates if not c.kwargs["INT8_BIASED"]]
     return {
         (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["X_TILE"], c.num_warps, c.num_stages)
