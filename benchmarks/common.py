@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from lmforge.parallel.distributed import Layout
 from lmforge.train.config import (
     CheckpointSection,
     MetricsSection,
@@ -20,7 +21,6 @@ from lmforge.train.config import (
     SchedulerSection,
     TrainSection,
 )
-from lmforge.train.distributed import Layout
 from lmforge.train.loop import LoopSections, Trainer
 from lmforge.train.losses import count_label_tokens
 from lmforge.train.optim import build_optimizer, build_scheduler

@@ -138,8 +138,8 @@ quantized-serve)
   ;;
 tiles)
   # the GEMV's tiles searched inside the decode step from the pinned ones, 1B and 3B, merged
-  # into $OUT/gemv_tiles.json (to commit over `kernels.TILES`, the table lmforge reads, if faster)
-  cp "$(python3 -c 'from lmforge.generate import kernels; print(kernels.TILES)')" "$OUT/gemv_tiles.json"
+  # into $OUT/gemv_tiles.json (to commit over `tiles.TILES`, the table lmforge reads, if faster)
+  cp "$(python3 -c 'from lmforge.generate.kernels import tiles; print(tiles.TILES)')" "$OUT/gemv_tiles.json"
   for preset in 1b 3b; do
     TRITON_CACHE_DIR=/tmp/triton-tiles-$preset step 280 "tiles-$preset" python3 \
       benchmarks/tile_search.py --preset "llama3.2-$preset" --schemes bf16 int8-wo int4-wo \

@@ -35,9 +35,9 @@ from lmforge.modules.lora import (
     quantize_base_nf4,
     reset_lora_parameters,
 )
+from lmforge.parallel.config import ParallelSection
+from lmforge.parallel.distributed import MESH_AXES, Layout
 from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
-from lmforge.train.config import ParallelSection
-from lmforge.train.distributed import MESH_AXES, Layout
 from lmforge.train.losses import CausalLMLoss, DPOLossStep, count_label_tokens, count_pairs
 from lmforge.train.parallelize import apply_fsdp, parallelize
 

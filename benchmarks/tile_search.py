@@ -1,9 +1,9 @@
 """The GEMV's tiles chosen inside the batch-1 decode step: the tool that writes the table of
-pinned tiles lmforge reads at run time (`kernels.TILES`, gemv_tiles.json; `bash
+pinned tiles lmforge reads at run time (`tiles.TILES`, gemv_tiles.json; `bash
 benchmarks/device_calls.sh tiles`). Triton's autotuner times each tile alone; inside the step
 the kernels launch early and overlap, and a pick fastest alone can be slow there
 (docs/inference.md). After the engine's own tuning, each product's candidate tiles
-(`kernels._candidates`, `kernels._int4_configs()` for int4 in packed fp16) go into the step in
+(`tiles._candidates`, `tiles._int4_configs()` for int4 in packed fp16) go into the step in
 turn (its CUDA graph recorded again), timed over --tokens greedy tokens (median of --repeats); a
 product keeps its fastest tile before the next is searched (coordinate descent, --passes
 rounds). Prints tok/s with the autotuner's and the step's picks, writes both to
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode import SCHEMES, copy_bandwidth, make_model
 from lmforge.generate import Generator, SamplingParams, kernels, weight_bytes
+from lmforge.generate.kernels import gemv_kernel, int4, tiles
 
 
 def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -48,39 +49,39 @@ def record_again(generator: Generator) -> None:
 def named(key: tuple) -> dict:
     """The autotuner's arguments from its key: the key's values, then its tensors' dtypes (x's
     first), named as the autotuner that holds it names them (`_gemv_int4`'s or `_gemv`'s)."""
-    names = (kernels._gemv_int4_tuned if _is_int4(key) else kernels._gemv_tuned).keys
+    names = (int4._gemv_int4_tuned if _is_int4(key) else gemv_kernel._gemv_tuned).keys
     x = torch.empty(0, dtype=getattr(torch, key[len(names)].removeprefix("torch.")))
     return dict(zip(names, key)) | {"x_ptr": x}
 
 
 def _is_int4(key: tuple) -> bool:
-    return key in kernels._gemv_int4_tuned.cache
+    return key in int4._gemv_int4_tuned.cache
 
 
 def candidates(key: tuple, folded: bool = False) -> list:
     """The tiles the autotuner tries for the product of `key` where none is pinned (`folded`:
-    only the folded ones, `kernels._ROW_DEEP`)."""
+    only the folded ones, `tiles._ROW_DEEP`)."""
     if _is_int4(key):
-        found = kernels._int4_candidates(kernels._gemv_int4_tuned.configs, named(key))
+        found = tiles._int4_candidates(int4._gemv_int4_tuned.configs, named(key))
     else:
-        found = kernels._candidates(kernels._gemv_tuned.configs, named(key))
+        found = tiles._candidates(gemv_kernel._gemv_tuned.configs, named(key))
     return [c for c in found if c.kwargs.get("FOLD")] if folded else found
 
 
-describe = kernels.describe
+describe = tiles.describe
 
 
 def search(generator, prompt, args, caches: list[dict]) -> float:
     """Coordinate descent over the autotuners' caches (changed in place); returns the final
     rate."""
     rate = decode_rate(generator, prompt, args.tokens, args.repeats)
-    pinned = kernels.pinned_tiles(torch.cuda.get_device_name()) if args.unpinned else {}
+    pinned = tiles.pinned_tiles(torch.cuda.get_device_name()) if args.unpinned else {}
     keys = [(cache, key) for cache in caches for key in list(cache)]
-    keys = [(cache, key) for cache, key in keys if kernels.tile_key(named(key)) not in pinned]
+    keys = [(cache, key) for cache, key in keys if tiles.tile_key(named(key)) not in pinned]
     if args.folded:
         keys = [(cache, key) for cache, key in keys if candidates(key, folded=True)]
     if args.only:
-        keys = [(cache, key) for cache, key in keys if args.only in kernels.tile_key(named(key))]
+        keys = [(cache, key) for cache, key in keys if args.only in tiles.tile_key(named(key))]
     for round_ in range(args.passes):
         for picks, key in keys:
             best, best_rate = picks[key], rate
@@ -90,13 +91,13 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
                 picks[key] = config
                 record_again(generator)
                 trial = decode_rate(generator, prompt, args.tokens, args.repeats)
-                print(f"    tried {kernels.tile_key(named(key))}: {describe(config)} {trial:.1f} tok/s"
+                print(f"    tried {tiles.tile_key(named(key))}: {describe(config)} {trial:.1f} tok/s"
                       f" (kept: {best_rate:.1f})", flush=True)  # fmt: skip
                 if trial > best_rate * (1 + args.margin):
                     best, best_rate = config, trial
             picks[key] = best
             if best_rate != rate:
-                print(f"  pass {round_ + 1} {kernels.tile_key(named(key))}: {describe(best)} "
+                print(f"  pass {round_ + 1} {tiles.tile_key(named(key))}: {describe(best)} "
                       f"{best_rate:.1f} tok/s")  # fmt: skip
             rate = best_rate
         record_again(generator)
@@ -147,7 +148,7 @@ def main() -> None:
         )
         generator.warmup()
         decode_rate(generator, prompt, args.tokens, 1)  # tunes every product, records graphs
-        caches = [kernels._gemv_tuned.cache, kernels._gemv_int4_tuned.cache]
+        caches = [gemv_kernel._gemv_tuned.cache, int4._gemv_int4_tuned.cache]
         picks = {key: config for cache in caches for key, config in cache.items()}
         tuned = {key: describe(config) for key, config in picks.items()}
         tuned_rate = decode_rate(generator, prompt, args.tokens, args.repeats)
@@ -160,8 +161,8 @@ def main() -> None:
             "autotuner_tok_s": round(tuned_rate, 1),
             "step_tok_s": round(step_rate, 1),
             "seconds": round(time.perf_counter() - start),
-            "autotuner_picks": {kernels.tile_key(named(k)): pick for k, pick in tuned.items()},
-            "step_picks": {kernels.tile_key(named(k)): describe(c) for k, c in picks.items()},
+            "autotuner_picks": {tiles.tile_key(named(k)): pick for k, pick in tuned.items()},
+            "step_picks": {tiles.tile_key(named(k)): describe(c) for k, c in picks.items()},
         }
         print(json.dumps(row), flush=True)
         results.append(row)

@@ -26,8 +26,8 @@ import torch
 
 from benchmarks.common import bench_trainer
 from lmforge.models.llama import Transformer, get_preset
-from lmforge.train.config import ParallelSection
-from lmforge.train.distributed import Layout
+from lmforge.parallel.config import ParallelSection
+from lmforge.parallel.distributed import Layout
 from lmforge.train.losses import CausalLMLoss
 from lmforge.train.parallelize import parallelize
 

@@ -10,7 +10,6 @@ turns a `UserError` into one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -31,7 +30,7 @@ from lmforge.commands import (
 )
 from lmforge.commands import eval as eval_command
 from lmforge.errors import UserError, write_error
-from lmforge.procs import Terminated
+from lmforge.procs import Terminated, leave_now
 
 # The modules that register subcommands, in the order `--help` lists them.
 COMMAND_MODULES = [
@@ -122,17 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and ("TORCHELASTIC_RUN_ID" in os.environ or getattr(args, "exit_fast", False)):
         leave_now(code)
     return code
-
-
-def leave_now(code: int) -> None:
-    """Leave, once the work is done and flushed, without running finalizers or C++
-    destructors: a finished gloo rank of torchrun was seen to abort while tearing down
-    ("terminate called without an active exception", SIGABRT), which torchrun and Slurm then
-    report as a failed job; a server (`exit_fast`) would print Triton's leak reports."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@
 A parent killed with SIGKILL runs no cleanup, so its children (prepare's tokenizer workers, a
 pipeline stage started by `lmforge run`) would go on as orphans: holding memory, writing into
 a run nobody records. On Linux the kernel can signal a child when its parent thread dies
-(prctl PR_SET_PDEATHSIG); elsewhere this is a no-op.
+(prctl PR_SET_PDEATHSIG); elsewhere this is a no-op. Also here, below the command line and
+the server that both call it: `leave_now`, a process's exit once its work is flushed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import signal
 import sys
@@ -51,3 +53,14 @@ class Terminated(BaseException):
 def raise_terminated(signum, frame) -> None:
     """A SIGTERM handler: `Terminated` in the main thread, where the process waits."""
     raise Terminated()
+
+
+def leave_now(code: int) -> None:
+    """Leave, once the work is done and flushed, without running finalizers or C++
+    destructors: a finished gloo rank of torchrun was seen to abort while tearing down
+    ("terminate called without an active exception", SIGABRT), which torchrun and Slurm then
+    report as a failed job; a server (`exit_fast`) would print Triton's leak reports."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels (lmforge/generate/kernels.py) run on the CPU through Triton's interpreter. It
+# Triton kernels (lmforge/generate/kernels/) run on the CPU through Triton's interpreter. It
 # must be on before anything imports triton (torchao does), or kernels half-interpret.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # MKL (torch's CPU BLAS) may round a product differently by the memory alignment of its operands

@@ -1,7 +1,9 @@
 """The package's import graph: no circles, and data/ never reaches up into train/.
 
-Every import counts, also those inside functions (a lazy import hides a circle, it does not
-remove it); imports under `if TYPE_CHECKING:` do not (they never run).
+Every import counts: those inside functions (a lazy import hides a circle, it does not remove
+it) and those under `if TYPE_CHECKING:` (a circle for the reader and the type checker, even
+if it never runs): the imported module defines what it needs instead (a Protocol, a small data
+type), or the decision moves above both.
 """
 
 from __future__ import annotations
@@ -21,15 +23,6 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped = set()
-    for node in ast.walk(tree):
-        test = getattr(node, "test", None)
-        if isinstance(node, ast.If) and isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
-            skipped |= {id(child) for child in ast.walk(node)}
-    return skipped
-
-
 def import_graph() -> dict[str, set[str]]:
     """module -> the lmforge modules it imports."""
     modules = _modules()
@@ -42,11 +35,8 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        skipped = _type_checking_nodes(tree)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -113,6 +103,38 @@ def test_data_does_not_import_train():
         if target.startswith("lmforge.train")
     }
     assert upward == set()
+
+
+def test_inference_and_training_meet_only_below_both():
+    """generate/ reaches nothing of train/ (what both need lives in lmforge.parallel), and
+    train/ nothing of the planner (which reads train's job configs: the command hands the
+    trainer the planner's decision)."""
+    graph = import_graph()
+    upward = {
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if (module.startswith("lmforge.generate") and target.startswith("lmforge.train"))
+        or (
+            module.startswith(("lmforge.train", "lmforge.parallel"))
+            and target.startswith("lmforge.plan")
+        )
+        or (module.startswith("lmforge.parallel") and target.startswith("lmforge.train"))
+    }
+    assert upward == set()
+
+
+def test_type_level_and_lazy_imports_count(tmp_path, monkeypatch):
+    """An import under `if TYPE_CHECKING:` and one inside a function are arrows too."""
+    package = tmp_path / "lmforge"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lmforge.b import B\n"
+    )
+    (package / "b.py").write_text("def f():\n    from lmforge import a\n")
+    monkeypatch.setitem(globals(), "PACKAGE", package)
+    assert circles(import_graph()) == [["lmforge.a", "lmforge.b"]]
 
 
 def test_a_planted_circle_is_found():

@@ -1,4 +1,4 @@
-"""The decode engine's quantized Triton kernels (lmforge/generate/kernels.py), run on the CPU by
+"""The decode engine's quantized Triton kernels (lmforge/generate/kernels/), run on the CPU by
 Triton's interpreter: against the dequantized weight, and against torchao's own linears."""
 
 import json
@@ -12,7 +12,18 @@ import triton
 
 from lmforge.api import build_model
 from lmforge.generate import kernels
-from lmforge.generate.kernels import GemvLinear, QuantizedLinear, use_gemv, use_quantized_kernels
+from lmforge.generate.kernels import (
+    GemvLinear,
+    QuantizedLinear,
+    fused_block,
+    gemv_kernel,
+    int4,
+    int8,
+    shared,
+    tiles,
+    use_gemv,
+    use_quantized_kernels,
+)
 from lmforge.models import get_preset
 
 # The kernels run on the CPU under Triton's interpreter (the suite); with TRITON_INTERPRET=0 on
@@ -54,7 +65,7 @@ def random_layout(bits, n, k, group):
 )
 def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkeypatch):
     """(On a GPU with TRITON_INTERPRET=0: compiled, with the autotuner's tiles.)"""
-    monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", x_tile)
+    monkeypatch.setattr(tiles, "INTERPRETED_X_TILE", x_tile)
     n, k = 24, 256  # 24: the last block of outputs is partly masked
     q, scale, zero = random_layout(bits, n, k, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -83,29 +94,29 @@ INT8_HOWS = ("", " signed", " x as a vector", " exact", " exact signed", " folde
 def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     """One row through `gemv` with the RMSNorm, SiLU·up or residual add inside equals the same
     arithmetic done apart in float32. (On a GPU with TRITON_INTERPRET=0: compiled, launched
-    early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`kernels.INT8_BIASED`)
-    with x as a tile or a vector, or "exact", or "folded" (`kernels._fold`), its bytes q + 128
+    early, with the autotuner's tiles, at the 1B's width.) int8 is biased (`int8.INT8_BIASED`)
+    with x as a tile or a vector, or "exact", or "folded" (`gemv_kernel._fold`), its bytes q + 128
     as `QuantizedLinear` keeps them or int8 ("signed"); int4 in packed
-    fp16 (`kernels.INT4_HALVES`) or through `_gemv` ("bytes"), its nibbles made floats from their
+    fp16 (`int4.INT4_HALVES`) or through `_gemv` ("bytes"), its nibbles made floats from their
     bit patterns
-    (`kernels.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
+    (`gemv_kernel.INT4_FROM_BITS`) or by the "converter". `swiglu`: silu(gate) * up of the output's
     halves, gate and up rows side by side in each program; `split`: each row's columns shared
     among two programs (split-K), then a residual add, twice (the split's counts start at 0
     again)."""
-    monkeypatch.setattr(kernels, "INT4_HALVES", "bytes" not in str(bits))
-    monkeypatch.setattr(kernels, "INT4_FROM_BITS", "converter" not in str(bits))
-    monkeypatch.setattr(kernels, "INT8_BIASED", "exact" not in str(bits))
+    monkeypatch.setattr(int4, "INT4_HALVES", "bytes" not in str(bits))
+    monkeypatch.setattr(gemv_kernel, "INT4_FROM_BITS", "converter" not in str(bits))
+    monkeypatch.setattr(int8, "INT8_BIASED", "exact" not in str(bits))
     signed = "signed" in str(bits)
     if not kernels.INTERPRETED:  # each case tunes afresh (the same shape: else the first's pick)
-        monkeypatch.setattr(kernels._gemv_tuned, "cache", {})
-        monkeypatch.setattr(kernels._gemv_int4_tuned, "cache", {})
+        monkeypatch.setattr(gemv_kernel._gemv_tuned, "cache", {})
+        monkeypatch.setattr(int4._gemv_int4_tuned, "cache", {})
     if bits == "8 x as a vector":
-        monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", False)
+        monkeypatch.setattr(tiles, "INTERPRETED_X_TILE", False)
     if bits == "8 folded":  # (on a GPU: among the candidates anyway)
-        monkeypatch.setattr(kernels, "INTERPRETED_FOLD", True)
+        monkeypatch.setattr(tiles, "INTERPRETED_FOLD", True)
     if fusion == "split":
-        monkeypatch.setattr(kernels, "INTERPRETED_SPLITS", 2)
-        for tuner in (kernels._gemv_tuned, kernels._gemv_int4_tuned):
+        monkeypatch.setattr(tiles, "INTERPRETED_SPLITS", 2)
+        for tuner in (gemv_kernel._gemv_tuned, int4._gemv_int4_tuned):
             if not kernels.INTERPRETED:  # (only split tiles to choose from)
                 split = [c for c in tuner.configs if c.kwargs["SPLITS"] == 2]
                 monkeypatch.setattr(tuner, "configs", split)
@@ -139,7 +150,7 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
     on = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, norm, residual)]
     x, weight, scale, zero, norm, residual = on
     if fusion == "split":  # the workspace's sums start unwritten: both halves must fill them
-        partial, counts = kernels._workspace(x.device, n, max(kernels.SPLIT_COUNTS))
+        partial, counts = shared._workspace(x.device, n, max(tiles.SPLIT_COUNTS))
         partial.fill_(float("nan"))
     for _ in range(2 if fusion == "split" else 1):
         got = kernels.gemv(x, weight, scale, zero, bits, norm, 1e-5, gated, residual, swiglu)
@@ -153,7 +164,7 @@ def test_gemv_fusions_equal_their_arithmetic(bits, fusion, monkeypatch):
 
 @pytest.mark.parametrize("gated", ["plain", "gated", "made"])
 def test_int4_halves_keep_large_activations(gated):
-    """The packed fp16 products (`kernels._gemv_int4`) take x scaled by 2^-shift: activations in
+    """The packed fp16 products (`int4._gemv_int4`) take x scaled by 2^-shift: activations in
     the thousands (Llama's largest, SiLU·up of the down projection), or tens of thousands as
     SiLU·up (taken by the kernel from gate and up, or "made" before it), stay finite and as
     exact as small ones, and so do tiny ones beside them."""
@@ -188,28 +199,28 @@ def test_int4_tiles_fit_the_launch(k, monkeypatch, tmp_path):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((args, kwargs))
 
-    monkeypatch.setattr(kernels, "_gemv_int4_tuned", Recorder())
-    monkeypatch.setattr(kernels, "INTERPRETED", False)  # (the launch's autotuned arguments)
+    monkeypatch.setattr(int4, "_gemv_int4_tuned", Recorder())
+    monkeypatch.setattr(int4, "INTERPRETED", False)  # (the launch's autotuned arguments)
     q, scale, zero = random_layout(4, 8, k, 128)
     weight = (q[:, : k // 2] | (q[:, k // 2 :] << 4)).contiguous()
     kernels.gemv(torch.zeros(1, k).bfloat16(), weight, scale, zero, 4)
     ((args, kwargs),) = launches
-    named = dict(zip(kernels._gemv_int4.arg_names, args))
-    fits = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)
+    named = dict(zip(int4._gemv_int4.arg_names, args))
+    fits = tiles._int4_fits(tiles._int4_configs(), named, **kwargs)
     assert fits and all((k // 2 // 128) % c.kwargs["GROUPS"] == 0 for c in fits)
     assert {c.kwargs["GROUPS"] for c in fits} >= {1}
-    # a tile pinned for the product (`kernels.TILES`' table) is the only one tried
-    key = kernels.tile_key(named | kwargs)
+    # a tile pinned for the product (`tiles.TILES`' table) is the only one tried
+    key = tiles.tile_key(named | kwargs)
     assert key == f"8 {k} 4h 128"
     table = tmp_path / "tiles.json"
-    table.write_text(json.dumps({"cpu": {key: kernels.describe(fits[-1])}}))
+    table.write_text(json.dumps({"cpu": {key: tiles.describe(fits[-1])}}))
     monkeypatch.setenv("LMFORGE_GEMV_TILES", str(table))
-    kernels.pinned_tiles.cache_clear()
+    tiles.pinned_tiles.cache_clear()
     try:
-        pinned = kernels._int4_fits(kernels._int4_configs(), named, **kwargs)
+        pinned = tiles._int4_fits(tiles._int4_configs(), named, **kwargs)
     finally:
-        kernels.pinned_tiles.cache_clear()
-    assert [kernels.describe(c) for c in pinned] == [kernels.describe(fits[-1])]
+        tiles.pinned_tiles.cache_clear()
+    assert [tiles.describe(c) for c in pinned] == [tiles.describe(fits[-1])]
 
 
 def quantized_model(config):
@@ -347,7 +358,7 @@ def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype, x_tile, monkeypatch
     from lmforge.generate import Generator, SamplingParams
     from lmforge.quantize.quantize import QuantSpec, quantize_model
 
-    monkeypatch.setattr(kernels, "INTERPRETED_X_TILE", x_tile)
+    monkeypatch.setattr(tiles, "INTERPRETED_X_TILE", x_tile)
     model = build_model(SMALL.replace(tie_embeddings=True), dtype=dtype, seed=0)
     if scheme.endswith("-wo"):
         quantize_model(model, QuantSpec(scheme, group_size=32 if scheme == "int4-wo" else None))
@@ -461,7 +472,7 @@ def test_fused_blocks_attend_in_one_kernel_through_the_engine(monkeypatch):
         kv_lengths.append(args[-1])
         return da.decode_attention(*args)
 
-    monkeypatch.setattr(kernels, "decode_attention", counted)
+    monkeypatch.setattr(fused_block, "decode_attention", counted)
     model = build_model(SMALL, dtype=torch.float32, seed=0)
     assert model.fuse_projections()
     reference = copy.deepcopy(model)  # nn.Linear and SDPA (quicker than the interpreter)
@@ -521,7 +532,7 @@ import itertools, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lmforge.generate import kernels
+from lmforge.generate.kernels import gemv_kernel, int4, ops
 
 target = GPUTarget("cuda", 90, 32)
 pointers = ["x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "norm_ptr", "residual_ptr", "y_ptr",
@@ -543,7 +554,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": weight}
     signature |= {"partial_ptr": "*fp32", "count_ptr": "*i32"}
     signature |= {"N": "i32", "eps": "fp32"} | {name: "constexpr" for name in flags + ["K"]}
-    signature = {name: signature[name] for name in kernels._gemv.arg_names}
+    signature = {name: signature[name] for name in gemv_kernel._gemv.arg_names}
     constants = {"GROUP": group, "BITS": bits, "BLOCK_N": block_n, "BLOCK_K": block_k}
     constants["K"] = max(group, 2048)
     early = fusions != ""  # launched early (the fused products), the first weights loaded first
@@ -554,7 +565,7 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
     constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4, "FOLD": "FOLD" in fusions}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers + ["N"]}
-    source = ASTSource(kernels._gemv, signature, constexprs=constants, attrs=aligned)
+    source = ASTSource(gemv_kernel._gemv, signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": warps, "num_stages": 3, "launch_pdl": early}
     ptx = triton.compile(source, target=target, options=options).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == early, (bits, fusions)
@@ -566,7 +577,7 @@ for bits, weight in ((8, "*i8"), (8, "*u8"), (4, "*u8")):
                  "out_ptr": "*bf16", "N": "i32", "K": "i32"}
     signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
     constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
-    triton.compile(ASTSource(kernels._dequantize, signature, constexprs=constants), target=target)
+    triton.compile(ASTSource(ops._dequantize, signature, constexprs=constants), target=target)
 for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("RESIDUAL", (16, 2, 2)),
                                           ("GATED RESIDUAL SPLITS", (8, 4, 1)), ("", (16, 1, 2))):
     signature = {name: "*bf16" for name in pointers} | {"w_ptr": "*i32", "N": "i32", "eps": "fp32"}
@@ -576,8 +587,8 @@ for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("RESIDUA
     constants |= {name: name in fusions.split() for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
     constants |= {"SPLITS": 1 + ("SPLITS" in fusions), "MAX_SPLITS": 4}
     signature |= {name: "constexpr" for name in constants}
-    signature = {name: signature[name] for name in kernels._gemv_int4.arg_names}
-    source = ASTSource(kernels._gemv_int4, signature, constexprs=constants)
+    signature = {name: signature[name] for name in int4._gemv_int4.arg_names}
+    source = ASTSource(int4._gemv_int4, signature, constexprs=constants)
     ptx = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": True}).asm["ptx"]
     assert "fma.rn.f16x2" in ptx and ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     assert ("atom.global.gpu.acq_rel.add" in ptx) == ("SPLITS" in fusions), fusions
@@ -629,7 +640,7 @@ def _product(key: str) -> dict:
     named |= {"BITS": int(bits)} if bits != "4h" else {}
     named["x_ptr"] = torch.empty(1, dtype=torch.bfloat16)
     flags = {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
-    max_splits = kernels._max_splits(True if flags["NORM"] else None, flags["SWIGLU"])
+    max_splits = tiles._max_splits(True if flags["NORM"] else None, flags["SWIGLU"])
     return named | flags | {"MAX_SPLITS": max_splits}
 
 
@@ -638,63 +649,63 @@ def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch, caplog):
     does not name, or a pin that is not among the product's candidates, gets the candidates;
     LMFORGE_GEMV_TILES=none pins nothing; a table that cannot be read pins nothing, with a
     warning that names it."""
-    configs = kernels._gemv_configs()
+    configs = tiles._gemv_configs()
     product = _product("3072 2048 8 2048 norm")
     named = {"w_ptr": torch.empty(1, dtype=torch.int8), "N": 3072, "K": 2048}
     named["x_ptr"] = product["x_ptr"]
     flags = {name: product[name] for name in ("BITS", "GROUP", "NORM", "GATED", "RESIDUAL")}
-    candidates = kernels._candidates(configs, product)
-    assert len(candidates) > 4 and kernels.tile_key(product) == "3072 2048 8 2048 norm"
-    described = [kernels.describe(c) for c in candidates]  # int8 of a scale a row: both ways
+    candidates = tiles._candidates(configs, product)
+    assert len(candidates) > 4 and tiles.tile_key(product) == "3072 2048 8 2048 norm"
+    described = [tiles.describe(c) for c in candidates]  # int8 of a scale a row: both ways
     assert {" biased" in d for d in described} == {True, False}
-    fp32 = kernels._candidates(configs, product | {"x_ptr": torch.empty(1)})
+    fp32 = tiles._candidates(configs, product | {"x_ptr": torch.empty(1)})
     as_biased = [  # each fp32 candidate is a bf16 one without the bias
-        kernels.describe(triton.Config(c.kwargs | {"INT8_BIASED": True}, c.num_warps, c.num_stages))
+        tiles.describe(triton.Config(c.kwargs | {"INT8_BIASED": True}, c.num_warps, c.num_stages))
         for c in fp32
     ]
     assert as_biased == [d for d in described if " biased" in d]
     table = tmp_path / "tiles.json"
-    pinned = kernels.describe(candidates[3])
+    pinned = tiles.describe(candidates[3])
     table.write_text(json.dumps({"cpu": {"3072 2048 8 2048 norm": pinned, "16 16 8 16": "x"}}))
     monkeypatch.setenv("LMFORGE_GEMV_TILES", str(table))
-    kernels.pinned_tiles.cache_clear()
+    tiles.pinned_tiles.cache_clear()
     try:
-        assert [kernels.describe(c) for c in kernels._fits(configs, named, **flags)] == [pinned]
+        assert [tiles.describe(c) for c in tiles._fits(configs, named, **flags)] == [pinned]
         other = flags | {"NORM": False}  # not in the table
-        assert kernels._fits(configs, named, **other) == kernels._candidates(configs, named | other)
+        assert tiles._fits(configs, named, **other) == tiles._candidates(configs, named | other)
         table.write_text(json.dumps({"cpu": {"3072 2048 8 2048 norm": "3x7 vec w1 s9"}}))
-        kernels.pinned_tiles.cache_clear()
-        assert kernels._fits(configs, named, **flags) == candidates
+        tiles.pinned_tiles.cache_clear()
+        assert tiles._fits(configs, named, **flags) == candidates
         monkeypatch.setenv("LMFORGE_GEMV_TILES", "none")
-        kernels.pinned_tiles.cache_clear()
-        assert kernels._fits(configs, named, **flags) == candidates
+        tiles.pinned_tiles.cache_clear()
+        assert tiles._fits(configs, named, **flags) == candidates
         for bad in ("{not json", '["a list"]', '{"cpu": {"3072 2048 8 2048 norm": 7}}', None):
             if bad is not None:
                 table.write_text(bad)
             path = table if bad is not None else tmp_path / "missing.json"
             monkeypatch.setenv("LMFORGE_GEMV_TILES", str(path))
-            kernels.pinned_tiles.cache_clear()
-            with caplog.at_level("WARNING", logger="lmforge.generate.kernels"):
-                assert kernels._fits(configs, named, **flags) == candidates
+            tiles.pinned_tiles.cache_clear()
+            with caplog.at_level("WARNING", logger="lmforge.generate.kernels.tiles"):
+                assert tiles._fits(configs, named, **flags) == candidates
             assert f"LMFORGE_GEMV_TILES={path}" in caplog.text and "tuning every" in caplog.text
             caplog.clear()
     finally:
-        kernels.pinned_tiles.cache_clear()
+        tiles.pinned_tiles.cache_clear()
 
 
 def test_the_shipped_tiles_are_candidates():
     """Every tile of lmforge/generate/gemv_tiles.json is one its product's autotuner would try
     (a stale pin would be ignored silently)."""
-    table = json.loads(kernels.TILES.read_text())
-    configs, int4_configs = kernels._gemv_configs(), kernels._int4_configs()
+    table = json.loads(tiles.TILES.read_text())
+    configs, int4_configs = tiles._gemv_configs(), tiles._int4_configs()
     for gpu, pins in table.items():
         for key, pin in pins.items():
             product = _product(key)
             if "BITS" in product:
-                candidates = kernels._candidates(configs, product)
+                candidates = tiles._candidates(configs, product)
             else:
-                candidates = kernels._int4_candidates(int4_configs, product)
-            tried = [kernels.describe(c) for c in candidates]
+                candidates = tiles._int4_candidates(int4_configs, product)
+            tried = [tiles.describe(c) for c in candidates]
             assert pin in tried, (gpu, key, pin, tried)
 
 
@@ -705,7 +716,7 @@ def test_the_shipped_tiles_are_candidates():
 def test_the_tiled_product_of_several_rows_equals_the_dequantized_one(bits, group, rows):
     """`quantized_gemm` (weights dequantized tile by tile, split over K, in fp32 here: IEEE
     products) against x @ the dequantized weight; rows 17 and 40: partly masked row tiles."""
-    from lmforge.generate import quantized_gemm
+    from lmforge.generate.kernels import quantized_gemm
 
     n, k = 40, 512
     q, scale, zero = random_layout(bits, n, k, group)

@@ -112,7 +112,7 @@ def test_refusals():
 
 def test_quantized_products_of_many_rows_plan_the_expanded_weight():
     """More than one row through a quantized linear expands its weight to bf16 first
-    (lmforge/generate/kernels.py): the largest, the fused gate/up, in prefill and scoring;
+    (lmforge/generate/kernels/): the largest, the fused gate/up, in prefill and scoring;
     batch-1 decoding (the GEMV) needs none."""
     setup = InferenceSetup(args=TINY, quantization="int8-wo", task="eval", batch=1)
     plan = plan_inference(setup)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.parallel.distributed import Layout
 from lmforge.train import loop
 from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
-from lmforge.train.distributed import Layout
 from lmforge.train.loop import (
     LoopSections,
     Trainer,

@@ -15,11 +15,12 @@ from lmforge.cli import main as cli_main
 from lmforge.config import load_config
 from lmforge.errors import ConfigError
 from lmforge.models.llama import get_preset
+from lmforge.parallel.config import ParallelSection
+from lmforge.parallel.distributed import Layout
 from lmforge.plan import plan_job, plan_memory, setup_from_job
-from lmforge.plan.search import resolve_reshard_after_forward
+from lmforge.plan.search import ReshardByPlan, resolve_reshard_after_forward
 from lmforge.train import stage
-from lmforge.train.config import ParallelSection, PretrainJob
-from lmforge.train.distributed import Layout
+from lmforge.train.config import PretrainJob
 from tests.train_utils import losses, make_shards, pretrain_args, run_inprocess, run_torchrun
 
 
@@ -196,12 +197,18 @@ def test_reshard_auto_at_start_up_reads_the_gpu_and_logs(monkeypatch, caplog, fi
     memory = _memory_where_kept_weights_fit(job, 2, fits=fits)
     properties = SimpleNamespace(total_memory=memory)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
-    assert stage.resolved_parallel(job, spec, _layout("cuda")).reshard_after_forward is not fits
+    assert (
+        stage.resolved_parallel(job, spec, _layout("cuda"), ReshardByPlan()).reshard_after_forward
+        is not fits
+    )
     assert job.parallel.reshard_after_forward == "auto"  # the job itself is left as written
     with caplog.at_level(logging.WARNING, logger="lmforge.train.stage"):
-        stage._log_reshard_choice(job, spec, _layout("cuda"))
+        stage._log_reshard_choice(job, spec, _layout("cuda"), ReshardByPlan())
     assert len(caplog.messages) == 1
     assert caplog.messages[0].startswith(
         f"parallel.reshard_after_forward = auto -> {str(not fits).lower()} (the planner says"
     )
-    assert stage.resolved_parallel(job, spec, _layout("cpu")).reshard_after_forward is True
+    assert (
+        stage.resolved_parallel(job, spec, _layout("cpu"), ReshardByPlan()).reshard_after_forward
+        is True
+    )

@@ -122,11 +122,14 @@ def dpo_main(args: argparse.Namespace) -> int:
 
 
 def run_training(fn, job) -> int:
-    """Run a training stage; a preemption exits with its documented code after saving."""
+    """Run a training stage; a preemption exits with its documented code after saving. The
+    planner decides parallel.reshard_after_forward = "auto" (`ReshardByPlan`), handed to the
+    trainer from here: train does not import the planner."""
+    from lmforge.plan.search import ReshardByPlan
     from lmforge.train.preempt import PreemptedError
 
     try:
-        out = fn(job)
+        out = fn(job, reshard=ReshardByPlan())
     except PreemptedError as err:
         print(str(err), file=sys.stderr)
         return err.exit_code

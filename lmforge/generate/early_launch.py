@@ -6,8 +6,8 @@ bytes, while nothing else runs. Launched with the programmatic-serialization att
 (`launch_pdl`), a kernel starts once every program of the kernel before it has started, and
 runs until `gdc_wait`, which returns when that kernel has finished and its writes are
 visible. Before the wait a kernel may only touch what no kernel of the step writes: the GEMV
-loads its first weight tiles there (`kernels.PRELOAD`). The attention kernel reading its first
-block of cached keys and values there (earlier steps wrote them) gained nothing measurable on
+loads its first weight tiles there (`kernels.gemv_kernel.PRELOAD`). The attention kernel
+reading its first block of cached keys and values there (earlier steps wrote them) gained nothing measurable on
 an H200: 1B bf16 1,250.4 tok/s against 1,253.3 without, int8 1,058.5 against 1,051.1. Asking
 for a program's whole weights in L2 there instead (one bulk prefetch a program) made the step
 slower: 1B bf16 1,034 tok/s against 1,148 launched early without it and 1,108 not early

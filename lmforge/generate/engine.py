@@ -33,7 +33,7 @@ server (lmforge/serve/engine.py) and lm-eval's `generate_until` all drive it. Ea
    tokens, stop strings, length, text).
 
 On CUDA, a product of one row of activations (the batch-1 decode step) runs as lmforge's Triton
-GEMV (lmforge/generate/kernels.py) for plain, int8 and int4 weight-only weights (int4 in packed
+GEMV (lmforge/generate/kernels/) for plain, int8 and int4 weight-only weights (int4 in packed
 fp16 arithmetic; tinygemm's layout converted at load), each block as four GEMVs
 around attention with its norms, SiLU·up and residual adds inside them; such a quantized weight
 meets 2-128 rows in `quantized_gemm` (dequantized tile by tile into tensor-core products), more
@@ -195,7 +195,7 @@ def local_kv_heads(model: nn.Module) -> int:
 
 def use_quantized_kernels(model: nn.Module, device: torch.device, *, tinygemm: bool = False) -> int:
     """On a CUDA GPU, swap the model's torchao weight-only linears for lmforge's kernels
-    (lmforge/generate/kernels.py; tinygemm's int4 too when `tinygemm`: for one row at a time,
+    (lmforge/generate/kernels/; tinygemm's int4 too when `tinygemm`: for one row at a time,
     and for work of many rows, such as scoring); returns how many were swapped."""
     if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
         return 0  # nothing quantized

@@ -1,8 +1,9 @@
 """Tensor-parallel inference: one model split over the GPUs of a node, one process per GPU.
 
 Under torchrun (`lmforge launch --nproc N generate|eval ...`), `load_model` builds the model on
-the meta device, applies the trainer's tensor-parallel plan without sequence parallelism
-(`apply_tensor_parallel(..., sequence_parallel=False)`: a decode step has one token),
+the meta device, applies the tensor-parallel plan training uses (lmforge.parallel) without
+sequence parallelism (`apply_tensor_parallel(..., sequence_parallel=False)`: a decode step has
+one token),
 materializes each process's shards and fills them from rank 0's copy of the weights
 (broadcast). Attention heads, KV-cache heads and MLP columns are split N ways; the output
 projection all-gathers the logits, so every process holds the same logits and makes the same
@@ -66,9 +67,9 @@ def load_model(
         return load(source, device=resolve_device(device), dtype=dtype)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from lmforge.train import distributed
-    from lmforge.train.config import ParallelSection
-    from lmforge.train.parallelize import apply_tensor_parallel
+    from lmforge.parallel import distributed
+    from lmforge.parallel.config import ParallelSection
+    from lmforge.parallel.tensor_parallel import apply_tensor_parallel
 
     path = Path(source)
     if detect_format(source) not in ("hf", "artifact") or stored.is_quantized(path):

@@ -17,7 +17,6 @@ from lmforge.pipeline.references import (
     combined_hash,
     directory_bytes,
     fingerprint,
-    input_fingerprints,
 )
 from lmforge.pipeline.spec import Pipeline, Stage
 
@@ -120,7 +119,7 @@ def pending_manifest(
 
 def record_inputs(pipeline: Pipeline, stage: Stage, manifest: dict) -> None:
     """The fingerprints of the stage's inputs as it starts (what makes it up to date later)."""
-    inputs = input_fingerprints(pipeline, stage)
+    inputs = pipeline.input_fingerprints(stage)
     manifest["inputs"] = inputs
     manifest["input_hash"] = combined_hash(inputs)
     if stage.from_stage:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from lmforge.errors import ConfigError, UserError
 from lmforge.manifest import read_manifest
-from lmforge.pipeline.references import combined_hash, fingerprint, input_fingerprints
+from lmforge.pipeline.references import combined_hash, fingerprint
 from lmforge.pipeline.spec import Pipeline, Stage
 
 
@@ -48,7 +48,7 @@ def make_plan(
             plan.append(PlanItem(stage, "run", f"upstream stage {upstream[-1]!r} runs"))
             running.add(stage.name)
             continue
-        input_hash = combined_hash(input_fingerprints(pipeline, stage))
+        input_hash = combined_hash(pipeline.input_fingerprints(stage))
         reason = _out_of_date(pipeline, stage, manifest, input_hash)
         if reason is None:
             plan.append(PlanItem(stage, "skip", "up to date", input_hash))
@@ -100,7 +100,7 @@ def plan_memory(
     """Plan the GPU memory of the training and inference stages about to run (warning about
     those that will not fit) and return each planned stage's table as a file for its
     directory."""
-    from lmforge.plan.stages import PLAN_FILE, format_stage_plans, plan_stages
+    from lmforge.pipeline.stage_plans import PLAN_FILE, format_stage_plans, plan_stages
 
     plans = [p for p in plan_stages(pipeline, stages, launcher) if p.skipped != "runs on the CPU"]
     if not plans:

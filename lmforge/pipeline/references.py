@@ -15,7 +15,6 @@ from lmforge.errors import ConfigError, StageOrderError
 
 if TYPE_CHECKING:
     from lmforge.pipeline.schema import DataSetSection
-    from lmforge.pipeline.spec import Pipeline, Stage
 
 # Files bigger than this are fingerprinted by size and mtime instead of content.
 CONTENT_HASH_MAX_BYTES = 64 * 1024**2
@@ -148,16 +147,6 @@ def directory_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def input_fingerprints(pipeline: Pipeline, stage: Stage) -> dict[str, str | None]:
-    """The fingerprint of each input: upstream stages' outputs and external files."""
-    inputs: dict[str, str | None] = {}
-    for name in stage.depends_on:
-        inputs[f"stage:{name}"] = fingerprint(pipeline.path(pipeline.stage(name).output))
-    for path in stage.external_inputs:
-        inputs[f"path:{path}"] = fingerprint(pipeline.path(Path(path)))
-    return inputs
 
 
 def combined_hash(inputs: Mapping[str, str | None]) -> str:

@@ -15,7 +15,7 @@ from lmforge.config import Section, apply_overrides, dump_config, read_config_fi
 from lmforge.errors import ConfigError, StageOrderError
 from lmforge.launch.base import LauncherSection
 from lmforge.pipeline.kinds import STAGE_KINDS, StageContext
-from lmforge.pipeline.references import References, external_inputs, sha256_text
+from lmforge.pipeline.references import References, external_inputs, fingerprint, sha256_text
 from lmforge.pipeline.schema import (
     STAGE_CONFIG,
     PipelineFile,
@@ -86,6 +86,16 @@ class Pipeline:
 
     def path(self, relative: Path) -> Path:
         return relative if relative.is_absolute() else self.workdir / relative
+
+    def input_fingerprints(self, stage: Stage) -> dict[str, str | None]:
+        """The fingerprint of each of `stage`'s inputs: upstream stages' outputs and external
+        files."""
+        inputs: dict[str, str | None] = {}
+        for name in stage.depends_on:
+            inputs[f"stage:{name}"] = fingerprint(self.path(self.stage(name).output))
+        for path in stage.external_inputs:
+            inputs[f"path:{path}"] = fingerprint(self.path(Path(path)))
+        return inputs
 
     def downstream(self, name: str) -> set[str]:
         found = {name}

@@ -163,8 +163,8 @@ def dry_run(setup: Setup) -> DryRun:
     parameter, gradient and optimizer-state bytes with the arithmetic."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lmforge.train.config import ParallelSection
-    from lmforge.train.distributed import MESH_AXES, Layout
+    from lmforge.parallel.config import ParallelSection
+    from lmforge.parallel.distributed import MESH_AXES, Layout
     from lmforge.train.optim import to_bf16_parameters
 
     check_setup(setup)

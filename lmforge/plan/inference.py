@@ -243,7 +243,7 @@ def score_bytes(setup: InferenceSetup) -> dict[str, int]:
 
 def expanded_weight_bytes(setup: InferenceSetup, rows: int) -> int:
     """A quantized artifact multiplies more than one row of activations by its weights expanded
-    to bf16 one linear at a time (lmforge/generate/kernels.py): the largest, the fused gate/up
+    to bf16 one linear at a time (lmforge/generate/kernels/): the largest, the fused gate/up
     projection or a quantized output projection. One row (batch-1 decoding) needs none."""
     if setup.quantization is None or rows <= 1:
         return 0

@@ -133,9 +133,9 @@ class Setup:
 
     @functools.cached_property
     def mesh(self) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, tp) as `lmforge.train.distributed.mesh_shape` resolves it."""
-        from lmforge.train.config import ParallelSection
-        from lmforge.train.distributed import mesh_shape
+        """(dp_replicate, dp_shard, tp) as `lmforge.parallel.distributed.mesh_shape` resolves it."""
+        from lmforge.parallel.config import ParallelSection
+        from lmforge.parallel.distributed import mesh_shape
 
         section = ParallelSection(
             dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp

@@ -213,6 +213,20 @@ def resolve_reshard_after_forward(setup, device_memory: int | None) -> bool:
     return not kept.gpu_fits
 
 
+@dataclass(frozen=True)
+class ReshardByPlan:
+    """`lmforge.train.stage.ReshardPolicy` by the planner: "auto" resolved for a training job
+    config on `world_size` GPUs of `device_memory` bytes (`resolve_reshard_after_forward`)."""
+
+    @property
+    def keep_fraction(self) -> float:
+        return AUTO_KEEP_GATHERED_MEMORY_FRACTION
+
+    def __call__(self, job, args, world_size: int, device_memory: int | None) -> bool:
+        setup = setup_from_job(job, gpus=world_size, args=args)
+        return resolve_reshard_after_forward(setup, device_memory)
+
+
 def plan_job(
     job,
     *,
@@ -224,7 +238,7 @@ def plan_job(
 ) -> Plan:
     """Plan a training stage's job config on `gpus` GPUs of `gpu_memory` (bytes, or '80GB',
     'h100', ...), with suggestions when it does not fit (`args`: see `setup_from_job`). For
-    `lmforge run` (lmforge.plan.stages)."""
+    `lmforge run` (lmforge.pipeline.stage_plans)."""
     setup = setup_from_job(job, gpus=gpus, gpus_per_node=gpus_per_node, args=args)
     gpu_memory = parse_memory(gpu_memory)
     # parallel.reshard_after_forward = "auto" decided as the trainer decides it on this GPU.

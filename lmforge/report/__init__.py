@@ -9,62 +9,15 @@ self-contained file) and as markdown (tables, plus the same plots as PNG files b
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 from lmforge.errors import UserError
+from lmforge.report.summary import ArtifactInfo, RunSummary, StageInfo
 
 REPORT_HTML = "report.html"
 REPORT_MD = "report.md"
 ASSETS_DIR = "report_assets"
-
-
-@dataclasses.dataclass
-class StageInfo:
-    name: str
-    kind: str
-    status: str
-    reason: str
-    duration_s: float | None
-    started_at: str | None
-    metrics: dict
-    output: str | None
-    output_bytes: int | None
-    config: dict = dataclasses.field(default_factory=dict)
-    """The stage's resolved config (its hyperparameters), as the manifest records it."""
-    code_version: str | None = None
-    depends_on: list[str] = dataclasses.field(default_factory=list)
-    """The stages whose outputs this one reads (the data and model lineage)."""
-
-
-@dataclasses.dataclass
-class ArtifactInfo:
-    stage: str
-    path: str
-    bytes: int
-    weight_bytes: int
-    scheme: str | None
-    lineage_stage: str | None
-    parent: str | None
-    parent_hash: str | None
-    hash: str | None
-
-
-@dataclasses.dataclass
-class RunSummary:
-    name: str
-    run_dir: Path
-    stages: list[StageInfo]
-    training: dict[str, list[dict]]  # stage -> metrics.jsonl records
-    evals: dict[str, dict[str, dict[str, Any]]]  # eval stage -> model label -> metrics
-    eval_sources: dict[str, dict[str, str]]  # eval stage -> model label -> source path
-    artifacts: list[ArtifactInfo]
-    sample: str | None
-    sample_stage: str | None
-    eval_answers: dict[str, dict[str, list[dict]]] = dataclasses.field(default_factory=dict)
-    """eval stage -> model label -> [{question, answer, reference}] (answer accuracy examples)"""
 
 
 def collect_run(run_dir: str | Path) -> RunSummary:

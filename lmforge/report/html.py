@@ -13,10 +13,8 @@ import datetime
 import html
 import io
 from pathlib import PurePath
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: lmforge.report imports this module to render
-    from lmforge.report import RunSummary
+from lmforge.report.summary import RunSummary
 
 # Distinct colours (tab10, then tab20's lighter shades); `MetricColors` gives each metric one of
 # them, the same in every figure of a report.

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe
 
-from lmforge.procs import die_with_parent
+from lmforge.procs import die_with_parent, leave_now
 from lmforge.serve.engine import run_engine
 
 
@@ -175,6 +175,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from lmforge.cli import leave_now
-
     leave_now(main(sys.argv[1:]))

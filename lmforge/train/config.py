@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from lmforge.config import ModelSection, Section
 from lmforge.data.preference import PreferenceDataSection
 from lmforge.data.sft import SFTDataSection
 from lmforge.errors import ConfigError
 from lmforge.modules.lora import LoRASection
+from lmforge.parallel.config import ParallelSection
 
 
 class DataSection(Section):
@@ -76,43 +77,6 @@ class TrainSection(Section):
     data.heldout, in whole batches, on every rank."""
     preempt_signal: Literal["SIGUSR1", "SIGUSR2", "SIGTERM"] = "SIGUSR2"
     """Signal that asks for save-and-exit (besides SIGTERM); Slurm: --signal=B:USR2@120."""
-
-
-class ParallelSection(Section):
-    """World size = dp_replicate × dp_shard × tp. dp_shard=-1 takes what is left."""
-
-    dp_replicate: PositiveInt = 1
-    dp_shard: int = -1
-    tp: PositiveInt = 1
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    compile: bool = False
-    """torch.compile each transformer block."""
-    float8: bool = False
-    """Float8 linear layers through torchao (GPUs with float8 support only)."""
-    cpu_offload: bool = False
-    """FSDP2 CPU offload of parameters, gradients and optimizer states."""
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """FSDP2 under bf16 compute (train.mixed_precision): the dtype gradients are reduce-scattered
-    and summed in. bfloat16 sends half the bytes; the sums over ranks keep bf16's 8 bits.
-    Allowed: "float32", "bfloat16"."""
-    reshard_after_forward: bool | Literal["auto"] = "auto"
-    """FSDP2: free each block's gathered weights after its forward (true: gathered again for
-    backward) or keep them until backward (false: less communication, more memory). "auto":
-    false on CUDA when the planner (`lmforge plan`) puts the job that way within 85% of the
-    GPU's memory, else true; true on the CPU. Allowed: true, false, "auto"."""
-
-    @field_validator("reshard_after_forward", mode="before")
-    @classmethod
-    def _check_reshard(cls, value):
-        if not (isinstance(value, bool) or value == "auto"):
-            raise ValueError('must be true, false or "auto"')
-        return value
-
-    @model_validator(mode="after")
-    def _check_shard(self):
-        if self.dp_shard == 0 or self.dp_shard < -1:
-            raise ValueError("dp_shard must be -1 (the rest of the world) or >= 1")
-        return self
 
 
 class CheckpointSection(Section):

@@ -16,6 +16,7 @@ from lmforge.train.config import DPOJob
 from lmforge.train.losses import DPOLossStep, count_pairs
 from lmforge.train.optim import to_bf16_parameters
 from lmforge.train.stage import (
+    ReshardPolicy,
     bf16_weights,
     build_and_load_model,
     computes_in_bf16,
@@ -26,8 +27,10 @@ from lmforge.train.stage import (
 )
 
 
-def dpo(job: DPOJob) -> Path:
-    """Align to `train.steps` (resuming from the run dir's checkpoints); returns the artifact."""
+def dpo(job: DPOJob, *, reshard: ReshardPolicy) -> Path:
+    """Align to `train.steps` (resuming from the run dir's checkpoints); returns the artifact.
+    `reshard` decides parallel.reshard_after_forward = "auto" (`ReshardPolicy`), for the
+    policy and a frozen reference alike."""
     job.require_data()
     lora = lora_section(job)
     reference_kind = job.dpo.reference
@@ -40,7 +43,8 @@ def dpo(job: DPOJob) -> Path:
         reference = None
         if reference_kind == "frozen_copy":
             bf16 = computes_in_bf16(job, layout)
-            reference = build_and_load_model(spec, layout, job, bf16=bf16).eval()
+            reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard)
+            reference = reference.eval()
             reference.requires_grad_(False)
             if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
                 to_bf16_parameters(reference)
@@ -57,5 +61,6 @@ def dpo(job: DPOJob) -> Path:
         make_batches=data_loader_factory(job, "dpo", load_preference_data, PreferenceLoader),
         make_heldout=heldout_factory(job, load_preference_data, PreferenceLoader),
         make_loss_step=make_loss_step,
+        reshard=reshard,
         count_targets=count_pairs,
     )

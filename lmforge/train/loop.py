@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lmforge.errors import ConfigError, UserError
+from lmforge.parallel.distributed import Layout
 from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
-from lmforge.train.distributed import Layout
 from lmforge.train.losses import LossOutput, count_label_tokens
 from lmforge.train.metrics import MetricsLogger, Throughput, peak_memory_gb
 from lmforge.train.preempt import PreemptedError, PreemptionWatch

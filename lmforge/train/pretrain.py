@@ -8,11 +8,12 @@ from pathlib import Path
 from lmforge.data.pretrain import PackedLoader, TokenShards
 from lmforge.train.config import PretrainJob
 from lmforge.train.losses import CausalLMLoss
-from lmforge.train.stage import run_stage
+from lmforge.train.stage import ReshardPolicy, run_stage
 
 
-def pretrain(job: PretrainJob) -> Path:
-    """Train to `train.steps` (resuming from the run dir's checkpoints) and return the artifact."""
+def pretrain(job: PretrainJob, *, reshard: ReshardPolicy) -> Path:
+    """Train to `train.steps` (resuming from the run dir's checkpoints) and return the artifact.
+    `reshard` decides parallel.reshard_after_forward = "auto" (`ReshardPolicy`)."""
     job.require_data()
     shards = TokenShards(job.data.shards)
 
@@ -33,6 +34,7 @@ def pretrain(job: PretrainJob) -> Path:
         job,
         stage="pretrain",
         make_batches=make_loader,
+        reshard=reshard,
         make_loss_step=lambda model, spec, layout: CausalLMLoss.for_layout(
             layout, compile=job.parallel.compile
         ),

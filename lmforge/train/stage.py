@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -48,8 +49,8 @@ from lmforge.modules.lora import (
     reset_lora_parameters,
     save_peft_adapter,
 )
+from lmforge.parallel import distributed
 from lmforge.sizes import module_bytes
-from lmforge.train import distributed
 from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
 from lmforge.train.loop import LoopSections, LossStep, Trainer
@@ -184,9 +185,11 @@ def build_and_load_model(
     job: TrainJob,
     *,
     bf16: bool,
+    reshard: ReshardPolicy,
     lora: LoRASection | None = None,
 ) -> Transformer:
-    """Meta-device build → LoRA swap → parallelize → materialize → fill weights (→ NF4 base)."""
+    """Meta-device build → LoRA swap → parallelize → materialize → fill weights (→ NF4 base).
+    `reshard` decides parallel.reshard_after_forward = "auto" (`resolved_parallel`)."""
     with torch.device("meta"):
         model = models.new_model(spec.args)
     sharded_init = spec.from_scratch and spec.args.num_params() > FULL_INIT_MAX_PARAMS
@@ -203,7 +206,7 @@ def build_and_load_model(
     sharded_nf4 = lora is not None and lora.quantize_base == "nf4" and layout.dp_size > 1
     if sharded_nf4:  # FSDP2 shards the packed NF4 bases (QLoRA across processes)
         nf4_placeholders(model, num_shards=layout.mesh["dp_shard"].size())
-    parallelize(model, layout, resolved_parallel(job, spec, layout), bf16=bf16)
+    parallelize(model, layout, resolved_parallel(job, spec, layout, reshard), bf16=bf16)
     model.to_empty(device="cpu" if job.parallel.cpu_offload else layout.device)
     # FSDP2 swaps tensors in place (the tie survives); a plain module gets new ones (re-tie).
     model.tie_weights()
@@ -243,39 +246,52 @@ def build_and_load_model(
     return model
 
 
-def resolved_parallel(job: TrainJob, spec: ModelSpec, layout: distributed.Layout):
-    """job.parallel with reshard_after_forward = "auto" decided for this job on this device
-    (`resolve_reshard_after_forward`: the planner's prediction against the GPU's memory)."""
+class ReshardPolicy(Protocol):
+    """Decides parallel.reshard_after_forward = "auto" for a job: whether each block's gathered
+    weights are freed after its forward. The command hands in the planner's
+    (`lmforge.plan.search.ReshardByPlan`): the planner reads train's job configs, so train does
+    not import it."""
+
+    keep_fraction: float  # (for the log) the share of the GPU's memory the decision allows
+
+    def __call__(
+        self, job: TrainJob, args: ModelArgs, world_size: int, device_memory: int | None
+    ) -> bool:
+        """True: reshard after forward. `device_memory`: bytes, None on the CPU."""
+        ...
+
+
+def resolved_parallel(
+    job: TrainJob, spec: ModelSpec, layout: distributed.Layout, reshard: ReshardPolicy
+):
+    """job.parallel with reshard_after_forward = "auto" decided by `reshard` for this job on
+    this device (the planner's prediction against the GPU's memory)."""
     if job.parallel.reshard_after_forward != "auto":
         return job.parallel
-    from lmforge.plan import setup_from_job
-    from lmforge.plan.search import resolve_reshard_after_forward
-
     device_memory = None
     if layout.device.type == "cuda":
         device_memory = torch.cuda.get_device_properties(layout.device).total_memory
-    setup = setup_from_job(job, gpus=layout.world_size, args=spec.args)
-    reshard = resolve_reshard_after_forward(setup, device_memory)
-    return job.parallel.model_copy(update={"reshard_after_forward": reshard})
+    choice = reshard(job, spec.args, layout.world_size, device_memory)
+    return job.parallel.model_copy(update={"reshard_after_forward": choice})
 
 
-def _log_reshard_choice(job: TrainJob, spec: ModelSpec, layout: distributed.Layout) -> None:
+def _log_reshard_choice(
+    job: TrainJob, spec: ModelSpec, layout: distributed.Layout, reshard: ReshardPolicy
+) -> None:
     uses_fsdp = layout.dp_size > 1 or job.parallel.cpu_offload
     if job.parallel.reshard_after_forward != "auto" or not uses_fsdp or not layout.is_main:
         return
-    from lmforge.plan.search import AUTO_KEEP_GATHERED_MEMORY_FRACTION
-
-    reshard = resolved_parallel(job, spec, layout).reshard_after_forward
+    choice = resolved_parallel(job, spec, layout, reshard).reshard_after_forward
     if layout.device.type != "cuda":
         why = "on the CPU"
     else:
         memory = torch.cuda.get_device_properties(layout.device).total_memory
-        fits = "does not fit" if reshard else "fits"
+        fits = "does not fit" if choice else "fits"
         why = (
             f"the planner says the job with gathered weights kept {fits} in "
-            f"{AUTO_KEEP_GATHERED_MEMORY_FRACTION:.0%} of {memory / 2**30:.1f} GiB"
+            f"{reshard.keep_fraction:.0%} of {memory / 2**30:.1f} GiB"
         )
-    log.warning("parallel.reshard_after_forward = auto -> %s (%s)", str(reshard).lower(), why)
+    log.warning("parallel.reshard_after_forward = auto -> %s (%s)", str(choice).lower(), why)
 
 
 def _lora_base_names(model: torch.nn.Module) -> list[str]:
@@ -517,6 +533,7 @@ def run_stage(
     stage: str,
     make_batches: Callable[[distributed.Layout, ModelSpec], Iterable[dict]],
     make_loss_step: Callable[[torch.nn.Module, ModelSpec, distributed.Layout], LossStep],
+    reshard: ReshardPolicy,
     count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
     make_heldout: Callable | None = None,
 ) -> Path:
@@ -526,6 +543,7 @@ def run_stage(
     Args:
         make_batches: (layout, spec) -> the stage's loader (resumable when it has state_dict).
         make_loss_step: (model, spec, layout) -> loss_step(model, batch) -> LossOutput.
+        reshard: decides parallel.reshard_after_forward = "auto" (`ReshardPolicy`).
         count_targets: batch -> the number of targets the loss is averaged over.
         make_heldout: (layout, spec) -> () -> one pass over held-out batches (`heldout_factory`),
             for `train.eval_every`.
@@ -538,8 +556,9 @@ def run_stage(
         with contextlib.ExitStack() as held:
             _hold_run_dir(held, job.run_dir, layout)
             artifact = _run(
-                job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout
-            )
+                job, layout, stage, make_batches, make_loss_step, reshard, count_targets,
+                make_heldout,
+            )  # fmt: skip
         together = True
         return artifact
     except PreemptedError:
@@ -571,7 +590,9 @@ def _hold_run_dir(held: contextlib.ExitStack, run_dir: str, layout: distributed.
         raise refusal
 
 
-def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_heldout) -> Path:
+def _run(
+    job, layout, stage, make_batches, make_loss_step, reshard, count_targets, make_heldout
+) -> Path:
     if job.train.eval_every and make_heldout is None:
         raise ConfigError(f"train.eval_every: {stage} has no held-out data to evaluate on")
     seed_everything(job.train.seed, layout.rank, job.train.deterministic)
@@ -584,8 +605,8 @@ def _run(job, layout, stage, make_batches, make_loss_step, count_targets, make_h
     bf16_params = keeps_bf16_params(job, layout, bf16)
     if layout.is_main:
         write_run_files(run_dir, job, spec)
-    _log_reshard_choice(job, spec, layout)
-    model = build_and_load_model(spec, layout, job, bf16=bf16, lora=lora)
+    _log_reshard_choice(job, spec, layout, reshard)
+    model = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard, lora=lora)
     model.train()
     optimizer = build_optimizer(model, job.optim, layout.device, bf16_params=bf16_params)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.steps)

@@ -67,7 +67,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def fusable(module: nn.Module, names: list[str]) -> bool:
     """Whether `fuse_linears` can join the linears `names` of `module`: plain, bias-free and
     materialized (not quantized by torchao, sharded or LoRA-wrapped), or inference layers of
-    one kind that join themselves (`joinable` / `concatenate`, lmforge/generate/kernels.py)."""
+    one kind that join themselves (`joinable` / `concatenate`, lmforge/generate/kernels/)."""
     linears = [getattr(module, name, None) for name in names]
     joinable = getattr(linears[0], "joinable", None)
     if joinable is not None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmforge.errors import ConfigError
-from lmforge.train.config import ParallelSection
+from lmforge.parallel.config import ParallelSection
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
 

@@ -1,4 +1,5 @@
-"""Memory plans of a pipeline's stages, for `lmforge run` (dry or not).
+"""Memory plans of a pipeline's stages, for `lmforge run` (dry or not): the planner's arithmetic
+(lmforge/plan/) applied to stages as the pipeline spec describes them, so it lives above both.
 
 Each pretrain / sft / dpo stage that is about to run is planned as it will be launched: its job
 config on `nodes × nproc_per_node` GPUs of `[plan] gpu_memory`. Each eval, generate and quantize
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmforge.errors import UserError
+from lmforge.pipeline.spec import Pipeline, Stage
 from lmforge.plan.inference import (
     EVAL_SCORED_TOKENS,
     InferencePlan,
@@ -30,7 +32,6 @@ from lmforge.plan.search import plan_job
 
 if TYPE_CHECKING:
     from lmforge.models import ModelArgs
-    from lmforge.pipeline import Pipeline, Stage
 
 PLAN_FILE = "memory_plan.txt"  # the table, in the stage's directory
 INFERENCE_KINDS = ("eval", "generate", "quantize")
