@@ -149,7 +149,10 @@ def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tens
         return models.torchtitan.read_torchtitan_checkpoint(path, args)[1]
     if kind == "meta":
         return _read_meta_state(_meta_dir(path), args)
-    return models.hf_state_dict_to_ours(artifact.read_safetensors(path), args, path)
+    state = artifact.read_safetensors(path)
+    if stored.is_compressed(path):  # compressed-tensors: unpacked, dequantized, plain weights
+        state = stored.dequantized_state(state)
+    return models.hf_state_dict_to_ours(state, args, path)
 
 
 def build_model(

@@ -421,3 +421,56 @@ def test_streaming_reads_a_transformers_directory(tmp_path):
     streamed = quantize_artifact(source, tmp_path / "streamed", **options)
     assert streamed.streamed and "untied" in " ".join(streamed.notes)
     _assert_same_contents(_artifact_contents(streamed.path), _artifact_contents(whole.path))
+
+
+# ---- compressed-tensors (vLLM's fast int4 / int8 kernels) ------------------------------------
+
+
+@pytest.mark.parametrize("scheme,group", [("int4-wo", 128), ("int8-wo", None)])
+def test_compressed_tensors_artifact_loads_in_transformers_with_lmforge_logits(
+    source, tmp_path, scheme, group, capsys
+):
+    """`--format compressed-tensors`: config.json's quantization_config is what
+    compressed-tensors parses, the packed weights are its own (transformers runs them through
+    it), and lmforge reads the artifact back as the dequantized model: equal logits."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / scheme
+    assert cli_main(["quantize", str(source), str(out), "--scheme", scheme,
+                     "--format", "compressed-tensors"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "compressed-tensors" in printed and f"lmforge serve {out} --engine vllm" in printed
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(config)
+    weights = parsed.config_groups["group_0"].weights
+    assert (weights.num_bits, weights.group_size, weights.symmetric) == (
+        {"int4-wo": 4, "int8-wo": 8}[scheme],
+        group,
+        True,
+    )
+    assert parsed.format == "pack-quantized" and "lm_head" in parsed.ignore
+
+    ours = lmforge.load(out, dtype="float32").model
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens = torch.tensor([[1, 5, 9, 20, 33, 7, 2]])
+    with torch.no_grad():
+        want, got = theirs(tokens).logits, ours(tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+    # the dequantized weights are the round-to-nearest ones: near the originals
+    original = lmforge.load(source, dtype="float32").model
+    wq = ours.layers["0"].attention.wq.weight
+    reference = original.layers["0"].attention.wq.weight
+    step = reference.abs().amax() / (7.5 if scheme == "int4-wo" else 127.5)
+    assert (wq - reference).abs().max() <= step * 0.51 + 1e-2 * step
+
+
+def test_compressed_tensors_refuses_torchao_options(source, tmp_path, capsys):
+    out = tmp_path / "x"
+    base = ["quantize", str(source), str(out), "--scheme", "int4-wo", "--format",
+            "compressed-tensors"]  # fmt: skip
+    assert cli_main([*base, "--pack-int4"]) == 2
+    assert "--pack-int4 is a torchao option" in capsys.readouterr().err
+    assert cli_main([*base, "--group-size", "48"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+    assert not out.exists()

@@ -542,15 +542,16 @@ SAMPLING_FIELDS = {
     "user": _field(st.text(max_size=5)),
     "ignore_eos": _field(st.booleans()),
 }
+# content is required (a message without it gets 400); _field still makes it any JSON value
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "x"])},
-    optional={
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "x"]),
         "content": _field(
             st.text(max_size=20)
             | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text()}))
         ),
-        "name": _field(st.text(max_size=4)),
     },
+    optional={"name": _field(st.text(max_size=4))},
 )
 
 

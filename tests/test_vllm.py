@@ -132,3 +132,34 @@ def test_lmforge_serve_engine_vllm_answers_the_openai_client(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_vllm_serves_a_compressed_tensors_int4_artifact_with_lmforge_choices(tmp_path):
+    """`lmforge quantize --format compressed-tensors --scheme int4-wo` loads in vLLM's CPU build
+    (its CPUWNA16 kernel, bf16 activations). Each token vLLM picks is lmforge's greedy pick on
+    the dequantized model, or within bf16's rounding of it (a random model has near ties)."""
+    from lmforge.cli import main as cli_main
+
+    loaded = LoadedModel(build_model(TINY, dtype=torch.bfloat16, seed=3), None, TINY, "test")
+    source = lmforge.save(loaded, tmp_path / "bf16", stage="test")
+    out = tmp_path / "w4a16"
+    assert cli_main(["quantize", str(source), str(out), "--scheme", "int4-wo",
+                     "--format", "compressed-tensors"]) == 0  # fmt: skip
+    script = tmp_path / "run_vllm.py"
+    script.write_text(RUN_VLLM)
+    options = {**VLLM_OPTIONS, "dtype": "bfloat16"}
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(script), str(out), json.dumps(options), json.dumps(PROMPTS),
+         str(NEW_TOKENS)],
+        cwd=tmp_path, env=VLLM_ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    found = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert done.returncode == 0 and found, done.stderr[-4000:]
+    assert "CPUWNA16" in done.stdout + done.stderr  # vLLM's int4 kernel, not a dequantized copy
+    model = lmforge.load(out, dtype="float32").model
+    for prompt, tokens in zip(PROMPTS, json.loads(found[0].removeprefix("TOKENS "))):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (logits.amax(1) - chosen).max() <= 0.02 * logits.abs().max(), (prompt, tokens)
+        assert tokens[0] == int(logits[0].argmax())

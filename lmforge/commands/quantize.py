@@ -79,6 +79,15 @@ def register(subparsers) -> None:
         default=None,
         help="cast the model before quantizing (default: the stored dtype)",
     )
+    quantize.add_argument(
+        "--format",
+        choices=["torchao", "compressed-tensors"],
+        default="torchao",
+        help="torchao (default): what lmforge serve runs fastest; compressed-tensors: W4A16 / "
+        "W8A16 as llm-compressor writes it, which vLLM serves with its Marlin/Machete kernels "
+        "(lmforge serve --engine vllm) and transformers loads through compressed-tensors "
+        "(int4 group size 128 by default; lmforge reads it back as plain weights)",
+    )
     add_overwrite_argument(quantize)
     add_config_file(quantize, _ARGUMENTS, what="ARTIFACT, OUT and the options")
     quantize.set_defaults(func=quantize_main)
@@ -93,7 +102,39 @@ _ARGUMENTS = {
     "quantize_output": "--quantize-output",
     "device": "--device",
     "dtype": "--dtype",
+    "format": "--format",
 }
+
+
+def _write_compressed(args: argparse.Namespace) -> int:
+    import time
+
+    from lmforge.api import local_source
+    from lmforge.errors import ConfigError
+    from lmforge.quantize.compressed import write_compressed
+
+    for flag, value in (
+        ("--pack-int4", args.pack_int4),
+        ("--quantize-output", args.quantize_output),
+    ):
+        if value:
+            raise ConfigError(f"{flag} is a torchao option: not with --format compressed-tensors")
+    group = args.group_size or (128 if args.scheme == "int4-wo" else None)
+    start = time.perf_counter()
+    source = local_source(args.source)
+    out, linears = write_compressed(
+        source, args.out, scheme=args.scheme, group_size=group, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+    )  # fmt: skip
+    size = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
+    name = {"int4-wo": "W4A16", "int8-wo": "W8A16"}[args.scheme]
+    print(
+        f"quantized {len(linears)} linears of {args.source} to compressed-tensors {name} "
+        f"({f'group size {group}' if group else 'per output row'}) in "
+        f"{time.perf_counter() - start:.1f}s -> {out} ({_size(size)} of weights)\n"
+        f"serve it with vLLM: lmforge serve {out} --engine vllm"
+    )
+    return 0
 
 
 def _size(num_bytes: int | None) -> str:
@@ -122,6 +163,8 @@ def quantize_main(args: argparse.Namespace) -> int:
     from lmforge.api import local_source
     from lmforge.quantize import quantize_artifact
 
+    if args.format == "compressed-tensors":
+        return _write_compressed(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     result = quantize_artifact(

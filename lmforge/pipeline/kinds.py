@@ -122,6 +122,7 @@ class QuantizeStageSection(Section):
     quantize_output: bool = False
     device: str | None = None
     dtype: Dtype | None = None
+    format: Literal["torchao", "compressed-tensors"] = "torchao"
 
 
 class GenerateStageSection(Section):

@@ -119,3 +119,40 @@ def read_quantized_state(directory: Path, args) -> dict[str, torch.Tensor]:
             f"{directory}: tensors not described by the metadata: {sorted(leftover)[:4]}"
         )
     return models.hf_state_dict_to_ours(state, args, directory)
+
+
+def is_compressed(directory: Path) -> bool:
+    """Whether a model directory's config.json says compressed-tensors (`lmforge quantize
+    --format compressed-tensors`, llm-compressor)."""
+    config_path = Path(directory) / artifact.CONFIG_NAME
+    if not config_path.exists():
+        return False
+    config = artifact.read_json(config_path).get("quantization_config") or {}
+    return config.get("quant_method") == "compressed-tensors"
+
+
+def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A compressed-tensors pack-quantized HF state dict with each linear's weight unpacked and
+    dequantized (w = q * scale) in its scale's dtype: what `lmforge.load` builds a model from."""
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    except ImportError:
+        raise UserError(
+            "a compressed-tensors artifact needs the compressed-tensors package: pip install "
+            "'lmforge[quant]'"
+        ) from None
+    out = {}
+    for name, tensor in state.items():
+        if not name.endswith(".weight_packed"):
+            if not name.endswith((".weight_scale", ".weight_shape")):
+                out[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight_packed")
+        scale, shape = state[f"{prefix}.weight_scale"], state[f"{prefix}.weight_shape"]
+        n, k = (int(v) for v in shape)
+        bits = 32 * tensor.shape[1] // k  # K/8 int32 columns: 4 bits; K/4: 8
+        values = unpack_from_int32(tensor, bits, torch.Size([n, k])).float()
+        group = k // scale.shape[1]
+        weight = values * scale.float().repeat_interleave(group, dim=1)
+        out[f"{prefix}.weight"] = weight.to(scale.dtype)
+    return out
