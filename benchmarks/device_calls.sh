@@ -130,10 +130,12 @@ quantized-serve)
   # first the compiled quantized kernels against the dequantized products
   preset=${PRESET:-llama3.2-1b}
   gpu_tests 150 kernels tests/test_kernels.py -k "tiled or dequantized_product"
+  step 120 products python3 benchmarks/quantized_gemm.py --preset "$preset" --rows 1 8 32 64
   step 540 "qserve-$preset" python3 benchmarks/serve_load.py --preset "$preset" --device cuda \
     --schemes bf16 int8-wo int4-wo --max-concurrency 64 --concurrency 1 8 32 64 \
     --max-tokens 128 --max-seq-len 4096 --out "$OUT/$preset"
   tail -n 3 "$OUT/kernels.log"
+  tail -n 18 "$OUT/products.log"
   tail -n 6 "$OUT/qserve-$preset.log"
   ;;
 tiles)
