@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 
 import torch
 
@@ -47,6 +48,16 @@ def quantized(weight: torch.Tensor, bits: int, group: int) -> QuantizedLinear:
     return QuantizedLinear(q, scale, torch.zeros_like(scale), 4)
 
 
+def product(x, weight, layer, bits: int) -> torch.Tensor:
+    """x @ w.T as the engine runs it: one row in the GEMV, more in cuBLAS (bf16) or
+    `quantized_gemm`."""
+    if bits == 16:
+        return gemv(x, weight) if x.shape[0] == 1 else x @ weight.t()
+    if x.shape[0] == 1:
+        return layer(x)
+    return quantized_gemm(x, layer.q, layer.scale, layer.zero, bits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama3.2-1b")
@@ -70,13 +81,11 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cells = []
             for bits in (16, 8, 4):
+                layer = layers.get(bits)
+                fn = partial(product, x, weight, layer, bits)
                 if bits == 16:
-                    fn = (lambda: gemv(x, weight)) if rows == 1 else (lambda: x @ weight.t())
                     size = weight.numel() * 2
                 else:
-                    layer = layers[bits]
-                    fn = (lambda: layer(x)) if rows == 1 else (
-                        lambda: quantized_gemm(x, layer.q, layer.scale, layer.zero, bits))  # fmt: skip
                     size = layer.q.numel() + layer.scale.numel() * 2 * (2 if bits == 4 else 1)
                 ms = timed(fn, args.repeats)
                 cells.append(f"{ms:.4f} ({size / ms / 1e6:,.0f})")
