@@ -1,7 +1,7 @@
 """The block products of a preset at 1-64 rows: bf16 (cuBLAS, or the GEMV at one row) against
 int8 and int4 in the engine's layout (`lmforge.generate.kernels`: the GEMV at one row,
 `quantized_gemm` at 2-128), each timed alone with CUDA events (median of --repeats), and the
-bandwidth each reaches (weight bytes / time). Fills docs/benchmarks.md's "Quantized" product
+bandwidth each reaches (weight bytes / time), each product replayed in a CUDA graph. Fills docs/benchmarks.md's "Quantized" product
 table (`bash benchmarks/device_calls.sh quantized-serve` runs it first).
 
     python3 benchmarks/quantized_gemm.py --preset llama3.2-1b --rows 1 8 32 64
@@ -20,18 +20,26 @@ from lmforge.generate.kernels.quantized_gemm import quantized_gemm
 from lmforge.models import get_preset
 
 
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of `fn()` over `repeats` launches (after two warm-ups)."""
-    for _ in range(2):
+def timed(fn, repeats: int, launches: int = 20) -> float:
+    """Median milliseconds of one `fn()` on the GPU: `launches` of it recorded in a CUDA graph
+    (as the engine runs them: no host time between kernels), the graph replayed `repeats`
+    times. Timed eagerly, each launch measured the host's ~50 us of dispatch instead (a first
+    run, 2026-12-04: every product 0.05-0.27 ms)."""
+    for _ in range(3):  # autotuning and compilation happen here, outside the graph
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / launches)
     return statistics.median(times)
 
 
