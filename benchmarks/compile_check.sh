@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
-# Compile the decode kernels for an H100/H200 (sm_90) with the Triton the GPU machine has (3.6,
-# beside its torch 2.11), here, without a GPU: tests/test_kernels.py's compile check runs with
-# this machine's Triton, and a kernel that compiles with one version may not with another
-# (2026-12-02: a constraint string built in a kernel compiled with Triton 3.9, not 3.6, and cost
-# a device call). Run it before a device call that brings new kernel code:
-#   bash benchmarks/compile_check.sh
+# Compile the decode kernels for sm_90 with the GPU machine's Triton (3.6), here, without a GPU: a
+# kernel that compiles with this machine's Triton may not with another (docs/inference.md). Run it
+# before a device call that brings new kernel code: bash benchmarks/compile_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${TRITON_VERSION:-3.6.0}

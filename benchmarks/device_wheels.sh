@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
-# The Python packages the benchmarks need on the GPU machine that its image lacks, as wheels for
-# its Python 3.12 (x86-64) in .whl/ (ignored by git; name it in the device call's `carry`):
-# lmforge's own (torchao, pydantic, lm-eval, the server's) and torchtitan 0.2.2 with its needs
-# (the side-by-side training reference, ../shared/bench/titan_baseline.py, copied in too).
-# Versions follow constraints.txt where it names them. benchmarks/device_calls.sh installs them
-# at the start of each call.
+# The Python packages the GPU machine's image lacks (lmforge's own, torchtitan 0.2.2 and its
+# needs, ../shared/bench/titan_baseline.py), as wheels for its Python 3.12 in .whl/ (ignored by
+# git; carry it), versions from constraints.txt; benchmarks/device_calls.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude

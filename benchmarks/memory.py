@@ -1,47 +1,36 @@
 """Peak GPU memory of real training steps vs `lmforge plan`'s prediction.
 
-Each configuration builds the model the way the trainer does (meta device → LoRA swap →
-`parallelize()` → materialize → init), runs a few `Trainer.train_step`s on random tokens
-(fp32 master weights, bf16 compute, fused AdamW), and compares
-`torch.cuda.max_memory_allocated()` over the steady steps with `plan_memory(...).peak_allocated`
-(target: within ±15% on every row), and the device memory needed (the caching allocator's peak
-reservation plus what lives outside it: CUDA context, NCCL) with the plan's total.
+Each configuration builds the model as the trainer does, runs a few `Trainer.train_step`s on
+random tokens (fp32 masters, bf16 compute, fused AdamW) and compares the steady steps'
+`torch.cuda.max_memory_allocated()` with `plan_memory(...).peak_allocated` (target ±15%), and
+the peak reservation plus what lives outside the allocator with the plan's total. "fsdp1" rows
+run FSDP2 on a one-rank group (the multi-GPU code path). Writes $OUT/memory.json.
 
-    python benchmarks/memory.py                       # all configurations, one GPU
     python benchmarks/memory.py --only 1b-full-none 3b-lora-none
 
-"fsdp1" rows wrap the model in FSDP2 on a one-rank process group: the multi-GPU code path
-(bf16 all-gathers, fp32 reduce-scatters, no autocast) on one GPU. Writes $OUT/memory.json.
 Fills docs/benchmarks.md's "Planner" table (`bash benchmarks/device_calls.sh memory`).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import bench_trainer
-from lmforge.models.llama import Transformer, get_preset
-from lmforge.modules.lora import (
-    DEFAULT_TARGETS,
-    apply_lora,
-    quantize_base_nf4,
-    reset_lora_parameters,
-)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from benchmarks import common
+from lmforge.models.llama import get_preset
+from lmforge.modules.lora import DEFAULT_TARGETS
 from lmforge.parallel.config import ParallelSection
-from lmforge.parallel.distributed import MESH_AXES, Layout
 from lmforge.plan.memory import CUDA_CONTEXT_BYTES, GiB, Setup, plan_memory
 from lmforge.train.losses import CausalLMLoss, DPOLossStep, count_label_tokens, count_pairs
-from lmforge.train.parallelize import apply_fsdp, parallelize
-
-PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
 
 
 @dataclass(frozen=True)
@@ -79,122 +68,61 @@ CONFIGS = [
     Config("1b-full-selective-fsdp1", "1b", ac="selective", batch=8, fsdp1=True),
     Config("1b-full-full-fsdp1-accum2", "1b", ac="full", batch=8, fsdp1=True, accumulation=2),
 ]
-LORA_RANK = 16
 
 
-def random_batches(cfg: Config, vocab: int, device):
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def tokens():
-        return torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), device=device, generator=generator)
-
-    while True:
-        if cfg.method.startswith("dpo"):
-            chosen, rejected = tokens(), tokens()
-            yield {
-                "chosen_inputs": chosen[:, :-1],
-                "chosen_labels": chosen[:, 1:],
-                "rejected_inputs": rejected[:, :-1],
-                "rejected_labels": rejected[:, 1:],
-            }
-        else:
-            t = tokens()
-            yield {"inputs": t[:, :-1], "labels": t[:, 1:]}
-
-
-def one_rank_layout(device: torch.device) -> Layout:
-    """A one-process group and (1, 1, 1) mesh, for FSDP2 on one device."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (1, 1, 1), mesh_dim_names=MESH_AXES)
-    return Layout(rank=0, world_size=1, device=device, mesh=mesh, dp_rank=0, dp_size=1, tp_size=1)
-
-
-def build_model(cfg: Config, args, layout: Layout, device: torch.device, *, lora: bool):
-    """Meta device → LoRA swap → parallelize() → materialize → initialize, as the trainer."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    if lora:
-        apply_lora(  # as lmforge.train.stage in bf16 training: frozen linears stored in bf16
-            model,
-            targets=DEFAULT_TARGETS,
-            rank=LORA_RANK,
-            alpha=2.0 * LORA_RANK,
-            base_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        )
+def build_trainer(cfg: Config, device: torch.device, steps: int):
+    args = get_preset(common.PRESETS[cfg.model])
+    layout = common.one_rank_layout(device, mesh=cfg.fsdp1 or cfg.offload)
     parallel = ParallelSection(
         activation_checkpointing=cfg.ac,
         cpu_offload=cfg.offload,
         compile=cfg.compile,
-        reshard_after_forward=True,  # what predict()'s Setup models
+        reshard_after_forward=True,  # what the planner's Setup models
     )
-    parallelize(model, layout, parallel, bf16=True)
-    if cfg.fsdp1 and not cfg.offload:
-        apply_fsdp(model, layout, parallel, bf16=True)  # parallelize skips FSDP at dp size 1
-    model.to_empty(device="cpu" if cfg.offload else device)
-    fsdp = cfg.fsdp1 or cfg.offload
-    if not fsdp:
-        model.tie_weights()
-    model.init_buffers(device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
-    if lora:
-        reset_lora_parameters(model)
-    if cfg.method == "qlora":
-        quantize_base_nf4(model)
-    return model
-
-
-def build_trainer(cfg: Config, device: torch.device, steps: int):
-    args = get_preset(PRESETS[cfg.model])
-    on_cuda = device.type == "cuda"
-    if cfg.fsdp1 or cfg.offload:
-        layout = one_rank_layout(device)
-    else:
-        layout = Layout(
-            rank=0, world_size=1, device=device, mesh=None, dp_rank=0, dp_size=1, tp_size=1
-        )
-    lora = cfg.method in ("lora", "qlora", "dpo-lora")
-    model = build_model(cfg, args, layout, device, lora=lora)
+    lora = "qlora" if cfg.method == "qlora" else "lora" if "lora" in cfg.method else None
+    model = common.build_train_model(args, layout, parallel, lora=lora, fsdp1=cfg.fsdp1)
     model.train()
-    if cfg.method.startswith("dpo"):
+    dpo = cfg.method.startswith("dpo")
+    if dpo:
         reference = None
         if cfg.method == "dpo-full":  # lmforge.train.dpo: a frozen copy built like the policy
-            reference = build_model(cfg, args, layout, device, lora=False).eval()
-            reference.requires_grad_(False)
+            reference = common.build_train_model(args, layout, parallel, fsdp1=cfg.fsdp1)
+            reference.eval().requires_grad_(False)
         loss_step = DPOLossStep(
             beta=0.1, label_smoothing=0.0, loss_type="sigmoid", reference=reference
         )
         count = count_pairs
     else:
         loss_step, count = CausalLMLoss(compile=cfg.compile), count_label_tokens
-    trainer = bench_trainer(
+    batches = common.random_batches(args.vocab_size, cfg.batch, cfg.seq, device, pairs=dpo)
+    trainer = common.bench_trainer(
         model,
         layout,
         loss_step=loss_step,
-        batches=random_batches(cfg, args.vocab_size, device),
+        batches=batches,
         steps=steps,
         micro_batch_size=cfg.batch,
         accumulation=cfg.accumulation,
-        bf16=on_cuda,
         lr=1e-5,
         count_targets=count,
     )
     return trainer, args
 
 
-def predict(cfg: Config, args, *, compute: str = "bf16"):
-    setup = Setup(
+def measure(cfg: Config, device: torch.device, steps: int) -> dict:
+    common.cleanup()
+    start = time.perf_counter()
+    trainer, args = build_trainer(cfg, device, steps)
+    losses, peak = [], 0
+    for _ in range(steps):  # the peak of a steady step (optimizer states exist from step 2)
+        torch.cuda.reset_peak_memory_stats()
+        losses.append(trainer.train_step(False)["loss"])
+        peak = max(peak, torch.cuda.max_memory_allocated())
+    setup = Setup(  # what the planner predicts for the same job
         args=args,
-        model_name=PRESETS[cfg.model],
+        model_name=common.PRESETS[cfg.model],
         method=cfg.method,
-        lora_rank=LORA_RANK,
+        lora_rank=common.LORA_RANK,
         lora_targets=tuple(DEFAULT_TARGETS),
         gpus=1,
         activation_checkpointing=cfg.ac,
@@ -203,30 +131,16 @@ def predict(cfg: Config, args, *, compute: str = "bf16"):
         micro_batch_size=cfg.batch,
         seq_len=cfg.seq,
         force_fsdp=cfg.fsdp1,
-        compute_dtype=compute,
+        compute_dtype="bf16",
         grad_accumulation=cfg.accumulation,
     )
-    return plan_memory(setup, "h200")
-
-
-def measure(cfg: Config, device: torch.device, steps: int) -> dict:
-    gc.collect()
-    torch.cuda.empty_cache()
-    start = time.perf_counter()
-    trainer, args = build_trainer(cfg, device, steps)
-    losses, peak = [], 0
-    for _ in range(steps):  # the peak of a steady step (optimizer states exist from step 2)
-        torch.cuda.reset_peak_memory_stats()
-        losses.append(trainer.train_step(False)["loss"])
-        peak = max(peak, torch.cuda.max_memory_allocated())
-    plan = predict(cfg, args)
+    plan = plan_memory(setup, "h200")
     torch.cuda.synchronize()
     reserved = torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
-    # Reserved at its peak, plus what lives outside the caching allocator (CUDA context, NCCL
-    # buffers): what the device must hold.
+    # what lives outside the caching allocator (CUDA context, NCCL buffers)
     outside = (total - free) - torch.cuda.memory_reserved()
-    row = {
+    return {
         "config": cfg.name,
         "seconds": round(time.perf_counter() - start, 1),
         "loss": round(losses[-1], 3),
@@ -241,25 +155,6 @@ def measure(cfg: Config, device: torch.device, steps: int) -> dict:
         "peak_error_pct": round(100 * (plan.peak_allocated - peak) / peak, 1),
         "total_error_pct": round(100 * (plan.total - reserved - outside) / (reserved + outside), 1),
     }
-    del trainer
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch._dynamo.reset()
-    return row
-
-
-def _write(out: str, device, context, rows) -> None:
-    with open(os.path.join(out, "memory.json"), "w") as handle:
-        json.dump(
-            {
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                "torch": torch.__version__,
-                "context_gib": context,
-                "rows": rows,
-            },
-            handle,
-            indent=1,
-        )
 
 
 def main() -> None:
@@ -270,37 +165,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    configs = CONFIGS
-    if args.only:
-        known = {c.name: c for c in configs}
-        unknown = [n for n in args.only if n not in known]
-        if unknown:
-            parser.error(f"unknown configurations {unknown}; known: {', '.join(known)}")
-        configs = [known[n] for n in args.only]
+    known = {c.name: c for c in CONFIGS}
+    unknown = [n for n in args.only or [] if n not in known]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {', '.join(known)}")
+    configs = [known[n] for n in args.only] if args.only else CONFIGS
     device = torch.device("cuda")
-    context = None
-    if device.type == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device=device)
-        free, total = torch.cuda.mem_get_info()
-        context = (total - free) / GiB
-        print(
-            f"{torch.cuda.get_device_name()}: {total / GiB:.1f} GiB, CUDA context "
-            f"{context:.2f} GiB (planner assumes {CUDA_CONTEXT_BYTES / GiB:.2f})",
-            flush=True,
-        )
+    torch.cuda.init()
+    torch.empty(1, device=device)
+    free, total = torch.cuda.mem_get_info()
+    context = (total - free) / GiB
+    print(
+        f"{torch.cuda.get_device_name()}: {total / GiB:.1f} GiB, CUDA context "
+        f"{context:.2f} GiB (planner assumes {CUDA_CONTEXT_BYTES / GiB:.2f})",
+        flush=True,
+    )
     rows = []
     for cfg in configs:
         try:
             row = measure(cfg, device, args.steps)
         except Exception as err:  # one failing configuration must not lose the others
             row = {"config": cfg.name, "error": f"{type(err).__name__}: {str(err)[:300]}"}
-            if device.type == "cuda":
-                gc.collect()
-                torch.cuda.empty_cache()
+        common.cleanup()
         print(json.dumps(row), flush=True)
         rows.append(row)
-        _write(args.out, device, context, rows)  # a killed run still leaves what it measured
+        summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        # after each row: a killed run still leaves what it measured
+        common.write_json(
+            args.out, "memory.json", {**summary, "context_gib": context, "rows": rows}
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
     print(
@@ -310,7 +203,7 @@ def main() -> None:
     for row in rows:
         if "error" in row:
             print(f"{row['config']:24s} FAILED {row['error'][:80]}")
-        elif "measured_peak_gib" in row:
+        else:
             print(
                 f"{row['config']:24s} {row['predicted_peak_gib']:8.2f}Gi {row['measured_peak_gib']:8.2f}Gi "
                 f"{row['peak_error_pct']:+6.1f}%   {row['predicted_total_gib']:9.2f}Gi "

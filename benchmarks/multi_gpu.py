@@ -1,23 +1,15 @@
 """Training through the real CLI on one and two GPUs: `lmforge launch --nproc N pretrain|sft|dpo`
-on real token shards, SFT and DPO files, as a user runs it. For each row: median tokens/s over
-the steps after warm-up, the measured peak memory (torch.cuda.max_memory_allocated) and the
-planner's prediction for the same job (`lmforge plan --config <run>/job.toml`, the total less its
-context/slack line, so both count allocated bytes).
+on real token shards, SFT and DPO files, as a user runs it. Each row: median tokens/s after
+warm-up, the peak memory (max allocated) and the planner's allocated bytes for the same job
+(`lmforge plan --config <run>/job.toml`, the total less its context/slack line).
 
 Fills docs/benchmarks.md's "Training through the CLI, one GPU" rows (`bash
 benchmarks/device_calls.sh cli`, `cli-post`) and its "Multi-GPU" table (`fsdp2`, `fsdp2-post`).
 
-    python3 benchmarks/multi_gpu.py --rows 1b-1 1b-2 3b-1 3b-2 3b-tp2 --steps 12 --warmup 4
-
-Rows are PRESET-LAYOUT[-KIND][+nrs|+rs]: layout 1 / 2 (FSDP2 over 2 GPUs) / tp2; kind pretrain
-(default), sft-full, sft-lora, sft-qlora (the frozen base in NF4), dpo-full (a frozen copy
-as the reference) or dpo-lora; +nrs keeps the gathered
-parameters between forward and backward
-(parallel.reshard_after_forward = false), +rs frees them after forward (true); without either,
-the default "auto" decides (the row's result names its choice); +bf16r reduce-scatters bf16
-gradients (parallel.reduce_dtype). Presets are as shipped (1B and
-3B tie their embeddings). Data: a generated corpus and a BPE tokenizer
-(vocab 8192; the model keeps its 128256-row table).
+Rows are PRESET-LAYOUT[-KIND][+nrs|+rs][+bf16r]: layout 1, 2 (FSDP2) or tp2; kind pretrain
+(default), sft-full, sft-lora, sft-qlora, dpo-full or dpo-lora; +nrs / +rs set
+parallel.reshard_after_forward false / true (default auto); +bf16r parallel.reduce_dtype=bfloat16.
+Data: a generated corpus and a BPE tokenizer (vocab 8192; the model keeps its 128256-row table).
 """
 
 from __future__ import annotations
@@ -91,9 +83,7 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
         f"run_dir={run_dir}",
         f"model.source={PRESETS[size]}",
         f"model.tokenizer={data['tokenizer']}",
-        "model.overrides.vocab_size=128256"
-        if size != "tiny"
-        else "model.overrides.vocab_size=8192",
+        f"model.overrides.vocab_size={8192 if size == 'tiny' else 128256}",
         f"train.steps={args.steps}",
         f"train.micro_batch_size={micro}",
         f"train.device={args.device}",

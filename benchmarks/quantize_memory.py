@@ -1,16 +1,12 @@
 """Peak host memory of `lmforge quantize`: streaming (tensor by tensor from the safetensors
 shards) against the whole-model path, on the CPU.
 
-A random-init preset is saved once as a bf16 artifact; each quantization then runs in a fresh
-subprocess, which reports its own peak resident set (`resource.getrusage(RUSAGE_SELF)
-.ru_maxrss`) and the resident set after importing torch and torchao (the floor every run pays).
+A random-init preset is saved once as a bf16 artifact; each quantization runs in a fresh
+subprocess that reports its peak resident set and the one after importing torch and torchao.
+Fills docs/benchmarks.md's quantization-memory table (CPU; no device call): a markdown table on
+stdout, the rows as JSON to --out (default $OUT/quantize_memory.json when $OUT is set).
 
-    PYTHONPATH=$PWD python3 benchmarks/quantize_memory.py                  # llama3.2-1b
     PYTHONPATH=$PWD python3 benchmarks/quantize_memory.py --preset tiny --schemes int8-wo
-
-Fills docs/benchmarks.md's quantization-memory table (CPU; no device call). Writes a markdown
-table to stdout and the rows as JSON to --out (default $OUT/quantize_memory.json
-when $OUT is set).
 """
 
 from __future__ import annotations
@@ -82,12 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument("--schemes", nargs="+", default=["int8-wo", "int4-wo"])
-    parser.add_argument(
-        "--stream-shard-sizes",
-        nargs="+",
-        default=["5GB", "512MB"],
-        help="max shard sizes of the streaming runs (the whole-model run uses the first)",
-    )
+    # max shard sizes of the streaming runs (the whole-model run uses the first)
+    parser.add_argument("--stream-shard-sizes", nargs="+", default=["5GB", "512MB"])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -112,8 +104,7 @@ def main() -> None:
             out = workdir / f"{scheme}-{mode}-{shard}"
             rows.append(json.loads(_run_child(str(source), str(out), scheme, mode, shard)))
             print(rows[-1], file=sys.stderr)
-    print(f"{args.preset}, random init, bf16 source {_gib(rows[0]['source_bytes'])} GiB on disk")
-    print()
+    print(f"{args.preset}, random init, bf16 source {_gib(rows[0]['source_bytes'])} GiB on disk\n")
     print(
         "| scheme | path | max shard | peak RSS (GiB) | above imports (GiB) | time (s) "
         "| artifact (GiB) |"

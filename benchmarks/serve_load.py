@@ -1,23 +1,13 @@
 """Load on `lmforge serve`: throughput (generated tokens/s) and latency at several concurrencies.
 
-At each concurrency c, c client threads send streaming completion requests back to back (a
-fixed `--max-tokens`, `ignore_eos` so every request generates exactly that many, greedy) until
-`--requests` (default 4 x c, at least 8) have finished. Per level it reports generated
-tokens/s over the level's wall time, and the p50/p99 of request latency (send to last byte)
-and of time to first token, from a server it starts on an artifact (`--artifact`, with
-`--max-concurrency` rows) or on random weights (`--preset`), stopped at the end.
+At each concurrency c, c client threads send streaming completion requests back to back
+(`ignore_eos`: exactly --max-tokens each) until --requests have finished; per level: tokens/s
+over the level's wall time, p50/p99 of latency and time to first token. The server is started
+here on --artifact, or on random bf16 weights of --preset with a small BPE tokenizer of this
+script's words, and stopped at the end. Only the standard library on the client side.
 
-    python benchmarks/serve_load.py --artifact runs/demo/sft/artifact          # CPU, tiny model
-    python benchmarks/serve_load.py --artifact ART --device cuda --concurrency 1 8 32 64
-    python benchmarks/serve_load.py --preset llama3.2-1b --device cuda --max-concurrency 64
-
-`--preset` serves random bf16 weights of a preset shape with a small BPE tokenizer trained on
-this script's words (the model keeps the preset's vocabulary).
-
-Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh serve`: the 1B at
-1-64 streams, greedy and sampled) and its quantized rows (`--schemes bf16 int8-wo int4-wo`,
-`device_calls.sh quantized-serve`). Writes serve_load.json to --out ($OUT if set). Only the
-standard library on the client side.
+Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh serve`) and its
+quantized rows (`--schemes bf16 int8-wo int4-wo`, `device_calls.sh quantized-serve`).
 """
 
 from __future__ import annotations
@@ -84,8 +74,6 @@ class Client:
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    if not ordered:
-        return 0.0
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
 
@@ -178,9 +166,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         found = re.search(r"on (http://[^/\s]+)/v1", log.read_text())
         if found:
             url = found.group(1)
-            client = Client(url)
             try:
-                if client.get("/health")[0] == 200:
+                if Client(url).get("/health")[0] == 200:
                     return process, url, log
             except OSError:
                 pass
@@ -201,13 +188,8 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        help="with --preset's random model sample with --top-k 50 or less: its ids past the "
-        "300 of its tokenizer have logits 0, and a draw among those streams no text",
-    )
+    # --preset's random model: ids past its tokenizer's 300 stream no text; sample with top-k <= 50
+    parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2, help="requests before measuring")
     # The server:
     parser.add_argument("--max-concurrency", type=int, default=32, help="server rows (32)")
@@ -215,11 +197,7 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
-        "--schemes",
-        nargs="+",
-        default=["bf16"],
-        help="serve the artifact as it is (bf16) and/or as `lmforge quantize --scheme S` makes "
-        "it with its defaults (int8-wo, int4-wo), each in turn; a table of ratios to bf16 last",
+        "--schemes", nargs="+", default=["bf16"], help="bf16 (as is), int8-wo, int4-wo (quantized)"
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
@@ -239,8 +217,7 @@ def main() -> None:
 
 
 def quantized(source: Path, scheme: str, args) -> Path:
-    """`lmforge quantize SOURCE OUT --scheme SCHEME` with the command's defaults, as a user
-    makes it (timed)."""
+    """`lmforge quantize SOURCE OUT --scheme SCHEME` with its defaults, as a user makes it."""
     out = source.parent / scheme
     command = [sys.executable, "-m", "lmforge", "quantize", str(source), str(out)]
     command += ["--scheme", scheme, "--overwrite"]

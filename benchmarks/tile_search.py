@@ -1,16 +1,10 @@
 """The GEMV's tiles chosen inside the batch-1 decode step: the tool that writes the table of
 pinned tiles lmforge reads at run time (`tiles.TILES`, gemv_tiles.json; `bash
-benchmarks/device_calls.sh tiles`). Triton's autotuner times each tile alone; inside the step
-the kernels launch early and overlap, and a pick fastest alone can be slow there
-(docs/inference.md). After the engine's own tuning, each product's candidate tiles
-(`tiles._candidates`, `tiles._int4_configs()` for int4 in packed fp16) go into the step in
-turn (its CUDA graph recorded again), timed over --tokens greedy tokens (median of --repeats); a
-product keeps its fastest tile before the next is searched (coordinate descent, --passes
-rounds). Prints tok/s with the autotuner's and the step's picks, writes both to
-tile_search.json in --out and merges the step's into --table. The search starts from the pinned
-tiles of the table in use (LMFORGE_GEMV_TILES=none: from the autotuner's picks).
-
-    LMFORGE_GEMV_TILES=none python3 benchmarks/tile_search.py --preset llama3.2-1b --schemes bf16
+benchmarks/device_calls.sh tiles`). After the engine's own tuning, each product's candidate
+tiles go into the step in turn (its CUDA graph recorded again), timed over --tokens greedy
+tokens (median of --repeats); a product keeps its fastest tile before the next is searched
+(coordinate descent, --passes rounds). Writes tile_search.json to --out and merges the step's
+picks into --table. LMFORGE_GEMV_TILES=none starts from the autotuner's picks (docs/inference.md).
 """
 
 from __future__ import annotations
@@ -27,9 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import cleanup, write_json
 from benchmarks.decode import SCHEMES, copy_bandwidth, make_model
 from lmforge.generate import Generator, SamplingParams, kernels, weight_bytes
 from lmforge.generate.kernels import gemv_kernel, int4, tiles
+
+MARGIN = 0.005  # a tile must beat the kept one by this much
+describe = tiles.describe
 
 
 def decode_rate(generator: Generator, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -58,34 +56,21 @@ def _is_int4(key: tuple) -> bool:
     return key in int4._gemv_int4_tuned.cache
 
 
-def candidates(key: tuple, folded: bool = False) -> list:
-    """The tiles the autotuner tries for the product of `key` where none is pinned (`folded`:
-    only the folded ones, `tiles._ROW_DEEP`)."""
+def candidates(key: tuple) -> list:
+    """The tiles the autotuner tries for the product of `key` where none is pinned."""
     if _is_int4(key):
-        found = tiles._int4_candidates(int4._gemv_int4_tuned.configs, named(key))
-    else:
-        found = tiles._candidates(gemv_kernel._gemv_tuned.configs, named(key))
-    return [c for c in found if c.kwargs.get("FOLD")] if folded else found
-
-
-describe = tiles.describe
+        return tiles._int4_candidates(int4._gemv_int4_tuned.configs, named(key))
+    return tiles._candidates(gemv_kernel._gemv_tuned.configs, named(key))
 
 
 def search(generator, prompt, args, caches: list[dict]) -> float:
-    """Coordinate descent over the autotuners' caches (changed in place); returns the final
-    rate."""
+    """Coordinate descent over the autotuners' caches (changed in place) -> the final rate."""
     rate = decode_rate(generator, prompt, args.tokens, args.repeats)
-    pinned = tiles.pinned_tiles(torch.cuda.get_device_name()) if args.unpinned else {}
     keys = [(cache, key) for cache in caches for key in list(cache)]
-    keys = [(cache, key) for cache, key in keys if tiles.tile_key(named(key)) not in pinned]
-    if args.folded:
-        keys = [(cache, key) for cache, key in keys if candidates(key, folded=True)]
-    if args.only:
-        keys = [(cache, key) for cache, key in keys if args.only in tiles.tile_key(named(key))]
     for round_ in range(args.passes):
         for picks, key in keys:
             best, best_rate = picks[key], rate
-            for config in candidates(key, args.folded):
+            for config in candidates(key):
                 if describe(config) == describe(best):  # (picks read from disk are copies)
                     continue
                 picks[key] = config
@@ -93,7 +78,7 @@ def search(generator, prompt, args, caches: list[dict]) -> float:
                 trial = decode_rate(generator, prompt, args.tokens, args.repeats)
                 print(f"    tried {tiles.tile_key(named(key))}: {describe(config)} {trial:.1f} tok/s"
                       f" (kept: {best_rate:.1f})", flush=True)  # fmt: skip
-                if trial > best_rate * (1 + args.margin):
+                if trial > best_rate * (1 + MARGIN):
                     best, best_rate = config, trial
             picks[key] = best
             if best_rate != rate:
@@ -114,26 +99,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="greedy tokens a timing")
     parser.add_argument("--repeats", type=int, default=3, help="timings a trial (median)")
     parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument(
-        "--margin", type=float, default=0.005, help="a tile must beat the kept one by this much"
-    )
-    parser.add_argument(
-        "--unpinned",
-        action="store_true",
-        help="search only the products the table in use does not pin (new ones)",
-    )
-    parser.add_argument(
-        "--folded",
-        action="store_true",
-        help="search only the products that may fold (int8), among their folded tiles",
-    )
-    parser.add_argument("--only", default="", help="search only products whose key has this")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument(
-        "--table", default=None, help="a tiles table to merge the step's picks into (made if new)"
-    )
+    parser.add_argument("--table", help="a tiles table to merge the step's picks into")
     args = parser.parse_args()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available() or kernels.INTERPRETED:
         parser.error("needs a CUDA GPU and compiled kernels (TRITON_INTERPRET unset)")
     bandwidth = copy_bandwidth()
@@ -171,9 +139,8 @@ def main() -> None:
         for cache in caches:  # the next scheme tunes its own products
             cache.clear()
         del generator, model
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-    (Path(args.out) / "tile_search.json").write_text(json.dumps(results, indent=1))
+        cleanup()
+    write_json(args.out, "tile_search.json", results)
 
 
 def merge(path: Path, gpu: str, results: list[dict]) -> None:

@@ -1,26 +1,12 @@
 """Tensor-parallel inference through the real CLI, one GPU against two: `lmforge launch --nproc N
-generate|eval` on a random-weight artifact of a preset (bf16), as a user runs it. For each row:
+generate|eval` on a random-weight artifact of a preset (bf16), as a user runs it. generate-tpN:
+batch 1, greedy, the decode tokens/s `lmforge generate` reports; eval-tpN: the demo's
+multiple-choice task (demo_mc) with `lmforge eval`, its evaluating and wall seconds. Beside each
+process's peak memory as the command reports it (the CPU's peak RSS with --device cpu), the
+inference planner's allocated bytes a GPU (`plan_inference`, overhead left out) and their ratio.
 
-- generate-tpN: batch 1, a `--prompt-tokens` prompt, `--new-tokens` greedy tokens; the decode
-  tokens/s `lmforge generate` reports (prefill excluded, after its compile warm-up);
-- eval-tpN: the demo's multiple-choice task (demo_mc, log-likelihoods, local files) with
-  `lmforge eval`; the evaluation's seconds (from its results JSON, loading excluded) and the
-  command's wall seconds;
-
-and each process's peak memory as the command reports it (CUDA max allocated since the model was
-loaded; the CPU's peak RSS with --device cpu, not comparable with the planner), beside the
-inference planner's allocated bytes per GPU (`lmforge.plan.inference.plan_inference` for the
-same model, TP degree, batch and sequence length; its context/NCCL/slack overhead left out, so
-both count allocated bytes) and their ratio.
-
-    python3 benchmarks/tp_inference.py                          # llama3.1-8b on 1 and 2 GPUs
-    python3 benchmarks/tp_inference.py --preset tiny --device cpu --work /tmp/tp-cpu
-
-The artifact (16 GB for the 8B preset: random init on the GPU, saved in bf16 with a small BPE
-tokenizer trained on the demo corpus; the model keeps its vocabulary) is written once to
---work and reused. Writes tp_inference.json to --out ($OUT if set) and one log per row.
-Fills docs/benchmarks.md's "Tensor-parallel inference" table (`bash benchmarks/device_calls.sh
-tp`, two GPUs) and the planner's inference rows beside it.
+The artifact and a small BPE tokenizer of the demo corpus are written once to --work. Fills
+docs/benchmarks.md's "Tensor-parallel inference" table (`bash benchmarks/device_calls.sh tp`).
 """
 
 from __future__ import annotations
@@ -74,8 +60,7 @@ def write_world(work: Path, preset: str, device: str) -> dict[str, Path]:
 
 
 def prompt_of_length(paths: dict, num_tokens: int) -> str:
-    """The shortest prefix of the demo corpus that `lmforge generate` encodes to at least
-    `num_tokens` tokens (BOS included)."""
+    """The shortest prefix of the demo corpus `lmforge generate` encodes to >= num_tokens."""
     from lmforge.api import read_args
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.generate.sequence import encode_prompt
@@ -91,8 +76,7 @@ def prompt_of_length(paths: dict, num_tokens: int) -> str:
 
 
 def eval_shape(paths: dict) -> tuple[int, int]:
-    """(tokens of the longest demo_mc request, tokens of the longest choice): what one scoring
-    forward holds per row (context and continuation, BOS included) and scores."""
+    """Tokens of the longest demo_mc request (BOS included) and of the longest choice."""
     from lmforge.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(paths["tokenizer"])
@@ -158,9 +142,7 @@ def measured_eval(out_dir: Path) -> dict:
 
 
 def planned(row: str, preset: str, shape: dict, args) -> dict:
-    """The inference planner's allocated GiB per GPU for the row (total less overhead): the
-    generate row's KV cache holds its prompt and new tokens, the eval row's forward holds
-    `batch_size` rows of the longest request."""
+    """The inference planner's allocated GiB a GPU for the row (total less overhead)."""
     from lmforge.models import get_preset
     from lmforge.plan.inference import InferenceSetup, format_inference_plan, plan_inference
 
@@ -187,20 +169,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="eval: sequences a forward")
     parser.add_argument("--limit", type=int, help="eval: questions (default: all 192)")
-    parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="generate: compile the decode step (on by default on CUDA, as the command does)",
-    )
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/lmforge-tp-inference"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     paths = write_world(args.work, args.preset, args.device)
     prompt = prompt_of_length(paths, args.prompt_tokens)
-    longest, scored = eval_shape(paths)
-    shape = {"eval_tokens": longest, "eval_scored": scored}
+    shape = dict(zip(("eval_tokens", "eval_scored"), eval_shape(paths)))
     env = {**os.environ, "TQDM_DISABLE": "1"}
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
