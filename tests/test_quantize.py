@@ -474,3 +474,14 @@ def test_compressed_tensors_refuses_torchao_options(source, tmp_path, capsys):
     assert cli_main([*base, "--group-size", "48"]) == 2
     assert "does not divide" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_compressed_tensors_from_a_config_file(source, tmp_path):
+    """What a pipeline's quantize stage runs: `lmforge quantize --config` with format."""
+    out = tmp_path / "w4a16"
+    config = tmp_path / "stage.toml"
+    config.write_text(f'source = "{source}"\nout = "{out}"\nscheme = "int4-wo"\n'
+                      'format = "compressed-tensors"\ngroup_size = 64\n')  # fmt: skip
+    assert cli_main(["quantize", "--config", str(config)]) == 0
+    quantization = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quantization["config_groups"]["group_0"]["weights"]["group_size"] == 64
