@@ -25,6 +25,7 @@ import torch
 
 from lmforge import artifact, models
 from lmforge.errors import ConfigError, UserError
+from lmforge.quantize.stored import quiet_torchao
 
 FORMAT = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
@@ -34,6 +35,7 @@ BITS = {"int4-wo": 4, "int8-wo": 8}
 
 
 def _library():
+    quiet_torchao()  # compressed-tensors imports torchao when it is there: without its noise
     try:
         from compressed_tensors.compressors.pack_quantized.helpers import (
             pack_to_int32,

@@ -6,6 +6,7 @@ with torchao tensor subclasses (unpacking lmforge's two-int4-per-byte storage). 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -45,6 +46,13 @@ def require_torchao() -> None:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def quiet_torchao() -> None:
+    """Import torchao quietly where it is installed (for packages that import it themselves,
+    such as compressed-tensors); nothing where it is not."""
+    with contextlib.suppress(UserError):
+        require_torchao()
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -134,6 +142,7 @@ def is_compressed(directory: Path) -> bool:
 def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A compressed-tensors pack-quantized HF state dict with each linear's weight unpacked and
     dequantized (w = q * scale) in its scale's dtype: what `lmforge.load` builds a model from."""
+    quiet_torchao()
     try:
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     except ImportError:
