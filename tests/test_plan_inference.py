@@ -111,15 +111,24 @@ def test_refusals():
 
 
 def test_quantized_products_of_many_rows_plan_the_expanded_weight():
-    """More than one row through a quantized linear expands its weight to bf16 first
-    (lmforge/generate/kernels/): the largest, the fused gate/up, in prefill and scoring;
-    batch-1 decoding (the GEMV) needs none."""
-    setup = InferenceSetup(args=TINY, quantization="int8-wo", task="eval", batch=1)
+    """More than 128 rows through a quantized linear (a prefill chunk, a scoring batch) expand
+    its weight to bf16 first (lmforge/generate/kernels/): the largest, the fused gate/up;
+    decoding up to 128 sequences (the GEMV, `quantized_gemm`) needs none."""
+    setup = InferenceSetup(args=TINY, quantization="int8-wo", task="eval", batch=64)
     plan = plan_inference(setup)
     fused_gate_up = 2 * (2 * TINY.ffn_dim * TINY.dim)
     assert plan.phases["prefill"]["expanded weight"] == fused_gate_up
     assert plan.phases["scoring forward"]["expanded weight"] == fused_gate_up
     assert "expanded weight" not in plan.phases["decode"]
+    assert plan_inference(setup.replace(batch=200)).phases["decode"]["expanded weight"]
     assert (
         "expanded weight" not in plan_inference(setup.replace(quantization=None)).phases["prefill"]
     )
+
+
+def test_the_planner_knows_how_many_rows_skip_the_expansion():
+    pytest.importorskip("triton")
+    from lmforge.generate.kernels.quantized_gemm import MAX_ROWS
+    from lmforge.plan.inference import QUANTIZED_GEMM_ROWS
+
+    assert QUANTIZED_GEMM_ROWS == MAX_ROWS

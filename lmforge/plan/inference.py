@@ -241,11 +241,17 @@ def score_bytes(setup: InferenceSetup) -> dict[str, int]:
     }
 
 
+# Rows up to which a quantized product runs without expanding its weight (the GEMV at one row,
+# `quantized_gemm` up to this many) = lmforge.generate.kernels.quantized_gemm.MAX_ROWS.
+QUANTIZED_GEMM_ROWS = 128
+
+
 def expanded_weight_bytes(setup: InferenceSetup, rows: int) -> int:
-    """A quantized artifact multiplies more than one row of activations by its weights expanded
-    to bf16 one linear at a time (lmforge/generate/kernels/): the largest, the fused gate/up
-    projection or a quantized output projection. One row (batch-1 decoding) needs none."""
-    if setup.quantization is None or rows <= 1:
+    """A quantized artifact multiplies more than QUANTIZED_GEMM_ROWS rows of activations (a
+    prefill chunk, a scoring batch) by its weights expanded to bf16 one linear at a time
+    (lmforge/generate/kernels/): the largest, the fused gate/up projection or a quantized
+    output projection. Decoding up to that many sequences needs none."""
+    if setup.quantization is None or rows <= QUANTIZED_GEMM_ROWS:
         return 0
     a = setup.args
     largest = max(2 * a.ffn_dim * a.dim, a.vocab_size * a.dim if setup.quantize_output else 0)
@@ -310,7 +316,7 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
             }
         rows = {
             "scoring forward": setup.batch * setup.seq_len,
-            "prefill": setup.prefill_chunk,
+            "prefill": min(setup.prefill_chunk, setup.batch * setup.seq_len),
             "decode": setup.batch,
         }
         for name, phase in phases.items():
