@@ -277,3 +277,21 @@ def test_a_stage_whose_runner_died_before_it_started_is_not_started(tmp_path, da
     assert status.status == "not_started", status
     assert f"(pid {dead.pid}) is gone: it was killed or lost its machine first" in status.reason
     assert file.exists() and json.loads((stage_dir / "manifest.json").read_text())
+
+
+def test_several_ranks_are_refused_together_without_hanging(tmp_path, data):
+    """Rank 0 alone takes the lock; its refusal reaches the other rank (a refused rank 0 must
+    not leave rank 1 waiting in a collective)."""
+    from tests.train_utils import torchrun
+
+    tokenizer, shards = data
+    run_dir = tmp_path / "run"
+    args = pretrain_args(run_dir, tokenizer, shards, "train.steps=2")
+    with one_writer(run_dir):
+        proc = torchrun(2, "pretrain", args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)  # fmt: skip
+        out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0, out[-3000:]
+    refusals = [line for line in out.splitlines() if f"is in use by pid {os.getpid()}" in line]
+    assert refusals, out[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists()
