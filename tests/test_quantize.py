@@ -485,3 +485,28 @@ def test_compressed_tensors_from_a_config_file(source, tmp_path):
     assert cli_main(["quantize", "--config", str(config)]) == 0
     quantization = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quantization["config_groups"]["group_0"]["weights"]["group_size"] == 64
+
+
+def test_compressed_tensors_streams_what_the_whole_model_gives_and_shards(source, tmp_path):
+    """A safetensors source is compressed one tensor at a time: the same tensors, and sizes,
+    as from the model loaded whole; small shards get an index that transformers and lmforge
+    read."""
+    from lmforge.quantize import compressed
+
+    args = compressed.quantization_args("int4-wo", 64)
+    streamed = compressed._compressed_tensors(*compressed._streamed(source, None)[:2], args)
+    whole = compressed._compressed_tensors(*compressed._whole(source, None)[:2], args)
+    assert streamed[0] == whole[0] and sorted(streamed[2]) == sorted(whole[2])
+    for key, size in streamed[0].items():
+        tensor = streamed[1](key)
+        assert torch.equal(tensor, whole[1](key)), key
+        assert tensor.numel() * tensor.element_size() == size, key
+    one, many = tmp_path / "one", tmp_path / "many"
+    for out, shard in ((one, "5GB"), (many, "100KB")):
+        assert cli_main(["quantize", str(source), str(out), "--scheme", "int4-wo", "--format",
+                         "compressed-tensors", "--group-size", "64", "--max-shard-size",
+                         shard]) == 0  # fmt: skip
+    assert (many / "model.safetensors.index.json").exists()
+    assert len(list(many.glob("model-*.safetensors"))) > 1
+    first, second = lmforge.load(one).model.state_dict(), lmforge.load(many).model.state_dict()
+    assert all(torch.equal(first[name], second[name]) for name in first)

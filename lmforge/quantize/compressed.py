@@ -9,7 +9,9 @@ packing), `weight_scale` [N, K / group] (or [N, 1] per output row) in the model'
 `weight_shape` [2]; config.json carries the `quantization_config` that compressed-tensors' own
 models describe. Scales and values are compressed-tensors' (`calculate_qparams`, `quantize`),
 so the weights are exactly what its decompression, and vLLM's kernels, multiply. Embeddings,
-norms and the output projection stay as they are (`ignore`).
+norms and the output projection stay as they are (`ignore`). A safetensors source is read,
+compressed and written one tensor at a time (the shard writer of `lmforge.quantize.quantize`),
+so a 70B model needs the host memory of one weight and one shard, not of the model.
 
 `lmforge.load` reads such an artifact back by unpacking and dequantizing it into plain weights
 (`lmforge.quantize.stored.dequantized_state`): lmforge's engine then runs it as bf16, so this is the format to hand to
@@ -88,19 +90,6 @@ def compress_weight(weight: torch.Tensor, args) -> dict[str, torch.Tensor]:
     }
 
 
-def compress_state(hf_state: dict[str, torch.Tensor], args) -> tuple[dict, list[str]]:
-    """The HF state dict with every block linear compressed; returns it and their names."""
-    out, linears = {}, []
-    for name, tensor in hf_state.items():
-        if BLOCK_LINEAR.search(name):
-            prefix = name.removesuffix(".weight")
-            linears.append(prefix)
-            out.update({f"{prefix}.{k}": v for k, v in compress_weight(tensor, args).items()})
-        else:
-            out[name] = tensor
-    return out, linears
-
-
 def quantization_config(args) -> dict:
     """config.json's `quantization_config`, from compressed-tensors' models."""
     _, _, _, config, scheme, status, _, _ = _library()
@@ -124,32 +113,93 @@ def write_compressed(
     max_shard_size: str | int = artifact.DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> tuple[Path, list[str]]:
-    """Load `source`, compress its block linears and write the artifact; returns its path and
-    the compressed linears' names."""
-    from lmforge.api import generation_config, load
+    """Compress `source`'s block linears and write the artifact; returns its path and the
+    compressed linears' names. A safetensors source is read, compressed and written one tensor
+    at a time (the host holds one weight and the shard being written, any model size); any
+    other (a preset, Meta or torchtitan checkpoints) is loaded whole."""
+    from lmforge.api import detect_format, generation_config
+    from lmforge.quantize.quantize import FlatState, write_shards
+    from lmforge.quantize.stored import is_compressed, is_quantized
 
     args = quantization_args(scheme, group_size)
     artifact.check_output(out, inputs=[source], overwrite=overwrite)
-    loaded = load(source, dtype=dtype)
-    model_args = loaded.config
-    hf_state = models.ours_state_dict_to_hf(loaded.model.state_dict(), model_args)
-    stored_dtype = next(iter(hf_state.values())).dtype
-    state, linears = compress_state(hf_state, args)
+    streamed = detect_format(source) == "hf"
+    if streamed and (is_quantized(Path(source)) or is_compressed(Path(source))):
+        raise ConfigError(f"{source}: is already quantized; quantize the original")
+    shapes, read, model_args, tokenizer = (_streamed if streamed else _whole)(source, dtype)
+    sizes, produce, linears = _compressed_tensors(shapes, read, args)
+    stored_dtype = next(t.dtype for t in shapes.values() if t.is_floating_point())
     config = models.args_to_hf_config(model_args, stored_dtype)
     config["quantization_config"] = quantization_config(args)
     lineage = {"scheme": scheme, "group_size": group_size, "format": FORMAT}
     with artifact.atomic_directory(Path(out), overwrite=overwrite) as staging:
-        artifact.write_safetensors(
-            state, staging, max_shard_bytes=artifact.parse_size(max_shard_size)
-        )
+        flat = FlatState(sizes, {}, {"format": "pt"}, [])
+        write_shards(flat, produce, staging, artifact.parse_size(max_shard_size))
         artifact.write_json(staging / artifact.CONFIG_NAME, config)
-        generation = generation_config(model_args, loaded.tokenizer)
+        generation = generation_config(model_args, tokenizer)
         artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
-        if loaded.tokenizer is not None:
-            loaded.tokenizer.save(staging)
+        if tokenizer is not None:
+            tokenizer.save(staging)
         record = artifact.lineage_record(
             stage="quantize", parent=source, config={"quantization": lineage}
         )
         record["hash"] = artifact.directory_hash(staging)
         artifact.write_json(staging / artifact.LINEAGE_NAME, record)
     return Path(out), linears
+
+
+def _streamed(source, dtype):
+    """(HF names -> meta tensors, read(name), args, tokenizer) of a safetensors directory,
+    each tensor read when asked (cast to `dtype`)."""
+    from lmforge.api import load_tokenizer_for, parse_dtype, read_args
+    from lmforge.quantize.streaming import SafetensorsSource
+
+    path, dtype = Path(source), parse_dtype(dtype)
+    tensors = SafetensorsSource(path)
+    shapes = {n: t.to(dtype or t.dtype) for n, t in tensors.shapes.items()}
+    model_args = read_args(path)
+
+    def read(name: str) -> torch.Tensor:
+        return tensors.read(name).to(dtype or shapes[name].dtype)
+
+    return shapes, read, model_args, load_tokenizer_for(path, model_args)
+
+
+def _whole(source, dtype):
+    """The same for a source lmforge loads whole (its HF-named state dict in memory)."""
+    from lmforge.api import load
+
+    loaded = load(source, dtype=dtype)
+    state = models.ours_state_dict_to_hf(loaded.model.state_dict(), loaded.config)
+    shapes = {n: t.to("meta") for n, t in state.items()}
+    return shapes, state.__getitem__, loaded.config, loaded.tokenizer
+
+
+def _compressed_tensors(shapes: dict, read, args) -> tuple[dict[str, int], object, list[str]]:
+    """The artifact's keys in order with their bytes, `produce(key)` making each (a block
+    linear is compressed when its first key is asked, its three tensors handed out in turn),
+    and the compressed linears' names."""
+    sizes, linears, made = {}, [], {}
+    for name, meta in shapes.items():
+        if not BLOCK_LINEAR.search(name):
+            sizes[name] = meta.numel() * meta.element_size()
+            continue
+        prefix, (n, k) = name.removesuffix(".weight"), meta.shape
+        linears.append(prefix)
+        group = args.group_size or k
+        if k % group:
+            raise ConfigError(f"--group-size {group} does not divide {name}'s input size {k}")
+        sizes[f"{prefix}.weight_packed"] = n * (k * args.num_bits // 32) * 4
+        sizes[f"{prefix}.weight_scale"] = n * (k // group) * meta.element_size()
+        sizes[f"{prefix}.weight_shape"] = 2 * 8
+
+    def produce(key: str) -> torch.Tensor:
+        if key in shapes:
+            return read(key)
+        if key not in made:
+            prefix = key.rsplit(".", 1)[0]
+            compressed = compress_weight(read(f"{prefix}.weight"), args)
+            made.update({f"{prefix}.{suffix}": t for suffix, t in compressed.items()})
+        return made.pop(key)
+
+    return sizes, produce, linears

@@ -514,7 +514,7 @@ def write_quantized(
     directory = Path(directory)
     with artifact.atomic_directory(directory, overwrite=overwrite) as staging:
         max_bytes = artifact.parse_size(max_shard_size)
-        _write_shards(flat, produce, staging, max_bytes)
+        write_shards(flat, produce, staging, max_bytes)
         hf_config = models.args_to_hf_config(args, first.dtype)
         hf_config["quantization_config"] = _quantization_config(spec, config, packed)
         artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
@@ -577,7 +577,7 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _write_shards(
+def write_shards(
     flat: FlatState,
     produce: Callable[[str], torch.Tensor],
     directory: Path,
