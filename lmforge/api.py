@@ -309,16 +309,24 @@ def save_state(
     with artifact.atomic_directory(directory, overwrite=overwrite) as staging:
         max_bytes = artifact.parse_size(max_shard_size)
         artifact.write_safetensors(hf_state, staging, max_shard_bytes=max_bytes)
-        hf_config = models.args_to_hf_config(args, stored_dtype)
-        artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
-        generation = generation_config(args, tokenizer)
-        artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
-        if tokenizer is not None:
-            tokenizer.save(staging)
         record = artifact.lineage_record(stage=stage, parent=parent, config=config, metrics=metrics)
-        record["hash"] = artifact.directory_hash(staging)
-        artifact.write_json(staging / artifact.LINEAGE_NAME, record)
+        write_model_files(
+            staging, args, models.args_to_hf_config(args, stored_dtype), tokenizer, record
+        )
     return directory
+
+
+def write_model_files(staging: Path, args: ModelArgs, hf_config: dict, tokenizer, record) -> None:
+    """What an artifact holds beside its weights: config.json, generation_config.json, the
+    tokenizer's files, and last lmforge.json (`record`) with the directory's hash."""
+    artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
+    artifact.write_json(
+        staging / artifact.GENERATION_CONFIG_NAME, generation_config(args, tokenizer)
+    )
+    if tokenizer is not None:
+        tokenizer.save(staging)
+    record["hash"] = artifact.directory_hash(staging)
+    artifact.write_json(staging / artifact.LINEAGE_NAME, record)
 
 
 def generation_config(args: ModelArgs, tokenizer) -> dict:

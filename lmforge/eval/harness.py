@@ -104,7 +104,7 @@ class LmforgeLM(LM):
         # Scoring multiplies many rows at once: on CUDA, quantized weights expanded to bf16 for
         # cuBLAS instead of torchao's int8 kernel and tinygemm (1B products at 64 rows on an
         # H200: 0.6-4.8 ms and 23-155 us, against 10-77 us)
-        use_quantized_kernels(self.model, self._device, tinygemm=True)
+        use_quantized_kernels(self.model, self._device)
         self.tokenizer = loaded.tokenizer
         self.batch_size = batch_size
         self.max_length = max_length or loaded.config.max_seq_len

@@ -193,14 +193,13 @@ def local_kv_heads(model: nn.Module) -> int:
     return kv_dim // model.args.head_dim
 
 
-def use_quantized_kernels(model: nn.Module, device: torch.device, *, tinygemm: bool = False) -> int:
-    """On a CUDA GPU, swap the model's torchao weight-only linears for lmforge's kernels
-    (lmforge/generate/kernels/; tinygemm's int4 too when `tinygemm`: for one row at a time,
-    and for work of many rows, such as scoring); returns how many were swapped."""
+def use_quantized_kernels(model: nn.Module, device: torch.device) -> int:
+    """On a CUDA GPU, swap the model's torchao weight-only linears (tinygemm's int4 included)
+    for lmforge's kernels (lmforge/generate/kernels/); returns how many were swapped."""
     if all(type(p.data) is torch.Tensor or isinstance(p, DTensor) for p in model.parameters()):
         return 0  # nothing quantized
     kernels = _kernels(device)
-    return kernels.use_quantized_kernels(model, tinygemm=tinygemm) if kernels else 0
+    return kernels.use_quantized_kernels(model, tinygemm=True) if kernels else 0
 
 
 def _kernels(device: torch.device):
@@ -390,7 +389,7 @@ class Engine:
         self.model = model.to(device).eval()
         if quantized_kernels:  # whatever the layout: see the docs
             start = time.perf_counter()
-            if use_quantized_kernels(model, device, tinygemm=True):
+            if use_quantized_kernels(model, device):
                 log.info(
                     "quantized weights in the kernels' layout: %.1f s", time.perf_counter() - start
                 )

@@ -117,7 +117,7 @@ def write_compressed(
     compressed linears' names. A safetensors source is read, compressed and written one tensor
     at a time (the host holds one weight and the shard being written, any model size); any
     other (a preset, Meta or torchtitan checkpoints) is loaded whole."""
-    from lmforge.api import detect_format, generation_config
+    from lmforge.api import detect_format, write_model_files
     from lmforge.quantize.quantize import FlatState, write_shards
     from lmforge.quantize.stored import is_compressed, is_quantized
 
@@ -135,16 +135,10 @@ def write_compressed(
     with artifact.atomic_directory(Path(out), overwrite=overwrite) as staging:
         flat = FlatState(sizes, {}, {"format": "pt"}, [])
         write_shards(flat, produce, staging, artifact.parse_size(max_shard_size))
-        artifact.write_json(staging / artifact.CONFIG_NAME, config)
-        generation = generation_config(model_args, tokenizer)
-        artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
-        if tokenizer is not None:
-            tokenizer.save(staging)
         record = artifact.lineage_record(
             stage="quantize", parent=source, config={"quantization": lineage}
         )
-        record["hash"] = artifact.directory_hash(staging)
-        artifact.write_json(staging / artifact.LINEAGE_NAME, record)
+        write_model_files(staging, model_args, config, tokenizer, record)
     return Path(out), linears
 
 

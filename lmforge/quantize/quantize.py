@@ -484,7 +484,7 @@ def write_quantized(
     import torchao
     from torchao.core.config import config_to_dict
 
-    from lmforge.api import generation_config
+    from lmforge.api import write_model_files
 
     args = model.args
     config = torchao_config(spec.scheme, spec.group_size, device)
@@ -517,19 +517,13 @@ def write_quantized(
         write_shards(flat, produce, staging, max_bytes)
         hf_config = models.args_to_hf_config(args, first.dtype)
         hf_config["quantization_config"] = _quantization_config(spec, config, packed)
-        artifact.write_json(staging / artifact.CONFIG_NAME, hf_config)
-        generation = generation_config(args, tokenizer)
-        artifact.write_json(staging / artifact.GENERATION_CONFIG_NAME, generation)
-        if tokenizer is not None:
-            tokenizer.save(staging)
         record = artifact.lineage_record(
             stage="quantize",
             parent=parent,
             config={**asdict(spec), "device": str(torch.device(device))},
         )
         record["quantization"] = record_quantization
-        record["hash"] = artifact.directory_hash(staging)
-        artifact.write_json(staging / artifact.LINEAGE_NAME, record)
+        write_model_files(staging, args, hf_config, tokenizer, record)
     return directory
 
 
