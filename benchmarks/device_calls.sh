@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | quantized-serve | tiles | check) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|quantized-serve|tiles|check" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check" >&2
   exit 2
   ;;
 esac
@@ -123,6 +123,17 @@ serve)
     --temperature 1 --top-k 50 --out "$OUT/sampled"
   tail -n 7 "$OUT/serve.log" "$OUT/sampled.log"
   grep -h '^{' "$OUT/decode.log" | cut -c1-250
+  ;;
+products)
+  # the compiled quantized kernels against the dequantized products, then each block product
+  # of the 1B (PRESET: another) at 1-128 rows: bf16, int8, int4, the kernel's VARIANTS and
+  # GemLite's (quantized_gemm.py --variants)
+  preset=${PRESET:-llama3.2-1b}
+  gpu_tests 150 kernels tests/test_kernels.py -k "tiled or dequantized_product"
+  step 400 products python3 benchmarks/quantized_gemm.py --preset "$preset" \
+    --rows ${ROWS:-1 8 16 32 64 128} --variants ${VARIANTS:-swap swap-fast fast gemlite}
+  tail -n 3 "$OUT/kernels.log"
+  tail -n 40 "$OUT/products.log"
   ;;
 quantized-serve)
   # the random 1B (PRESET=llama3.1-8b: the 8B) artifact as it is (bf16) and as `lmforge quantize

@@ -612,7 +612,22 @@ signature = {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "
              "HEAD_DIM": "constexpr", "SPLITS": "constexpr", "EARLY": "constexpr"}
 source = ASTSource(da._combine, signature, constexprs={"HEAD_DIM": 64, "SPLITS": 32, "EARLY": True})
 assert "griddepcontrol.wait" in triton.compile(source, target=target).asm["ptx"]
-print("compiled", len(cases) + 3 + 4 + 4)
+from lmforge.generate.kernels import quantized_gemm as qg
+products = 0
+for (bits, weight, scale), swap, fast in itertools.product(  # what the engine's int8 and int4 hold
+        ((8, "*u8", "*fp32"), (8, "*i8", "*bf16"), (4, "*u8", "*bf16")), (False, True), (False, True)):
+    signature = {name: "*bf16" for name in ("x_ptr", "y_ptr")} | {"q_ptr": weight}
+    signature |= {"scale_ptr": scale, "zero_ptr": scale, "partial_ptr": "*fp32", "count_ptr": "*i32"}
+    signature |= {name: "i32" for name in ("M", "N", "STORED", "stride_x")}
+    constants = {"GROUP": 128, "BITS": bits, "MAX_ROWS": 128, "BLOCK_M": 64, "BLOCK_N": 64,
+                 "BLOCK_K": 64, "SPLIT_K": 2, "PRECISION": "tf32", "INTERPRETED_DOT": False,
+                 "SWAP": swap, "FAST": fast}
+    signature |= {name: "constexpr" for name in constants}
+    signature = {name: signature[name] for name in qg._quantized_gemm.fn.arg_names}
+    source = ASTSource(qg._quantized_gemm.fn, signature, constexprs=constants)
+    assert "wgmma" in triton.compile(source, target=target).asm["ptx"], (bits, swap, fast)
+    products += 1
+print("compiled", len(cases) + 3 + 4 + 4 + products)
 """
 
 
@@ -629,7 +644,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 27" in done.stdout
+    assert "compiled 39" in done.stdout
 
 
 def _product(key: str) -> dict:
@@ -713,11 +728,16 @@ def test_the_shipped_tiles_are_candidates():
     "bits,group", [(8, 64), (4, 64), (4, 256)], ids=["int8", "int4", "int4-row"]
 )
 @pytest.mark.parametrize("rows", [2, 17, 40])
-def test_the_tiled_product_of_several_rows_equals_the_dequantized_one(bits, group, rows):
+@pytest.mark.parametrize("swap", [False, True], ids=["x-left", "w-left"])
+def test_the_tiled_product_of_several_rows_equals_the_dequantized_one(
+    bits, group, rows, swap, monkeypatch
+):
     """`quantized_gemm` (weights dequantized tile by tile, split over K, in fp32 here: IEEE
-    products) against x @ the dequantized weight; rows 17 and 40: partly masked row tiles."""
+    products) against x @ the dequantized weight; rows 17 and 40: partly masked row tiles;
+    the weight tile as either operand of the product."""
     from lmforge.generate.kernels import quantized_gemm
 
+    monkeypatch.setitem(quantized_gemm.VARIANT, "swap", swap)
     n, k = 40, 512
     q, scale, zero = random_layout(bits, n, k, group)
     packed = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
@@ -730,3 +750,27 @@ def test_the_tiled_product_of_several_rows_equals_the_dequantized_one(bits, grou
     assert not quantized_gemm.supported(on[0][:1], *on[1:3], bits)  # one row: the GEMV's
     many = on[0].new_empty(quantized_gemm.MAX_ROWS + 1, k)
     assert not quantized_gemm.supported(many, *on[1:3], bits)  # prefill: expansion + cuBLAS
+
+
+@pytest.mark.skipif(kernels.INTERPRETED, reason="a GPU's compiled kernels (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("bits,group", [(8, 4096), (4, 128)], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [3, 64])
+@pytest.mark.parametrize("swap", [False, True], ids=["x-left", "w-left"])
+@pytest.mark.parametrize("fast", [False, True], ids=["fp32-dequant", "bf16-dequant"])
+def test_the_tiled_product_of_bf16_rows_is_within_bf16_rounding(bits, group, rows, swap, fast,
+                                                                 monkeypatch):  # fmt: skip
+    """On a GPU, bf16 activations (the engine's): each variant's product against x @ the
+    weight dequantized in fp32 and rounded once to bf16, within bf16 products' rounding."""
+    from lmforge.generate.kernels import quantized_gemm
+
+    monkeypatch.setitem(quantized_gemm.VARIANT, "swap", swap)
+    monkeypatch.setitem(quantized_gemm.VARIANT, "fast", fast)
+    n, k = 1024, 4096
+    q, scale, zero = random_layout(bits, n, k, group)
+    scale, zero = scale.bfloat16(), zero.bfloat16()
+    packed = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    on = [t.to(DEVICE) for t in (x, packed, scale, zero)]
+    got = quantized_gemm.quantized_gemm(*on, bits).float().cpu()
+    expected = x.float() @ dequantized(bits, q, scale, zero).bfloat16().float().t()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -6,7 +6,9 @@ Before this kernel, several rows met a quantized weight expanded to bf16 in memo
 the whole bf16 model besides the quantized bytes, 2.5-4x the bytes bf16 itself reads, and the
 int4 1B served 64 streams at 0.28x bf16 (docs/benchmarks.md). Here each program streams a
 [BLOCK_N, BLOCK_K] tile of quantized bytes once, makes it x's dtype and takes `tl.dot` with the
-[BLOCK_M, BLOCK_K] rows of x, so a step reads the quantized bytes and nothing more.
+[BLOCK_M, BLOCK_K] rows of x, so a step reads the quantized bytes and nothing more. Two
+choices (`VARIANT`, measured in docs/benchmarks.md): the dequantized tile as the product's left
+operand (`_product`), and its arithmetic in bf16 (`_int4_tile`, `_int8_tile`).
 
 Layouts as `lmforge.generate.kernels` keeps them: int8 q [N, K] (uint8 q + 128 when
 `INT8_OFFSET`), w = q * scale; int4 uint8 [N, K/2], byte j holding q[j] in its low nibble and
@@ -32,6 +34,10 @@ import triton.language as tl
 
 from lmforge.generate.early_launch import INTERPRETED
 
+# None: the faster on one H200 (2026-12-04, benchmarks/quantized_gemm.py, the 1B's products;
+# docs/benchmarks.md): swap for int4 and for int8 past 16 rows, fast for bf16 rows. The
+# benchmark and the tests set each variant.
+VARIANT: dict[str, bool | None] = {"swap": None, "fast": None}
 MAX_ROWS = 128  # more rows (prefill chunks) are compute-bound: expansion + cuBLAS is faster
 
 
@@ -72,7 +78,7 @@ def _smallest(span: int, group: int) -> triton.Config:
 
 @triton.autotune(
     configs=_configs(),
-    key=["M", "N", "STORED", "GROUP", "BITS", "SPLIT_K"],
+    key=["M", "N", "STORED", "GROUP", "BITS", "SPLIT_K", "SWAP", "FAST"],
     prune_configs_by={"early_config_prune": _fits},
 )
 @triton.jit
@@ -97,6 +103,8 @@ def _quantized_gemm(
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED_DOT: tl.constexpr,  # of fp32 products: "ieee" for an fp32 model, not tf32's 10 bits
+    SWAP: tl.constexpr,  # the weight tile as the product's left operand (`_product`)
+    FAST: tl.constexpr,  # dequantize in bf16 arithmetic (bf16 x only)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # of x and y
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # of y: rows of the weight
@@ -108,36 +116,26 @@ def _quantized_gemm(
     # the interpreter's tl.dot gets bf16 wrong (numpy has no bf16): there, products in fp32 of
     # the same bf16-rounded operands
     dot_dtype = tl.float32 if INTERPRETED_DOT else dtype
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:  # y.T = w x.T: the weight tile is the product's left operand (see `_product`)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(begin, begin + span, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(q_ptr + cols[:, None] * STORED + ks[None, :], mask=col_ok[:, None], other=0)
         at = cols * groups + k0 // GROUP  # the tile's group, one a weight row
-        scale = tl.load(scale_ptr + at, mask=col_ok, other=0).to(tl.float32)[:, None]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None], other=0)
-        x = x.to(dot_dtype)
+        x = _rows(x_ptr, rows, row_ok, ks, stride_x, SWAP).to(dot_dtype)
         if BITS == 8:
-            if q.dtype == tl.uint8:  # q + 128 (`INT8_OFFSET`)
-                values = (q.to(tl.int32) - 128).to(tl.float32)
-            else:
-                values = q.to(tl.float32)
-            acc += tl.dot(
-                x, tl.trans((values * scale).to(dtype).to(dot_dtype)), input_precision=PRECISION
-            )
+            w = _int8_tile(q, scale_ptr, at, col_ok, dtype, FAST)
         else:  # low nibbles: columns k0.., high ones: STORED + k0.. (their own group)
-            zero = tl.load(zero_ptr + at, mask=col_ok, other=0).to(tl.float32)[:, None]
-            low = ((q & 0xF).to(tl.float32) - 8.0) * scale + zero
-            acc += tl.dot(x, tl.trans(low.to(dtype).to(dot_dtype)), input_precision=PRECISION)
-            high_at = at + STORED // GROUP
-            scale = tl.load(scale_ptr + high_at, mask=col_ok, other=0).to(tl.float32)[:, None]
-            zero = tl.load(zero_ptr + high_at, mask=col_ok, other=0).to(tl.float32)[:, None]
-            high = ((q >> 4).to(tl.float32) - 8.0) * scale + zero
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_x + STORED + ks[None, :],
-                mask=row_ok[:, None],
-                other=0,
-            ).to(dot_dtype)
-            acc += tl.dot(x, tl.trans(high.to(dtype).to(dot_dtype)), input_precision=PRECISION)
+            w = _int4_tile(q & 0xF, scale_ptr, zero_ptr, at, col_ok, dtype, FAST)
+        acc = _product(acc, x, w.to(dot_dtype), SWAP, PRECISION)
+        if BITS == 4:
+            x = _rows(x_ptr, rows, row_ok, STORED + ks, stride_x, SWAP).to(dot_dtype)
+            w = _int4_tile(q >> 4, scale_ptr, zero_ptr, at + STORED // GROUP, col_ok, dtype, FAST)
+            acc = _product(acc, x, w.to(dot_dtype), SWAP, PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
     ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:  # the tile's last program to finish adds the SPLIT_K sums and stores them
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
@@ -154,6 +152,64 @@ def _quantized_gemm(
             tl.store(count_ptr + tile, 0)
     else:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rows(x_ptr, rows, row_ok, ks, stride_x, SWAP: tl.constexpr):
+    """x's [BLOCK_M, BLOCK_K] tile at columns `ks`, or its transpose when SWAP."""
+    # (one return: Triton's code generator also reads the return after a constant `if` that
+    # returned, and refuses two of different shapes)
+    if SWAP:
+        at = x_ptr + rows[None, :] * stride_x + ks[:, None]
+        tile = tl.load(at, mask=row_ok[None, :], other=0)
+    else:
+        tile = tl.load(
+            x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None], other=0
+        )
+    return tile
+
+
+@triton.jit
+def _product(acc, x, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or acc + w @ x.T when SWAP: the dequantized tile,
+    in registers, as the left operand, which Hopper's warpgroup products read from registers
+    (the right one must come from shared memory), and the few rows as the product's narrow
+    side (8 or more, where the left side's rows must be 64)."""
+    if SWAP:
+        acc = tl.dot(w, x, acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _int8_tile(q, scale_ptr, at, col_ok, dtype, FAST: tl.constexpr):
+    """w = q * scale for a [BLOCK_N, BLOCK_K] tile of int8 q (or uint8 q + 128), in `dtype`.
+    (One return in these helpers: Triton reads the return after a constant `if` that returned
+    too, and refuses two of different types.)"""
+    if q.dtype == tl.uint8:  # q + 128 (`INT8_OFFSET`)
+        q = q.to(tl.int16) - 128
+    if FAST:  # bf16 arithmetic (two values an instruction): the integers are exact in bf16
+        scale = tl.load(scale_ptr + at, mask=col_ok, other=0)[:, None]
+        w = q.to(dtype) * scale
+    else:
+        scale = tl.load(scale_ptr + at, mask=col_ok, other=0).to(tl.float32)[:, None]
+        w = (q.to(tl.float32) * scale).to(dtype)
+    return w
+
+
+@triton.jit
+def _int4_tile(nibbles, scale_ptr, zero_ptr, at, col_ok, dtype, FAST: tl.constexpr):
+    """w = (q - 8) * scale + zero for a [BLOCK_N, BLOCK_K] tile of 4-bit q (uint8 0..15)."""
+    scale = tl.load(scale_ptr + at, mask=col_ok, other=0)[:, None]
+    zero = tl.load(zero_ptr + at, mask=col_ok, other=0)[:, None]
+    if FAST:  # bf16 0x4300 | q is 128 + q: no integer conversion; minus 136, exact, is q - 8
+        values = (nibbles.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+        w = values.to(dtype) * scale + zero
+    else:
+        values = nibbles.to(tl.float32) - 8.0
+        w = (values * scale.to(tl.float32) + zero.to(tl.float32)).to(dtype)
+    return w
 
 
 def supported(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bits: int) -> bool:
@@ -192,9 +248,23 @@ def quantized_gemm(
         x, q, scale, zero, y, partial, count, m, n, stored, x.stride(0),
         GROUP=k // scale.shape[1], BITS=bits, MAX_ROWS=MAX_ROWS, BLOCK_M=block_m, SPLIT_K=splits,
         PRECISION="ieee" if x.dtype == torch.float32 or INTERPRETED else "tf32",
-        INTERPRETED_DOT=INTERPRETED,
+        INTERPRETED_DOT=INTERPRETED, SWAP=_swap(bits, m),
+        FAST=_fast(x, scale),
     )  # fmt: skip
     return y
+
+
+def _fast(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Dequantize in bf16 arithmetic: bf16 rows and scales (no scale rounded), compiled (the
+    interpreter's numpy has no bf16 arithmetic)."""
+    wanted = VARIANT["fast"] is not False and not INTERPRETED
+    return wanted and x.dtype == scale.dtype == torch.bfloat16
+
+
+def _swap(bits: int, rows: int) -> bool:
+    if VARIANT["swap"] is not None:
+        return VARIANT["swap"]
+    return bits == 4 or rows > 16
 
 
 def _splits(device: torch.device, tiles: int, stored: int) -> int:
