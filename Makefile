@@ -13,7 +13,7 @@ TRITON_SPEC ?= triton==3.9.0
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup vllm clean constraints
+.PHONY: demo test lint setup vllm calibrate clean constraints
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +47,21 @@ $(VLLM_VENV)/.installed:
 
 vllm: $(if $(VLLM_SPEC),$(VLLM_VENV)/.installed)
 
-test: lint vllm
+# llm-compressor (GPTQ for `lmforge quantize --method gptq`) in an environment of its own: it pins
+# its own transformers and compressed-tensors, neither lmforge's nor vLLM's. CPU torch from the
+# same pin as lmforge's; `make CALIBRATE_SPEC= test` leaves it out (its tests skip).
+CALIBRATE_SPEC ?= llmcompressor==0.14.0.1
+CALIBRATE_VENV := .venv-calibrate
+
+$(CALIBRATE_VENV)/.installed:
+	rm -rf $(CALIBRATE_VENV) && $(PYTHON) -m venv $(CALIBRATE_VENV)
+	$(CALIBRATE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CALIBRATE_VENV)/bin/python -m pip install -q $(if $(TORCH_SPEC),"$(TORCH_SPEC)") "$(CALIBRATE_SPEC)"
+	touch $@
+
+calibrate: $(if $(CALIBRATE_SPEC),$(CALIBRATE_VENV)/.installed)
+
+test: lint vllm calibrate
 	$(VENV)/bin/pytest -q
 
 # Re-pin after changing pyproject.toml's dependencies: resolve without the old pins in a fresh
@@ -62,4 +76,4 @@ constraints:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .venv-pin
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(CALIBRATE_VENV) runs

@@ -82,11 +82,42 @@ def register(subparsers) -> None:
     quantize.add_argument(
         "--format",
         choices=["torchao", "compressed-tensors"],
-        default="torchao",
-        help="torchao (default): what lmforge serve runs fastest; compressed-tensors: W4A16 / "
+        default=None,
+        help="torchao (default; compressed-tensors with --method gptq): what lmforge serve runs "
+        "fastest; compressed-tensors: W4A16 / "
         "W8A16 as llm-compressor writes it, which vLLM serves with its Marlin/Machete kernels "
         "(lmforge serve --engine vllm) and transformers loads through compressed-tensors "
         "(int4 group size 128 by default; lmforge reads it back as plain weights)",
+    )
+    calibrated = quantize.add_argument_group(
+        "calibrated (GPTQ through llm-compressor, in its own environment: make calibrate)"
+    )
+    calibrated.add_argument(
+        "--method",
+        choices=["rtn", "gptq"],
+        default="rtn",
+        help="rtn (default): each weight rounded to its nearest value; gptq: columns quantized "
+        "in turn, the rest corrected for the error on calibration samples (less accuracy "
+        "lost at int4); writes compressed-tensors",
+    )
+    calibrated.add_argument(
+        "--calibration",
+        type=Path,
+        metavar="DATA",
+        help="gptq's samples: a `lmforge prepare` directory (token windows) or JSONL rows with "
+        "text, prompt (+ response) or messages",
+    )
+    calibrated.add_argument(
+        "--calibration-samples", type=int, default=128, help="sequences (default 128)"
+    )
+    calibrated.add_argument(
+        "--calibration-seq-len", type=int, default=512, help="tokens a sequence (default 512)"
+    )
+    calibrated.add_argument(
+        "--calibrate-python",
+        metavar="PYTHON",
+        help="the Python of an environment with llm-compressor (default "
+        "$LMFORGE_CALIBRATE_PYTHON, else the checkout's .venv-calibrate)",
     )
     add_overwrite_argument(quantize)
     add_config_file(quantize, _ARGUMENTS, what="ARTIFACT, OUT and the options")
@@ -103,6 +134,10 @@ _ARGUMENTS = {
     "device": "--device",
     "dtype": "--dtype",
     "format": "--format",
+    "method": "--method",
+    "calibration": "--calibration",
+    "calibration_samples": "--calibration-samples",
+    "calibration_seq_len": "--calibration-seq-len",
 }
 
 
@@ -137,6 +172,44 @@ def _write_compressed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_calibrated(args: argparse.Namespace) -> int:
+    import time
+
+    from lmforge.errors import ConfigError
+    from lmforge.quantize.calibrated import write_calibrated
+
+    if args.calibration is None:
+        raise ConfigError("--method gptq needs --calibration DATA (samples to calibrate on)")
+    for flag, value in (
+        ("--pack-int4", args.pack_int4),
+        ("--quantize-output", args.quantize_output),
+        ("--format torchao", args.format == "torchao"),
+    ):
+        if value:
+            raise ConfigError(f"{flag} is not for --method gptq (it writes compressed-tensors)")
+    for flag, value in (
+        ("--calibration-samples", args.calibration_samples),
+        ("--calibration-seq-len", args.calibration_seq_len),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    group = args.group_size or (128 if args.scheme == "int4-wo" else None)
+    start = time.perf_counter()
+    out, samples = write_calibrated(
+        args.source, args.out, scheme=args.scheme, group_size=group, data=args.calibration,
+        samples=args.calibration_samples, seq_len=args.calibration_seq_len,
+        python=args.calibrate_python, overwrite=args.overwrite,
+    )  # fmt: skip
+    name = {"int4-wo": "W4A16", "int8-wo": "W8A16"}[args.scheme]
+    print(
+        f"quantized {args.source} with GPTQ (llm-compressor, {samples} samples of "
+        f"{args.calibration}) to compressed-tensors {name} "
+        f"({f'group size {group}' if group else 'per output row'}) in "
+        f"{time.perf_counter() - start:.1f}s -> {out}"
+    )
+    return 0
+
+
 def _size(num_bytes: int | None) -> str:
     if num_bytes is None:
         return "-"
@@ -163,6 +236,8 @@ def quantize_main(args: argparse.Namespace) -> int:
     from lmforge.api import local_source
     from lmforge.quantize import quantize_artifact
 
+    if args.method == "gptq":
+        return _write_calibrated(args)
     if args.format == "compressed-tensors":
         return _write_compressed(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

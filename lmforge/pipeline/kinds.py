@@ -122,7 +122,13 @@ class QuantizeStageSection(Section):
     quantize_output: bool = False
     device: str | None = None
     dtype: Dtype | None = None
-    format: Literal["torchao", "compressed-tensors"] = "torchao"
+    format: Literal["torchao", "compressed-tensors"] | None = None
+    """None: torchao, or compressed-tensors for method = "gptq"."""
+    method: Literal["rtn", "gptq"] = "rtn"
+    calibration: str | None = None
+    """gptq's samples: a `lmforge prepare` directory or a JSONL file."""
+    calibration_samples: PositiveInt = 128
+    calibration_seq_len: PositiveInt = 512
 
 
 class GenerateStageSection(Section):
