@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) calibrate
 	$(VENV)/bin/lmforge demo
 
 lint: $(STAMP)

@@ -217,17 +217,14 @@ def demo_results(run_dir: Path) -> str:
         lines.append(f"| {metric} ({meaning}) | " + " | ".join(cells) + " |")
     quantized = _eval_models(run_dir, "eval_quantized")
     weights = {a.stage: a.weight_bytes for a in summary.artifacts}
-    labels = " / ".join(quantized)
-    parts = [
-        f"{metric} "
-        + " / ".join(_score(m["metrics"], metric, stderr=False) for m in quantized.values())
-        for metric, _ in DEMO_ROWS
-    ]
-    sizes = " → ".join(
-        [
-            format_bytes(weights.get("dpo")),
-            " / ".join(format_bytes(weights.get(s)) for s in ("quantize_int8", "quantize_int4")),
-        ]
+    sources = [Path(str(m.get("source", ""))).parent.name for m in quantized.values()]
+    costs = ["| | " + " | ".join(quantized) + " |", "|---|" + "---|" * len(quantized)]
+    perplexity = sorted({k for m in quantized.values() for k in m["metrics"] if "perplexity/" in k})
+    for metric in [*(metric for metric, _ in DEMO_ROWS), *perplexity]:
+        cells = [_score(m["metrics"], metric, stderr=False) for m in quantized.values()]
+        costs.append(f"| {metric} | " + " | ".join(cells) + " |")
+    costs.append(
+        "| weights on disk | " + " | ".join(format_bytes(weights.get(s)) for s in sources) + " |"
     )
     took = sum(s.duration_s or 0.0 for s in summary.stages)
     pretrain = stages["pretrain"]
@@ -237,8 +234,10 @@ def demo_results(run_dir: Path) -> str:
         [
             *lines,
             "",
-            f"The int8 and int4 quantized copies of the dpo model ({labels}): {'; '.join(parts)}. "
-            f"Weights on disk: {sizes}.",
+            "What quantizing the dpo model costs (int4: round-to-nearest, and calibrated by GPTQ "
+            "on the pretraining shards; perplexity on held-out biographies):",
+            "",
+            *costs,
             "",
             f"That run ({run_dir.name}, {day}): the {len(summary.stages)} stages took "
             f"{_minutes(took)} (pretraining {pretrain.duration_s:.0f} s, loss "

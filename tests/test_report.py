@@ -78,6 +78,7 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
         "eval",
         "quantize_int8",
         "quantize_int4",
+        "quantize_int4_gptq",
         "eval_quantized",
         "generate",
     ]
@@ -91,9 +92,12 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
     assert list(evaluated) == ["base", "sft", "dpo"]
     for metrics in evaluated.values():
         assert {"demo_mc/acc", "demo_mc_chat/acc", "preference/accuracy"} <= set(metrics)
-    assert list(found["eval_quantized"]["metrics"]) == ["dpo", "int8", "int4"]
+    quantized = found["eval_quantized"]["metrics"]
+    assert list(quantized) == ["dpo", "int8", "int4", "int4-gptq"]
+    assert all("perplexity/prose_heldout.txt" in m for m in quantized.values())
     int8, int4 = found["quantize_int8"]["metrics"], found["quantize_int4"]["metrics"]
     assert int8["scheme"] == "int8-wo" and int4["scheme"] == "int4-wo"
+    assert found["quantize_int4_gptq"]["metrics"]["method"] == "gptq"
     sample = (run_dir / "generate" / "out" / "sample.txt").read_text()
     assert sample.startswith("=== Where does") and "tokens/s" in sample
     assert "report:" in out and (run_dir / "report.html").exists()
@@ -163,6 +167,7 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
         "dpo",
         "quantize_int8",
         "quantize_int4",
+        "quantize_int4_gptq",
     ]
     sizes = {a.stage: a.weight_bytes for a in summary.artifacts}
     # CPU int4 is stored one value per byte (the layout transformers reads), so int4 and int8

@@ -169,7 +169,8 @@ def write_demo_data(
     corpus.txt (pretraining prose, one document per paragraph), sft_train.jsonl /
     sft_heldout.jsonl (chat messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen,
     rejected; `train_rejected` / `heldout_rejected` wrong answers per fact) and mc_heldout.jsonl
-    (multiple choice among four short answers, for lm-eval). SFT rows are about the first
+    (multiple choice among four short answers, for lm-eval), prose_heldout.txt (one more
+    biography a person, in orders and wordings of its own: held-out perplexity). SFT rows are about the first
     `num_sft_people` training people, DPO rows about the other training people.
     """
     out = Path(out)
@@ -192,6 +193,7 @@ def write_demo_data(
             ("dpo_train", "dpo_train.jsonl"),
             ("dpo_heldout", "dpo_heldout.jsonl"),
             ("mc_heldout", "mc_heldout.jsonl"),
+            ("prose_heldout", "prose_heldout.txt"),
         ]
     }
     paths["corpus"].write_text("\n\n".join(corpus(facts, rng, repeats)) + "\n")
@@ -225,6 +227,9 @@ def write_demo_data(
         )
     heldout = [f for f in facts if f.name in heldout_people]
     _write_jsonl(paths["mc_heldout"], [_multiple_choice(f, rng) for f in heldout])
+    # one new biography a person (its own random stream: the files above stay as they were)
+    held_out_prose = corpus(facts, random.Random(seed + 2), 1)
+    paths["prose_heldout"].write_text("\n\n".join(held_out_prose) + "\n")
     return paths
 
 

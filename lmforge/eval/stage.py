@@ -72,8 +72,9 @@ def run_eval_stage(cfg: EvalStageSection) -> dict:
             metrics[label]["preference/margin"] = found["mean_margin"]
         for file in cfg.perplexity:
             found = perplexity(
-                source, [file], batch_size=cfg.batch_size, device=cfg.device, dtype=cfg.dtype
-            )
+                source, [file], seq_len=cfg.perplexity_seq_len, batch_size=cfg.batch_size,
+                device=cfg.device, dtype=cfg.dtype,
+            )  # fmt: skip
             metrics[label][f"perplexity/{Path(file).name}"] = found["perplexity"]
     models = {
         label: {

@@ -73,6 +73,10 @@ class EvalStageSection(Section):
     """Chat conversations ending in a reference answer: adds `answers/exact_match` (greedy
     generation in the chat format, lmforge.eval.answers)."""
     perplexity: list[str] = Field(default_factory=list)
+    """Held-out text files: adds `perplexity/FILE` per model."""
+    perplexity_seq_len: PositiveInt | None = None
+    """Perplexity's window (default: the model's context, at most 2048); a model trained
+    on shorter sequences scores its own length best."""
     limit: float | None = None
     batch_size: PositiveInt = 8
     device: str = "auto"
@@ -358,9 +362,10 @@ def _artifact_metrics(stage_dir: Path, output: Path, log: Path) -> dict:
     metrics: dict[str, Any] = {"bytes": directory_bytes(output) if output.exists() else None}
     lineage = output / "lmforge.json"
     if lineage.exists():
-        quant = json.loads(lineage.read_text()).get("quantization") or {}
-        if quant.get("scheme"):
-            metrics["scheme"] = quant["scheme"]
+        record = json.loads(lineage.read_text())
+        # torchao's artifacts keep it at the top, compressed-tensors' (and GPTQ's) in config
+        quant = record.get("quantization") or record.get("config", {}).get("quantization") or {}
+        metrics |= {key: quant[key] for key in ("scheme", "method") if quant.get(key)}
     return metrics
 
 
