@@ -217,7 +217,7 @@ def load(
         model = build_model(args, device=device, dtype=dtype or torch.float32)
         return LoadedModel(model=model.eval(), tokenizer=None, config=args, source=str(source))
     path = Path(source)
-    if kind == "hf" and stored.is_quantized(path):  # lineage or config.json says torchao
+    if kind == "hf" and (stored.is_quantized(path) or stored.is_compressed(path)):
         return _load_quantized(path, device=device, dtype=dtype, with_tokenizer=with_tokenizer)
     state = read_state_dict(path, args)
     with torch.device("meta"):
@@ -345,17 +345,21 @@ def _load_quantized(
     dtype: str | torch.dtype | None = None,
     with_tokenizer: bool = True,
 ):
-    """A quantized artifact as a `LoadedModel` whose linears hold torchao tensors."""
+    """A quantized artifact (torchao's, or compressed-tensors' as torchao's) as a `LoadedModel`
+    whose linears hold torchao tensors."""
     stored.require_torchao()
     path = Path(source)
     args = read_args(path)
     lineage = {}
     if (path / artifact.LINEAGE_NAME).exists():
         lineage = artifact.read_json(path / artifact.LINEAGE_NAME)
-    state = stored.read_quantized_state(path, args)
+    dtype = parse_dtype(dtype)
+    if stored.is_compressed(path):  # ints and scales: any dtype computes them
+        state = stored.read_compressed_state(path, args, dtype)
+    else:
+        state = stored.read_quantized_state(path, args)
     quantized = {n for n, t in state.items() if type(t) is not torch.Tensor}
     dtypes = {t.dtype for n, t in state.items() if n in quantized}
-    dtype = parse_dtype(dtype)
     if dtype is not None and dtypes and dtypes != {dtype}:
         raise ModelFormatError(
             f"{path}: a quantized artifact computes in the dtype it was quantized in "

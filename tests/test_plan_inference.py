@@ -132,3 +132,18 @@ def test_the_planner_knows_how_many_rows_skip_the_expansion():
     from lmforge.plan.inference import QUANTIZED_GEMM_ROWS
 
     assert QUANTIZED_GEMM_ROWS == MAX_ROWS
+
+
+def test_a_gptq_stage_is_planned_on_the_host():
+    """`quantize --method gptq` runs llm-compressor on the CPU: no GPU memory; the host holds
+    the model as stored, one block's Hessians and the samples' hidden states (8B, 128 × 512:
+    16.1 GB of bf16 weights + 1.2 GB of Hessians + 2.1 GB of activations)."""
+    from lmforge.plan.inference import format_inference_plan
+
+    args = models.get_preset("llama3.1-8b")
+    setup = InferenceSetup(args=args, task="quantize", calibrated=True, batch=128, seq_len=512)
+    plan = plan_inference(setup, "h100")
+    assert plan.total == 0 and plan.fits
+    hessians = 4 * (5 * 4096**2 + 4096**2 + 14336**2)
+    assert plan.host_bytes == args.num_params() * 2 + hessians + 8 * 128 * 512 * 4096
+    assert "GPTQ of a 8.0B model on the host" in format_inference_plan(plan)

@@ -432,7 +432,9 @@ def test_compressed_tensors_artifact_loads_in_transformers_with_lmforge_logits(
 ):
     """`--format compressed-tensors`: config.json's quantization_config is what
     compressed-tensors parses, the packed weights are its own (transformers runs them through
-    it), and lmforge reads the artifact back as the dequantized model: equal logits."""
+    it), and lmforge reads it back as the torchao int4 / int8 tensors its own quantizer makes
+    (what the engine converts into its kernels' layout): equal logits; `read_state_dict` gives
+    the same weights dequantized (for training or merging from it)."""
     from compressed_tensors.quantization import QuantizationConfig
     from transformers import AutoModelForCausalLM
 
@@ -451,15 +453,21 @@ def test_compressed_tensors_artifact_loads_in_transformers_with_lmforge_logits(
     )
     assert parsed.format == "pack-quantized" and "lm_head" in parsed.ignore
 
-    ours = lmforge.load(out, dtype="float32").model
+    assert lmforge.load(out).model.layers["0"].attention.wq.weight.dtype == torch.bfloat16
+    ours = lmforge.load(out, dtype="float32").model  # the same ints and scales, in fp32
+    wq = ours.layers["0"].attention.wq.weight
+    kind = {"int4-wo": "IntxUnpackedToInt8Tensor", "int8-wo": "Int8Tensor"}[scheme]
+    assert type(wq.data).__name__ == kind and wq.dtype == torch.float32
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = torch.tensor([[1, 5, 9, 20, 33, 7, 2]])
     with torch.no_grad():
         want, got = theirs(tokens).logits, ours(tokens)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
-    # the dequantized weights are the round-to-nearest ones: near the originals
+    # the weights are the round-to-nearest ones: near the originals, and read_state_dict's
+    plain = lmforge.api.read_state_dict(out, ours.args)["layers.0.attention.wq.weight"]
+    assert type(plain) is torch.Tensor and torch.equal(plain, wq.dequantize().to(plain.dtype))
     original = lmforge.load(source, dtype="float32").model
-    wq = ours.layers["0"].attention.wq.weight
+    wq = wq.dequantize()
     reference = original.layers["0"].attention.wq.weight
     step = reference.abs().amax() / (7.5 if scheme == "int4-wo" else 127.5)
     assert (wq - reference).abs().max() <= step * 0.51 + 1e-2 * step
@@ -509,4 +517,30 @@ def test_compressed_tensors_streams_what_the_whole_model_gives_and_shards(source
     assert (many / "model.safetensors.index.json").exists()
     assert len(list(many.glob("model-*.safetensors"))) > 1
     first, second = lmforge.load(one).model.state_dict(), lmforge.load(many).model.state_dict()
-    assert all(torch.equal(first[name], second[name]) for name in first)
+
+    def plain(t):
+        return t if type(t) is torch.Tensor else t.dequantize()
+
+    assert all(torch.equal(plain(first[name]), plain(second[name])) for name in first)
+
+
+@pytest.mark.parametrize("scheme,group", [("int4-wo", 64), ("int8-wo", None)])
+def test_compressed_tensors_reach_the_engines_kernels(source, tmp_path, scheme, group):
+    """What the engine converts at load (`QuantizedLinear.from_linear`) takes a compressed
+    artifact's weights as it takes lmforge's own: the same values in its int8 / int4 layout."""
+    from lmforge.generate.kernels.layers import quantized_values
+
+    out = tmp_path / scheme
+    options = ["--group-size", str(group)] if group else []
+    assert cli_main(["quantize", str(source), str(out), "--scheme", scheme, "--format",
+                     "compressed-tensors", *options]) == 0  # fmt: skip
+    weight = lmforge.load(out).model.layers["1"].feed_forward.w2.weight.data
+    bits, q, scale, zero = quantized_values(weight)
+    assert bits == {"int4-wo": 4, "int8-wo": 8}[scheme]
+    columns = q.shape[1] // scale.shape[1]
+    scales = scale.float().repeat_interleave(columns, dim=1)
+    if bits == 8:
+        values = q.float() * scales
+    else:
+        values = (q.float() - 8) * scales + zero.float().repeat_interleave(columns, dim=1)
+    torch.testing.assert_close(values.to(weight.dtype), weight.dequantize(), rtol=0, atol=0)

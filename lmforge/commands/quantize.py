@@ -87,7 +87,7 @@ def register(subparsers) -> None:
         "fastest; compressed-tensors: W4A16 / "
         "W8A16 as llm-compressor writes it, which vLLM serves with its Marlin/Machete kernels "
         "(lmforge serve --engine vllm) and transformers loads through compressed-tensors "
-        "(int4 group size 128 by default; lmforge reads it back as plain weights)",
+        "(int4 group size 128 by default; lmforge serves it on its own int4 / int8 kernels)",
     )
     calibrated = quantize.add_argument_group(
         "calibrated (GPTQ through llm-compressor, in its own environment: make calibrate)"

@@ -74,7 +74,7 @@ def _what(plan: InferencePlan) -> str:
     s = plan.setup
     weights = s.quantization or s.dtype
     if s.task == "quantize":
-        return "one tensor at a time"
+        return f"GPTQ on the host, {s.batch} samples" if s.calibrated else "one tensor at a time"
     if s.task in ("score", "eval"):
         return f"{weights}, {s.batch} rows × {s.seq_len} tokens"
     return f"{weights}, KV cache {s.batch} × {s.seq_len}"
@@ -162,6 +162,10 @@ def _inference_setups(pipeline: Pipeline, stage: Stage, tp: int) -> list[Inferen
     dtype = {"float32": "fp32", "float16": "fp16"}.get(getattr(config, "dtype", None), "bf16")
     if stage.kind == "quantize":
         args = source_args(pipeline, stage, fallback)
+        if config.method == "gptq":  # samples x tokens through the model, on the host
+            return [InferenceSetup(args=args, task="quantize", dtype=dtype, calibrated=True,
+                                   batch=config.calibration_samples,
+                                   seq_len=config.calibration_seq_len)]  # fmt: skip
         return [InferenceSetup(args=args, task="quantize", dtype=dtype)]
     if stage.kind == "generate":
         args = source_args(pipeline, stage, fallback)

@@ -13,7 +13,9 @@ Three kinds of work, each a `task` of `InferenceSetup`:
   of the scored positions only, in the model's dtype, float32, and their log-softmax.
 - "quantize" (`lmforge quantize` streaming from safetensors): one tensor on the device at a
   time (as stored, cast, an fp32 working copy in torchao, the quantized result); the host holds
-  about two shards.
+  about two shards. With `calibrated` (`--method gptq`, llm-compressor in a process of its own,
+  on the CPU): nothing on the GPU; the host holds the whole model as stored, one block's GPTQ
+  Hessians (fp32 [K, K] a linear) and the calibration samples' activations between blocks.
 
 Weights under tensor parallelism (`lmforge launch --nproc N`, lmforge/generate/parallel.py:
 the trainer's TP plan without sequence parallelism) are split N ways where the plan splits
@@ -80,6 +82,7 @@ class InferenceSetup:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     scored_tokens: int | None = None  # score: positions per row through the output (None: all)
     max_shard_bytes: int = 5 * 10**9  # quantize: the writer's shard size (host memory)
+    calibrated: bool = False  # quantize: GPTQ on `batch` samples of `seq_len` tokens (the host)
 
     def replace(self, **changes) -> InferenceSetup:
         return dataclasses.replace(self, **changes)
@@ -258,6 +261,18 @@ def expanded_weight_bytes(setup: InferenceSetup, rows: int) -> int:
     return 2 * largest
 
 
+def gptq_host_bytes(setup: InferenceSetup) -> int:
+    """GPTQ's host memory (llm-compressor, one block at a time): the model as stored, the
+    block's Hessians (fp32 [K, K] for each of its seven linears' inputs), and the samples'
+    hidden states [batch, seq_len, dim] in fp32 entering and leaving the block."""
+    a = setup.args
+    model = a.num_params() * setup.value_bytes
+    heads = a.num_heads * a.head_dim
+    hessians = 4 * (5 * a.dim**2 + heads**2 + a.ffn_dim**2)
+    activations = 2 * 4 * setup.batch * setup.seq_len * a.dim
+    return model + hessians + activations
+
+
 def quantize_device_bytes(setup: InferenceSetup) -> int:
     """Streaming quantization holds one tensor on the device: the largest (the embedding or a
     projection) as read, cast to bf16, torchao's fp32 working copy, and the result."""
@@ -293,7 +308,11 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
     gpu_memory = parse_memory(gpu_memory) if gpu_memory is not None else None
     notes: list[str] = []
     host = 0
-    if setup.task == "quantize":
+    if setup.task == "quantize" and setup.calibrated:
+        phases = {"GPTQ on the host": {"(no GPU memory)": 0}}
+        host = gptq_host_bytes(setup)
+        notes.append(f"host: about {host / GiB:.1f} GiB (the model, one block's Hessians)")
+    elif setup.task == "quantize":
         phases = {"one tensor": {"tensor and its quantized copy": quantize_device_bytes(setup)}}
         host = 2 * setup.max_shard_bytes
         notes.append(f"host: about {host / GiB:.0f} GiB (one shard being written, one tensor)")
@@ -326,6 +345,8 @@ def plan_inference(setup: InferenceSetup, gpu_memory: int | str | None = None) -
     peak = sum(phases[peak_phase].values())
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.tp > 1 else 0)
     overhead += int(ALLOCATOR_SLACK * peak)
+    if setup.calibrated:
+        overhead = 0  # (its worker runs on the CPU)
     return InferencePlan(
         setup=setup,
         phases=phases,
@@ -343,6 +364,11 @@ def describe_inference(setup: InferenceSetup) -> str:
     count = a.num_params()
     size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
     weights = setup.quantization or setup.dtype
+    if setup.task == "quantize" and setup.calibrated:
+        return (
+            f"GPTQ of a {size} model on the host (llm-compressor), {setup.batch} samples × "
+            f"{setup.seq_len} tokens"
+        )
     if setup.task == "quantize":
         return f"streaming quantization of a {size} model, one tensor at a time"
     where = f"{setup.tp} GPUs (tensor parallel)" if setup.tp > 1 else "one GPU"

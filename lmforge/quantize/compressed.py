@@ -13,9 +13,10 @@ norms and the output projection stay as they are (`ignore`). A safetensors sourc
 compressed and written one tensor at a time (the shard writer of `lmforge.quantize.quantize`),
 so a 70B model needs the host memory of one weight and one shard, not of the model.
 
-`lmforge.load` reads such an artifact back by unpacking and dequantizing it into plain weights
-(`lmforge.quantize.stored.dequantized_state`): lmforge's engine then runs it as bf16, so this is the format to hand to
-vLLM, and `--format torchao` (the default) the one for `lmforge serve`.
+`lmforge.load` reads such an artifact back as the torchao int4 / int8 tensors lmforge's own
+quantizer makes (`lmforge.quantize.stored.compressed_as_torchao`, the same ints and scales), so
+`lmforge serve` runs it on its own int4 / int8 kernels too; `read_state_dict` dequantizes it
+for whatever changes the weights (`stored.dequantized_state`).
 """
 
 from __future__ import annotations

@@ -139,9 +139,53 @@ def is_compressed(directory: Path) -> bool:
     return config.get("quant_method") == "compressed-tensors"
 
 
+def read_compressed_state(directory: Path, args, dtype=None) -> dict[str, torch.Tensor]:
+    """Our-named state dict of a compressed-tensors artifact, each packed linear as the torchao
+    tensor lmforge's own quantizer makes (`compressed_as_torchao`), computing in `dtype` (its
+    scales and the other weights cast; None: as stored): what `lmforge.load` builds a
+    quantized model from, so that generate, eval and serve run it as they run lmforge's
+    int8 / int4 (the engine converting it once at load into its kernels' layout)."""
+    state = artifact.read_safetensors(Path(directory))
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    return models.hf_state_dict_to_ours(compressed_as_torchao(state), args, directory)
+
+
+def compressed_as_torchao(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A pack-quantized (symmetric) HF state dict with each linear's weight as torchao's int4
+    (`IntxUnpackedToInt8Tensor`, groups) or int8 (`Int8Tensor`) weight-only tensor, zero points
+    0, in its scale's dtype: the same values w = q * scale."""
+    require_torchao()
+    from torchao.quantization import Int8Tensor, IntxUnpackedToInt8Tensor
+
+    out = {}
+    for prefix, q, scale, bits in _packed_linears(state, out):
+        block = [1, q.shape[1] // scale.shape[1]]
+        zero = torch.zeros(scale.shape, dtype=torch.int8)
+        if bits == 4:
+            out[f"{prefix}.weight"] = IntxUnpackedToInt8Tensor(
+                q, scale, zero, torch.int4, block, scale.dtype, None
+            )
+        else:
+            out[f"{prefix}.weight"] = Int8Tensor(q, scale, block, scale.dtype, zero_point=zero)
+    return out
+
+
 def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A compressed-tensors pack-quantized HF state dict with each linear's weight unpacked and
-    dequantized (w = q * scale) in its scale's dtype: what `lmforge.load` builds a model from."""
+    dequantized (w = q * scale) in its scale's dtype: plain weights, for whatever reads an
+    artifact's state dict to change it (`lmforge.api.read_state_dict`: training, merging)."""
+    out = {}
+    for prefix, q, scale, _ in _packed_linears(state, out):
+        group = q.shape[1] // scale.shape[1]
+        weight = q.float() * scale.float().repeat_interleave(group, dim=1)
+        out[f"{prefix}.weight"] = weight.to(scale.dtype)
+    return out
+
+
+def _packed_linears(state: dict[str, torch.Tensor], others: dict[str, torch.Tensor]):
+    """(prefix, q int8 [N, K], scale [N, groups], bits) of each pack-quantized linear of a
+    compressed-tensors state dict, in turn; every other tensor goes into `others`."""
     quiet_torchao()
     try:
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -150,18 +194,14 @@ def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             "a compressed-tensors artifact needs the compressed-tensors package: pip install "
             "'lmforge[quant]'"
         ) from None
-    out = {}
     for name, tensor in state.items():
         if not name.endswith(".weight_packed"):
             if not name.endswith((".weight_scale", ".weight_shape")):
-                out[name] = tensor
+                others[name] = tensor
             continue
         prefix = name.removesuffix(".weight_packed")
         scale, shape = state[f"{prefix}.weight_scale"], state[f"{prefix}.weight_shape"]
         n, k = (int(v) for v in shape)
         bits = 32 * tensor.shape[1] // k  # K/8 int32 columns: 4 bits; K/4: 8
-        values = unpack_from_int32(tensor, bits, torch.Size([n, k])).float()
-        group = k // scale.shape[1]
-        weight = values * scale.float().repeat_interleave(group, dim=1)
-        out[f"{prefix}.weight"] = weight.to(scale.dtype)
-    return out
+        q = unpack_from_int32(tensor, bits, torch.Size([n, k])).to(torch.int8)
+        yield prefix, q, scale, bits
