@@ -1,0 +1,310 @@
+"""GRPO (`lmforge grpo`): prompt data, rewards, the loss against plain loops written here, and
+rollouts on the one engine through the one loop."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.config import load_config
+from lmforge.data.prompts import PromptDataSection, load_prompt_data
+from lmforge.data.sft import IGNORE_INDEX
+from lmforge.errors import ConfigError, DataError
+from lmforge.train.config import GRPOJob
+from lmforge.train.grpo_loss import (
+    STD_EPS,
+    GRPOLossStep,
+    group_advantages,
+    grpo_token_losses,
+    token_logps,
+)
+from lmforge.train.rewards import (
+    Completion,
+    RewardError,
+    RewardSection,
+    build_rewards,
+    extract_number,
+    normalize_text,
+    overlong_penalty,
+    score_completions,
+)
+from tests.train_utils import demo_world
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+def test_one_step_trains_on_one_rollout_batch():
+    job = load_config(GRPOJob, None, ["grpo.prompts_per_step=3", "grpo.num_generations=4"])
+    assert job.train.global_batch_size == 12
+    with pytest.raises(ConfigError, match=r"leave train\.global_batch_size unset"):
+        load_config(GRPOJob, None, ["train.global_batch_size=8"])
+    with pytest.raises(ConfigError, match="leaves no room for a prompt"):
+        load_config(GRPOJob, None, ["data.max_seq_len=64", "grpo.max_new_tokens=64"])
+    with pytest.raises(ConfigError, match="num_generations"):
+        load_config(GRPOJob, None, ["grpo.num_generations=1"])
+
+
+def test_reward_sections_check_their_settings(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[[grpo.rewards]]\nkind = "regex"\npattern = "("\n')
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load_config(GRPOJob, path)
+    path.write_text('[[grpo.rewards]]\nkind = "python"\nfunction = "rewards.py"\n')
+    with pytest.raises(ConfigError, match=r"path/to/file\.py:function_name"):
+        load_config(GRPOJob, path)
+    path.write_text('[[grpo.rewards]]\nkind = "numeric_match"\nweight = 2.0\n')
+    job = load_config(GRPOJob, path)
+    assert job.grpo.rewards[0].weight == 2.0 and job.grpo.rewards[0].field == "answer"
+
+
+# ---- prompt data ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The demo data and its BPE tokenizer (it has a Llama 3 chat template)."""
+    paths, tokenizer, args = demo_world(tmp_path_factory.mktemp("grpo-world"), vocab_size=400)
+    return paths, tokenizer, args
+
+
+def _write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_rows_text_and_chat_keep_their_fields(tmp_path, world):
+    _, tokenizer, _ = world
+    rows = [
+        {"prompt": "Where does Ada live?", "answer": "Paris"},
+        {"messages": [{"role": "user", "content": "How old is Bo?"}], "answer": 7},
+    ]
+    cfg = PromptDataSection(path=[str(_write_rows(tmp_path / "p.jsonl", rows))])
+    data = load_prompt_data(cfg, tokenizer, max_prompt_len=64)
+    text, chat = data.samples
+    assert text.prompt_ids.tolist() == tokenizer.encode("Where does Ada live?", bos=True)
+    expected = tokenizer.encode_chat(rows[1]["messages"], add_generation_prompt=True)
+    assert chat.prompt_ids.tolist() == expected
+    assert text.fields["answer"] == "Paris" and chat.fields["answer"] == 7
+    assert chat.where.endswith("p.jsonl:2")
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("{not json", "p.jsonl:2"),
+        ({"question": "no prompt"}, "no 'prompt' (text) or 'messages' (chat) field"),
+        ({"prompt": ""}, "must be non-empty text"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "ends with an assistant"),
+        ({"prompt": "word " * 80}, "leave room for grpo.max_new_tokens"),
+    ],
+)
+def test_bad_prompt_row_names_file_and_line(tmp_path, world, bad, reason):
+    _, tokenizer, _ = world
+    path = _write_rows(tmp_path / "p.jsonl", [{"prompt": "ok"}, bad])
+    with pytest.raises(DataError, match=r"p\.jsonl:2") as err:
+        load_prompt_data(PromptDataSection(path=[str(path)]), tokenizer, max_prompt_len=32)
+    assert reason in str(err.value)
+
+
+# ---- rewards --------------------------------------------------------------------------------
+
+
+def _completion(text: str, num_tokens: int = 3, **sample) -> Completion:
+    return Completion(text=text, num_tokens=num_tokens, sample=sample, where="rows.jsonl:7")
+
+
+def test_answer_extraction_and_normalisation():
+    assert normalize_text("  The  Answer: PARIS. ") == "the answer: paris"
+    assert extract_number("so 3 + 4 = 7\n#### 1,234.5") == 1234.5
+    assert extract_number("first 12 then \\boxed{\\frac{1}{2}} and 99") == 2.0  # last in box
+    assert extract_number("\\boxed{-42} 17") == -42
+    assert extract_number("a 1 b 2.5e1 c") == 25.0
+    assert extract_number("no digits") is None
+    assert overlong_penalty(10, max_tokens=20, buffer=8) == 0.0
+    assert overlong_penalty(16, max_tokens=20, buffer=8) == -0.5
+    assert overlong_penalty(25, max_tokens=20, buffer=8) == -1.0
+
+
+def test_rewards_combine_with_weights_and_define_accuracy():
+    sections = [
+        RewardSection(kind="numeric_match", weight=1.0),
+        RewardSection(kind="regex", pattern=r"^Answer:", weight=0.5, name="format"),
+        RewardSection(kind="length_penalty", buffer=2, max_tokens=4, weight=2.0),
+    ]
+    rewards = build_rewards(sections, max_new_tokens=8)
+    completions = [
+        _completion("Answer: 7", num_tokens=2, answer="7"),
+        _completion("it is 8", num_tokens=3, answer=7),
+        _completion("Answer: 7 #### 7", num_tokens=6, answer="7"),
+    ]
+    scores = score_completions(rewards, completions)
+    assert scores.by_reward == {
+        "numeric_match": [1.0, 0.0, 1.0],
+        "format": [1.0, 0.0, 1.0],
+        "length_penalty": [0.0, -0.5, -1.0],
+    }
+    assert scores.total == [1.5, -1.0, -0.5]
+    assert scores.correct == [True, False, True]
+    exact = build_rewards([RewardSection(kind="exact_match")], max_new_tokens=8)
+    assert score_completions(exact, [_completion(" paris!", answer="Paris")]).total == [1.0]
+    with pytest.raises(RewardError, match=r"rows\.jsonl:7 has no field 'answer'"):
+        score_completions(exact, [_completion("x", solution="y")])
+
+
+def test_user_reward_function_is_loaded_from_its_file_only(tmp_path):
+    code = tmp_path / "my_rewards.py"
+    code.write_text(
+        "def has_word(completion, sample):\n"
+        "    return sample['word'] in completion\n"
+        "def broken(completion, sample):\n"
+        "    return 1 / 0\n"
+        "def not_a_number(completion, sample):\n"
+        "    return 'yes'\n"
+    )
+    (reward,) = build_rewards(
+        [RewardSection(kind="python", function=f"{code}:has_word")], max_new_tokens=8
+    )
+    assert reward.name == "has_word"
+    scores = score_completions(
+        [reward], [_completion("a cat", word="cat"), _completion("dog", word="cat")]
+    )
+    assert scores.total == [1.0, 0.0] and scores.correct is None
+    for name, message in [
+        ("broken", "failed on sample rows.jsonl:7: ZeroDivisionError"),
+        ("not_a_number", "returned 'yes' for sample rows.jsonl:7"),
+    ]:
+        (bad,) = build_rewards(
+            [RewardSection(kind="python", function=f"{code}:{name}")], max_new_tokens=8
+        )
+        with pytest.raises(RewardError, match=message) as err:
+            score_completions([bad], [_completion("x", word="cat")])
+        assert f"{code}:{name}" in str(err.value)
+    with pytest.raises(RewardError, match="defines no function 'missing'"):
+        build_rewards([RewardSection(kind="python", function=f"{code}:missing")], max_new_tokens=8)
+    with pytest.raises(RewardError, match="is not a file"):
+        build_rewards(
+            [RewardSection(kind="python", function=f"{tmp_path}/nope.py:f")], max_new_tokens=8
+        )
+
+
+# ---- the loss against plain loops -----------------------------------------------------------
+
+
+def _reference_advantages(rewards: list[list[float]], scale: bool) -> list[list[float]]:
+    out = []
+    for group in rewards:
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1))
+        out.append([(r - mean) / (std + STD_EPS) if scale else r - mean for r in group])
+    return out
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_match_a_plain_loop(scale):
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, -1.0, 0.0, 3.0]]
+    advantages, equal = group_advantages(torch.tensor(rewards), scale=scale)
+    expected = _reference_advantages(rewards, scale)
+    assert torch.allclose(advantages, torch.tensor(expected), atol=1e-6)
+    assert equal.tolist() == [False, True, False]
+
+
+def _reference_loss_and_grad(logps, old, adv, ref, weights, *, clip_low, clip_high, beta):
+    """Σ weight · token loss and its gradient with respect to logps, one token at a time:
+    d/dl of -min(ρA, clip(ρ)A) is -ρA where the unclipped term is the smaller (or they tie),
+    else 0; d/dl of k3 = exp(r - l) - (r - l) - 1 is 1 - exp(r - l)."""
+    total, grad = 0.0, [[0.0] * len(row) for row in logps]
+    for i, row in enumerate(logps):
+        for t, logp in enumerate(row):
+            w = weights[i][t]
+            if w == 0:
+                continue
+            ratio = math.exp(logp - old[i][t])
+            unclipped = ratio * adv[i][t]
+            clipped = min(max(ratio, 1 - clip_low), 1 + clip_high) * adv[i][t]
+            loss = -min(unclipped, clipped)
+            d = -ratio * adv[i][t] if unclipped <= clipped else 0.0
+            if beta:
+                diff = ref[i][t] - logp
+                loss += beta * (math.exp(diff) - diff - 1)
+                d += beta * (1 - math.exp(diff))
+            total += w * loss
+            grad[i][t] = w * d
+    return total, grad
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_loss_and_gradient_match_a_plain_loop(beta):
+    generator = torch.Generator().manual_seed(0)
+    old = (-torch.rand(3, 6, generator=generator) * 3).double()
+    # ratios from 0.5 to 1.6: some inside the clip range, some beyond each side
+    logps = old + torch.empty(3, 6).uniform_(-0.7, 0.5, generator=generator).double()
+    ref = old + torch.randn(3, 6, generator=generator).double() * 0.3
+    adv = torch.tensor([[1.5] * 6, [-0.8] * 6, [0.3] * 3 + [-1.2] * 3], dtype=torch.float64)
+    weights = torch.tensor(
+        [[1.0] * 6, [0.25] * 4 + [0.0] * 2, [0.0] + [1.0] * 5], dtype=torch.float64
+    )
+    logps.requires_grad_(True)
+    losses, clipped, kl = grpo_token_losses(
+        logps, old, adv, clip_low=0.2, clip_high=0.28, beta=beta, ref_logps=ref
+    )
+    total = (losses * weights).sum()
+    total.backward()
+    expected, expected_grad = _reference_loss_and_grad(
+        logps.tolist(), old.tolist(), adv.tolist(), ref.tolist(), weights.tolist(),
+        clip_low=0.2, clip_high=0.28, beta=beta,
+    )  # fmt: skip
+    assert math.isclose(total.item(), expected, rel_tol=1e-12)
+    assert torch.allclose(logps.grad, torch.tensor(expected_grad, dtype=torch.float64), atol=1e-12)
+    ratio = (logps - old).exp()
+    assert clipped.any() and not clipped.all()  # the toy batch crosses both clip edges
+    assert ((ratio > 1.28) & (adv > 0) | (ratio < 0.8) & (adv < 0)).double().equal(clipped)
+    assert (kl.abs().sum() > 0) == bool(beta)
+
+
+def test_loss_step_aggregates_by_token_weights_on_a_model():
+    """GRPOLossStep on a real model: sequence-level weights give the mean over completions of
+    their token means, computed here sequence by sequence."""
+    from lmforge.api import build_model
+    from tests.train_utils import small_args
+
+    model = build_model(small_args(vocab_size=64), seed=0).double()
+    inputs = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    labels = torch.full((2, 7), IGNORE_INDEX)
+    labels[0, 2:6] = inputs[0, 3:7]  # sequence 0: 4 completion tokens
+    labels[1, 4:7] = torch.tensor([5, 9, 11])  # sequence 1: 3
+    lengths = [4, 3]
+    weights = (labels != IGNORE_INDEX).double() / torch.tensor(lengths, dtype=torch.float64)[
+        :, None
+    ]
+    with torch.no_grad():
+        old = token_logps(model(inputs), labels, temperature=0.7) - 0.05
+    advantages = torch.tensor([[0.9], [-1.1]], dtype=torch.float64).expand(2, 7)
+    batch = {
+        "inputs": inputs,
+        "labels": labels,
+        "old_logps": old,
+        "advantages": advantages,
+        "token_weights": weights,
+    }
+    step = GRPOLossStep(clip_low=0.2, clip_high=0.2, beta=0.0, temperature=0.7)
+    out = step(model, batch)
+    logits = model(inputs)
+    expected = 0.0
+    for row, length in enumerate(lengths):
+        token_losses = []
+        for t in range(7):
+            if labels[row, t] == IGNORE_INDEX:
+                continue
+            logp = torch.log_softmax(logits[row, t] / 0.7, dim=-1)[labels[row, t]]
+            ratio = torch.exp(logp - old[row, t])
+            a = advantages[row, t]
+            token_losses.append(-torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a))
+        expected += sum(token_losses) / length
+    assert torch.allclose(out.loss_sum, expected, atol=1e-10)
+    assert math.isclose(out.num_tokens.item(), 2.0, rel_tol=1e-12)
+    assert np.isclose(out.metrics["clip_fraction"].item(), 0.0)
