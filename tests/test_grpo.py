@@ -308,3 +308,165 @@ def test_loss_step_aggregates_by_token_weights_on_a_model():
     assert torch.allclose(out.loss_sum, expected, atol=1e-10)
     assert math.isclose(out.num_tokens.item(), 2.0, rel_tol=1e-12)
     assert np.isclose(out.metrics["clip_fraction"].item(), 0.0)
+
+
+# ---- the stage: rollouts on the engine, through the CLI -------------------------------------
+
+# A reward a tiny random model learns in a few steps: the share of the letter "e" in its text.
+# GRPO_TEST_REWARD_SLEEP slows a run down (not its values) so a test can kill it mid-way.
+REWARD_CODE = """
+import os, time
+
+def letter_e(completion, sample):
+    time.sleep(float(os.environ.get("GRPO_TEST_REWARD_SLEEP", "0")))
+    return completion.count("e") / max(len(completion), 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def grpo_world(tmp_path_factory):
+    """A small random base artifact with the demo tokenizer, demo prompts with answers, and
+    the reward file."""
+    from lmforge.api import build_model, save_state
+    from tests.train_utils import small_args
+
+    root = tmp_path_factory.mktemp("grpo")
+    paths, tokenizer, _ = demo_world(root, vocab_size=400)
+    args = small_args(tokenizer.vocab_size, tie_embeddings=False)
+    base = save_state(
+        build_model(args, seed=3).state_dict(), args, tokenizer, root / "base", stage="test",
+        parent=None,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in paths["dpo_train"].read_text().splitlines()][:32]
+    prompts = _write_rows(
+        root / "prompts.jsonl", [{"prompt": r["prompt"], "answer": r["chosen"]} for r in rows]
+    )
+    reward = root / "rewards.py"
+    reward.write_text(REWARD_CODE)
+    return base, prompts, reward
+
+
+def grpo_args(run_dir: Path, world, *extra: str) -> list[str]:
+    base, prompts, reward = world
+    return [
+        f"run_dir={run_dir}",
+        f"model.source={base}",
+        f"data.path={prompts}",
+        "data.max_seq_len=40",
+        "train.steps=20",
+        "train.micro_batch_size=16",
+        "train.deterministic=true",
+        "optim.lr=3e-2",
+        "scheduler.warmup_steps=1",
+        "metrics.log_every=1",
+        "metrics.tensorboard=false",
+        "checkpoint.every=0",
+        "grpo.prompts_per_step=4",
+        "grpo.num_generations=8",
+        "grpo.max_new_tokens=12",
+        f'grpo.rewards=[{{kind = "python", function = "{reward}:letter_e"}}]',
+        *extra,
+    ]
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world):
+    from tests.train_utils import run_inprocess
+
+    assert run_inprocess("grpo", grpo_args(tmp_path / "run", grpo_world)) == 0
+    records = _records(tmp_path / "run")
+    assert sorted(records) == list(range(1, 21))
+    rewards = [records[s]["reward"] for s in range(1, 21)]
+    start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert end > start + 0.2, rewards
+    first = records[1]
+    assert first["reward_letter_e"] == first["reward"]  # one reward of weight 1
+    assert first["logprob_gap"] < 1e-4  # the engine and the trainer score alike (CPU fp32)
+    for key in (
+        "clip_fraction", "entropy", "completion_len", "groups_dropped", "rollout_tokens_per_s",
+        "weight_sync_s", "rollout_s", "scoring_s", "logprob_s", "update_s",
+    ):  # fmt: skip
+        assert math.isfinite(first[key]), key
+    lineage = json.loads((tmp_path / "run" / "artifact" / "lmforge.json").read_text())
+    assert lineage["stage"] == "grpo" and lineage["parent"]["source"] == str(grpo_world[0])
+
+
+@pytest.mark.parametrize(
+    "extra, reference",
+    [
+        (["lora.enabled=true", "lora.rank=4", "grpo.beta=0.1"], "adapters_disabled"),
+        (["grpo.beta=0.1", "grpo.mu=2", "grpo.loss_aggregation=sequence"], "frozen_copy"),
+    ],
+    ids=["lora-kl", "full-kl-mu2-sequence"],
+)
+def test_kl_to_the_reference_grows_from_zero(tmp_path, grpo_world, extra, reference):
+    from lmforge.train.grpo import reference_kind
+    from tests.train_utils import run_inprocess
+
+    args = grpo_args(tmp_path / "run", grpo_world, "train.steps=4", *extra)
+    assert reference_kind(load_config(GRPOJob, None, args)) == reference
+    assert run_inprocess("grpo", args) == 0
+    records = _records(tmp_path / "run")
+    assert records[1]["kl"] < 1e-9  # the policy starts as its reference
+    assert records[4]["kl"] > records[1]["kl"]
+    if "lora.enabled=true" in extra:
+        assert (tmp_path / "run" / "artifact" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_kill_and_resume_matches_uninterrupted(tmp_path, grpo_world):
+    """SIGKILL mid-run, resumed from its last checkpoint: every later step logs the same loss
+    and reward (sampling seeded by rollout index; with mu = 2 a checkpoint falls between the
+    two steps of a rollout batch, whose sequences the checkpoint keeps)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train_utils import kill_all, run_inprocess, wait_for_step
+
+    extra = ["train.steps=10", "checkpoint.every=3", "grpo.mu=2"]
+    assert run_inprocess("grpo", grpo_args(tmp_path / "reference", grpo_world, *extra)) == 0
+    reference = _records(tmp_path / "reference")
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmforge", "grpo", *grpo_args(run_dir, grpo_world, *extra)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "GRPO_TEST_REWARD_SLEEP": "0.01"},
+    )
+    wait_for_step(run_dir, 4, proc)
+    kill_all(proc)
+    (run_dir / "metrics.jsonl").unlink()
+    assert run_inprocess("grpo", grpo_args(run_dir, grpo_world, *extra)) == 0
+    resumed = _records(run_dir)
+    assert min(resumed) in (4, 7) and max(resumed) == 10
+    for step, record in resumed.items():
+        for key in ("loss", "reward", "grad_norm"):
+            assert record[key] == reference[step][key], (step, key)
+
+
+def test_user_mistakes_exit_2_with_one_line(tmp_path, grpo_world, capsys):
+    from tests.train_utils import run_inprocess
+
+    bad_rows = _write_rows(tmp_path / "bad.jsonl", [{"prompt": "Where?"}, {"question": "x"}])
+    code = run_inprocess("grpo", grpo_args(tmp_path / "a", grpo_world, f"data.path={bad_rows}"))
+    assert code == 2 and "bad.jsonl:2" in capsys.readouterr().err
+    missing = f'grpo.rewards=[{{kind = "python", function = "{tmp_path}/none.py:f"}}]'
+    assert run_inprocess("grpo", grpo_args(tmp_path / "b", grpo_world, missing)) == 2
+    assert f"{tmp_path}/none.py is not a file" in capsys.readouterr().err
+    no_reward = grpo_args(tmp_path / "c", grpo_world, "grpo.rewards=[]")
+    assert run_inprocess("grpo", no_reward) == 2
+    assert "grpo.rewards is empty" in capsys.readouterr().err
+
+
+def test_config_show_lists_the_grpo_keys(capsys):
+    from tests.train_utils import run_inprocess
+
+    assert run_inprocess("config", ["show", "grpo"]) == 0
+    shown = capsys.readouterr().out
+    for key in ("num_generations", "clip_high", "scale_rewards", "loss_aggregation", "mu", "beta"):
+        assert f"{key} =" in shown, key
+    assert "prompt_field" in shown and "global_batch_size = 64" in shown

@@ -193,6 +193,9 @@ class GRPOSection(Section):
     """Strings that end a completion (besides the tokenizer's stop tokens)."""
     rollout_batch: int = Field(0, ge=0)
     """Sequences the engine decodes at once (its KV cache rows); 0: the whole rollout batch."""
+    logprob_gap: bool = True
+    """Measure the largest |engine - trainer| log-probability of the sampled tokens (the engine
+    then reads each step's log-probabilities on the host: one sync a decode step)."""
     mu: PositiveInt = 1
     """Optimizer steps on each rollout batch (μ), against its old log-probabilities."""
     clip_low: float = Field(0.2, ge=0, lt=1)

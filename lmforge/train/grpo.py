@@ -1,0 +1,127 @@
+"""`lmforge grpo`: online RL with verifiable rewards (GRPO and its DAPO / Dr. GRPO options) on
+the one training loop, its rollouts on the one engine over the weights being trained
+(lmforge.train.rollout).
+
+The KL reference (grpo.beta > 0 only) is the starting point: with LoRA, the policy itself with
+its adapters switched off (no second copy of the weights); with full finetuning, a frozen copy
+built like the policy, as `lmforge dpo` builds its reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from lmforge.data.prompts import PromptLoader, load_prompt_data
+from lmforge.data.sft import default_pad_id
+from lmforge.errors import ConfigError
+from lmforge.train.config import GRPOJob
+from lmforge.train.grpo_loss import GRPOLossStep, count_weighted_targets
+from lmforge.train.loop import grad_accumulation_steps
+from lmforge.train.optim import to_bf16_parameters
+from lmforge.train.rewards import build_rewards
+from lmforge.train.rollout import Rollouts
+from lmforge.train.stage import (
+    ReshardPolicy,
+    bf16_weights,
+    build_and_load_model,
+    computes_in_bf16,
+    lora_section,
+    run_stage,
+)
+
+log = logging.getLogger(__name__)
+
+
+def reference_kind(job: GRPOJob) -> str | None:
+    """'adapters_disabled', 'frozen_copy', or None where there is no KL term."""
+    if not job.grpo.beta:
+        return None
+    lora = lora_section(job)
+    kind = job.grpo.reference
+    if kind == "auto":
+        kind = "adapters_disabled" if lora is not None else "frozen_copy"
+    if kind == "adapters_disabled" and lora is None:
+        raise ConfigError('grpo.reference = "adapters_disabled" needs lora.enabled = true')
+    return kind
+
+
+def _check_layout(job: GRPOJob, layout) -> None:
+    if layout.world_size > 1:
+        raise ConfigError(
+            f"lmforge grpo runs in one process for now ({layout.world_size} were started): "
+            "rollouts on sharded weights (FSDP / tensor parallel) are not written yet"
+        )
+    if job.parallel.cpu_offload:
+        raise ConfigError("lmforge grpo cannot use parallel.cpu_offload (the engine samples on "
+                          "the device)")  # fmt: skip
+
+
+def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
+    """Train `train.steps` optimizer steps (a rollout batch every grpo.mu of them), resuming
+    from the run dir's checkpoints; returns the artifact. `reshard` decides
+    parallel.reshard_after_forward = "auto" (`ReshardPolicy`)."""
+    job.require_data()
+    kind = reference_kind(job)
+    # User reward code is loaded here, so that its errors come before the model is read.
+    rewards = build_rewards(job.grpo.rewards, max_new_tokens=job.grpo.max_new_tokens)
+    made: dict[str, Rollouts] = {}
+
+    def make_batches(layout, spec) -> Rollouts:
+        _check_layout(job, layout)
+        if spec.tokenizer is None:
+            raise ConfigError(
+                f"grpo needs a tokenizer: model.source {spec.source!r} has none; "
+                "set model.tokenizer"
+            )
+        dataset = load_prompt_data(job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len)
+        if layout.is_main:
+            log.warning("grpo data: %s", dataset.summary())
+        prompts = PromptLoader.from_section(
+            dataset.samples,
+            job.data,
+            spec.tokenizer,
+            micro_batch_size=job.grpo.prompts_per_step,
+            seed=job.train.seed,
+        )
+        made["rollouts"] = Rollouts(
+            prompts=prompts,
+            tokenizer=spec.tokenizer,
+            rewards=rewards,
+            grpo=job.grpo,
+            micro_batch_size=job.train.micro_batch_size,
+            num_micro_batches=grad_accumulation_steps(job.train, layout.dp_size),
+            max_seq_len=job.data.max_seq_len,
+            pad_id=default_pad_id(spec.tokenizer),
+            device=layout.device,
+            bf16=computes_in_bf16(job, layout),
+            seed=job.train.seed,
+        )
+        return made["rollouts"]
+
+    def make_loss_step(model, spec, layout) -> GRPOLossStep:
+        reference = None
+        if kind == "frozen_copy":
+            bf16 = computes_in_bf16(job, layout)
+            reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard)
+            reference = reference.eval()
+            reference.requires_grad_(False)
+            if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
+                to_bf16_parameters(reference)
+        # run_stage makes the batches before the loss step: the rollouts exist by now.
+        made["rollouts"].bind(model, reference=reference, base=kind == "adapters_disabled")
+        return GRPOLossStep(
+            clip_low=job.grpo.clip_low,
+            clip_high=job.grpo.clip_high,
+            beta=job.grpo.beta,
+            temperature=job.grpo.temperature,
+        )
+
+    return run_stage(
+        job,
+        stage="grpo",
+        make_batches=make_batches,
+        make_loss_step=make_loss_step,
+        reshard=reshard,
+        count_targets=count_weighted_targets,
+    )
