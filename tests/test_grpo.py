@@ -470,3 +470,34 @@ def test_config_show_lists_the_grpo_keys(capsys):
     for key in ("num_generations", "clip_high", "scale_rewards", "loss_aggregation", "mu", "beta"):
         assert f"{key} =" in shown, key
     assert "prompt_field" in shown and "global_batch_size = 64" in shown
+
+
+def test_pipeline_stage_runs_grpo_from_an_artifact(tmp_path, grpo_world):
+    """kind = "grpo" resolves to `lmforge grpo --config stage.toml`, a validated GRPOJob, runs
+    through the local launcher and writes an artifact whose lineage names its input."""
+    from lmforge.launch.local import LocalLauncher
+    from lmforge.pipeline import load_pipeline, run_pipeline
+
+    base, prompts, reward = grpo_world
+    file = tmp_path / "p.toml"
+    file.write_text(
+        f'[pipeline]\nname = "p"\nreport = false\n[model]\nsource = "{base}"\n'
+        '[stages.rl]\nkind = "grpo"\n'
+        f'data.path = ["{prompts}"]\ndata.max_seq_len = 40\n'
+        "train.steps = 2\ntrain.micro_batch_size = 8\nmetrics.tensorboard = false\n"
+        "grpo.prompts_per_step = 2\ngrpo.num_generations = 4\ngrpo.max_new_tokens = 8\n"
+        f'grpo.rewards = [{{kind = "python", function = "{reward}:letter_e"}}]\n'
+    )
+    pipeline = load_pipeline(file, workdir=tmp_path)
+    (stage,) = pipeline.stages
+    assert stage.argv == ["grpo", "--config", "runs/p/rl/stage.toml"]
+    assert stage.config.grpo.rewards[0].function == f"{reward}:letter_e"
+    assert stage.config.train.global_batch_size == 8
+    lines: list[str] = []
+    result = run_pipeline(pipeline, launcher=LocalLauncher(stream=None), echo=lines.append)
+    assert result.ok, "\n".join(lines)
+    lineage = json.loads((tmp_path / "runs/p/rl/artifact/lmforge.json").read_text())
+    assert lineage["stage"] == "grpo" and lineage["parent"]["source"] == str(base)
+    file.write_text(file.read_text().replace("grpo.rewards = [", "grpo.rewardz = ["))
+    with pytest.raises(ConfigError, match=r"grpo\.rewardz"):
+        load_pipeline(file, workdir=tmp_path)
