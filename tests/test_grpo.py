@@ -374,10 +374,11 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines)}
 
 
-def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world):
+def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world, capsys):
     from tests.train_utils import run_inprocess
 
     assert run_inprocess("grpo", grpo_args(tmp_path / "run", grpo_world)) == 0
+    assert "step 20: loss" in (err := capsys.readouterr().err) and ", reward 0." in err
     records = _records(tmp_path / "run")
     assert sorted(records) == list(range(1, 21))
     rewards = [records[s]["reward"] for s in range(1, 21)]
@@ -399,9 +400,13 @@ def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world
     "extra, reference",
     [
         (["lora.enabled=true", "lora.rank=4", "grpo.beta=0.1"], "adapters_disabled"),
+        (
+            ["lora.enabled=true", "lora.rank=4", "lora.quantize_base=nf4", "grpo.beta=0.1"],
+            "adapters_disabled",
+        ),
         (["grpo.beta=0.1", "grpo.mu=2", "grpo.loss_aggregation=sequence"], "frozen_copy"),
     ],
-    ids=["lora-kl", "full-kl-mu2-sequence"],
+    ids=["lora-kl", "qlora-kl", "full-kl-mu2-sequence"],
 )
 def test_kl_to_the_reference_grows_from_zero(tmp_path, grpo_world, extra, reference):
     from lmforge.train.grpo import reference_kind
@@ -413,6 +418,7 @@ def test_kl_to_the_reference_grows_from_zero(tmp_path, grpo_world, extra, refere
     records = _records(tmp_path / "run")
     assert records[1]["kl"] < 1e-9  # the policy starts as its reference
     assert records[4]["kl"] > records[1]["kl"]
+    assert records[4]["logprob_gap"] < 1e-4  # the engine samples from the trained weights
     if "lora.enabled=true" in extra:
         assert (tmp_path / "run" / "artifact" / "adapter" / "adapter_config.json").is_file()
 
