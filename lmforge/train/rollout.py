@@ -238,10 +238,13 @@ class Rollouts:
         logps: list[list[float]] = [[] for _ in sequences]
         rollout_start = time.perf_counter()
         engine.add(sequences)
-        while engine.has_work:
-            for sequence, event in engine.step():
-                if measure:
-                    logps[sequence.index].append(event.logprob)
+        # The trainer's precision: under bf16 autocast, as its forwards run (frozen LoRA bases
+        # are stored in bf16 beside fp32 embeddings, which only autocast multiplies together).
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            while engine.has_work:
+                for sequence, event in engine.step():
+                    if measure:
+                        logps[sequence.index].append(event.logprob)
         rollout_s = time.perf_counter() - rollout_start
         del engine  # its KV cache goes back before the update
         policy.train()
