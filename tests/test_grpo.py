@@ -385,8 +385,9 @@ def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world
     start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
     assert end > start + 0.2, rewards
     first = records[1]
-    assert first["reward_letter_e"] == first["reward"]  # one reward of weight 1
+    assert math.isclose(first["reward_letter_e"], first["reward"])  # one reward, weight 1
     assert first["logprob_gap"] < 1e-4  # the engine and the trainer score alike (CPU fp32)
+    assert first["prompt_tokens_shared"] > 0  # a group prefills its prompt once
     for key in (
         "clip_fraction", "entropy", "completion_len", "groups_dropped", "rollout_tokens_per_s",
         "weight_sync_s", "rollout_s", "scoring_s", "logprob_s", "update_s",
@@ -553,3 +554,48 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     assert "GRPO engine KV cache (512 rows × 1024 slots)" in out and "512 accumulation steps" in out
     assert run_inprocess("plan", ["--model", "llama3.2-1b", "--prompts", "8"]) == 2
     assert "--prompts: only with --method grpo" in capsys.readouterr().err
+
+
+# ---- the engine: one prefill for a group's prompt --------------------------------------------
+
+
+def test_a_groups_sequences_copy_the_prompt_prefilled_once():
+    """G completions of one prompt: the first prefills it, the others copy its cached slots
+    and run only its last token; they sample exactly what G separate prefills sample."""
+    from lmforge.api import build_model
+    from lmforge.generate import Engine, SamplingParams
+    from tests.train_utils import small_args
+
+    model = build_model(small_args(vocab_size=64), seed=0)
+    prompts = [[1, 5, 9, 13, 17, 21, 3], [2, 4, 6, 8]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=())
+
+    def run(share: bool):
+        engine = Engine(model, max_batch=8, max_seq_len=32, compile=False)
+        sequences = []
+        for i, prompt in enumerate(prompts):
+            first = None
+            for j in range(4):
+                sequence = engine.sequence(
+                    prompt, params, index=4 * i + j, seed=4 * i + j, num_logprobs=0,
+                    shares_prompt_with=first if share else None,
+                )  # fmt: skip
+                first = first or sequence
+                sequences.append(sequence)
+        engine.add(sequences)
+        logprobs = {s.index: [] for s in sequences}
+        while engine.has_work:
+            for sequence, event in engine.step():
+                logprobs[sequence.index].append(event.logprob)
+        return [s.token_ids for s in sequences], logprobs, engine.num_shared_prompt_tokens
+
+    tokens, logprobs, shared = run(share=True)
+    alone_tokens, alone_logprobs, none_shared = run(share=False)
+    assert shared == 3 * 6 + 3 * 3 and none_shared == 0
+    assert tokens == alone_tokens
+    for index, values in logprobs.items():
+        assert np.allclose(values, alone_logprobs[index], atol=1e-5)
+    with pytest.raises(ConfigError, match="their tokens differ"):
+        engine = Engine(model, max_batch=2, max_seq_len=32, compile=False)
+        first = engine.sequence([1, 2, 3], params)
+        engine.sequence([1, 2, 4], params, index=1, shares_prompt_with=first)

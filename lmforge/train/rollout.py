@@ -14,9 +14,9 @@ makes a rollout batch:
    rollout only and is freed before the update.
 2. rollout: prompts_per_step prompts × G completions, sampled with the job's temperature,
    top-p/top-k and stop strings; the engine's draws are seeded from (train.seed, rollout
-   index), so a resumed run samples what the uninterrupted one did. Each of the G sequences
-   of a prompt is prefilled on its own (the engine has no shared-prefix rows yet: the prompt's
-   prefill runs G times, in one batched forward).
+   index), so a resumed run samples what the uninterrupted one did. A prompt is prefilled
+   once: the other G - 1 sequences of its group copy its cached slots (all but the last
+   prompt token, which each runs to sample its own first token; `prompt_tokens_shared`).
 3. scoring: the rewards (lmforge.train.rewards), group-normalised advantages; groups whose
    rewards are all equal are dropped (grpo.drop_equal_groups) and counted.
 4. the old log-probabilities (the policy that sampled, for the μ steps' ratios) and the
@@ -225,16 +225,19 @@ class Rollouts:
         sync_s = time.perf_counter() - sync_start
         params = self._sampling_params()
         measure = self.grpo.logprob_gap
-        sequences = [
-            engine.sequence(
-                prompt.prompt_ids.tolist(),
-                params,
-                index=i * num + j,
-                num_logprobs=0 if measure else None,
-            )
-            for i, prompt in enumerate(prompts)
-            for j in range(num)
-        ]
+        sequences = []
+        for i, prompt in enumerate(prompts):
+            first = None  # the group's first sequence prefills the prompt; the others copy it
+            for j in range(num):
+                sequence = engine.sequence(
+                    prompt.prompt_ids.tolist(),
+                    params,
+                    index=i * num + j,
+                    num_logprobs=0 if measure else None,
+                    shares_prompt_with=first,
+                )
+                first = first or sequence
+                sequences.append(sequence)
         logps: list[list[float]] = [[] for _ in sequences]
         rollout_start = time.perf_counter()
         engine.add(sequences)
@@ -246,11 +249,13 @@ class Rollouts:
                     if measure:
                         logps[sequence.index].append(event.logprob)
         rollout_s = time.perf_counter() - rollout_start
+        shared = engine.num_shared_prompt_tokens
         del engine  # its KV cache goes back before the update
         policy.train()
         results = [s.result() for s in sequences]
         num_tokens = sum(len(r.token_ids) for r in results)
         timing = {
+            "prompt_tokens_shared": float(shared),
             "weight_sync_s": sync_s,
             "rollout_s": rollout_s,
             "rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
