@@ -599,3 +599,24 @@ def test_a_groups_sequences_copy_the_prompt_prefilled_once():
         engine = Engine(model, max_batch=2, max_seq_len=32, compile=False)
         first = engine.sequence([1, 2, 3], params)
         engine.sequence([1, 2, 4], params, index=1, shares_prompt_with=first)
+
+
+def test_demo_questions_ask_about_training_people_only(world):
+    """The demo's grpo_train.jsonl: chat questions with their short answers, about the DPO
+    people (never a held-out one), readable by the prompt loader."""
+    from lmforge.data.demo import make_facts, split_people
+
+    paths, tokenizer, _ = world
+    rows = [json.loads(line) for line in paths["grpo_train"].read_text().splitlines()]
+    facts = {(f.question, f.answer): f.name for f in make_facts()}
+    _, heldout = split_people(make_facts())
+    sft_rows = [
+        json.loads(line)["messages"] for line in paths["sft_train"].read_text().split("\n")[:-1]
+    ]
+    sft_names = {facts[(question["content"], answer["content"])] for question, answer in sft_rows}
+    names = {facts[(row["messages"][0]["content"], row["answer"])] for row in rows}
+    assert names and not names & heldout and not names & sft_names
+    data = load_prompt_data(
+        PromptDataSection(path=[str(paths["grpo_train"])]), tokenizer, max_prompt_len=64
+    )
+    assert len(data.samples) == len(rows) == 3 * len(names)
