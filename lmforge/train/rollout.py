@@ -207,51 +207,16 @@ class Rollouts:
     def _generate(self, prompts: list[PromptSample]):
         """G completions of each prompt on an engine over the policy's own weights -> (results
         in prompt-major order, the engine's token log-probabilities or None, timings)."""
-        policy, num = self.policy, self.grpo.num_generations
         sync_start = time.perf_counter()
-        engine = Engine(
-            policy,
-            self.tokenizer,
-            max_batch=self.grpo.rollout_batch or len(prompts) * num,
-            max_seq_len=self.max_seq_len,
-            device=self.device,
-            compile=False,
-            fuse=False,  # fused projections would be copies of the trained weights
-            quantized_kernels=False,
-            gemv=False,
-            fuse_blocks=False,
-        )
-        engine.seed_draws(rollout_seed(self.seed, self.num_rollouts))
+        engine = self._engine(num_sequences=len(prompts) * self.grpo.num_generations)
         sync_s = time.perf_counter() - sync_start
-        params = self._sampling_params()
-        measure = self.grpo.logprob_gap
-        sequences = []
-        for i, prompt in enumerate(prompts):
-            first = None  # the group's first sequence prefills the prompt; the others copy it
-            for j in range(num):
-                sequence = engine.sequence(
-                    prompt.prompt_ids.tolist(),
-                    params,
-                    index=i * num + j,
-                    num_logprobs=0 if measure else None,
-                    shares_prompt_with=first,
-                )
-                first = first or sequence
-                sequences.append(sequence)
-        logps: list[list[float]] = [[] for _ in sequences]
+        sequences = self._sequences(engine, prompts)
         rollout_start = time.perf_counter()
-        engine.add(sequences)
-        # The trainer's precision: under bf16 autocast, as its forwards run (frozen LoRA bases
-        # are stored in bf16 beside fp32 embeddings, which only autocast multiplies together).
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            while engine.has_work:
-                for sequence, event in engine.step():
-                    if measure:
-                        logps[sequence.index].append(event.logprob)
+        logps = self._run(engine, sequences)
         rollout_s = time.perf_counter() - rollout_start
         shared = engine.num_shared_prompt_tokens
         del engine  # its KV cache goes back before the update
-        policy.train()
+        self.policy.train()
         results = [s.result() for s in sequences]
         num_tokens = sum(len(r.token_ids) for r in results)
         timing = {
@@ -260,7 +225,56 @@ class Rollouts:
             "rollout_s": rollout_s,
             "rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
         }
-        return results, (logps if measure else None), timing
+        return results, logps, timing
+
+    def _engine(self, *, num_sequences: int) -> Engine:
+        """An engine over the policy module itself, its draws seeded for this rollout batch."""
+        engine = Engine(
+            self.policy,
+            self.tokenizer,
+            max_batch=self.grpo.rollout_batch or num_sequences,
+            max_seq_len=self.max_seq_len,
+            device=self.device,
+            compile=False,
+            fuse=False,  # fused projections would be copies of the trained weights
+            quantized_kernels=False,  # (these three swap the model's modules for inference's)
+            gemv=False,
+            fuse_blocks=False,
+        )
+        engine.seed_draws(rollout_seed(self.seed, self.num_rollouts))
+        return engine
+
+    def _sequences(self, engine: Engine, prompts: list[PromptSample]) -> list:
+        """num_generations sequences a prompt, prompt-major; a group's first one prefills the
+        prompt and the others copy it."""
+        params, num = self._sampling_params(), self.grpo.num_generations
+        sequences = []
+        for i, prompt in enumerate(prompts):
+            first = None
+            for j in range(num):
+                sequence = engine.sequence(
+                    prompt.prompt_ids.tolist(),
+                    params,
+                    index=i * num + j,
+                    num_logprobs=0 if self.grpo.logprob_gap else None,
+                    shares_prompt_with=first,
+                )
+                first = first or sequence
+                sequences.append(sequence)
+        return sequences
+
+    def _run(self, engine: Engine, sequences: list) -> list[list[float]] | None:
+        """Step the engine until every sequence is done -> the log-probability of each
+        sampled token, per sequence (None when grpo.logprob_gap is off)."""
+        logps: list[list[float]] = [[] for _ in sequences]
+        engine.add(sequences)
+        # The trainer's precision: under bf16 autocast, as its forwards run (frozen LoRA bases
+        # are stored in bf16 beside fp32 embeddings, which only autocast multiplies together).
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            while engine.has_work:
+                for sequence, event in engine.step():
+                    logps[sequence.index].append(event.logprob)
+        return logps if self.grpo.logprob_gap else None
 
     def _score(self, prompts: list[PromptSample], results, engine_logps):
         """Rewards, advantages and the kept groups' rollouts -> (rollouts, metrics)."""
