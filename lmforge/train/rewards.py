@@ -94,6 +94,7 @@ class Completion:
     num_tokens: int  # tokens generated (a final stop token included)
     sample: dict[str, Any]  # the prompt row's fields
     where: str = ""  # the row's file:line, for errors
+    token_ids: tuple[int, ...] = ()  # as generated (for rewards built in code, on token ids)
 
 
 # ---- built-in checks -----------------------------------------------------------------------

@@ -285,6 +285,7 @@ class Rollouts:
                 num_tokens=len(result.token_ids),
                 sample=prompts[index // num].fields,
                 where=prompts[index // num].where,
+                token_ids=tuple(result.token_ids),
             )
             for index, result in enumerate(results)
         ]
