@@ -47,6 +47,10 @@ def test_one_step_trains_on_one_rollout_batch():
         load_config(GRPOJob, None, ["data.max_seq_len=64", "grpo.max_new_tokens=64"])
     with pytest.raises(ConfigError, match="num_generations"):
         load_config(GRPOJob, None, ["grpo.num_generations=1"])
+    with pytest.raises(ConfigError, match=r"set grpo\.eval_every \(and data\.heldout\)"):
+        load_config(GRPOJob, None, ["train.eval_every=5"])
+    with pytest.raises(ConfigError, match=r"grpo\.eval_every needs held-out prompts"):
+        load_config(GRPOJob, None, ["grpo.eval_every=5"])
 
 
 def test_reward_sections_check_their_settings(tmp_path):
@@ -377,7 +381,9 @@ def _records(run_dir: Path) -> dict[int, dict]:
 def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world, capsys):
     from tests.train_utils import run_inprocess
 
-    assert run_inprocess("grpo", grpo_args(tmp_path / "run", grpo_world)) == 0
+    _, prompts, _ = grpo_world
+    heldout = ["grpo.eval_every=10", f"data.heldout={prompts}"]  # (the same prompts, greedy)
+    assert run_inprocess("grpo", grpo_args(tmp_path / "run", grpo_world, *heldout)) == 0
     assert "step 20: loss" in (err := capsys.readouterr().err) and ", reward 0." in err
     records = _records(tmp_path / "run")
     assert sorted(records) == list(range(1, 21))
@@ -393,6 +399,10 @@ def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world
         "weight_sync_s", "rollout_s", "scoring_s", "logprob_s", "update_s",
     ):  # fmt: skip
         assert math.isfinite(first[key]), key
+    evaluated = [step for step, record in records.items() if "val_reward" in record]
+    assert evaluated == [10, 20]
+    assert records[20]["val_reward"] > records[10]["val_reward"] > 0.2  # greedy: sharper yet
+    assert records[20]["val_reward_letter_e"] == records[20]["val_reward"]
     lineage = json.loads((tmp_path / "run" / "artifact" / "lmforge.json").read_text())
     assert lineage["stage"] == "grpo" and lineage["parent"]["source"] == str(grpo_world[0])
 

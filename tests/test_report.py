@@ -154,6 +154,7 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
         summary.training["dpo"][0]
     )
     assert {"reward", "reward_exact_match", "accuracy"} <= set(summary.training["grpo"][0])
+    assert "val_accuracy" in summary.training["grpo"][-1]  # held-out people, at the last step
     assert "grpo: GRPO reward" in page or 'id="fig-training_grpo"' in page
     # each stage's hyperparameters and code version
     assert "optim.lr = 0.006" in page and "scheme = int4-wo" in page

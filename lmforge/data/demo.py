@@ -170,8 +170,9 @@ def write_demo_data(
 
     corpus.txt (pretraining prose, one document per paragraph), sft_train.jsonl /
     sft_heldout.jsonl (chat messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen,
-    rejected; `train_rejected` / `heldout_rejected` wrong answers per fact), grpo_train.jsonl
-    (a question as a chat and its short answer, for `lmforge grpo`'s exact_match reward) and
+    rejected; `train_rejected` / `heldout_rejected` wrong answers per fact), grpo_train.jsonl /
+    grpo_heldout.jsonl (a question as a chat and its short answer, for `lmforge grpo`'s
+    exact_match reward) and
     mc_heldout.jsonl (multiple choice among four short answers, for lm-eval). SFT rows are
     about the first `num_sft_people` training people, DPO and GRPO rows about the other
     training people.
@@ -196,6 +197,7 @@ def write_demo_data(
             ("dpo_train", "dpo_train.jsonl"),
             ("dpo_heldout", "dpo_heldout.jsonl"),
             ("grpo_train", "grpo_train.jsonl"),
+            ("grpo_heldout", "grpo_heldout.jsonl"),
             ("mc_heldout", "mc_heldout.jsonl"),
         ]
     }
@@ -228,14 +230,15 @@ def write_demo_data(
                 for wrong in wrong_values(f, rng, num_rejected)
             ],
         )
-    _write_jsonl(  # (after the rows above: their random draws stay what they were)
-        paths["grpo_train"],
-        [
-            {"messages": [{"role": "user", "content": f.question}], "answer": f.answer}
-            for f in facts
-            if f.name in dpo_people
-        ],
-    )
+    for split, people in (("train", dpo_people), ("heldout", heldout_people)):
+        _write_jsonl(  # (after the rows above: their random draws stay what they were)
+            paths[f"grpo_{split}"],
+            [
+                {"messages": [{"role": "user", "content": f.question}], "answer": f.answer}
+                for f in facts
+                if f.name in people
+            ],
+        )
     heldout = [f for f in facts if f.name in heldout_people]
     _write_jsonl(paths["mc_heldout"], [_multiple_choice(f, rng) for f in heldout])
     return paths

@@ -36,6 +36,8 @@ TRAINING_COLORS = {
     "reward": PALETTE[7],
     "accuracy": PALETTE[10],
     "kl": PALETTE[11],
+    "val_reward": PALETTE[12],
+    "val_accuracy": PALETTE[13],
     "tokens_per_s": PALETTE[9],
     "mfu": PALETTE[8],
 }
@@ -50,6 +52,8 @@ METRIC_LABELS = {
     "reward": "reward (GRPO)",
     "accuracy": "accuracy (GRPO)",
     "kl": "KL to the reference",
+    "val_reward": "held-out reward (greedy)",
+    "val_accuracy": "held-out accuracy (greedy)",
 }
 # Panels of a training stage's figure: title and the metrics.jsonl keys plotted in it.
 TRAINING_PANELS = (
@@ -57,7 +61,7 @@ TRAINING_PANELS = (
     ("learning rate", ("lr",)),
     ("gradient norm", ("grad_norm",)),
     ("DPO rewards", ("rewards_chosen", "rewards_rejected", "reward_margin")),
-    ("GRPO reward", ("reward", "accuracy")),
+    ("GRPO reward", ("reward", "accuracy", "val_reward", "val_accuracy")),
     ("KL", ("kl",)),
 )
 # Node colours of the lineage graph, by what a stage makes.
@@ -196,7 +200,7 @@ def _training_figure(stage: str, records: list[dict], colors: MetricColors) -> F
 
 def _training_caption(records: list[dict]) -> str:
     parts = []
-    for key in ("loss", "val_loss", "reward_margin", "reward"):
+    for key in ("loss", "val_loss", "reward_margin", "reward", "val_accuracy"):
         _, values = _series(records, key)
         if values:
             parts.append(f"{METRIC_LABELS[key]} {values[0]:.3f} → {values[-1]:.3f}")

@@ -216,6 +216,9 @@ class GRPOSection(Section):
     """With beta > 0. auto: with LoRA, the policy with its adapters off; else a frozen copy."""
     rewards: list[RewardSection] = Field(default_factory=list)
     """[[grpo.rewards]] entries: kind, weight and each kind's settings (lmforge.train.rewards)."""
+    eval_every: int = Field(0, ge=0)
+    """Greedy completions of data.heldout's prompts every N steps and at the last one, scored by
+    the rewards: val_reward, val_reward_<name>, val_accuracy; 0: never."""
 
 
 class GRPOJob(TrainJob):
@@ -238,12 +241,22 @@ class GRPOJob(TrainJob):
             )
         if given is None:
             self.train.global_batch_size = sequences
+        self._check_evaluation()
         if self.grpo.max_new_tokens >= self.data.max_seq_len:
             raise ValueError(
                 f"grpo.max_new_tokens = {self.grpo.max_new_tokens} leaves no room for a prompt "
                 f"in data.max_seq_len = {self.data.max_seq_len}"
             )
         return self
+
+    def _check_evaluation(self) -> None:
+        if self.train.eval_every:
+            raise ValueError(
+                "train.eval_every is a held-out loss; grpo evaluates held-out prompts by their "
+                "reward: set grpo.eval_every (and data.heldout) instead"
+            )
+        if self.grpo.eval_every and not self.data.heldout:
+            raise ValueError("grpo.eval_every needs held-out prompts: set data.heldout")
 
     @property
     def max_prompt_len(self) -> int:

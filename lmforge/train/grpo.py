@@ -84,6 +84,11 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             micro_batch_size=job.grpo.prompts_per_step,
             seed=job.train.seed,
         )
+        heldout = []
+        if job.grpo.eval_every:
+            heldout = load_prompt_data(
+                job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len, heldout=True
+            ).samples
         made["rollouts"] = Rollouts(
             prompts=prompts,
             tokenizer=spec.tokenizer,
@@ -96,6 +101,8 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             device=layout.device,
             bf16=computes_in_bf16(job, layout),
             seed=job.train.seed,
+            heldout=heldout,
+            total_steps=job.train.steps,
         )
         return made["rollouts"]
 

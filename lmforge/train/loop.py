@@ -115,7 +115,7 @@ class Trainer:
         job_config: dict | None = None,
         count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
         heldout: Callable[[], Iterable[dict]] | None = None,
-        batch_metrics: Callable[[], dict[str, float]] | None = None,
+        batch_metrics: Callable[[int], dict[str, float]] | None = None,
     ) -> None:
         self.model, self.loss_step, self.batches = model, loss_step, batches
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -134,8 +134,8 @@ class Trainer:
         self.job_config = job_config
         self.count_targets = count_targets
         self.heldout = heldout  # () -> one pass over the held-out batches (this rank's)
-        # () -> what the batch source measured for the step just taken (GRPO's rollouts:
-        # rewards, timings), this rank's values, logged as they are
+        # (step) -> what the batch source measured for the step just taken (GRPO's rollouts:
+        # rewards, timings, held-out rewards), this rank's values, logged as they are
         self.batch_metrics = batch_metrics
         self.params = [p for p in model.parameters() if p.requires_grad]
         # bf16 weights (fp32 masters in the optimizer) sum their micro-batches' gradients in fp32
@@ -236,7 +236,7 @@ class Trainer:
         values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
         if self.batch_metrics is not None:
-            values.update(self.batch_metrics())
+            values.update(self.batch_metrics(self.step))
         return values
 
     def _clip_scale(self, grad_norm: torch.Tensor) -> torch.Tensor | None:

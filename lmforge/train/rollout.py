@@ -35,6 +35,7 @@ with gathered weights), and CUDA graphs / compiled decode steps over the trainin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -93,6 +94,8 @@ class Rollouts:
         bf16: the trainer's forwards compute in bf16 under autocast (the old log-probabilities
             are computed as the loss computes the new ones).
         seed: train.seed.
+        heldout: prompts to evaluate greedily every grpo.eval_every steps (`evaluate`).
+        total_steps: train.steps (the held-out prompts are also evaluated at the last).
     """
 
     def __init__(
@@ -109,12 +112,15 @@ class Rollouts:
         device: torch.device,
         bf16: bool,
         seed: int,
+        heldout: Sequence[PromptSample] = (),
+        total_steps: int = 0,
     ) -> None:
         self.prompts, self.tokenizer, self.rewards = prompts, tokenizer, list(rewards)
         self.grpo = grpo
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
         self.max_seq_len, self.pad_id = max_seq_len, pad_id
         self.device, self.bf16, self.seed = device, bf16, seed
+        self.heldout, self.total_steps = list(heldout), total_steps
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.reference_is_base = False
@@ -145,11 +151,6 @@ class Rollouts:
         if self.handed_out % self.num_micro_batches == 0:
             self._ready_at = time.perf_counter()
         return batch
-
-    def step_metrics(self) -> dict[str, float]:
-        """The metrics of the rollout batch the step trained on, and the update's time (from
-        its last micro-batch handed out to now: forwards, backwards and the optimizer)."""
-        return {**self.metrics, "update_s": time.perf_counter() - self._ready_at}
 
     def state_dict(self) -> dict[str, Any]:
         """Prompt order, rollout count and the current rollout's micro-batches (a resumed run
@@ -279,17 +280,7 @@ class Rollouts:
     def _score(self, prompts: list[PromptSample], results, engine_logps):
         """Rewards, advantages and the kept groups' rollouts -> (rollouts, metrics)."""
         num = self.grpo.num_generations
-        completions = [
-            Completion(
-                text=result.text,
-                num_tokens=len(result.token_ids),
-                sample=prompts[index // num].fields,
-                where=prompts[index // num].where,
-                token_ids=tuple(result.token_ids),
-            )
-            for index, result in enumerate(results)
-        ]
-        scores = score_completions(self.rewards, completions)
+        scores = score_completions(self.rewards, _completions(prompts, results, copies=num))
         rewards = torch.tensor(scores.total, dtype=torch.float64).view(len(prompts), num)
         advantages, equal = group_advantages(rewards, scale=self.grpo.scale_rewards)
         drop = equal if self.grpo.drop_equal_groups else torch.zeros_like(equal)
@@ -319,7 +310,44 @@ class Rollouts:
             metrics["accuracy"] = float(np.mean(scores.correct))
         return rollouts, metrics
 
-    # ---- packing and the trainer's log-probabilities --------------------------------------
+    # ---- step metrics and held-out prompts ---------------------------------------------
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The metrics of the rollout batch the step trained on, the update's time (from its
+        last micro-batch handed out to now: forwards, backwards and the optimizer) and, every
+        grpo.eval_every steps and at the last, the held-out prompts' rewards."""
+        metrics = {**self.metrics, "update_s": time.perf_counter() - self._ready_at}
+        every = self.grpo.eval_every
+        if self.heldout and every and (step % every == 0 or step == self.total_steps):
+            metrics.update(self.evaluate())
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts on the engine, scored by the rewards ->
+        val_reward, val_reward_<name>, val_accuracy (where a reward checks correctness)."""
+        start = time.perf_counter()
+        rows = min(len(self.heldout), self.grpo.prompts_per_step * self.grpo.num_generations)
+        engine = self._engine(num_sequences=rows)
+        greedy = dataclasses.replace(self._sampling_params(), temperature=0.0)
+        sequences = [
+            engine.sequence(prompt.prompt_ids.tolist(), greedy, index=index)
+            for index, prompt in enumerate(self.heldout)
+        ]
+        self._run(engine, sequences)
+        del engine
+        self.policy.train()
+        results = [sequence.result() for sequence in sequences]
+        scores = score_completions(self.rewards, _completions(self.heldout, results, copies=1))
+        metrics = {"val_reward": float(np.mean(scores.total))}
+        for name, values in scores.by_reward.items():
+            metrics[f"val_reward_{name}"] = float(np.mean(values))
+        if scores.correct is not None:
+            metrics["val_accuracy"] = float(np.mean(scores.correct))
+        metrics["eval_s"] = time.perf_counter() - start
+        return metrics
+
+    # ---- packing and the trainer's log-probabilities ------------------------------------
 
     def _micro_batches(self, rollouts: list[Rollout]):
         """num_micro_batches packed micro-batches with old (and reference) log-probabilities
@@ -418,3 +446,17 @@ class Rollouts:
             with disable_adapters(self.policy):
                 logits = self.policy(batch["inputs"], **model_inputs(batch))
         return token_logps(logits, batch["labels"], temperature=self.grpo.temperature)
+
+
+def _completions(prompts: Sequence[PromptSample], results, *, copies: int) -> list[Completion]:
+    """What the rewards see of `results`, `copies` consecutive ones a prompt."""
+    return [
+        Completion(
+            text=result.text,
+            num_tokens=len(result.token_ids),
+            sample=prompts[index // copies].fields,
+            where=prompts[index // copies].where,
+            token_ids=tuple(result.token_ids),
+        )
+        for index, result in enumerate(results)
+    ]
