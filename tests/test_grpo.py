@@ -401,7 +401,7 @@ def test_reward_rises_on_a_learnable_reward_through_the_cli(tmp_path, grpo_world
         assert math.isfinite(first[key]), key
     evaluated = [step for step, record in records.items() if "val_reward" in record]
     assert evaluated == [10, 20]
-    assert records[20]["val_reward"] > records[10]["val_reward"] > 0.2  # greedy: sharper yet
+    assert records[20]["val_reward"] >= records[10]["val_reward"] > 0.5  # greedy: sharper
     assert records[20]["val_reward_letter_e"] == records[20]["val_reward"]
     lineage = json.loads((tmp_path / "run" / "artifact" / "lmforge.json").read_text())
     assert lineage["stage"] == "grpo" and lineage["parent"]["source"] == str(grpo_world[0])
@@ -630,3 +630,23 @@ def test_demo_questions_ask_about_training_people_only(world):
         PromptDataSection(path=[str(paths["grpo_train"])]), tokenizer, max_prompt_len=64
     )
     assert len(data.samples) == len(rows) == 3 * len(names)
+
+
+@pytest.mark.parametrize("extra", [[], ["lora.enabled=true", "lora.rank=4"]], ids=["full", "lora"])
+def test_two_processes_match_one(tmp_path, grpo_world, extra):
+    """FSDP over two gloo processes, each sampling for half of the prompts on a replica of the
+    gathered weights: the same losses and rewards as one process (every sequence draws from a
+    seed of its own)."""
+    from tests.train_utils import run_inprocess, run_torchrun
+
+    args = ["train.steps=4", "grpo.mu=2", *extra]
+    assert run_inprocess("grpo", grpo_args(tmp_path / "one", grpo_world, *args)) == 0
+    one = _records(tmp_path / "one")
+    two_args = grpo_args(tmp_path / "two", grpo_world, *args, "train.micro_batch_size=8")
+    run_torchrun(2, "grpo", two_args)
+    two = _records(tmp_path / "two")
+    assert sorted(two) == sorted(one) == [1, 2, 3, 4]
+    for step in one:
+        for key in ("loss", "reward", "grad_norm", "completion_len", "groups_dropped"):
+            assert abs(two[step][key] - one[step][key]) <= 1e-5, (step, key)
+        assert two[step]["logprob_gap"] < 1e-4  # the replica samples what the shards train

@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
+from lmforge import models
 from lmforge.data.prompts import PromptLoader, load_prompt_data
 from lmforge.data.sft import default_pad_id
 from lmforge.errors import ConfigError
+from lmforge.modules.lora import apply_lora
 from lmforge.train.config import GRPOJob
 from lmforge.train.grpo_loss import GRPOLossStep, count_weighted_targets
 from lmforge.train.loop import grad_accumulation_steps
@@ -47,14 +51,40 @@ def reference_kind(job: GRPOJob) -> str | None:
 
 
 def _check_layout(job: GRPOJob, layout) -> None:
-    if layout.world_size > 1:
+    if layout.tp_size > 1:
         raise ConfigError(
-            f"lmforge grpo runs in one process for now ({layout.world_size} were started): "
-            "rollouts on sharded weights (FSDP / tensor parallel) are not written yet"
+            "lmforge grpo does not run with parallel.tp > 1 yet; use data parallelism (FSDP)"
         )
     if job.parallel.cpu_offload:
         raise ConfigError("lmforge grpo cannot use parallel.cpu_offload (the engine samples on "
                           "the device)")  # fmt: skip
+    lora = lora_section(job)
+    if layout.dp_size > 1 and lora is not None and lora.quantize_base == "nf4":
+        raise ConfigError(
+            'lmforge grpo runs QLoRA (lora.quantize_base = "nf4") in one process only for now'
+        )
+    if job.grpo.prompts_per_step % layout.dp_size:
+        raise ConfigError(
+            f"grpo.prompts_per_step = {job.grpo.prompts_per_step} must be a multiple of the "
+            f"data-parallel size {layout.dp_size} (each rank samples for its share)"
+        )
+
+
+def _replica_factory(spec, layout, lora):
+    """() -> an unsharded model of the policy's structure (its LoRA adapters too) on this
+    rank's device, weights unset: what the engine samples from when FSDP shards the policy."""
+
+    def make() -> torch.nn.Module:
+        with torch.device("meta"):
+            model = models.new_model(spec.args)
+        if lora is not None:
+            apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha)
+        model.to_empty(device=layout.device)
+        model.tie_weights()
+        model.init_buffers(layout.device)
+        return model.requires_grad_(False).eval()
+
+    return make
 
 
 def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
@@ -77,11 +107,13 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
         dataset = load_prompt_data(job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len)
         if layout.is_main:
             log.warning("grpo data: %s", dataset.summary())
-        prompts = PromptLoader.from_section(
+        prompts = PromptLoader.from_section(  # this rank's share of each rollout batch
             dataset.samples,
             job.data,
             spec.tokenizer,
-            micro_batch_size=job.grpo.prompts_per_step,
+            micro_batch_size=job.grpo.prompts_per_step // layout.dp_size,
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp_size,
             seed=job.train.seed,
         )
         heldout = []
@@ -103,6 +135,8 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             seed=job.train.seed,
             heldout=heldout,
             total_steps=job.train.steps,
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp_size,
         )
         return made["rollouts"]
 
@@ -116,7 +150,12 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
                 to_bf16_parameters(reference)
         # run_stage makes the batches before the loss step: the rollouts exist by now.
-        made["rollouts"].bind(model, reference=reference, base=kind == "adapters_disabled")
+        made["rollouts"].bind(
+            model,
+            reference=reference,
+            base=kind == "adapters_disabled",
+            make_replica=_replica_factory(spec, layout, lora_section(job)),
+        )
         return GRPOLossStep(
             clip_low=job.grpo.clip_low,
             clip_high=job.grpo.clip_high,

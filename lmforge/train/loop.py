@@ -162,7 +162,11 @@ class Trainer:
         # Target tokens of the whole step over all data-parallel ranks: every micro-batch loss
         # is divided by this, so accumulation and data parallelism give the full-batch gradient.
         num_tokens = torch.stack([self.count_targets(mb) for mb in micro_batches]).sum()
-        global_tokens = self._all_reduce(num_tokens.float(), self.layout.dp_group)
+        # (a copy: the all-reduce works in place, and .float() of a float count, GRPO's
+        # weighted one, is that tensor itself, which the step's stats all-reduce again below)
+        global_tokens = self._all_reduce(
+            num_tokens.to(torch.float32, copy=True), self.layout.dp_group
+        )
         scale = self.layout.dp_size / global_tokens.clamp(min=1)  # FSDP averages over dp ranks
         loss_sum = torch.zeros((), device=device)
         metric_sums: dict[str, torch.Tensor] = {}

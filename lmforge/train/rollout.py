@@ -13,8 +13,9 @@ makes a rollout batch:
    allocated (`weight_sync_s`). The cache (max_batch × data.max_seq_len slots) lives for the
    rollout only and is freed before the update.
 2. rollout: prompts_per_step prompts × G completions, sampled with the job's temperature,
-   top-p/top-k and stop strings; the engine's draws are seeded from (train.seed, rollout
-   index), so a resumed run samples what the uninterrupted one did. A prompt is prefilled
+   top-p/top-k and stop strings; each sequence draws from a seed of its own, from (train.seed,
+   rollout index) and its place in the batch over all ranks, so a resumed run samples what the
+   uninterrupted one did, and N processes what one does. A prompt is prefilled
    once: the other G - 1 sequences of its group copy its cached slots (all but the last
    prompt token, which each runs to sample its own first token; `prompt_tokens_shared`).
 3. scoring: the rewards (lmforge.train.rewards), group-normalised advantages; groups whose
@@ -28,9 +29,15 @@ micro-batches as a step takes (global / micro); each micro-batch packs its seque
 of at most data.max_seq_len positions (block-causal attention where a row holds several). A
 micro-batch with no sequence left (dropped groups) is one padding position with weight 0.
 
-Not yet: several processes (FSDP / TP: each rank would generate for its share of the prompts
-with gathered weights), and CUDA graphs / compiled decode steps over the training weights
-(the engine runs eagerly here).
+Several processes (FSDP2 over the data-parallel ranks): each rank samples for its share of the
+prompts. The engine cannot run over sharded weights (every forward would be a collective, and
+ranks stop at different steps), so there a copy remains: before each rollout the full weights
+are gathered into an unsharded replica on each rank (with LoRA only the adapters, after the
+first time), counted in `weight_sync_s`. Rewards, advantages and groups are each rank's own;
+the metrics are reduced over the ranks (`reduce_over_ranks`).
+
+Not yet: tensor parallelism, QLoRA over several processes, and CUDA graphs / compiled decode
+steps over the training weights (the engine runs eagerly here).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +82,9 @@ class Rollout:
 
 
 def rollout_seed(seed: int, rollout_index: int) -> int:
-    """The engine's sampling seed for one rollout batch."""
-    return int(np.random.SeedSequence([seed, rollout_index]).generate_state(1, np.uint64)[0])
+    """The first sampling seed of one rollout batch (its sequences count on from it)."""
+    state = np.random.SeedSequence([seed, rollout_index]).generate_state(1, np.uint64)[0]
+    return int(state) >> 2  # room for the sequences' offsets below 2**64
 
 
 class Rollouts:
@@ -96,6 +104,8 @@ class Rollouts:
         seed: train.seed.
         heldout: prompts to evaluate greedily every grpo.eval_every steps (`evaluate`).
         total_steps: train.steps (the held-out prompts are also evaluated at the last).
+        dp_rank, dp_size: this rank's place among the data-parallel ranks, each of which
+            samples for its share of the prompts (`prompts` gives it that share).
     """
 
     def __init__(
@@ -114,6 +124,8 @@ class Rollouts:
         seed: int,
         heldout: Sequence[PromptSample] = (),
         total_steps: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
         self.prompts, self.tokenizer, self.rewards = prompts, tokenizer, list(rewards)
         self.grpo = grpo
@@ -121,7 +133,11 @@ class Rollouts:
         self.max_seq_len, self.pad_id = max_seq_len, pad_id
         self.device, self.bf16, self.seed = device, bf16, seed
         self.heldout, self.total_steps = list(heldout), total_steps
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.policy: torch.nn.Module | None = None
+        self.sharded = False
+        self.make_replica: Callable[[], torch.nn.Module] | None = None
+        self.replica: torch.nn.Module | None = None  # the engine's weights under FSDP
         self.reference: torch.nn.Module | None = None
         self.reference_is_base = False
         self.num_rollouts = 0  # rollout batches made so far
@@ -131,11 +147,22 @@ class Rollouts:
         self._ready_at = time.perf_counter()  # when the loop got a step's last micro-batch
 
     def bind(
-        self, policy: torch.nn.Module, *, reference: torch.nn.Module | None, base: bool
+        self,
+        policy: torch.nn.Module,
+        *,
+        reference: torch.nn.Module | None,
+        base: bool,
+        make_replica: Callable[[], torch.nn.Module] | None = None,
     ) -> None:
         """The model to sample from and train; the KL reference: a frozen model, or (`base`)
-        the policy with its LoRA adapters off, or neither (no KL)."""
+        the policy with its LoRA adapters off, or neither (no KL). `make_replica`: for a policy
+        sharded by FSDP, () -> an unsharded model of its structure on this device, which the
+        engine samples from, its weights gathered from the policy before each rollout."""
         self.policy, self.reference, self.reference_is_base = policy, reference, base
+        self.sharded = hasattr(policy, "set_requires_gradient_sync")  # FSDP2's
+        if self.sharded and make_replica is None:
+            raise ValueError("a policy sharded by FSDP needs make_replica to sample from")
+        self.make_replica = make_replica
 
     # ---- the loop's iterator ------------------------------------------------------------
 
@@ -229,9 +256,10 @@ class Rollouts:
         return results, logps, timing
 
     def _engine(self, *, num_sequences: int) -> Engine:
-        """An engine over the policy module itself, its draws seeded for this rollout batch."""
+        """An engine over the policy module itself (under FSDP: over its replica, the weights
+        gathered into it first)."""
         engine = Engine(
-            self.policy,
+            self._sampling_model(),
             self.tokenizer,
             max_batch=self.grpo.rollout_batch or num_sequences,
             max_seq_len=self.max_seq_len,
@@ -242,21 +270,47 @@ class Rollouts:
             gemv=False,
             fuse_blocks=False,
         )
-        engine.seed_draws(rollout_seed(self.seed, self.num_rollouts))
         return engine
+
+    def _sampling_model(self) -> torch.nn.Module:
+        """The module the engine runs: the policy itself, or (FSDP) its unsharded replica with
+        the weights gathered from every rank (a collective: each rank calls it once a
+        rollout). With LoRA only the adapters are gathered after the first time."""
+        if not self.sharded:
+            return self.policy
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        first = self.replica is None
+        if first:
+            self.replica = self.make_replica()
+        trainable_only = not first and any(not p.requires_grad for p in self.policy.parameters())
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(self.policy, options=options)
+        with torch.no_grad():
+            unexpected = self.replica.load_state_dict(state, strict=False).unexpected_keys
+        assert not unexpected, f"the replica lacks {unexpected[:3]}"
+        return self.replica
 
     def _sequences(self, engine: Engine, prompts: list[PromptSample]) -> list:
         """num_generations sequences a prompt, prompt-major; a group's first one prefills the
-        prompt and the others copy it."""
+        prompt and the others copy it. Each draws from a seed of its own, from the rollout
+        batch and its place in it over all ranks, so that it samples the same tokens whatever
+        runs beside it (one process or several, any grpo.rollout_batch)."""
         params, num = self._sampling_params(), self.grpo.num_generations
+        base = rollout_seed(self.seed, self.num_rollouts)
         sequences = []
         for i, prompt in enumerate(prompts):
             first = None
+            batch_index = self.dp_rank + i * self.dp_size  # the prompt's, over all ranks
             for j in range(num):
                 sequence = engine.sequence(
                     prompt.prompt_ids.tolist(),
                     params,
                     index=i * num + j,
+                    seed=base + batch_index * num + j,
                     num_logprobs=0 if self.grpo.logprob_gap else None,
                     shares_prompt_with=first,
                 )
@@ -320,7 +374,7 @@ class Rollouts:
         every = self.grpo.eval_every
         if self.heldout and every and (step % every == 0 or step == self.total_steps):
             metrics.update(self.evaluate())
-        return metrics
+        return reduce_over_ranks(metrics, self.device) if self.dp_size > 1 else metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -420,7 +474,9 @@ class Rollouts:
         policy = self.policy
         policy.eval()  # no dropout: the policy that sampled
         try:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            # as the loop computes: under autocast, unless FSDP's mixed precision casts
+            autocast = self.bf16 and not self.sharded
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 logits = policy(on_device["inputs"], **model_inputs(on_device))
                 batch["old_logps"] = token_logps(logits, labels, temperature=temperature).cpu()
                 gap = None
@@ -460,3 +516,32 @@ def _completions(prompts: Sequence[PromptSample], results, *, copies: int) -> li
         )
         for index, result in enumerate(results)
     ]
+
+
+# Metrics that add up over the data-parallel ranks, and those whose largest value is the one to
+# log; the others are means over equal shares, averaged.
+SUMMED = ("groups_dropped", "prompt_tokens_shared", "rollout_tokens_per_s")
+LARGEST = ("completion_len_max", "logprob_gap")
+
+
+def reduce_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's metrics as one (a collective: every rank calls it with the same keys):
+    sums, maxima (the gap, the longest completion, every time: the slowest rank's) or
+    means."""
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    largest = values.clone()
+    dist.all_reduce(values)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    world = dist.get_world_size()
+    out = {}
+    for key, total, top in zip(keys, values.tolist(), largest.tolist()):
+        if key in SUMMED:
+            out[key] = total
+        elif key in LARGEST or key.endswith("_s"):
+            out[key] = top
+        else:
+            out[key] = total / world
+    return out
