@@ -542,6 +542,11 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     assert setup.reference is None and plan.largest("reference model") == 0  # beta = 0
     with_kl = plan_memory(setup.replace(grpo_reference="auto"), "h200")
     assert with_kl.largest("reference model") > 2 * GiB  # a frozen bf16 copy of 1.24B
+    # FSDP over 4 GPUs: each rank samples 16 prompts × 8 on an unsharded fp32 replica
+    fsdp = setup.replace(gpus=4)
+    assert kv_cache_bytes(fsdp) == 2 * 16 * 128 * 1024 * 512 * 4 == 8 * GiB
+    rollout = plan_memory(fsdp, "h200").phases["rollout (engine)"]
+    assert rollout["rollout replica"] == args.num_params() * 4
     lora = setup.replace(method="lora", grpo_reference="auto")
     assert lora.reference == "adapters_disabled"
     assert plan_memory(lora, "h200").largest("reference model") == 0

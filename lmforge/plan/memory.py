@@ -144,8 +144,10 @@ class Setup:
 
     @property
     def rollout_rows(self) -> int:
-        """Sequences GRPO's engine decodes at once (its KV cache rows)."""
-        return self.grpo_rollout_batch or self.grpo_prompts * self.grpo_generations
+        """Sequences GRPO's engine decodes at once on each rank (its KV cache rows): its share
+        of the prompts, G sequences each, unless grpo.rollout_batch is set."""
+        share = max(1, self.grpo_prompts // self.dp_size)
+        return self.grpo_rollout_batch or share * self.grpo_generations
 
     @property
     def num_nodes(self) -> int:
@@ -300,8 +302,10 @@ def check_setup(setup: Setup) -> None:
     if setup.reference == "adapters_disabled" and not setup.uses_lora:
         key = "grpo.reference" if setup.is_grpo else "dpo.reference"
         raise ConfigError(f'{key} = "adapters_disabled" needs lora.enabled = true')
-    if setup.is_grpo and (setup.gpus > 1 or setup.cpu_offload):
-        raise ConfigError("lmforge grpo runs in one process on one GPU, without CPU offload")
+    if setup.is_grpo and (setup.tp > 1 or setup.cpu_offload):
+        raise ConfigError("lmforge grpo runs without tensor parallelism and CPU offload")
+    if setup.is_grpo and setup.method == "qlora" and setup.gpus > 1:
+        raise ConfigError("lmforge grpo runs QLoRA in one process only")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -735,6 +739,7 @@ COMPONENT_ORDER = (
     "activations",
     "logits and loss",
     "backward workspace",
+    "rollout replica",
     "KV cache",
     "rollout logits",
 )
@@ -993,9 +998,13 @@ def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int
     log-softmax). Gradients are freed before a rollout starts."""
     v = setup.args.vocab_size
     scoring = (setup.compute_bytes + 8) * v * setup.tokens
+    # Under FSDP the engine samples from an unsharded replica of the weights (fp32, as the
+    # trainer stores them), gathered before each rollout (lmforge.train.rollout).
+    replica = setup.args.num_params() * DTYPE_BYTES[setup.param_dtype] if setup.fsdp else 0
     return {
         "rollout (engine)": {
             **state.persistent,
+            "rollout replica": replica,
             "KV cache": kv_cache_bytes(setup),
             "rollout logits": 2 * 4 * v * setup.rollout_rows,
         },
