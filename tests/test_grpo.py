@@ -479,6 +479,12 @@ def test_user_mistakes_exit_2_with_one_line(tmp_path, grpo_world, capsys):
     missing = f'grpo.rewards=[{{kind = "python", function = "{tmp_path}/none.py:f"}}]'
     assert run_inprocess("grpo", grpo_args(tmp_path / "b", grpo_world, missing)) == 2
     assert f"{tmp_path}/none.py is not a file" in capsys.readouterr().err
+    raising = tmp_path / "raising.py"
+    raising.write_text("def bad(completion, sample):\n    raise KeyError('score')\n")
+    bad = f'grpo.rewards=[{{kind = "python", function = "{raising}:bad"}}]'
+    assert run_inprocess("grpo", grpo_args(tmp_path / "d", grpo_world, bad)) == 2
+    err = capsys.readouterr().err
+    assert f"reward '{raising}:bad' failed on sample {grpo_world[1]}:" in err and "KeyError" in err
     no_reward = grpo_args(tmp_path / "c", grpo_world, "grpo.rewards=[]")
     assert run_inprocess("grpo", no_reward) == 2
     assert "grpo.rewards is empty" in capsys.readouterr().err
