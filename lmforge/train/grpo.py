@@ -56,8 +56,9 @@ def _check_layout(job: GRPOJob, layout) -> None:
             "lmforge grpo does not run with parallel.tp > 1 yet; use data parallelism (FSDP)"
         )
     if job.parallel.cpu_offload:
-        raise ConfigError("lmforge grpo cannot use parallel.cpu_offload (the engine samples on "
-                          "the device)")  # fmt: skip
+        raise ConfigError(
+            "lmforge grpo cannot use parallel.cpu_offload (the engine samples on the device)"
+        )
     lora = lora_section(job)
     if layout.dp_size > 1 and lora is not None and lora.quantize_base == "nf4":
         raise ConfigError(
@@ -87,6 +88,59 @@ def _replica_factory(spec, layout, lora):
     return make
 
 
+def _rollouts(job: GRPOJob, layout, spec, rewards) -> Rollouts:
+    """The loop's batch source: this rank's share of the prompts (and the held-out prompts)."""
+    _check_layout(job, layout)
+    if spec.tokenizer is None:
+        raise ConfigError(
+            f"grpo needs a tokenizer: model.source {spec.source!r} has none; set model.tokenizer"
+        )
+    dataset = load_prompt_data(job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len)
+    if layout.is_main:
+        log.warning("grpo data: %s", dataset.summary())
+    prompts = PromptLoader.from_section(  # this rank's share of each rollout batch
+        dataset.samples,
+        job.data,
+        spec.tokenizer,
+        micro_batch_size=job.grpo.prompts_per_step // layout.dp_size,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp_size,
+        seed=job.train.seed,
+    )
+    heldout = []
+    if job.grpo.eval_every:
+        heldout = load_prompt_data(
+            job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len, heldout=True
+        ).samples
+    return Rollouts(
+        prompts=prompts,
+        tokenizer=spec.tokenizer,
+        rewards=rewards,
+        grpo=job.grpo,
+        micro_batch_size=job.train.micro_batch_size,
+        num_micro_batches=grad_accumulation_steps(job.train, layout.dp_size),
+        max_seq_len=job.data.max_seq_len,
+        pad_id=default_pad_id(spec.tokenizer),
+        device=layout.device,
+        bf16=computes_in_bf16(job, layout),
+        seed=job.train.seed,
+        heldout=heldout,
+        total_steps=job.train.steps,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp_size,
+    )
+
+
+def _frozen_reference(job: GRPOJob, model, spec, layout, reshard: ReshardPolicy):
+    """A frozen copy of the starting weights, built and sharded like the policy (as dpo's)."""
+    bf16 = computes_in_bf16(job, layout)
+    reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard).eval()
+    reference.requires_grad_(False)
+    if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
+        to_bf16_parameters(reference)
+    return reference
+
+
 def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
     """Train `train.steps` optimizer steps (a rollout batch every grpo.mu of them), resuming
     from the run dir's checkpoints; returns the artifact. `reshard` decides
@@ -98,57 +152,13 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
     made: dict[str, Rollouts] = {}
 
     def make_batches(layout, spec) -> Rollouts:
-        _check_layout(job, layout)
-        if spec.tokenizer is None:
-            raise ConfigError(
-                f"grpo needs a tokenizer: model.source {spec.source!r} has none; "
-                "set model.tokenizer"
-            )
-        dataset = load_prompt_data(job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len)
-        if layout.is_main:
-            log.warning("grpo data: %s", dataset.summary())
-        prompts = PromptLoader.from_section(  # this rank's share of each rollout batch
-            dataset.samples,
-            job.data,
-            spec.tokenizer,
-            micro_batch_size=job.grpo.prompts_per_step // layout.dp_size,
-            dp_rank=layout.dp_rank,
-            dp_size=layout.dp_size,
-            seed=job.train.seed,
-        )
-        heldout = []
-        if job.grpo.eval_every:
-            heldout = load_prompt_data(
-                job.data, spec.tokenizer, max_prompt_len=job.max_prompt_len, heldout=True
-            ).samples
-        made["rollouts"] = Rollouts(
-            prompts=prompts,
-            tokenizer=spec.tokenizer,
-            rewards=rewards,
-            grpo=job.grpo,
-            micro_batch_size=job.train.micro_batch_size,
-            num_micro_batches=grad_accumulation_steps(job.train, layout.dp_size),
-            max_seq_len=job.data.max_seq_len,
-            pad_id=default_pad_id(spec.tokenizer),
-            device=layout.device,
-            bf16=computes_in_bf16(job, layout),
-            seed=job.train.seed,
-            heldout=heldout,
-            total_steps=job.train.steps,
-            dp_rank=layout.dp_rank,
-            dp_size=layout.dp_size,
-        )
+        made["rollouts"] = _rollouts(job, layout, spec, rewards)
         return made["rollouts"]
 
     def make_loss_step(model, spec, layout) -> GRPOLossStep:
         reference = None
         if kind == "frozen_copy":
-            bf16 = computes_in_bf16(job, layout)
-            reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard)
-            reference = reference.eval()
-            reference.requires_grad_(False)
-            if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
-                to_bf16_parameters(reference)
+            reference = _frozen_reference(job, model, spec, layout, reshard)
         # run_stage makes the batches before the loss step: the rollouts exist by now.
         made["rollouts"].bind(
             model,
