@@ -64,6 +64,15 @@ def test_reward_sections_check_their_settings(tmp_path):
     path.write_text('[[grpo.rewards]]\nkind = "numeric_match"\nweight = 2.0\n')
     job = load_config(GRPOJob, path)
     assert job.grpo.rewards[0].weight == 2.0 and job.grpo.rewards[0].field == "answer"
+    yaml = tmp_path / "job.yaml"  # YAML and key=value overrides, as for sft and dpo
+    yaml.write_text("grpo:\n  clip_high: 0.28\n  rewards:\n    - {kind: regex, pattern: 'x+'}\n")
+    job = load_config(GRPOJob, yaml, ["grpo.num_generations=4", "grpo.scale_rewards=false"])
+    assert (job.grpo.clip_high, job.grpo.num_generations, job.grpo.scale_rewards) == (
+        0.28,
+        4,
+        False,
+    )
+    assert job.grpo.rewards[0].pattern == "x+"
 
 
 # ---- prompt data ----------------------------------------------------------------------------
@@ -661,3 +670,18 @@ def test_two_processes_match_one(tmp_path, grpo_world, extra):
         for key in ("loss", "reward", "grad_norm", "completion_len", "groups_dropped"):
             assert abs(two[step][key] - one[step][key]) <= 1e-5, (step, key)
         assert two[step]["logprob_gap"] < 1e-4  # the replica samples what the shards train
+
+
+def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):
+    """Each sequence draws from a seed of its own: a cache of 5 rows (continuous batching over
+    the 32 sequences) samples what a cache of all 32 does."""
+    from tests.train_utils import run_inprocess
+
+    for name, extra in (("all", []), ("five", ["grpo.rollout_batch=5"])):
+        args = grpo_args(tmp_path / name, grpo_world, "train.steps=2", *extra)
+        assert run_inprocess("grpo", args) == 0
+    every, five = _records(tmp_path / "all"), _records(tmp_path / "five")
+    for step in (1, 2):
+        assert five[step]["reward"] == every[step]["reward"]
+        assert five[step]["completion_len"] == every[step]["completion_len"]
+        assert abs(five[step]["loss"] - every[step]["loss"]) < 1e-6
