@@ -74,7 +74,8 @@ def register(subparsers) -> None:
         "on the weights being trained, score them with [[grpo.rewards]] (exact_match, "
         "numeric_match, regex, length_penalty, or a python function of yours), and update the "
         "policy with the clipped group-relative loss (grpo.clip_low / clip_high, "
-        "scale_rewards, loss_aggregation, mu, beta). Full, LoRA or QLoRA; one process.",
+        "scale_rewards, loss_aggregation, mu, beta). Full, LoRA or QLoRA; FSDP over several "
+        "processes with `lmforge launch` (each samples for its share of the prompts).",
         epilog=CONFIG_HELP.replace("pretrain", "grpo"),
     )
     add_config_arguments(grpo)
