@@ -688,3 +688,36 @@ def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):
         assert five[step]["reward"] == every[step]["reward"]
         assert five[step]["completion_len"] == every[step]["completion_len"]
         assert abs(five[step]["loss"] - every[step]["loss"]) < 1e-6
+
+
+def test_a_resume_on_other_ranks_samples_a_new_rollout_batch():
+    """A checkpoint of 2 ranks resumed on 1: the prompt order and rollout count carry over;
+    the unfinished rollout batch (rank 0's share only) is dropped, not trained on by all."""
+    from lmforge.data.prompts import PromptLoader, PromptSample
+    from lmforge.train.config import GRPOSection
+    from lmforge.train.rollout import Rollouts
+
+    samples = [PromptSample(np.array([1, 2, i]), where=f"p:{i}") for i in range(8)]
+
+    def rollouts(dp_rank: int, dp_size: int) -> Rollouts:
+        loader = PromptLoader(
+            samples, micro_batch_size=4 // dp_size, dp_rank=dp_rank, dp_size=dp_size, max_seq_len=8
+        )
+        return Rollouts(
+            prompts=loader, tokenizer=None, rewards=[], grpo=GRPOSection(mu=2),
+            micro_batch_size=4, num_micro_batches=1, max_seq_len=16, pad_id=0,
+            device=torch.device("cpu"), bf16=False, seed=0, dp_rank=dp_rank, dp_size=dp_size,
+        )  # fmt: skip
+
+    saved = rollouts(0, 2)
+    next(saved.prompts)  # the prompts of the rollout batch being trained on
+    saved.num_rollouts, saved.handed_out = 3, 1
+    saved.batches = [{"inputs": torch.zeros(1, 1, dtype=torch.long)}]
+    state = saved.state_dict()
+    resumed = rollouts(0, 1)
+    resumed.load_resharded_state_dict(state, saved_world_size=2)
+    assert (resumed.num_rollouts, resumed.handed_out, resumed.batches) == (3, 0, [])
+    assert resumed.prompts.items_consumed == 4  # the next batch: prompts 4.. of the order
+    same = rollouts(0, 2)
+    same.load_state_dict(state)  # the same ranks: the unfinished batch goes on
+    assert (same.handed_out, len(same.batches)) == (1, 1)

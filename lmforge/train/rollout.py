@@ -200,6 +200,19 @@ class Rollouts:
         self.batches = list(state["batches"])
         self.metrics = dict(state["metrics"])
 
+    def load_resharded_state_dict(self, state: dict[str, Any], *, saved_world_size: int) -> None:
+        """Resume rank 0's saved state on another number of ranks: the prompt order and the
+        rollout count carry over; the micro-batches of an unfinished rollout batch were rank
+        0's share only, so they are dropped and the next step samples a new batch."""
+        self.load_state_dict(state)
+        if self.batches:
+            log.warning(
+                "resumed on another number of ranks (saved by %d): the rollout batch being "
+                "trained on is dropped; the next step samples a new one",
+                saved_world_size,
+            )
+        self.batches, self.handed_out = [], 0
+
     # ---- one rollout batch --------------------------------------------------------------
 
     def _new_rollout(self) -> None:
