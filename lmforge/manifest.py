@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-TRAINING_KINDS = ("pretrain", "sft", "dpo")
+TRAINING_KINDS = ("pretrain", "sft", "dpo", "grpo")
 MANIFEST_NAME = "manifest.json"
 PIPELINE_RECORD = "pipeline.json"
 

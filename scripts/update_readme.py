@@ -256,7 +256,7 @@ def _eval_models(run_dir: Path, stage: str) -> dict[str, dict]:
 def _column(label: str, model: dict, stages: dict) -> str:
     """A model's column title: its label and how its stage trained it (LoRA, the DPO loss)."""
     stage = stages.get(Path(str(model.get("source", ""))).parent.name)
-    if stage is None or stage.kind not in ("sft", "dpo"):
+    if stage is None or stage.kind not in ("sft", "dpo", "grpo"):
         return label
     config = stage.config
     notes = []
@@ -266,6 +266,8 @@ def _column(label: str, model: dict, stages: dict) -> str:
     loss_type = (config.get("dpo") or {}).get("loss_type")
     if stage.kind == "dpo" and loss_type and loss_type != "sigmoid":
         notes.append(f"{loss_type.upper()} loss")
+    if stage.kind == "grpo" and not lora.get("enabled"):
+        notes.append("full")
     return f"{label} ({', '.join(notes)})" if notes else label
 
 

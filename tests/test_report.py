@@ -31,7 +31,7 @@ def shortened(file: Path, out: Path) -> Path:
     data["pipeline"]["name"] = "short"
     stages = data["stages"]
     stages["world"]["demo"] = {"seed": 0, "num_people": 16, "repeats": 4}
-    for name, steps in (("pretrain", 12), ("sft", 6), ("dpo", 4)):
+    for name, steps in (("pretrain", 12), ("sft", 6), ("dpo", 4), ("grpo", 2)):
         stage = stages[name]
         stage["train"]["steps"] = steps
         stage["scheduler"]["warmup_steps"] = 1
@@ -40,6 +40,8 @@ def shortened(file: Path, out: Path) -> Path:
         if "eval_every" in stage["train"]:  # validation loss on a small held-out set
             stage["train"]["eval_every"] = 2
             stage["train"]["micro_batch_size"] = 4
+    stages["grpo"]["grpo"]["prompts_per_step"] = 4
+    stages["grpo"]["train"]["micro_batch_size"] = 32
     stages["pretrain"]["data"]["seq_len"] = 64
     stages["pretrain"]["train"]["micro_batch_size"] = 8
     stages["generate"]["max_new_tokens"] = 8
@@ -75,6 +77,7 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
         "pretrain",
         "sft",
         "dpo",
+        "grpo",
         "eval",
         "quantize_int8",
         "quantize_int4",
@@ -89,7 +92,7 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
     assert found["sft"]["input"]["path"] == "runs/short/pretrain/artifact"
     assert found["sft"]["input"]["hash"] == found["pretrain"]["output"]["hash"]
     evaluated = found["eval"]["metrics"]
-    assert list(evaluated) == ["base", "sft", "dpo"]
+    assert list(evaluated) == ["base", "sft", "dpo", "grpo"]
     for metrics in evaluated.values():
         assert {"demo_mc/acc", "demo_mc_chat/acc", "preference/accuracy"} <= set(metrics)
     quantized = found["eval_quantized"]["metrics"]
@@ -137,7 +140,7 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
         assert f"<h2>{heading}" in page, heading
     sources = re.findall(r'<img src="([^"]+)"', page)
     # lineage graph, one per training stage, throughput, two evaluations, sizes
-    assert len(sources) == 8
+    assert len(sources) == 9
     for source in sources:
         assert source.startswith("data:image/png;base64,")
         assert base64.b64decode(source.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
@@ -154,6 +157,9 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
     assert {"rewards_chosen", "rewards_rejected", "reward_margin"} <= set(
         summary.training["dpo"][0]
     )
+    assert {"reward", "reward_exact_match", "accuracy"} <= set(summary.training["grpo"][0])
+    assert "val_accuracy" in summary.training["grpo"][-1]  # held-out people, at the last step
+    assert "grpo: GRPO reward" in page or 'id="fig-training_grpo"' in page
     # each stage's hyperparameters and code version
     assert "optim.lr = 0.006" in page and "scheme = int4-wo" in page
     code_version = read_manifest(run_dir / "pretrain")["code_version"]
@@ -165,6 +171,7 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
         "pretrain",
         "sft",
         "dpo",
+        "grpo",
         "quantize_int8",
         "quantize_int4",
         "quantize_int4_gptq",
@@ -238,7 +245,7 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
     match = re.search(r"images-loaded=(\d+)/(\d+)", done.stdout)
     assert match, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     loaded, total = int(match.group(1)), int(match.group(2))
-    assert total == 8 and loaded == total, match.group(0)
+    assert total == 9 and loaded == total, match.group(0)
     # every table, figure and block fits a 1280 px window: no sideways scrolling
     fit = re.search(r"page-width=(\d+) window-width=(\d+) too-wide=(\d+)", done.stdout)
     assert int(fit.group(2)) == 1280, fit.group(0)
@@ -272,7 +279,7 @@ def test_readme_demo_results_render_from_the_run(finished):
     run_dir = workdir / "runs" / "short"
     block = update_readme.demo_results(run_dir)
     lines = block.splitlines()
-    assert lines[0] == "| | base | sft (LoRA) | dpo (LoRA, IPO loss) |"
+    assert lines[0] == "| | base | sft (LoRA) | dpo (LoRA, IPO loss) | grpo (full) |"
     models = json.loads((run_dir / "eval" / "out" / "results.json").read_text())["models"]
     row = next(line for line in lines if line.startswith("| answers/exact_match"))
     cells = [f"{models[label]['metrics']['answers/exact_match']:.2f}" for label in models]

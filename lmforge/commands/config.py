@@ -39,12 +39,19 @@ def _dpo() -> type[Section]:
     return DPOJob
 
 
+def _grpo() -> type[Section]:
+    from lmforge.train.config import GRPOJob
+
+    return GRPOJob
+
+
 SCHEMAS: dict[str, Callable[[], type[Section]]] = {
     "model": lambda: ModelSection,
     "prepare": _prepare,
     "pretrain": _pretrain,
     "sft": _sft,
     "dpo": _dpo,
+    "grpo": _grpo,
 }
 
 

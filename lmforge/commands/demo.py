@@ -22,8 +22,9 @@ def register(subparsers) -> None:
         "demo",
         help="run the embedded tiny pipeline on the CPU (examples/tiny/pipeline.toml)",
         description="Run the embedded demo pipeline: generate the demo world's data, train a "
-        "tokenizer, pretrain the tiny preset, finetune it with LoRA, align it with DPO, "
-        "evaluate base vs SFT vs DPO, quantize to int8 and int4, evaluate those, generate a "
+        "tokenizer, pretrain the tiny preset, finetune it with LoRA, align it with DPO and, "
+        "from SFT, with GRPO (exact-match reward), evaluate base vs SFT vs DPO vs GRPO, "
+        "quantize the DPO model to int8 and int4, evaluate those, generate a "
         "sample and write the report. Same as `lmforge run examples/tiny/pipeline.toml`; "
         "stages already up to date are skipped.",
     )

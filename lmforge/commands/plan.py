@@ -10,13 +10,16 @@ from pathlib import Path
 from lmforge.errors import ConfigError
 from lmforge.quantize.schemes import SCHEMES
 
-JOBS = ("pretrain", "sft", "dpo")
+JOBS = ("pretrain", "sft", "dpo", "grpo")
+# --method grpo[-lora|-qlora]: GRPO on the trainer's method of that name
+GRPO_METHODS = {"grpo": "full", "grpo-lora": "lora", "grpo-qlora": "qlora"}
 EPILOG = """\
 examples:
   lmforge plan --model llama3.1-70b --method full --gpus 2x8 --gpu-memory h100 --ac full --cpu-offload
   lmforge plan --model llama3.1-70b --method lora --lora-targets q,k,v --gpus 8 --gpu-memory 80GB
   lmforge plan --model llama3.1-8b --method full --gpu-memory 80GB --micro-batch-size 4 --search
   lmforge plan --config sft.toml --gpus 4 --gpu-memory h100 --dry-run
+  lmforge plan --model llama3.2-1b --method grpo --generations 8 --prompts 64 --seq-len 1024
   lmforge plan --model llama3.1-70b --task generate --tp 8 --batch 16 --seq-len 8192
   lmforge plan --model llama3.1-8b --task eval --quantization int4-wo --gpu-memory 24GB
 
@@ -48,12 +51,25 @@ def register(subparsers) -> None:
     what = parser.add_argument_group("model and method")
     what.add_argument("--model", help="preset name or model directory (HF / artifact / Meta)")
     what.add_argument(
-        "--method", choices=["pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full"]
+        "--method",
+        choices=["pretrain", "full", "lora", "qlora", "dpo-lora", "dpo-full", *GRPO_METHODS],
     )
     what.add_argument("--lora-rank", type=int)
     what.add_argument("--lora-targets", help="comma-separated: q,k,v,o,gate,up,down,output")
     what.add_argument("--dpo-reference", choices=["auto", "adapters_disabled", "frozen_copy"])
-    what.add_argument("--config", type=Path, help="a pretrain / sft / dpo job config (TOML/YAML)")
+    what.add_argument("--generations", type=int, help="GRPO: completions per prompt (default 8)")
+    what.add_argument("--prompts", type=int, help="GRPO: prompts per rollout batch (default 8)")
+    what.add_argument(
+        "--rollout-batch", type=int, help="GRPO: engine KV-cache rows (default: all sequences)"
+    )
+    what.add_argument(
+        "--kl-reference",
+        choices=["none", "auto", "adapters_disabled", "frozen_copy"],
+        help="GRPO: the KL term's reference (default none: grpo.beta = 0)",
+    )
+    what.add_argument(
+        "--config", type=Path, help="a pretrain / sft / dpo / grpo job config (TOML/YAML)"
+    )
     what.add_argument("--job", choices=JOBS, help="which job --config is (default: guessed)")
     inference = parser.add_argument_group("inference (instead of a training job)")
     # (the planner checks --task: importing its list here would load torch for every --help)
@@ -133,7 +149,7 @@ def parse_gpus(text: str | None, nodes: int | None, per_node: int | None) -> tup
 
 
 def guess_job(path: Path) -> str:
-    """pretrain / sft / dpo from a job config's sections."""
+    """pretrain / sft / dpo / grpo from a job config's sections."""
     import tomllib
 
     import yaml
@@ -151,6 +167,8 @@ def guess_job(path: Path) -> str:
     data_keys = set(data.get("data") or {})
     if "dpo" in sections:
         return "dpo"
+    if "grpo" in sections:
+        return "grpo"
     if "lora" in sections or data_keys & {"path", "dataset", "max_seq_len", "format", "packing"}:
         return "sft"
     if data_keys & {"shards", "seq_len", "document_masking"}:
@@ -166,10 +184,10 @@ def build_setup(args: argparse.Namespace):
     if args.config is not None:
         from lmforge.config import load_config
         from lmforge.plan.memory import setup_from_job
-        from lmforge.train.config import DPOJob, PretrainJob, SFTJob
+        from lmforge.train.config import DPOJob, GRPOJob, PretrainJob, SFTJob
 
         kind = args.job or guess_job(args.config)
-        schema = {"pretrain": PretrainJob, "sft": SFTJob, "dpo": DPOJob}[kind]
+        schema = {"pretrain": PretrainJob, "sft": SFTJob, "dpo": DPOJob, "grpo": GRPOJob}[kind]
         job = load_config(schema, args.config)
         if args.model:
             job.model.source = args.model
@@ -187,8 +205,26 @@ def build_setup(args: argparse.Namespace):
             reshard_after_forward="auto",  # the trainer's default (resolved in plan_main)
             from_scratch=api.detect_format(source) == "preset",
         )
+    method, grpo = args.method, {}
+    if method in GRPO_METHODS:
+        method = GRPO_METHODS[method]
+        grpo = {"grpo_generations": 8, "grpo_reference": "none"}
+    if grpo or setup.is_grpo:
+        grpo.update(
+            (key, value)
+            for key, value in (
+                ("grpo_generations", args.generations),
+                ("grpo_prompts", args.prompts),
+                ("grpo_rollout_batch", args.rollout_batch),
+                ("grpo_reference", args.kl_reference),
+            )
+            if value is not None
+        )
+    else:
+        _refuse_flags(args, GRPO_ONLY, "only with --method grpo[-lora|-qlora] or a grpo --config")
     changes = {
-        "method": args.method,
+        **grpo,
+        "method": method,
         "lora_rank": args.lora_rank,
         "dpo_reference": args.dpo_reference,
         "dp_shard": args.dp_shard,
@@ -211,6 +247,11 @@ def build_setup(args: argparse.Namespace):
             t.strip() for t in args.lora_targets.split(",") if t.strip()
         )
     setup = setup.replace(**{k: v for k, v in changes.items() if v is not None})
+    if setup.is_grpo and args.config is None and args.grad_accumulation is None:
+        # a GRPO step trains on the whole rollout batch (lmforge.train.config.GRPOJob)
+        sequences = setup.grpo_prompts * setup.grpo_generations
+        per_pass = setup.micro_batch_size * setup.dp_size
+        setup = setup.replace(grad_accumulation=max(1, -(-sequences // per_pass)))
     fixed = {
         name
         for name, value in (
@@ -224,8 +265,10 @@ def build_setup(args: argparse.Namespace):
     return setup, fixed
 
 
+GRPO_ONLY = ("generations", "prompts", "rollout_batch", "kl_reference")
 TRAINING_ONLY = (
-    "method", "lora_rank", "lora_targets", "dpo_reference", "config", "job", "dp_shard",
+    "method", "lora_rank", "lora_targets", "dpo_reference", *GRPO_ONLY, "config", "job",
+    "dp_shard",
     "dp_replicate", "ac", "cpu_offload", "compile", "micro_batch_size", "grad_accumulation",
     "optimizer", "param_dtype", "grad_dtype", "optimizer_dtype", "search", "dry_run", "nodes",
     "gpus", "gpus_per_node", "host_memory",

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     run = subparsers.add_parser(
         "run",
         help="run a pipeline file: every stage in order, skipping those up to date",
-        description="Run the stages of a pipeline file (prepare, tokenizer, pretrain, sft, dpo, "
+        description="Run the stages of a pipeline file (prepare, tokenizer, pretrain, sft, dpo, grpo, "
         "eval, quantize, generate, export), each in runs/<pipeline>/<stage>/ with a manifest, "
         "each stage's output feeding the next.",
         epilog=RUN_EPILOG,

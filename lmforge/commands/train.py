@@ -67,6 +67,20 @@ def register(subparsers) -> None:
     add_config_arguments(dpo)
     dpo.set_defaults(func=dpo_main)
 
+    grpo = subparsers.add_parser(
+        "grpo",
+        help="online RL with verifiable rewards (GRPO, DAPO and Dr. GRPO options)",
+        description="Sample grpo.num_generations completions of each prompt with the engine, "
+        "on the weights being trained, score them with [[grpo.rewards]] (exact_match, "
+        "numeric_match, regex, length_penalty, or a python function of yours), and update the "
+        "policy with the clipped group-relative loss (grpo.clip_low / clip_high, "
+        "scale_rewards, loss_aggregation, mu, beta). Full, LoRA or QLoRA; FSDP over several "
+        "processes with `lmforge launch` (each samples for its share of the prompts).",
+        epilog=CONFIG_HELP.replace("pretrain", "grpo"),
+    )
+    add_config_arguments(grpo)
+    grpo.set_defaults(func=grpo_main)
+
     export = subparsers.add_parser(
         "export",
         help="turn a training checkpoint into an artifact",
@@ -119,6 +133,14 @@ def dpo_main(args: argparse.Namespace) -> int:
     from lmforge.train.dpo import dpo
 
     return run_training(dpo, load_config(DPOJob, args.config, args.overrides))
+
+
+def grpo_main(args: argparse.Namespace) -> int:
+    from lmforge.config import load_config
+    from lmforge.train.config import GRPOJob
+    from lmforge.train.grpo import grpo
+
+    return run_training(grpo, load_config(GRPOJob, args.config, args.overrides))
 
 
 def run_training(fn, job) -> int:

@@ -6,10 +6,12 @@ and wording (varied wording is what lets a small model store a fact so that it c
 about, not just recited in one sentence; train with document masking so that each biography is
 read on its own). SFT teaches answering questions in the chat format with a short answer
 (`In Ostrel.`) instead of continuing prose, a skill the base model lacks. DPO teaches preferring
-the true answer over false ones. Instruction data and preference data ask about different
-people (three of the training people for SFT, the rest for DPO: pairs are the cheaper data),
-and a quarter of all people are held out: their facts were only ever read as prose, so
-questions about them measure what each stage taught, not what it memorized.
+the true answer over false ones; GRPO samples answers to the same questions and rewards the
+ones that are exactly right (verifiable: the reference answer is known). Instruction data and
+preference data ask about different people (three of the training people for SFT, the rest for
+DPO and GRPO: pairs and questions are the cheaper data), and a quarter of all people are held
+out: their facts were only ever read as prose, so questions about them measure what each stage
+taught, not what it memorized.
 """
 
 from __future__ import annotations
@@ -168,10 +170,12 @@ def write_demo_data(
 
     corpus.txt (pretraining prose, one document per paragraph), sft_train.jsonl /
     sft_heldout.jsonl (chat messages), dpo_train.jsonl / dpo_heldout.jsonl (prompt, chosen,
-    rejected; `train_rejected` / `heldout_rejected` wrong answers per fact) and mc_heldout.jsonl
-    (multiple choice among four short answers, for lm-eval), prose_heldout.txt (one more
-    biography a person, in orders and wordings of its own: held-out perplexity). SFT rows are about the first
-    `num_sft_people` training people, DPO rows about the other training people.
+    rejected; `train_rejected` / `heldout_rejected` wrong answers per fact), grpo_train.jsonl /
+    grpo_heldout.jsonl (a question as a chat and its short answer, for `lmforge grpo`'s
+    exact_match reward), mc_heldout.jsonl (multiple choice among four short answers, for
+    lm-eval) and prose_heldout.txt (one more biography a person, in orders and wordings of its
+    own: held-out perplexity). SFT rows are about the first `num_sft_people` training people,
+    DPO and GRPO rows about the other training people.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -192,6 +196,8 @@ def write_demo_data(
             ("sft_heldout", "sft_heldout.jsonl"),
             ("dpo_train", "dpo_train.jsonl"),
             ("dpo_heldout", "dpo_heldout.jsonl"),
+            ("grpo_train", "grpo_train.jsonl"),
+            ("grpo_heldout", "grpo_heldout.jsonl"),
             ("mc_heldout", "mc_heldout.jsonl"),
             ("prose_heldout", "prose_heldout.txt"),
         ]
@@ -223,6 +229,15 @@ def write_demo_data(
                 }
                 for f in dpo_facts
                 for wrong in wrong_values(f, rng, num_rejected)
+            ],
+        )
+    for split, people in (("train", dpo_people), ("heldout", heldout_people)):
+        _write_jsonl(  # (after the rows above: their random draws stay what they were)
+            paths[f"grpo_{split}"],
+            [
+                {"messages": [{"role": "user", "content": f.question}], "answer": f.answer}
+                for f in facts
+                if f.name in people
             ],
         )
     heldout = [f for f in facts if f.name in heldout_people]

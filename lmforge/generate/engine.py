@@ -447,6 +447,7 @@ class Engine:
         self._prefilling: deque[Sequence] = deque()  # admitted, prompt not all in the cache
         self._pending: deque[_Launch] = deque()
         self.num_decode_steps = 0
+        self.num_shared_prompt_tokens = 0  # prompt tokens copied in the cache, not prefilled
 
     def _compile_decode(self) -> None:
         """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile), both
@@ -508,8 +509,13 @@ class Engine:
         index: int = 0,
         seed: int | None = None,
         num_logprobs: int | None = None,
+        shares_prompt_with: Sequence | None = None,
     ) -> Sequence:
-        """A checked, not yet added sequence (a ConfigError names what is wrong)."""
+        """A checked, not yet added sequence (a ConfigError names what is wrong).
+
+        shares_prompt_with: a sequence with the same prompt, added before this one: once its
+        prompt is in the cache, this sequence's row gets a copy of all but the prompt's last
+        token, whose forward alone it runs (G completions of one prompt prefill it once)."""
         ids = self.encode_prompt(prompt)
         if not ids:
             raise ConfigError(f"prompt {index} is empty")
@@ -526,6 +532,11 @@ class Engine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**64)
         stop_ids = params.stop_token_ids
+        if shares_prompt_with is not None and shares_prompt_with.prompt_ids != ids:
+            raise ConfigError(
+                f"prompt {index} shares the prompt of prompt {shares_prompt_with.index}, "
+                "but their tokens differ"
+            )
         return Sequence(
             index=index,
             prompt_ids=ids,
@@ -534,6 +545,7 @@ class Engine:
             stop_ids=self.default_stop_ids() if stop_ids is None else frozenset(stop_ids),
             text_decoder=IncrementalText(self.tokenizer) if self.tokenizer else None,
             num_logprobs=num_logprobs,
+            prompt_source=shares_prompt_with,
             sampler=sampler,
             generator=generator,
         )
@@ -612,6 +624,7 @@ class Engine:
 
     def _launch(self) -> _Launch | None:
         self._admit()
+        self._copy_shared_prompts()
         sequences, tokens = [], []
         decoding = [
             s
@@ -737,12 +750,35 @@ class Engine:
             or self.num_decode_steps - oldest.admitted_at >= PREFILL_WAIT_STEPS
         )
 
+    def _waits_for_prompt_source(self, sequence: Sequence) -> bool:
+        """Whether `sequence` waits for its prompt source to cache the prompt it will copy:
+        only while that source holds a row and has not cached it yet (a source that finished,
+        or runs behind it, leaves it to prefill its own prompt)."""
+        source = sequence.prompt_source
+        if source is None or sequence.num_cached > 0 or len(sequence.prompt_ids) < 2:
+            return False
+        return source.slot is not None and source.num_cached < len(sequence.prompt_ids) - 1
+
+    def _copy_shared_prompts(self) -> None:
+        """Sequences whose prompt source has cached their prompt take a copy of all its slots
+        but the last (whose forward gives their own first token) and prefill only that one."""
+        for sequence in self._prefilling:
+            source, shared = sequence.prompt_source, len(sequence.prompt_ids) - 1
+            if source is None or sequence.num_cached > 0 or shared < 1 or source.slot is None:
+                continue
+            if source.num_cached >= shared:
+                self.caches.copy_slots(source.slot, sequence.slot, shared)
+                sequence.num_cached = shared
+                self.num_shared_prompt_tokens += shared
+
     def _prefill_chunks(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, length) of the prompt pieces this step prefills, oldest first."""
         budget, chunks = self.prefill_chunk, []
         for sequence in self._prefilling:
             if budget <= 0:
                 break
+            if self._waits_for_prompt_source(sequence):
+                continue
             start = sequence.num_cached
             length = min(len(sequence.prompt_ids) - start, budget)
             chunks.append((sequence, start, length))

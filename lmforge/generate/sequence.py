@@ -124,6 +124,9 @@ class Sequence:
     stop_ids: frozenset[int]
     text_decoder: IncrementalText | None
     num_logprobs: int | None = None  # None: none; k: the chosen token's and the k best
+    # A sequence with the same prompt whose cached prompt this one copies rather than
+    # prefilling it (several completions of one prompt: `Engine.sequence(shares_prompt_with=)`)
+    prompt_source: Sequence | None = None
     sampler: Sampler | None = None  # a seeded sampled sequence's own (others: the engine's)
     generator: torch.Generator | None = None  # its own draws, from its seed
     token_ids: list[int] = field(default_factory=list)

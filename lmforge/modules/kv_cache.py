@@ -165,6 +165,13 @@ class KVCaches:
         model's `kv_caches`; attention then sees slots 0..kv_len-1 of those rows."""
         return _RowsView(self, rows, positions, kv_len)
 
+    def copy_slots(self, source_row: int, target_row: int, length: int) -> None:
+        """Copy slots 0..length-1 of cache row `source_row` into `target_row`, in every layer
+        (a prompt cached once, shared by several sequences)."""
+        for layer in self.layers:
+            layer.k[target_row, :, :length] = layer.k[source_row, :, :length]
+            layer.v[target_row, :, :length] = layer.v[source_row, :, :length]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer (for marking static addresses before compiling)."""
         return [t for layer in self.layers for t in (layer.k, layer.v)]

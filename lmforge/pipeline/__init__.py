@@ -14,7 +14,7 @@ A pipeline file names the pipeline, the model to start from, data sets and the s
     [plan]                             # plan each training stage's GPU memory before it runs
     gpu_memory = "h200"                # (lmforge plan's arithmetic); warn when it will not fit
     [stages.sft]                       # or [[stages]] with name = "sft"; file order is run order
-    kind = "sft"                       # prepare|tokenizer|pretrain|sft|dpo|eval|quantize|generate|export
+    kind = "sft"                       # prepare|tokenizer|pretrain|sft|dpo|grpo|eval|quantize|generate|export
     from = "pretrain"                  # the input artifact: another stage's output
     data.path = "${data.sft_train}"    # the stage's own settings (for training: the job config)
     train.steps = 100

@@ -218,9 +218,9 @@ class StageKind:
 
 
 def _training_schema(kind: str) -> type[Section]:
-    from lmforge.train.config import DPOJob, PretrainJob, SFTJob
+    from lmforge.train.config import DPOJob, GRPOJob, PretrainJob, SFTJob
 
-    return {"pretrain": PretrainJob, "sft": SFTJob, "dpo": DPOJob}[kind]
+    return {"pretrain": PretrainJob, "sft": SFTJob, "dpo": DPOJob, "grpo": GRPOJob}[kind]
 
 
 def _build_training(ctx: StageContext) -> Built:
@@ -398,6 +398,7 @@ STAGE_KINDS: dict[str, StageKind] = {
     "pretrain": _TRAINING,
     "sft": _TRAINING,
     "dpo": _TRAINING,
+    "grpo": _TRAINING,
     # tensor parallel over launcher.nproc_per_node GPUs of one node (lmforge/generate/parallel.py)
     "eval": StageKind(_build_eval, "out", _eval_metrics, distributed=True, one_node=True),
     "quantize": StageKind(_build_quantize, "artifact", _artifact_metrics),

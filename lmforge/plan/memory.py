@@ -101,6 +101,14 @@ class Setup:
     optimizer_dtype: str | None = None  # None: the parameters' dtype
     bf16_params: bool | None = None  # optim.bf16_params: None = where the trainer takes it
     dpo_reference: str = "auto"  # auto | adapters_disabled | frozen_copy
+    # GRPO (lmforge.train.rollout): G completions of `grpo_prompts` prompts a rollout batch,
+    # sampled by the engine with a KV cache of grpo_rollout_batch rows (0: all) × seq_len slots;
+    # grpo_generations = 0: not GRPO. grpo_reference: none (beta = 0) | auto | adapters_disabled
+    # | frozen_copy.
+    grpo_generations: int = 0
+    grpo_prompts: int = 8
+    grpo_rollout_batch: int = 0
+    grpo_reference: str = "none"
     lora_base_dtype: str = "auto"  # auto | fp32 | bf16: frozen linears' storage (lora.base_dtype)
     document_masking: bool = False
     from_scratch: bool = True  # a preset (fresh init) rather than a checkpoint directory
@@ -119,13 +127,27 @@ class Setup:
         return self.method.startswith("dpo")
 
     @property
+    def is_grpo(self) -> bool:
+        return self.grpo_generations > 0
+
+    @property
     def reference(self) -> str | None:
-        """DPO's reference model: 'adapters_disabled', 'frozen_copy' or None (not DPO)."""
-        if not self.is_dpo:
-            return None
-        if self.dpo_reference == "auto":
+        """DPO's or GRPO's reference model: 'adapters_disabled', 'frozen_copy' or None (not
+        DPO, or GRPO without a KL term)."""
+        if self.is_grpo:
+            chosen = None if self.grpo_reference == "none" else self.grpo_reference
+        else:
+            chosen = self.dpo_reference if self.is_dpo else None
+        if chosen == "auto":
             return "adapters_disabled" if self.uses_lora else "frozen_copy"
-        return self.dpo_reference
+        return chosen
+
+    @property
+    def rollout_rows(self) -> int:
+        """Sequences GRPO's engine decodes at once on each rank (its KV cache rows): its share
+        of the prompts, G sequences each, unless grpo.rollout_batch is set."""
+        share = max(1, self.grpo_prompts // self.dp_size)
+        return self.grpo_rollout_batch or share * self.grpo_generations
 
     @property
     def num_nodes(self) -> int:
@@ -278,7 +300,12 @@ def check_setup(setup: Setup) -> None:
     if setup.method == "qlora" and setup.cpu_offload:
         raise ConfigError('lora.quantize_base = "nf4" (QLoRA) cannot be combined with CPU offload')
     if setup.reference == "adapters_disabled" and not setup.uses_lora:
-        raise ConfigError('dpo.reference = "adapters_disabled" needs lora.enabled = true')
+        key = "grpo.reference" if setup.is_grpo else "dpo.reference"
+        raise ConfigError(f'{key} = "adapters_disabled" needs lora.enabled = true')
+    if setup.is_grpo and (setup.tp > 1 or setup.cpu_offload):
+        raise ConfigError("lmforge grpo runs without tensor parallelism and CPU offload")
+    if setup.is_grpo and setup.method == "qlora" and setup.gpus > 1:
+        raise ConfigError("lmforge grpo runs QLoRA in one process only")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -617,6 +644,8 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
     per_token_bwd = 12 * v
     if setup.is_dpo:
         per_token_fwd = 4 * v + (c + upcast + 4) * v
+    elif setup.is_grpo:  # eager log-probabilities, and the entropy's fp32 rows beside them
+        per_token_fwd = (c + upcast + 4) * v + 8 * v
     elif setup.tp == 1:
         per_token_fwd = per_token_bwd = c * v
     elif setup.compile:
@@ -710,6 +739,9 @@ COMPONENT_ORDER = (
     "activations",
     "logits and loss",
     "backward workspace",
+    "rollout replica",
+    "KV cache",
+    "rollout logits",
 )
 
 
@@ -951,11 +983,40 @@ def _local_phases(
     return phases, labels
 
 
+def kv_cache_bytes(setup: Setup) -> int:
+    """GRPO's engine cache: K and V of every layer, rollout_rows × seq_len slots, in the
+    weights' dtype (the engine runs over the trained weights as they are stored)."""
+    a = setup.args
+    slots = setup.rollout_rows * setup.seq_len
+    return 2 * a.num_layers * slots * a.kv_dim * setup.param_bytes
+
+
+def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int]]:
+    """GRPO's phases outside the update: the engine sampling (its KV cache and each decode
+    step's fp32 logits and log-probabilities over every row), then the no-grad forwards that
+    score the rollouts (old and reference log-probabilities: logits, their fp32 copy and
+    log-softmax). Gradients are freed before a rollout starts."""
+    v = setup.args.vocab_size
+    scoring = (setup.compute_bytes + 8) * v * setup.tokens
+    # Under FSDP the engine samples from an unsharded replica of the weights (fp32, as the
+    # trainer stores them), gathered before each rollout (lmforge.train.rollout).
+    replica = setup.args.num_params() * DTYPE_BYTES[setup.param_dtype] if setup.fsdp else 0
+    return {
+        "rollout (engine)": {
+            **state.persistent,
+            "rollout replica": replica,
+            "KV cache": kv_cache_bytes(setup),
+            "rollout logits": 2 * 4 * v * setup.rollout_rows,
+        },
+        "rollout scoring": {**state.persistent, "logits and loss": scoring},
+    }
+
+
 def _overhead(setup: Setup, peak: int) -> int:
     """Device memory beyond the allocated peak: CUDA context, NCCL, the caching allocator's
     reserve (about one more fp32 loss buffer, more under FSDP with full checkpointing)."""
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 or setup.fsdp else 0)
-    eager_loss = setup.is_dpo or not setup.compile
+    eager_loss = setup.is_dpo or setup.is_grpo or not setup.compile
     loss_buffer = 4 * setup.args.vocab_size * setup.tokens if eager_loss else 0
     kept = (
         LOSS_BUFFERS_RESERVED_FSDP_FULL_AC
@@ -1030,6 +1091,8 @@ def plan_memory(
     phase_builder = _fsdp_phases if setup.fsdp else _local_phases
     phases, labels = phase_builder(setup, _group_numels(specs, setup), state, acts)
     phases["optimizer step"] = {**state.persistent, "gradients": state.grads}
+    if setup.is_grpo:
+        phases.update(_rollout_phases(setup, state))
     phases = {k: {c: int(v) for c, v in p.items() if v} for k, p in phases.items()}
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     return Plan(
@@ -1095,14 +1158,15 @@ _SHORT_DTYPES = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}
 def setup_from_job(
     job, *, gpus: int, gpus_per_node: int = 8, args: ModelArgs | None = None
 ) -> Setup:
-    """The Setup a training job config (PretrainJob, SFTJob, DPOJob) runs with on `gpus`.
+    """The Setup a training job config (PretrainJob, SFTJob, DPOJob, GRPOJob) runs with on
+    `gpus`.
 
     args: the shape of `job.model.source` when it cannot be read yet (an upstream stage's
     output, a download to come); the job's model overrides still apply.
     """
     from lmforge import api
     from lmforge.models import PRESETS
-    from lmforge.train.config import DPOJob, PretrainJob
+    from lmforge.train.config import DPOJob, GRPOJob, PretrainJob
 
     source = job.model.source
     from_scratch = source in PRESETS
@@ -1148,6 +1212,13 @@ def setup_from_job(
         )
     if isinstance(job, DPOJob):
         base = base.replace(dpo_reference=job.dpo.reference)
+    if isinstance(job, GRPOJob):
+        base = base.replace(
+            grpo_generations=job.grpo.num_generations,
+            grpo_prompts=job.grpo.prompts_per_step,
+            grpo_rollout_batch=job.grpo.rollout_batch,
+            grpo_reference=job.grpo.reference if job.grpo.beta else "none",
+        )
     if job.train.global_batch_size:
         per_pass = job.train.micro_batch_size * base.dp_size
         base = base.replace(grad_accumulation=max(1, job.train.global_batch_size // per_pass))

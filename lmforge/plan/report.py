@@ -38,6 +38,12 @@ def describe(setup: Setup) -> list[str]:
         method += f" rank {setup.lora_rank} on {','.join(setup.lora_targets)}"
     if setup.is_dpo:
         method += f" (reference: {setup.reference.replace('_', ' ')})"
+    if setup.is_grpo:
+        reference = (setup.reference or "none").replace("_", " ")
+        method = (
+            f"GRPO, {method}: {setup.grpo_prompts} prompts × {setup.grpo_generations} "
+            f"completions (KL reference: {reference})"
+        )
     if setup.fsdp:
         kind = "HSDP" if replicate > 1 and shard > 1 else "FSDP2"
         layout = f"{kind}: dp_replicate {replicate} × dp_shard {shard} × tp {tp}"
@@ -103,13 +109,16 @@ def format_plan(plan: Plan) -> str:
         "gradients": f"gradients ({s.grad_dtype or s.weight_dtype}"
         + (", fp32 sums)" if s.master_weights and s.grad_accumulation > 1 else ")"),
         "optimizer states": f"optimizer states ({s.optimizer})",
-        "reference model": "DPO reference model (frozen copy)",
+        "reference model": "reference model (frozen copy)",
         "weight copies": plan.labels.get("weight copies", "weight copies"),
         "gradient buffers": plan.labels.get("gradient buffers", "gradient buffers"),
         "activations": f"activations (checkpointing: {s.activation_checkpointing})",
         "logits and loss": f"logits and loss ({_logits_label(s)} [{s.sequences}, {s.seq_len}, "
         f"{s.args.vocab_size}])",
         "backward workspace": "backward workspace (recompute, activation grads)",
+        "rollout replica": "GRPO engine's unsharded weights (FSDP: gathered)",
+        "KV cache": f"GRPO engine KV cache ({s.rollout_rows} rows × {s.seq_len} slots)",
+        "rollout logits": "GRPO decode logits (fp32, every row)",
     }
     width = max(len(v) for v in labels.values()) + 2
     lines.append(f"per GPU, at the peak ({plan.peak_phase})".ljust(width) + "   at peak   largest")
@@ -179,6 +188,6 @@ def format_suggestions(suggestions: list[Suggestion]) -> str:
 
 def _logits_label(s) -> str:
     """How the loss holds its logits (`plan.memory.loss_bytes`)."""
-    if not s.is_dpo and s.tp == 1:
+    if not s.is_dpo and not s.is_grpo and s.tp == 1:
         return f"fused, {s.compute_dtype}"
     return "fp32"

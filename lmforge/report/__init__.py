@@ -22,7 +22,13 @@ ASSETS_DIR = "report_assets"
 
 def collect_run(run_dir: str | Path) -> RunSummary:
     """Everything the report shows, read from a run directory."""
-    from lmforge.manifest import PIPELINE_RECORD, pipeline_stages, read_manifest, read_metrics
+    from lmforge.manifest import (
+        PIPELINE_RECORD,
+        TRAINING_KINDS,
+        pipeline_stages,
+        read_manifest,
+        read_metrics,
+    )
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -64,7 +70,7 @@ def collect_run(run_dir: str | Path) -> RunSummary:
                 depends_on=list(manifest.get("depends_on") or entry.get("depends_on") or []),
             )
         )
-        if kind in ("pretrain", "sft", "dpo"):
+        if kind in TRAINING_KINDS:
             records = read_metrics(stage_dir)
             if records:
                 training[entry["name"]] = records

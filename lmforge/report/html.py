@@ -14,6 +14,7 @@ import html
 import io
 from pathlib import PurePath
 
+from lmforge.manifest import TRAINING_KINDS
 from lmforge.report.summary import RunSummary
 
 # Distinct colours (tab10, then tab20's lighter shades); `MetricColors` gives each metric one of
@@ -32,6 +33,11 @@ TRAINING_COLORS = {
     "rewards_chosen": PALETTE[4],
     "rewards_rejected": PALETTE[5],
     "reward_margin": PALETTE[6],
+    "reward": PALETTE[7],
+    "accuracy": PALETTE[10],
+    "kl": PALETTE[11],
+    "val_reward": PALETTE[12],
+    "val_accuracy": PALETTE[13],
     "tokens_per_s": PALETTE[9],
     "mfu": PALETTE[8],
 }
@@ -43,6 +49,11 @@ METRIC_LABELS = {
     "rewards_chosen": "reward (chosen)",
     "rewards_rejected": "reward (rejected)",
     "reward_margin": "reward margin",
+    "reward": "reward (GRPO)",
+    "accuracy": "accuracy (GRPO)",
+    "kl": "KL to the reference",
+    "val_reward": "held-out reward (greedy)",
+    "val_accuracy": "held-out accuracy (greedy)",
 }
 # Panels of a training stage's figure: title and the metrics.jsonl keys plotted in it.
 TRAINING_PANELS = (
@@ -50,6 +61,8 @@ TRAINING_PANELS = (
     ("learning rate", ("lr",)),
     ("gradient norm", ("grad_norm",)),
     ("DPO rewards", ("rewards_chosen", "rewards_rejected", "reward_margin")),
+    ("GRPO reward", ("reward", "accuracy", "val_reward", "val_accuracy")),
+    ("KL", ("kl",)),
 )
 # Node colours of the lineage graph, by what a stage makes.
 KIND_COLORS = {
@@ -58,6 +71,7 @@ KIND_COLORS = {
     "pretrain": "#cfe0f3",
     "sft": "#cfe0f3",
     "dpo": "#cfe0f3",
+    "grpo": "#cfe0f3",
     "quantize": "#fde3c8",
     "export": "#fde3c8",
     "eval": "#e6dcf1",
@@ -146,7 +160,8 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def _training_figure(stage: str, records: list[dict], colors: MetricColors) -> Figure | None:
     """One row of panels for a training stage: loss with validation loss, learning rate,
-    gradient norm and, for DPO, the rewards of the chosen and rejected answers."""
+    gradient norm and, for DPO, the rewards of the chosen and rejected answers; for GRPO,
+    the rollouts' reward, accuracy and KL."""
     panels = [
         (title, [key for key in keys if _series(records, key)[0]])
         for title, keys in TRAINING_PANELS
@@ -185,7 +200,7 @@ def _training_figure(stage: str, records: list[dict], colors: MetricColors) -> F
 
 def _training_caption(records: list[dict]) -> str:
     parts = []
-    for key in ("loss", "val_loss", "reward_margin"):
+    for key in ("loss", "val_loss", "reward_margin", "reward", "val_accuracy"):
         _, values = _series(records, key)
         if values:
             parts.append(f"{METRIC_LABELS[key]} {values[0]:.3f} → {values[-1]:.3f}")
@@ -422,7 +437,7 @@ def stage_rows(summary: RunSummary) -> list[list[str]]:
 
 def _stage_detail(s, weight_bytes: int | None) -> str:
     m = s.metrics
-    if s.kind in ("pretrain", "sft", "dpo") and "loss" in m:
+    if s.kind in TRAINING_KINDS and "loss" in m:
         first = m.get("first_loss")
         text = (
             f"loss {first:.3f} → {m['loss']:.3f}"

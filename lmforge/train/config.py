@@ -1,4 +1,4 @@
-"""Config sections of the training stages (pretrain now; sft and dpo extend `TrainJob`).
+"""Config sections of the training stages (pretrain now; sft, dpo and grpo extend `TrainJob`).
 
 Each component receives its own section: the optimizer gets `OptimSection`, `parallelize()`
 gets `ParallelSection`, the checkpointer `CheckpointSection`, and so on.
@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from lmforge.config import ModelSection, Section
 from lmforge.data.preference import PreferenceDataSection
+from lmforge.data.prompts import PromptDataSection
 from lmforge.data.sft import SFTDataSection
 from lmforge.errors import ConfigError
 from lmforge.modules.lora import LoRASection
 from lmforge.parallel.config import ParallelSection
+from lmforge.train.rewards import RewardSection
 
 
 class DataSection(Section):
@@ -168,3 +170,103 @@ class DPOJob(TrainJob):
     def require_data(self) -> None:
         if not self.data.path and not self.data.dataset:
             raise ConfigError("data.path (or data.dataset) is not set: name the preference data")
+
+
+class GRPOSection(Section):
+    """Group relative policy optimization (Shao et al., 2024, DeepSeekMath), with the options
+    of DAPO (Yu et al., 2025: clip-higher, token-level loss, equal groups dropped) and Dr. GRPO
+    (Liu et al., 2025: no std normalisation)."""
+
+    prompts_per_step: PositiveInt = 8
+    """Prompts of one rollout batch (over all ranks); each gets num_generations completions, and
+    the batch's prompts_per_step × num_generations sequences make one optimizer step
+    (train.global_batch_size)."""
+    num_generations: int = Field(8, ge=2)
+    """G: completions sampled per prompt (the group its advantages are relative to)."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature; the loss scores tokens at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens (0: all)."""
+    max_new_tokens: PositiveInt = 256
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a completion (besides the tokenizer's stop tokens)."""
+    rollout_batch: int = Field(0, ge=0)
+    """Sequences the engine decodes at once (its KV cache rows); 0: the whole rollout batch."""
+    logprob_gap: bool = True
+    """Measure the largest |engine - trainer| log-probability of the sampled tokens (the engine
+    then reads each step's log-probabilities on the host: one sync a decode step)."""
+    mu: PositiveInt = 1
+    """Optimizer steps on each rollout batch (μ), against its old log-probabilities."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """ε_low: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """ε_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    scale_rewards: bool = True
+    """Divide each group's advantages by its reward std (false: Dr. GRPO)."""
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """token: every completion token of the step weighs the same (DAPO); sequence: each
+    completion's token mean, averaged over completions (GRPO's paper)."""
+    drop_equal_groups: bool = True
+    """Leave out of the update the groups whose rewards are all equal (no advantage: only the
+    KL term would move them); counted as `groups_dropped`."""
+    beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (k3 estimator); 0: no KL and no reference."""
+    reference: Literal["auto", "adapters_disabled", "frozen_copy"] = "auto"
+    """With beta > 0. auto: with LoRA, the policy with its adapters off; else a frozen copy."""
+    rewards: list[RewardSection] = Field(default_factory=list)
+    """[[grpo.rewards]] entries: kind, weight and each kind's settings (lmforge.train.rewards)."""
+    eval_every: int = Field(0, ge=0)
+    """Greedy completions of data.heldout's prompts every N steps and at the last one, scored by
+    the rewards: val_reward, val_reward_<name>, val_accuracy; 0: never."""
+
+
+class GRPOJob(TrainJob):
+    """`lmforge grpo`: online RL with verifiable rewards, rollouts on the one engine."""
+
+    run_dir: str = "runs/grpo"
+    data: PromptDataSection = Field(default_factory=PromptDataSection)
+    lora: LoRASection = Field(default_factory=LoRASection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+
+    @model_validator(mode="after")
+    def _one_step_is_one_rollout_batch(self) -> GRPOJob:
+        sequences = self.grpo.prompts_per_step * self.grpo.num_generations
+        given = self.train.global_batch_size
+        if given is not None and given != sequences:
+            raise ValueError(
+                f"train.global_batch_size = {given}, but a grpo step trains on "
+                f"grpo.prompts_per_step × grpo.num_generations = {sequences} sequences; "
+                "leave train.global_batch_size unset"
+            )
+        if given is None:
+            self.train.global_batch_size = sequences
+        self._check_evaluation()
+        if self.grpo.max_new_tokens >= self.data.max_seq_len:
+            raise ValueError(
+                f"grpo.max_new_tokens = {self.grpo.max_new_tokens} leaves no room for a prompt "
+                f"in data.max_seq_len = {self.data.max_seq_len}"
+            )
+        return self
+
+    def _check_evaluation(self) -> None:
+        if self.train.eval_every:
+            raise ValueError(
+                "train.eval_every is a held-out loss; grpo evaluates held-out prompts by their "
+                "reward: set grpo.eval_every (and data.heldout) instead"
+            )
+        if self.grpo.eval_every and not self.data.heldout:
+            raise ValueError("grpo.eval_every needs held-out prompts: set data.heldout")
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.data.max_seq_len - self.grpo.max_new_tokens
+
+    def require_data(self) -> None:
+        if not self.data.path and not self.data.dataset:
+            raise ConfigError("data.path (or data.dataset) is not set: name the prompt data")
+        if not self.grpo.rewards:
+            raise ConfigError(
+                "grpo.rewards is empty: add at least one [[grpo.rewards]] entry (kind = "
+                "exact_match | numeric_match | regex | length_penalty | python)"
+            )

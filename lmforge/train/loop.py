@@ -115,6 +115,7 @@ class Trainer:
         job_config: dict | None = None,
         count_targets: Callable[[dict], torch.Tensor] = count_label_tokens,
         heldout: Callable[[], Iterable[dict]] | None = None,
+        batch_metrics: Callable[[int], dict[str, float]] | None = None,
     ) -> None:
         self.model, self.loss_step, self.batches = model, loss_step, batches
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -133,6 +134,9 @@ class Trainer:
         self.job_config = job_config
         self.count_targets = count_targets
         self.heldout = heldout  # () -> one pass over the held-out batches (this rank's)
+        # (step) -> what the batch source measured for the step just taken (GRPO's rollouts:
+        # rewards, timings, held-out rewards), this rank's values, logged as they are
+        self.batch_metrics = batch_metrics
         self.params = [p for p in model.parameters() if p.requires_grad]
         # bf16 weights (fp32 masters in the optimizer) sum their micro-batches' gradients in fp32
         self.sums_in_fp32 = self.accum_steps > 1 and bool(getattr(optimizer, "masters", None))
@@ -158,7 +162,11 @@ class Trainer:
         # Target tokens of the whole step over all data-parallel ranks: every micro-batch loss
         # is divided by this, so accumulation and data parallelism give the full-batch gradient.
         num_tokens = torch.stack([self.count_targets(mb) for mb in micro_batches]).sum()
-        global_tokens = self._all_reduce(num_tokens.float(), self.layout.dp_group)
+        # (a copy: the all-reduce works in place, and .float() of a float count, GRPO's
+        # weighted one, is that tensor itself, which the step's stats all-reduce again below)
+        global_tokens = self._all_reduce(
+            num_tokens.to(torch.float32, copy=True), self.layout.dp_group
+        )
         scale = self.layout.dp_size / global_tokens.clamp(min=1)  # FSDP averages over dp ranks
         loss_sum = torch.zeros((), device=device)
         metric_sums: dict[str, torch.Tensor] = {}
@@ -231,6 +239,8 @@ class Trainer:
         }
         values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
+        if self.batch_metrics is not None:
+            values.update(self.batch_metrics(self.step))
         return values
 
     def _clip_scale(self, grad_norm: torch.Tensor) -> torch.Tensor | None:

@@ -135,8 +135,10 @@ class MetricsLogger:
         if self._bar.disable:  # not a terminal (a log file, Slurm): one line per log step
             print(_console_line(record), file=sys.stderr, flush=True)
         else:
+            extra = {"reward": f"{record['reward']:.3f}"} if "reward" in record else {}
             self._bar.set_postfix(
                 loss=f"{record.get('loss', float('nan')):.4f}",
+                **extra,  # GRPO's rollouts
                 tok_s=f"{record.get('tokens_per_s', 0):.0f}",
                 mfu=f"{100 * record.get('mfu', 0):.1f}%",
                 refresh=False,
@@ -192,4 +194,5 @@ def _console_line(record: dict) -> str:
         f"{record.get('tokens_per_s', 0):,.0f} tok/s, mfu {100 * record.get('mfu', 0):.1f}%, "
         f"peak mem {record.get('peak_mem_gb', 0):.2f} GB, eta {record.get('eta_s', 0):.0f}s"
         + (f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
+        + (f", reward {record['reward']:.4f}" if "reward" in record else "")
     )

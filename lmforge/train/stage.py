@@ -1,4 +1,4 @@
-"""Build and run one training stage from its job config; shared by pretrain, sft and dpo.
+"""Build and run one training stage from its job config; shared by pretrain, sft, dpo and grpo.
 
 Run directory layout:
     <run_dir>/job.toml             the resolved job config
@@ -660,6 +660,7 @@ def _run(
         job_config=config,
         count_targets=count_targets,
         heldout=heldout,
+        batch_metrics=getattr(loader, "step_metrics", None),  # a source that measures its own
     )
     trainer.run()
     return run_dir / ARTIFACT_DIR

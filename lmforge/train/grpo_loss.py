@@ -1,0 +1,141 @@
+"""GRPO's advantages and loss step (`lmforge grpo`), on the one training loop.
+
+GRPO (Shao et al., 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300) samples G completions
+per prompt and uses each completion's reward relative to its group as the advantage of all its
+tokens, in PPO's clipped surrogate (Schulman et al., 2017):
+
+    ratio_t = π(y_t | ...) / π_old(y_t | ...)
+    loss_t  = -min(ratio_t · A, clip(ratio_t, 1 - ε_low, 1 + ε_high) · A) + β · KL_t
+
+with the options of the papers that followed: separate low and high clips (DAPO, Yu et al.,
+2025, https://arxiv.org/abs/2503.14476, "clip-higher"), advantages not divided by the group's
+std (Dr. GRPO, Liu et al., 2025, https://arxiv.org/abs/2503.20783), and KL_t the k3 estimator
+exp(r - l) - (r - l) - 1 of KL(π || π_ref) (Schulman, "Approximating KL divergence", 2020),
+l and r the policy's and the reference's token log-probabilities.
+
+Aggregation is carried by the batch, not by the loss: every completion token has a weight
+(`token_weights`: 1 for token-level aggregation, 1 / the completion's length for sequence
+level, 0 elsewhere); a micro-batch's loss is Σ weight · loss_t and its target count Σ weight, and
+the loop divides by the step's total, so the step's loss is the token mean (DAPO) or the mean
+over completions of their token means (GRPO) whatever the packing and micro-batching.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmforge.data.sft import IGNORE_INDEX
+from lmforge.train.losses import LossOutput, model_inputs
+
+# Added to a group's std before dividing, so that a group with nearly equal rewards does not
+# blow its advantages up (TRL's value).
+STD_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, *, scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [P, G] (G completions of each of P prompts) -> (advantages [P, G], equal [P]):
+    each reward minus its group's mean, divided by the group's std (unbiased) + STD_EPS when
+    `scale`; `equal` marks the groups whose rewards are all the same (advantages all 0)."""
+    rewards = rewards.double()
+    advantages = rewards - rewards.mean(dim=-1, keepdim=True)
+    if scale:
+        advantages = advantages / (rewards.std(dim=-1, keepdim=True) + STD_EPS)
+    equal = rewards.amax(dim=-1) == rewards.amin(dim=-1)
+    return advantages.float(), equal
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0):
+    """log p(label) at each position of logits [b, s, V] / temperature -> [b, s] fp32 (0 where
+    labels are IGNORE_INDEX)."""
+    mask = labels != IGNORE_INDEX
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    logps = -F.cross_entropy(
+        scaled.flatten(0, 1), labels.masked_fill(~mask, 0).flatten(), reduction="none"
+    ).view(labels.shape)
+    return logps * mask
+
+
+def grpo_token_losses(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    beta: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token GRPO losses from token log-probabilities (all [b, s]).
+
+    Returns (losses, clipped, kl): `clipped` is 1.0 where the clipped term is the smaller one
+    (the token's gradient is cut), `kl` the k3 estimate (zeros without a reference).
+    """
+    ratio = torch.exp(logps - old_logps)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    losses = -torch.minimum(unclipped, clipped)
+    kl = torch.zeros_like(logps)
+    if beta:
+        if ref_logps is None:
+            raise ValueError("grpo_token_losses: beta > 0 needs ref_logps")
+        log_ratio = ref_logps - logps
+        kl = torch.exp(log_ratio) - log_ratio - 1
+        losses = losses + beta * kl
+    return losses, (clipped < unclipped).float(), kl
+
+
+def count_weighted_targets(batch: dict) -> torch.Tensor:
+    """Target count of a GRPO micro-batch: its tokens' aggregation weights (module docstring)."""
+    return batch["token_weights"].sum()
+
+
+class GRPOLossStep:
+    """GRPO's `loss_step`: one forward of the policy over a micro-batch of (packed) rollouts.
+
+    The batch (`lmforge.train.rollout`) holds `inputs`, `labels` [b, s] (completion tokens
+    labelled, the rest IGNORE_INDEX), `positions` and, when rows hold several sequences,
+    `document_ids`; per position `advantages`, `token_weights`, `old_logps` and, with a KL
+    term, `ref_logps` [b, s].
+    """
+
+    def __init__(
+        self, *, clip_low: float, clip_high: float, beta: float, temperature: float
+    ) -> None:
+        self.clip_low, self.clip_high = clip_low, clip_high
+        self.beta, self.temperature = beta, temperature
+
+    def __call__(self, model, batch: dict) -> LossOutput:
+        logits = model(batch["inputs"], **model_inputs(batch))  # [b, s, V]
+        labels = batch["labels"]
+        logps = token_logps(logits, labels, temperature=self.temperature)
+        losses, clipped, kl = grpo_token_losses(
+            logps,
+            batch["old_logps"],
+            batch["advantages"],
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            beta=self.beta,
+            ref_logps=batch.get("ref_logps"),
+        )
+        weights = batch["token_weights"]
+        metrics = {  # weighted like the loss; the loop divides by the step's total weight
+            "clip_fraction": (clipped * weights).sum(),
+            "entropy": (self._entropy(logits, labels) * weights).sum(),
+        }
+        if self.beta:
+            metrics["kl"] = (kl.detach() * weights).sum()
+        return LossOutput(
+            loss_sum=(losses * weights).sum(), num_tokens=weights.sum(), metrics=metrics
+        )
+
+    @torch.no_grad()
+    def _entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution's entropy at the labelled positions -> [b, s] (0 elsewhere);
+        only those rows of the logits are upcast [n, V]."""
+        mask = labels != IGNORE_INDEX
+        picked = logits[mask].float() / self.temperature  # [n, V]
+        logp = picked.log_softmax(dim=-1)
+        entropy = torch.zeros(labels.shape, device=logits.device)
+        entropy[mask] = -(logp.exp() * logp).sum(dim=-1)
+        return entropy
