@@ -327,7 +327,7 @@ def test_one_rule_decides_bf16_compute(precision, device, expected):
 def test_dpo_frozen_reference_computes_in_the_policys_precision(tmp_path, base, monkeypatch):
     """On the CPU with mixed_precision = "bf16", DPO's frozen reference copy is built for bf16
     as the policy is (train/stage.py and train/dpo.py once decided this each on their own)."""
-    from lmforge.train import dpo, stage
+    from lmforge.train import stage
 
     built = []
     build = stage.build_and_load_model
@@ -336,8 +336,7 @@ def test_dpo_frozen_reference_computes_in_the_policys_precision(tmp_path, base, 
         built.append(bf16)
         return build(spec, layout, job, bf16=bf16, **options)
 
-    monkeypatch.setattr(stage, "build_and_load_model", recording)
-    monkeypatch.setattr(dpo, "build_and_load_model", recording)
+    monkeypatch.setattr(stage, "build_and_load_model", recording)  # (dpo's reference too)
     args = full_dpo_args(tmp_path / "run", base, "train.mixed_precision=bf16", "train.steps=1")
     assert run_inprocess("dpo", args) == 0
     assert built == [True, True]  # the policy, then its frozen reference

@@ -11,18 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.data.preference import PreferenceLoader, load_preference_data
-from lmforge.errors import ConfigError
 from lmforge.train.config import DPOJob
 from lmforge.train.losses import DPOLossStep, count_pairs
-from lmforge.train.optim import to_bf16_parameters
 from lmforge.train.stage import (
     ReshardPolicy,
-    bf16_weights,
-    build_and_load_model,
-    computes_in_bf16,
     data_loader_factory,
+    frozen_reference,
     heldout_factory,
-    lora_section,
+    resolve_reference,
     run_stage,
 )
 
@@ -32,22 +28,12 @@ def dpo(job: DPOJob, *, reshard: ReshardPolicy) -> Path:
     `reshard` decides parallel.reshard_after_forward = "auto" (`ReshardPolicy`), for the
     policy and a frozen reference alike."""
     job.require_data()
-    lora = lora_section(job)
-    reference_kind = job.dpo.reference
-    if reference_kind == "auto":
-        reference_kind = "adapters_disabled" if lora is not None else "frozen_copy"
-    if reference_kind == "adapters_disabled" and lora is None:
-        raise ConfigError('dpo.reference = "adapters_disabled" needs lora.enabled = true')
+    kind = resolve_reference(job, job.dpo.reference, "dpo.reference")
 
     def make_loss_step(model, spec, layout) -> DPOLossStep:
         reference = None
-        if reference_kind == "frozen_copy":
-            bf16 = computes_in_bf16(job, layout)
-            reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard)
-            reference = reference.eval()
-            reference.requires_grad_(False)
-            if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
-                to_bf16_parameters(reference)
+        if kind == "frozen_copy":
+            reference = frozen_reference(job, model, spec, layout, reshard)
         return DPOLossStep(
             beta=job.dpo.beta,
             label_smoothing=job.dpo.label_smoothing,

@@ -22,15 +22,14 @@ from lmforge.modules.lora import apply_lora
 from lmforge.train.config import GRPOJob
 from lmforge.train.grpo_loss import GRPOLossStep, count_weighted_targets
 from lmforge.train.loop import grad_accumulation_steps
-from lmforge.train.optim import to_bf16_parameters
 from lmforge.train.rewards import build_rewards
 from lmforge.train.rollout import Rollouts
 from lmforge.train.stage import (
     ReshardPolicy,
-    bf16_weights,
-    build_and_load_model,
     computes_in_bf16,
+    frozen_reference,
     lora_section,
+    resolve_reference,
     run_stage,
 )
 
@@ -38,16 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def reference_kind(job: GRPOJob) -> str | None:
-    """'adapters_disabled', 'frozen_copy', or None where there is no KL term."""
-    if not job.grpo.beta:
-        return None
-    lora = lora_section(job)
-    kind = job.grpo.reference
-    if kind == "auto":
-        kind = "adapters_disabled" if lora is not None else "frozen_copy"
-    if kind == "adapters_disabled" and lora is None:
-        raise ConfigError('grpo.reference = "adapters_disabled" needs lora.enabled = true')
-    return kind
+    """'adapters_disabled', 'frozen_copy' (`resolve_reference`), or None without a KL term."""
+    return resolve_reference(job, job.grpo.reference, "grpo.reference") if job.grpo.beta else None
 
 
 def _check_layout(job: GRPOJob, layout) -> None:
@@ -131,16 +122,6 @@ def _rollouts(job: GRPOJob, layout, spec, rewards) -> Rollouts:
     )
 
 
-def _frozen_reference(job: GRPOJob, model, spec, layout, reshard: ReshardPolicy):
-    """A frozen copy of the starting weights, built and sharded like the policy (as dpo's)."""
-    bf16 = computes_in_bf16(job, layout)
-    reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard).eval()
-    reference.requires_grad_(False)
-    if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
-        to_bf16_parameters(reference)
-    return reference
-
-
 def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
     """Train `train.steps` optimizer steps (a rollout batch every grpo.mu of them), resuming
     from the run dir's checkpoints; returns the artifact. `reshard` decides
@@ -158,7 +139,7 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
     def make_loss_step(model, spec, layout) -> GRPOLossStep:
         reference = None
         if kind == "frozen_copy":
-            reference = _frozen_reference(job, model, spec, layout, reshard)
+            reference = frozen_reference(job, model, spec, layout, reshard)
         # run_stage makes the batches before the loss step: the rollouts exist by now.
         made["rollouts"].bind(
             model,

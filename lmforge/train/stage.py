@@ -55,7 +55,12 @@ from lmforge.train.checkpoint import Checkpointer, ModelOptimizerState, RNGState
 from lmforge.train.config import TrainJob
 from lmforge.train.loop import LoopSections, LossStep, Trainer
 from lmforge.train.losses import count_label_tokens
-from lmforge.train.optim import build_optimizer, build_scheduler, masters_in_params
+from lmforge.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    masters_in_params,
+    to_bf16_parameters,
+)
 from lmforge.train.parallelize import parallelize
 from lmforge.train.preempt import PreemptedError
 
@@ -466,6 +471,30 @@ def write_run_files(run_dir: Path, job: TrainJob, spec: ModelSpec) -> None:
 def lora_section(job: TrainJob) -> LoRASection | None:
     lora = getattr(job, "lora", None)
     return lora if lora is not None and lora.enabled else None
+
+
+def resolve_reference(job: TrainJob, requested: str, key: str) -> str:
+    """The frozen starting point a loss compares the policy with (`key` names the setting):
+    "adapters_disabled", the policy with its LoRA adapters off (no second copy), or
+    "frozen_copy"; "auto" takes the first with LoRA, else the second."""
+    lora = lora_section(job)
+    kind = requested
+    if kind == "auto":
+        kind = "adapters_disabled" if lora is not None else "frozen_copy"
+    if kind == "adapters_disabled" and lora is None:
+        raise ConfigError(f'{key} = "adapters_disabled" needs lora.enabled = true')
+    return kind
+
+
+def frozen_reference(job: TrainJob, model, spec: ModelSpec, layout, reshard: ReshardPolicy):
+    """A frozen copy of the starting weights, built and sharded like the policy `model` (in
+    bf16 where the policy's weights are bf16, so the two score alike at the start)."""
+    bf16 = computes_in_bf16(job, layout)
+    reference = build_and_load_model(spec, layout, job, bf16=bf16, reshard=reshard).eval()
+    reference.requires_grad_(False)
+    if bf16_weights(model):  # (fp32 masters in the optimizer) the same bf16 weights
+        to_bf16_parameters(reference)
+    return reference
 
 
 def data_loader_factory(job, stage: str, load_data: Callable, loader_cls: type) -> Callable:
