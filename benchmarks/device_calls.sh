@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check | grpo | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check|grpo|trl" >&2
   exit 2
   ;;
 esac
@@ -159,6 +159,24 @@ tiles)
       --passes 1 --tokens 64 --out "$OUT/$preset" --table "$OUT/gemv_tiles.json"
   done
   grep -h '^{' "$OUT"/tiles-*.log | cut -c1-200
+  ;;
+grpo)
+  # a GRPO step on the 1B (64 prompts x G 8, 128-token prompts, 256 new tokens) timed part by
+  # part beside the engine's own batched generate (benchmarks/grpo_step.py), after the engine's
+  # GPU tests of giving its cache back and taking it again (the rollout engine's, each step)
+  gpu_tests 150 generate tests/test_generate.py -k "cache_back or greedy_tokens_chosen"
+  step 330 grpo python3 benchmarks/grpo_step.py --preset 1b --prompts 64 --generations 8 \
+    --new-tokens 256 --prompt-len 128 --out "$OUT"
+  tail -n 3 "$OUT/generate.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
+    [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
+    print('rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step.json"
+  ;;
+trl)
+  # TRL's GRPOTrainer (transformers generate) on grpo's shapes: seconds a step
+  step 400 trl python3 benchmarks/trl_grpo.py --preset 1b --prompts 64 --generations 8 \
+    --new-tokens 256 --prompt-len 128 --out "$OUT"
+  tail -n 30 "$OUT/trl.log"
   ;;
 check)
   # the GPU-only tests: the kernels compiled, the engine's graphs, the training kernels

@@ -44,12 +44,16 @@ from lmforge.train.rewards import Reward
 from lmforge.train.rollout import Rollouts
 
 
-def _prompts(args, vocab: int) -> list[PromptSample]:
+def random_prompt_ids(count: int, length: int, vocab: int) -> list[np.ndarray]:
+    """The benchmark's prompts: `count` rows of `length` random token ids (also TRL's, in
+    benchmarks/trl_grpo.py)."""
     rng = np.random.default_rng(0)
-    return [
-        PromptSample(rng.integers(0, vocab, args.prompt_len, dtype=np.int64), where=f"random:{i}")
-        for i in range(args.prompts)
-    ]
+    return [rng.integers(0, vocab, length, dtype=np.int64) for _ in range(count)]
+
+
+def _prompts(args, vocab: int) -> list[PromptSample]:
+    ids = random_prompt_ids(args.prompts, args.prompt_len, vocab)
+    return [PromptSample(row, where=f"random:{i}") for i, row in enumerate(ids)]
 
 
 def _even_tokens_reward() -> Reward:
@@ -108,7 +112,7 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
         max_seq_len=args.seq_len,
         pad_id=0,
         device=device,
-        bf16=False,  # the weights are bf16 themselves on a GPU
+        bf16=device.type == "cuda",  # under autocast, as `lmforge grpo` on a GPU
         seed=0,
     )
     rollouts.bind(model, reference=None, base=False)

@@ -264,6 +264,12 @@ class StepGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed = False  # a recording failed: steps run as they are from then on
 
+    def clear(self) -> None:
+        """Forget every graph (their buffers moved); their memory pool goes back with them.
+        The stream stays (and its cuBLAS workspace with it)."""
+        self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
+
     def run(
         self, key: tuple, step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = ()
     ) -> torch.Tensor:
@@ -320,6 +326,21 @@ class ShapeForwards:
         return step() if self.graphs is None else self.graphs.run((name, *shape), step)
 
 
+class HostValues:
+    """Values on their way from the device to the host, copied without a sync: read them
+    only after the step that queued the copy is collected (its `ready` event)."""
+
+    def __init__(self, values: torch.Tensor, *, pinned: bool) -> None:
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
+        self.host.copy_(values, non_blocking=pinned)
+        self._list: list | None = None
+
+    def __getitem__(self, index: int):
+        if self._list is None:
+            self._list = self.host.tolist()
+        return self._list[index]
+
+
 @dataclass
 class _Launch:
     """One step's tokens, on their way to the host."""
@@ -350,6 +371,8 @@ class Engine:
             the CPU, and tinygemm's int4, made on CUDA, converted once here) through lmforge's
             Triton kernels instead of torchao's: one row in the GEMV, 2-128 rows in
             `quantized_gemm` (dequantized tile by tile), more expanded to bf16 for cuBLAS.
+            Off (with fuse, gemv and fuse_blocks off too), the model's modules and weights stay
+            as they are: an engine over weights being trained (GRPO's rollouts).
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
@@ -433,6 +456,9 @@ class Engine:
         self._draws = torch.Generator(device=device)  # unseeded sampled rows, all at once
         self._draws.seed()
         self._last_sampler: tuple[list[SamplingParams], Sampler | None] = ([], None)
+        # Seeded sequences' uniforms [max_batch, max_seq_len], by cache row and token (made
+        # when the first one is admitted; `_draw_ahead`).
+        self._uniforms: torch.Tensor | None = None
         self._positions = torch.full((max_batch,), self._last_slot, device=device)
         # A decode step's inputs over rows 0..b-1, per bucket: views [b, 1] made once, so that
         # a CUDA graph reads them where they are instead of copying them in at every replay.
@@ -440,7 +466,8 @@ class Engine:
             b: (self._tokens[:b, None], self._positions[:b, None]) for b in self.buckets
         }
         if self.compiled:
-            plain_quantized_weights(self.model)
+            if quantized_kernels:  # (it changes the model's modules too)
+                plain_quantized_weights(self.model)
             self._compile_decode()
         self._rows: list[Sequence | None] = [None] * max_batch
         self._waiting: deque[Sequence] = deque()
@@ -526,9 +553,8 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model has none")
-        sampler = generator = None
+        generator = None
         if not params.greedy and seed is not None:  # unseeded: the engine's draws
-            sampler = Sampler([params], device=self.device)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**64)
         stop_ids = params.stop_token_ids
@@ -546,7 +572,6 @@ class Engine:
             text_decoder=IncrementalText(self.tokenizer) if self.tokenizer else None,
             num_logprobs=num_logprobs,
             prompt_source=shares_prompt_with,
-            sampler=sampler,
             generator=generator,
         )
 
@@ -595,6 +620,27 @@ class Engine:
         while len(self._pending) > keep:
             events += self._collect(self._pending.popleft())
         return events
+
+    def release_cache(self) -> None:
+        """Give the KV cache's memory back while the engine is idle, with the CUDA graphs
+        recorded over it; `reserve_cache` takes it again. The compiled steps stay: GRPO's
+        rollout engine compiles once a run and holds its cache only while it samples."""
+        if self.has_work:
+            raise RuntimeError("release_cache: the engine still has sequences")
+        for tensor in self.caches.tensors():
+            tensor.untyped_storage().resize_(0)
+        if self.graphs is not None:  # they read and write the old buffers
+            self.graphs.clear()
+            self._prefills = ShapeForwards(self.device, self.graphs)
+
+    def reserve_cache(self) -> None:
+        """Take the KV cache's memory again after `release_cache` (zeroed, as when made; the
+        same tensors, so the compiled steps keep them; the graphs record anew)."""
+        for tensor in self.caches.tensors():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
+                tensor.zero_()
 
     def warmup(self) -> None:
         """Compile the decode steps now, and record the CUDA graphs (plain and `greedy`) of
@@ -653,9 +699,20 @@ class Engine:
             if held is None:
                 sequence = self._waiting.popleft()
                 sequence.slot = slot
+                if sequence.generator is not None:
+                    self._draw_ahead(sequence)
                 sequence.admitted_at = self.num_decode_steps
                 self._rows[slot] = sequence
                 self._prefilling.append(sequence)
+
+    def _draw_ahead(self, sequence: Sequence) -> None:
+        """A seeded sampled sequence's uniforms for all its tokens, from its own generator,
+        into its cache row's row of `_uniforms` (read one a token by `_sample`)."""
+        if self._uniforms is None:
+            self._uniforms = torch.zeros(self.max_batch, self.max_seq_len, device=self.device)
+        n = sequence.max_new_tokens
+        draws = torch.rand(n, generator=sequence.generator, device=self.device)
+        self._uniforms[sequence.slot, :n] = draws
 
     def _release(self, sequence: Sequence) -> None:
         if sequence in self._prefilling:
@@ -916,29 +973,51 @@ class Engine:
         return sampler
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """logits [n, vocab] -> each sequence's next token [n] (on the device); queues the
+        """logits [n, vocab] -> each sequence's next token [n] (on the device), every row in
+        one sampler call (a call per row launched ~20 kernels a row, every step); queues the
         log-probabilities of the sequences that ask for them."""
-        seeded = [i for i, s in enumerate(sequences) if s.generator is not None]
-        if any(s.generator is None and not s.params.greedy for s in sequences):
-            # One draw for the whole batch from the engine's generator (greedy rows keep
-            # their argmax); a sampler call per row launched ~20 kernels a row, every step.
-            chosen = self._batch_sampler([s.params for s in sequences])(logits, self._draws)
-        else:
+        if all(s.params.greedy for s in sequences):
             chosen = logits.argmax(dim=-1)
-        for index in seeded:  # their own draws: the same tokens whatever runs beside them
-            sequence = sequences[index]
-            chosen[index] = sequence.sampler(logits[index : index + 1], sequence.generator)[0]
+        else:
+            sampler = self._batch_sampler([s.params for s in sequences])
+            chosen = sampler(logits, uniforms=self._uniforms_of(sequences))
         wanted = [i for i, s in enumerate(sequences) if s.num_logprobs is not None]
-        if wanted:  # rare (an API option): read them now, at the cost of a sync
-            logprobs = logits[wanted].log_softmax(dim=-1)  # [w, vocab]
-            chosen_logprobs = logprobs.gather(-1, chosen[wanted, None]).squeeze(-1).tolist()
-            k = max(sequences[i].num_logprobs for i in wanted)
-            top_values, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-            for row, i in enumerate(wanted):
-                n = sequences[i].num_logprobs
-                top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
-                sequences[i].logprobs.append((chosen_logprobs[row], top if n else None))
+        if wanted:
+            self._queue_logprobs([sequences[i] for i in wanted], logits, chosen, wanted)
         return chosen
+
+    def _uniforms_of(self, sequences: list[Sequence]) -> torch.Tensor:
+        """The uniform each row draws its token with [n]: a seeded sequence's own (drawn
+        ahead, by its cache row and its count of tokens), the others' from the engine's
+        generator, all at once."""
+        seeded = [s.generator is not None for s in sequences]
+        if not any(seeded):
+            return torch.rand(len(sequences), generator=self._draws, device=self.device)
+        rows = self._to_device([s.slot for s in sequences])
+        tokens = self._to_device([s.num_scheduled if s.generator else 0 for s in sequences])
+        own = self._uniforms[rows, tokens]
+        if all(seeded):
+            return own
+        batch = torch.rand(len(sequences), generator=self._draws, device=self.device)
+        return torch.where(self._to_device(seeded), own, batch)
+
+    def _queue_logprobs(self, wanted: list[Sequence], logits, chosen, rows: list[int]) -> None:
+        """Queue the chosen tokens' log-probabilities of `wanted` (logits' `rows`), copied to
+        the host with the step's tokens (no sync), and, where asked for, the best k (a sync:
+        an API option)."""
+        if len(rows) < logits.shape[0]:
+            index = self._to_device(rows)
+            logits, chosen = logits[index], chosen[index]
+        picked = logits.gather(-1, chosen[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
+        values = HostValues(picked.float(), pinned=self.on_cuda)
+        k = max(s.num_logprobs for s in wanted)
+        tops = [None] * len(wanted)
+        if k:
+            top_values, top_ids = logits.log_softmax(dim=-1).topk(min(k, logits.shape[-1]))
+            tops = [list(zip(i.tolist(), v.tolist())) for i, v in zip(top_ids, top_values)]
+        for row, sequence in enumerate(wanted):
+            n = sequence.num_logprobs
+            sequence.logprobs.append((values, row, tops[row][:n] if n else None))
 
     def _to_host(self, sequences: list[Sequence], tokens: torch.Tensor) -> _Launch:
         host = torch.empty(len(sequences), dtype=torch.long, pin_memory=self.on_cuda)
@@ -958,7 +1037,8 @@ class Engine:
                 continue
             event = sequence.push(token)
             if sequence.num_logprobs is not None:
-                event.logprob, event.top_logprobs = sequence.logprobs.popleft()
+                values, row, event.top_logprobs = sequence.logprobs.popleft()
+                event.logprob = values[row]
             events.append((sequence, event))
             if sequence.finished:
                 self._release(sequence)

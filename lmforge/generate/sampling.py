@@ -3,9 +3,12 @@
 `SamplingParams` is one request's settings (also its length limit and stop conditions);
 `Sampler` turns the settings of a batch's rows into tensors once and then draws one token per
 row from [b, vocab] logits per step, all rows at once. The order is that of Hugging Face's
-`generate`: temperature, then top-k, then top-p on what top-k kept. Draws come from a
-`torch.Generator`, so a seed reproduces them (on the same device, batch and prompts).
-Nucleus sampling: Holtzman et al. 2019, https://arxiv.org/abs/1904.09751.
+`generate`: temperature, then top-k, then top-p on what top-k kept. A row's draw is one
+uniform number u in [0, 1) turned into a token by the inverse of its distribution (the first
+token whose cumulative probability exceeds u): the uniforms come from a `torch.Generator`, the
+engine's for a whole batch or a seeded sequence's own, drawn ahead for all its tokens, so a
+seeded sequence draws the same tokens whatever rows sample beside it, in one call for the
+whole batch. Nucleus sampling: Holtzman et al. 2019, https://arxiv.org/abs/1904.09751.
 """
 
 from __future__ import annotations
@@ -83,9 +86,14 @@ class Sampler:
         self.top_p = to_device([p.top_p for p in params], device)
 
     def __call__(
-        self, logits: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        *,
+        uniforms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """logits [b, vocab] (float) -> token ids [b] (int64)."""
+        """logits [b, vocab] (float) -> token ids [b] (int64); each sampled row draws with
+        its entry of `uniforms` [b] (in [0, 1)), or with uniforms drawn from `generator`."""
         greedy_choice = logits.argmax(dim=-1)
         if self.all_greedy:
             return greedy_choice
@@ -103,12 +111,26 @@ class Sampler:
                 mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
                 remove |= mass_before >= self.top_p[:, None]  # the first token always stays
             sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-            choice = torch.multinomial(sorted_logits.softmax(dim=-1), 1, generator=generator)
-            sampled = order.gather(-1, choice).squeeze(-1)
+            choice = inverse_cdf(sorted_logits.softmax(dim=-1), uniforms, generator)
+            sampled = order.gather(-1, choice[:, None]).squeeze(-1)
         else:
-            probs = logits.softmax(dim=-1)
-            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            sampled = inverse_cdf(logits.softmax(dim=-1), uniforms, generator)
         return torch.where(self.greedy, greedy_choice, sampled)
+
+
+def inverse_cdf(
+    probs: torch.Tensor, uniforms: torch.Tensor | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """probs [b, n] (rows sum to ~1) and uniforms [b] in [0, 1) (None: drawn from
+    `generator`) -> for each row the first index whose cumulative probability exceeds its
+    uniform (scaled by the row's total, so rounding cannot run past the last token): an exact
+    draw from the row's distribution, where an index of probability 0 is never chosen."""
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device)
+    cdf = probs.cumsum(dim=-1)  # [b, n], non-decreasing
+    targets = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]  # [b, 1]
+    choice = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
+    return choice.clamp(max=probs.shape[-1] - 1)
 
 
 def to_device(values, device: torch.device | str) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import ConfigError
-from lmforge.generate.sampling import Sampler, SamplingParams
+from lmforge.generate.sampling import SamplingParams
 
 # A prompt: text (encoded with BOS), a chat (a list of {"role", "content"} messages, encoded
 # with the chat template and the assistant header), or token ids as they are.
@@ -127,8 +127,7 @@ class Sequence:
     # A sequence with the same prompt whose cached prompt this one copies rather than
     # prefilling it (several completions of one prompt: `Engine.sequence(shares_prompt_with=)`)
     prompt_source: Sequence | None = None
-    sampler: Sampler | None = None  # a seeded sampled sequence's own (others: the engine's)
-    generator: torch.Generator | None = None  # its own draws, from its seed
+    generator: torch.Generator | None = None  # its own draws, from its seed (`_draw_ahead`)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_emitted: int = 0  # characters of `text` already streamed
@@ -141,7 +140,9 @@ class Sequence:
     num_cached: int = 0
     num_scheduled: int = 0
     cancelled: bool = False
-    logprobs: deque = field(default_factory=deque)  # (logprob, top) per launched token
+    # per launched token: (HostValues, its index there, top or None): the chosen token's
+    # log-probability and the k best
+    logprobs: deque = field(default_factory=deque)
 
     @property
     def finished(self) -> bool:

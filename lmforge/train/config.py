@@ -195,7 +195,11 @@ class GRPOSection(Section):
     """Sequences the engine decodes at once (its KV cache rows); 0: the whole rollout batch."""
     logprob_gap: bool = True
     """Measure the largest |engine - trainer| log-probability of the sampled tokens (the engine
-    then reads each step's log-probabilities on the host: one sync a decode step)."""
+    copies each sampled token's log-probability to the host with the token)."""
+    compile_rollouts: bool = True
+    """On CUDA, compile the rollout engine's decode steps and replay them as CUDA graphs (one
+    compile a run; the graphs are recorded again each rollout, over its new KV cache); false:
+    eager, as on the CPU."""
     mu: PositiveInt = 1
     """Optimizer steps on each rollout batch (μ), against its old log-probabilities."""
     clip_low: float = Field(0.2, ge=0, lt=1)

@@ -4,14 +4,16 @@ training process, scored, and packed into the micro-batches the one loop trains 
 `Rollouts` is the loop's batch iterator for `lmforge grpo`. Every grpo.mu optimizer steps it
 makes a rollout batch:
 
-1. weight sync: an `Engine` (lmforge.generate) is built over the policy module itself. It reads
-   the parameters the optimizer updates in place, so nothing is copied: the engine is made with
-   `fuse=False` (its fused q/k/v and gate/up projections would be concatenated copies of the
-   weights, made again after every update) and without its inference-only kernels and module
-   swaps (GEMV, fused blocks, quantized kernels), which would replace the trained modules. What
-   the sync costs is the engine's set-up: the model switched to eval mode and its KV cache
-   allocated (`weight_sync_s`). The cache (max_batch × data.max_seq_len slots) lives for the
-   rollout only and is freed before the update.
+1. weight sync: one `Engine` (lmforge.generate), made at the first rollout over the policy
+   module itself and kept for the run. It reads the parameters the optimizer updates in place,
+   so nothing is copied: the engine is made with `fuse=False` (its fused q/k/v and gate/up
+   projections would be concatenated copies of the weights, made again after every update)
+   and without its inference-only kernels and module swaps (GEMV, fused blocks, quantized
+   kernels), which would replace the trained modules. On CUDA its decode steps are compiled
+   once a run (grpo.compile_rollouts) and replayed as CUDA graphs. Its KV cache (max_batch ×
+   data.max_seq_len slots) is taken for the rollout only (`Engine.reserve_cache`) and given
+   back, with the graphs recorded over it, before the update (`Engine.release_cache`). What
+   the sync costs (`weight_sync_s`): taking the cache and switching the model to eval mode.
 2. rollout: prompts_per_step prompts × G completions, sampled with the job's temperature,
    top-p/top-k and stop strings; each sequence draws from a seed of its own, from (train.seed,
    rollout index) and its place in the batch over all ranks, so a resumed run samples what the
@@ -36,8 +38,7 @@ are gathered into an unsharded replica on each rank (with LoRA only the adapters
 first time), counted in `weight_sync_s`. Rewards, advantages and groups are each rank's own;
 the metrics are reduced over the ranks (`reduce_over_ranks`).
 
-Not yet: tensor parallelism, QLoRA over several processes, and CUDA graphs / compiled decode
-steps over the training weights (the engine runs eagerly here).
+Not yet: tensor parallelism and QLoRA over several processes.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class Rollouts:
         self.sharded = False
         self.make_replica: Callable[[], torch.nn.Module] | None = None
         self.replica: torch.nn.Module | None = None  # the engine's weights under FSDP
+        self.engine: Engine | None = None  # made at the first rollout (`_engine`)
         self.reference: torch.nn.Module | None = None
         self.reference_is_base = False
         self.num_rollouts = 0  # rollout batches made so far
@@ -249,15 +251,15 @@ class Rollouts:
         """G completions of each prompt on an engine over the policy's own weights -> (results
         in prompt-major order, the engine's token log-probabilities or None, timings)."""
         sync_start = time.perf_counter()
-        engine = self._engine(num_sequences=len(prompts) * self.grpo.num_generations)
+        engine = self._engine()
         sync_s = time.perf_counter() - sync_start
         sequences = self._sequences(engine, prompts)
+        shared_before = engine.num_shared_prompt_tokens
         rollout_start = time.perf_counter()
         logps = self._run(engine, sequences)
         rollout_s = time.perf_counter() - rollout_start
-        shared = engine.num_shared_prompt_tokens
-        del engine  # its KV cache goes back before the update
-        self.policy.train()
+        shared = engine.num_shared_prompt_tokens - shared_before
+        self._put_away(engine)  # its KV cache goes back before the update
         results = [s.result() for s in sequences]
         num_tokens = sum(len(r.token_ids) for r in results)
         timing = {
@@ -268,22 +270,35 @@ class Rollouts:
         }
         return results, logps, timing
 
-    def _engine(self, *, num_sequences: int) -> Engine:
-        """An engine over the policy module itself (under FSDP: over its replica, the weights
-        gathered into it first)."""
-        engine = Engine(
-            self._sampling_model(),
+    def _engine(self) -> Engine:
+        """The rollout engine with its KV cache taken: made at the first rollout over the
+        policy module itself (under FSDP: over its replica), then kept, its cache given back
+        between rollouts (`_put_away`), so that its compiled steps compile once a run; under
+        FSDP the weights are gathered into the replica first."""
+        model = self._sampling_model()
+        if self.engine is not None:
+            self.engine.reserve_cache()
+            model.eval()  # no dropout while sampling (the update set it training)
+            return self.engine
+        self.engine = Engine(
+            model,
             self.tokenizer,
-            max_batch=self.grpo.rollout_batch or num_sequences,
+            max_batch=self.grpo.rollout_batch
+            or self.prompts.micro_batch_size * self.grpo.num_generations,
             max_seq_len=self.max_seq_len,
             device=self.device,
-            compile=False,
+            compile=None if self.grpo.compile_rollouts else False,  # None: on CUDA
             fuse=False,  # fused projections would be copies of the trained weights
             quantized_kernels=False,  # (these three swap the model's modules for inference's)
             gemv=False,
             fuse_blocks=False,
         )
-        return engine
+        return self.engine
+
+    def _put_away(self, engine: Engine) -> None:
+        """The engine's KV cache back (and its CUDA graphs); the policy trains again."""
+        engine.release_cache()
+        self.policy.train()
 
     def _sampling_model(self) -> torch.nn.Module:
         """The module the engine runs: the policy itself, or (FSDP) its unsharded replica with
@@ -394,16 +409,14 @@ class Rollouts:
         """Greedy completions of the held-out prompts on the engine, scored by the rewards ->
         val_reward, val_reward_<name>, val_accuracy (where a reward checks correctness)."""
         start = time.perf_counter()
-        rows = min(len(self.heldout), self.grpo.prompts_per_step * self.grpo.num_generations)
-        engine = self._engine(num_sequences=rows)
+        engine = self._engine()
         greedy = dataclasses.replace(self._sampling_params(), temperature=0.0)
         sequences = [
             engine.sequence(prompt.prompt_ids.tolist(), greedy, index=index)
             for index, prompt in enumerate(self.heldout)
         ]
         self._run(engine, sequences)
-        del engine
-        self.policy.train()
+        self._put_away(engine)
         results = [sequence.result() for sequence in sequences]
         scores = score_completions(self.rewards, _completions(self.heldout, results, copies=1))
         metrics = {"val_reward": float(np.mean(scores.total))}
