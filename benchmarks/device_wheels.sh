@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The Python packages the GPU machine's image lacks (lmforge's own, torchtitan 0.2.2 and its
 # needs, ../shared/bench/titan_baseline.py, GemLite for benchmarks/quantized_gemm.py, TRL for
-# benchmarks/trl_grpo.py), as wheels
-# for its Python 3.12 in .whl/ (ignored by git; carry it), versions from constraints.txt;
-# benchmarks/device_calls.sh installs them.
+# benchmarks/trl_grpo.py), as wheels for its Python 3.12 in .whl/ (ignored by git; carry it),
+# versions from constraints.txt; benchmarks/device_calls.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
