@@ -115,8 +115,8 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
         bf16=device.type == "cuda",  # under autocast, as `lmforge grpo` on a GPU
         seed=0,
     )
-    rollouts.bind(model, reference=None, base=False)
     loss_step = GRPOLossStep(clip_low=0.2, clip_high=0.28, beta=0.0, temperature=1.0)
+    rollouts.bind(model, reference=None, base=False, loss_step=loss_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     rows = []
     for _ in range(args.steps):
@@ -132,7 +132,9 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         end = time.perf_counter()
-        rows.append({**rollouts.metrics, "update_s": end - update_start, "step_s": end - start})
+        row = {**rollouts.metrics, "update_s": end - update_start, "step_s": end - start}
+        gap = loss_step.take_logprob_gap()  # μ = 1: measured in the update's forward
+        rows.append(row if gap is None else {**row, "logprob_gap": gap})
     return rows
 
 

@@ -323,6 +323,45 @@ def test_loss_step_aggregates_by_token_weights_on_a_model():
     assert np.isclose(out.metrics["clip_fraction"].item(), 0.0)
 
 
+def test_one_step_a_rollout_needs_no_old_logps_and_measures_the_engine_gap():
+    """With μ = 1 the batch carries no old log-probabilities: the loss step takes its own,
+    detached (ratio 1), which gives the loss and gradient of old log-probabilities from a
+    separate forward of the same weights, and compares the engine's log-probabilities with its
+    forward's (the largest gap, then forgotten)."""
+    from lmforge.api import build_model
+    from tests.train_utils import small_args
+
+    model = build_model(small_args(vocab_size=64), seed=0).double()
+    inputs = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    labels = torch.full((2, 7), IGNORE_INDEX)
+    labels[0, 2:6], labels[1, 4:7] = inputs[0, 3:7], torch.tensor([5, 9, 11])
+    batch = {
+        "inputs": inputs,
+        "labels": labels,
+        "advantages": torch.tensor([[0.9], [-1.1]], dtype=torch.float64).expand(2, 7),
+        "token_weights": (labels != IGNORE_INDEX).double(),
+    }
+    with torch.no_grad():
+        logps = token_logps(model(inputs), labels)
+    engine = logps.clone()
+    engine[1, 5] += 0.25  # one token the engine scored 0.25 apart
+    engine[0, 0] += 9.0  # not a completion token: not compared
+    step = GRPOLossStep(clip_low=0.2, clip_high=0.28, beta=0.0, temperature=1.0)
+    grads = []
+    for extra in ({"engine_logps": engine}, {"old_logps": logps}):
+        model.zero_grad()
+        out = step(model, {**batch, **extra})
+        out.loss_sum.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if "engine_logps" in extra:
+            loss = out.loss_sum.item()
+            assert step.take_logprob_gap() == pytest.approx(0.25, abs=1e-9)
+            assert step.take_logprob_gap() is None
+        else:
+            assert out.loss_sum.item() == pytest.approx(loss, abs=1e-12)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 # ---- the stage: rollouts on the engine, through the CLI -------------------------------------
 
 # A reward a tiny random model learns in a few steps: the share of the letter "e" in its text.

@@ -140,19 +140,21 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
         reference = None
         if kind == "frozen_copy":
             reference = frozen_reference(job, model, spec, layout, reshard)
+        loss_step = GRPOLossStep(
+            clip_low=job.grpo.clip_low,
+            clip_high=job.grpo.clip_high,
+            beta=job.grpo.beta,
+            temperature=job.grpo.temperature,
+        )
         # run_stage makes the batches before the loss step: the rollouts exist by now.
         made["rollouts"].bind(
             model,
             reference=reference,
             base=kind == "adapters_disabled",
             make_replica=_replica_factory(spec, layout, lora_section(job)),
+            loss_step=loss_step,
         )
-        return GRPOLossStep(
-            clip_low=job.grpo.clip_low,
-            clip_high=job.grpo.clip_high,
-            beta=job.grpo.beta,
-            temperature=job.grpo.temperature,
-        )
+        return loss_step
 
     return run_stage(
         job,

@@ -95,8 +95,13 @@ class GRPOLossStep:
 
     The batch (`lmforge.train.rollout`) holds `inputs`, `labels` [b, s] (completion tokens
     labelled, the rest IGNORE_INDEX), `positions` and, when rows hold several sequences,
-    `document_ids`; per position `advantages`, `token_weights`, `old_logps` and, with a KL
-    term, `ref_logps` [b, s].
+    `document_ids`; per position `advantages`, `token_weights`, with a KL term `ref_logps`
+    [b, s], and `old_logps`, the sampling policy's, where the weights moved since it sampled
+    (grpo.mu > 1). Without them the policy is the one that sampled (one optimizer step a
+    rollout batch): the ratio is exp(logp - logp.detach()), 1 with logp's gradient, and the
+    old log-probabilities' own forward is saved (TRL does the same). Then `engine_logps`, the
+    engine's (temperature 1), if there, are compared with this forward's: the largest
+    difference of a step is `take_logprob_gap()`.
     """
 
     def __init__(
@@ -104,14 +109,26 @@ class GRPOLossStep:
     ) -> None:
         self.clip_low, self.clip_high = clip_low, clip_high
         self.beta, self.temperature = beta, temperature
+        self._gap: torch.Tensor | None = None  # the largest engine - trainer gap so far
+
+    def take_logprob_gap(self) -> float | None:
+        """The largest |engine - trainer| log-probability since the last call (None: none
+        measured here), and forget it."""
+        gap, self._gap = self._gap, None
+        return None if gap is None else gap.item()
 
     def __call__(self, model, batch: dict) -> LossOutput:
         logits = model(batch["inputs"], **model_inputs(batch))  # [b, s, V]
         labels = batch["labels"]
         logps = token_logps(logits, labels, temperature=self.temperature)
+        old_logps = batch.get("old_logps")
+        if old_logps is None:  # the policy that sampled: ratio 1, logp's gradient
+            old_logps = logps.detach()
+            if "engine_logps" in batch:
+                self._measure_gap(logits, labels, logps, batch["engine_logps"])
         losses, clipped, kl = grpo_token_losses(
             logps,
-            batch["old_logps"],
+            old_logps,
             batch["advantages"],
             clip_low=self.clip_low,
             clip_high=self.clip_high,
@@ -128,6 +145,13 @@ class GRPOLossStep:
         return LossOutput(
             loss_sum=(losses * weights).sum(), num_tokens=weights.sum(), metrics=metrics
         )
+
+    @torch.no_grad()
+    def _measure_gap(self, logits, labels, logps, engine_logps) -> None:
+        raw = logps if self.temperature == 1.0 else token_logps(logits, labels)
+        mask = labels != IGNORE_INDEX
+        gap = ((raw - engine_logps).abs() * mask).amax()
+        self._gap = gap if self._gap is None else torch.maximum(self._gap, gap)
 
     @torch.no_grad()
     def _entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

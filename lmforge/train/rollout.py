@@ -22,9 +22,11 @@ makes a rollout batch:
    prompt token, which each runs to sample its own first token; `prompt_tokens_shared`).
 3. scoring: the rewards (lmforge.train.rewards), group-normalised advantages; groups whose
    rewards are all equal are dropped (grpo.drop_equal_groups) and counted.
-4. the old log-probabilities (the policy that sampled, for the μ steps' ratios) and the
+4. the old log-probabilities (the policy that sampled, for the ratios of μ > 1 steps; with
+   μ = 1 the loss step's own forward is the sampling policy's, `GRPOLossStep`) and the
    reference's (KL) with the trainer's own forward over the packed micro-batches, in eval mode;
-   `logprob_gap` is the largest |engine − trainer| log-probability of a sampled token.
+   `logprob_gap` is the largest |engine − trainer| log-probability of a sampled token (with
+   μ = 1 measured by the loss step, from the engine's log-probabilities in the batch).
 
 Micro-batches: the kept sequences in order, train.micro_batch_size a micro-batch, as many
 micro-batches as a step takes (global / micro); each micro-batch packs its sequences into rows
@@ -43,6 +45,7 @@ Not yet: tensor parallelism and QLoRA over several processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -142,6 +145,7 @@ class Rollouts:
         self.engine: Engine | None = None  # made at the first rollout (`_engine`)
         self.reference: torch.nn.Module | None = None
         self.reference_is_base = False
+        self.loss_step = None  # the job's GRPOLossStep (`bind`)
         self.num_rollouts = 0  # rollout batches made so far
         self.handed_out = 0  # micro-batches of the current rollout handed to the loop
         self.batches: list[dict[str, torch.Tensor]] = []  # the current rollout's, on the CPU
@@ -155,12 +159,16 @@ class Rollouts:
         reference: torch.nn.Module | None,
         base: bool,
         make_replica: Callable[[], torch.nn.Module] | None = None,
+        loss_step=None,
     ) -> None:
         """The model to sample from and train; the KL reference: a frozen model, or (`base`)
         the policy with its LoRA adapters off, or neither (no KL). `make_replica`: for a policy
         sharded by FSDP, () -> an unsharded model of its structure on this device, which the
-        engine samples from, its weights gathered from the policy before each rollout."""
+        engine samples from, its weights gathered from the policy before each rollout.
+        `loss_step`: the job's `GRPOLossStep`, which measures the engine-trainer gap when
+        μ = 1 (`step_metrics` takes it)."""
         self.policy, self.reference, self.reference_is_base = policy, reference, base
+        self.loss_step = loss_step
         self.sharded = hasattr(policy, "set_requires_gradient_sync")  # FSDP2's
         if self.sharded and make_replica is None:
             raise ValueError("a policy sharded by FSDP needs make_replica to sample from")
@@ -399,6 +407,9 @@ class Rollouts:
         last micro-batch handed out to now: forwards, backwards and the optimizer) and, every
         grpo.eval_every steps and at the last, the held-out prompts' rewards."""
         metrics = {**self.metrics, "update_s": time.perf_counter() - self._ready_at}
+        gap = self.loss_step.take_logprob_gap() if self.loss_step is not None else None
+        if gap is not None:  # μ = 1: measured by the loss step
+            metrics["logprob_gap"] = gap if math.isfinite(gap) else float("inf")
         every = self.grpo.eval_every
         if self.heldout and every and (step % every == 0 or step == self.total_steps):
             metrics.update(self.evaluate())
@@ -491,32 +502,42 @@ class Rollouts:
 
     @torch.no_grad()
     def _add_logps(self, batch: dict, engine: torch.Tensor | None) -> float | None:
-        """Put the policy's (and the reference's) token log-probabilities at the sampling
-        temperature into `batch` (`old_logps`, `ref_logps`); returns the largest gap between
-        the engine's and the trainer's (temperature 1: the engine reports the raw ones)."""
-        device, temperature = self.device, self.grpo.temperature
-        on_device = {k: v.to(device) for k, v in batch.items()}
-        labels = on_device["labels"]
-        policy = self.policy
-        policy.eval()  # no dropout: the policy that sampled
-        try:
-            # as the loop computes: under autocast, unless FSDP's mixed precision casts
-            autocast = self.bf16 and not self.sharded
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = policy(on_device["inputs"], **model_inputs(on_device))
-                batch["old_logps"] = token_logps(logits, labels, temperature=temperature).cpu()
-                gap = None
-                if engine is not None:
+        """Put the sampling policy's (grpo.mu > 1) and the reference's (grpo.beta > 0) token
+        log-probabilities at the sampling temperature into `batch` (`old_logps`, `ref_logps`);
+        returns the largest gap between the engine's and the trainer's (temperature 1: the
+        engine reports the raw ones). With μ = 1 the loss step's forward is the sampling
+        policy's: the engine's log-probabilities go into the batch (`engine_logps`) for it to
+        compare, and this returns None."""
+        on_device = {k: v.to(self.device) for k, v in batch.items()}
+        labels, gap = on_device["labels"], None
+        with self._scoring():
+            if self.grpo.mu > 1:
+                logits = self.policy(on_device["inputs"], **model_inputs(on_device))
+                batch["old_logps"] = token_logps(
+                    logits, labels, temperature=self.grpo.temperature
+                ).cpu()
+                mask = labels != IGNORE_INDEX
+                if engine is not None and mask.any():
                     raw = token_logps(logits, labels)
-                    mask = labels != IGNORE_INDEX
-                    if mask.any():
-                        gap = (raw - engine.to(device))[mask].abs().max().item()
+                    gap = (raw - engine.to(self.device))[mask].abs().max().item()
                 del logits
-                if self.grpo.beta:
-                    batch["ref_logps"] = self._reference_logps(on_device).cpu()
-        finally:
-            policy.train()
+            elif engine is not None:
+                batch["engine_logps"] = engine
+            if self.grpo.beta:
+                batch["ref_logps"] = self._reference_logps(on_device).cpu()
         return gap if gap is None or math.isfinite(gap) else float("inf")
+
+    @contextlib.contextmanager
+    def _scoring(self):
+        """The policy in eval mode (no dropout: the policy that sampled), under autocast as the
+        loop computes (unless FSDP's mixed precision casts)."""
+        self.policy.eval()
+        try:
+            autocast = self.bf16 and not self.sharded
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                yield
+        finally:
+            self.policy.train()
 
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         from lmforge.modules.lora import disable_adapters
