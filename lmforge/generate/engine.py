@@ -818,15 +818,20 @@ class Engine:
 
     def _copy_shared_prompts(self) -> None:
         """Sequences whose prompt source has cached their prompt take a copy of all its slots
-        but the last (whose forward gives their own first token) and prefill only that one."""
+        but the last (whose forward gives their own first token) and prefill only that one;
+        the copies of one prompt length go together."""
+        by_length: dict[int, list[tuple[int, int]]] = {}  # shared length -> (source, target)
         for sequence in self._prefilling:
             source, shared = sequence.prompt_source, len(sequence.prompt_ids) - 1
             if source is None or sequence.num_cached > 0 or shared < 1 or source.slot is None:
                 continue
             if source.num_cached >= shared:
-                self.caches.copy_slots(source.slot, sequence.slot, shared)
+                by_length.setdefault(shared, []).append((source.slot, sequence.slot))
                 sequence.num_cached = shared
                 self.num_shared_prompt_tokens += shared
+        for shared, pairs in by_length.items():
+            sources, targets = zip(*pairs)
+            self.caches.copy_slots(self._to_device(sources), self._to_device(targets), shared)
 
     def _prefill_chunks(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, length) of the prompt pieces this step prefills, oldest first."""
