@@ -80,6 +80,10 @@ def _smallest(span: int, group: int) -> triton.Config:
     configs=_configs(),
     key=["M", "N", "STORED", "GROUP", "BITS", "SPLIT_K", "SWAP", "FAST"],
     prune_configs_by={"early_config_prune": _fits},
+    # kept in Triton's cache directory, as the GEMV's picks: a server started again on this
+    # GPU does not tune every bucket's products again (the int4 1B's took 198 s to start, bf16
+    # 74 s, on an H200)
+    cache_results=True,
 )
 @triton.jit
 def _quantized_gemm(
