@@ -760,3 +760,53 @@ def test_a_resume_on_other_ranks_samples_a_new_rollout_batch():
     same = rollouts(0, 2)
     same.load_state_dict(state)  # the same ranks: the unfinished batch goes on
     assert (same.handed_out, len(same.batches)) == (1, 1)
+
+
+def test_a_decode_step_that_does_not_compile_leaves_the_rollouts_eager(monkeypatch, caplog):
+    """Where the rollout engine's compiled decode step fails to compile (a torch.compile
+    error), the rollout warns and runs again on an eager engine, which samples what an engine
+    made eager from the start samples (the same seeds), and the run stays eager."""
+    from lmforge.api import build_model
+    from lmforge.data.prompts import PromptLoader, PromptSample
+    from lmforge.generate import Engine
+    from lmforge.train import rollout as rollout_module
+    from lmforge.train.config import GRPOSection
+    from lmforge.train.rewards import Reward
+    from tests.train_utils import small_args
+
+    class FailsToCompile(Engine):
+        """An engine whose compile attempt (compile=None) fails at its first decode step."""
+
+        def __init__(self, *args, compile=None, **kwargs):
+            super().__init__(*args, compile=False, **kwargs)
+            self.compiled = compile is None
+
+        def decode_rows(self, *args, **kwargs):
+            if self.compiled:
+                raise torch._dynamo.exc.TorchDynamoException("inductor: boom")
+            return super().decode_rows(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "Engine", FailsToCompile)
+    samples = [PromptSample(np.array([1, 2, 3 + i]), where=f"p:{i}") for i in range(4)]
+    reward = Reward(
+        name="even", weight=1.0, checks_correctness=False, description="even",
+        score_fn=lambda c: sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1),
+    )  # fmt: skip
+
+    def first_rollout(compile_rollouts: bool) -> list:
+        grpo = GRPOSection(num_generations=2, max_new_tokens=5, compile_rollouts=compile_rollouts)
+        rollouts = rollout_module.Rollouts(
+            prompts=PromptLoader(samples, micro_batch_size=4, max_seq_len=16),
+            tokenizer=None, rewards=[reward], grpo=grpo, micro_batch_size=8,
+            num_micro_batches=1, max_seq_len=16, pad_id=0, device=torch.device("cpu"),
+            bf16=False, seed=0,
+        )  # fmt: skip
+        rollouts.bind(build_model(small_args(vocab_size=64), seed=0), reference=None, base=False)
+        batch = next(rollouts)
+        assert not rollouts.engine.compiled
+        return batch["inputs"].tolist(), rollouts
+
+    with caplog.at_level("WARNING"):
+        tried, rollouts = first_rollout(compile_rollouts=True)
+    assert "did not compile (TorchDynamoException: inductor: boom)" in caplog.text
+    assert rollouts.eager and tried == first_rollout(compile_rollouts=False)[0]

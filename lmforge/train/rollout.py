@@ -143,6 +143,7 @@ class Rollouts:
         self.make_replica: Callable[[], torch.nn.Module] | None = None
         self.replica: torch.nn.Module | None = None  # the engine's weights under FSDP
         self.engine: Engine | None = None  # made at the first rollout (`_engine`)
+        self.eager = False  # the engine's decode step failed to compile: eager from then on
         self.reference: torch.nn.Module | None = None
         self.reference_is_base = False
         self.loss_step = None  # the job's GRPOLossStep (`bind`)
@@ -258,25 +259,51 @@ class Rollouts:
     def _generate(self, prompts: list[PromptSample]):
         """G completions of each prompt on an engine over the policy's own weights -> (results
         in prompt-major order, the engine's token log-probabilities or None, timings)."""
+        sequences, logps, timing = self._sample(lambda engine: self._sequences(engine, prompts))
+        results = [s.result() for s in sequences]
+        num_tokens = sum(len(r.token_ids) for r in results)
+        timing["rollout_tokens_per_s"] = num_tokens / max(timing["rollout_s"], 1e-9)
+        return results, logps, timing
+
+    def _sample(self, make_sequences: Callable[[Engine], list]):
+        """Run the sequences `make_sequences(engine)` makes on the rollout engine until all are
+        done, its KV cache taken for it -> (sequences, log-probabilities or None, timings).
+        Where the engine's decode step fails to compile (torch.compile's errors), warn and run
+        them again on an eager engine, for the rest of the run."""
         sync_start = time.perf_counter()
         engine = self._engine()
         sync_s = time.perf_counter() - sync_start
-        sequences = self._sequences(engine, prompts)
+        sequences = make_sequences(engine)
         shared_before = engine.num_shared_prompt_tokens
         rollout_start = time.perf_counter()
-        logps = self._run(engine, sequences)
+        try:
+            logps = self._run(engine, sequences)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            if not engine.compiled:
+                raise
+            self._drop_compiled_engine(error)
+            return self._sample(make_sequences)
         rollout_s = time.perf_counter() - rollout_start
         shared = engine.num_shared_prompt_tokens - shared_before
         self._put_away(engine)  # its KV cache goes back before the update
-        results = [s.result() for s in sequences]
-        num_tokens = sum(len(r.token_ids) for r in results)
         timing = {
             "prompt_tokens_shared": float(shared),
             "weight_sync_s": sync_s,
             "rollout_s": rollout_s,
-            "rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
         }
-        return results, logps, timing
+        return sequences, logps, timing
+
+    def _drop_compiled_engine(self, error: Exception) -> None:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        log.warning(
+            "the rollout engine's decode step did not compile (%s: %s); rollouts run eagerly "
+            "from here (grpo.compile_rollouts = false skips the attempt)",
+            type(error).__name__,
+            first_line[:300],
+        )
+        self.engine.clear()
+        self.engine.release_cache()
+        self.engine, self.eager = None, True
 
     def _engine(self) -> Engine:
         """The rollout engine with its KV cache taken: made at the first rollout over the
@@ -295,7 +322,7 @@ class Rollouts:
             or self.prompts.micro_batch_size * self.grpo.num_generations,
             max_seq_len=self.max_seq_len,
             device=self.device,
-            compile=None if self.grpo.compile_rollouts else False,  # None: on CUDA
+            compile=None if self.grpo.compile_rollouts and not self.eager else False,
             fuse=False,  # fused projections would be copies of the trained weights
             quantized_kernels=False,  # (these three swap the model's modules for inference's)
             gemv=False,
@@ -420,14 +447,13 @@ class Rollouts:
         """Greedy completions of the held-out prompts on the engine, scored by the rewards ->
         val_reward, val_reward_<name>, val_accuracy (where a reward checks correctness)."""
         start = time.perf_counter()
-        engine = self._engine()
         greedy = dataclasses.replace(self._sampling_params(), temperature=0.0)
-        sequences = [
-            engine.sequence(prompt.prompt_ids.tolist(), greedy, index=index)
-            for index, prompt in enumerate(self.heldout)
-        ]
-        self._run(engine, sequences)
-        self._put_away(engine)
+        sequences, _, _ = self._sample(
+            lambda engine: [
+                engine.sequence(prompt.prompt_ids.tolist(), greedy, index=index)
+                for index, prompt in enumerate(self.heldout)
+            ]
+        )
         results = [sequence.result() for sequence in sequences]
         scores = score_completions(self.rewards, _completions(self.heldout, results, copies=1))
         metrics = {"val_reward": float(np.mean(scores.total))}
