@@ -61,8 +61,13 @@ from lmforge.data.prompts import PromptLoader, PromptSample
 from lmforge.data.sft import IGNORE_INDEX, pack_samples
 from lmforge.generate import Engine, SamplingParams
 from lmforge.train.config import GRPOSection
-from lmforge.train.grpo_loss import group_advantages, token_logps
-from lmforge.train.losses import model_inputs
+from lmforge.train.grpo_loss import (
+    at_labels,
+    completion_logits,
+    completion_logps,
+    group_advantages,
+    token_logps,
+)
 from lmforge.train.rewards import Completion, Reward, score_completions
 
 log = logging.getLogger(__name__)
@@ -538,14 +543,13 @@ class Rollouts:
         labels, gap = on_device["labels"], None
         with self._scoring():
             if self.grpo.mu > 1:
-                logits = self.policy(on_device["inputs"], **model_inputs(on_device))
-                batch["old_logps"] = token_logps(
-                    logits, labels, temperature=self.grpo.temperature
-                ).cpu()
                 mask = labels != IGNORE_INDEX
+                logits, picked = completion_logits(self.policy, on_device), labels[mask]
+                old = token_logps(logits, picked, temperature=self.grpo.temperature)
+                batch["old_logps"] = at_labels(old, labels).cpu()
                 if engine is not None and mask.any():
-                    raw = token_logps(logits, labels)
-                    gap = (raw - engine.to(self.device))[mask].abs().max().item()
+                    raw = token_logps(logits, picked)
+                    gap = (raw - engine.to(self.device)[mask]).abs().max().item()
                 del logits
             elif engine is not None:
                 batch["engine_logps"] = engine
@@ -568,13 +572,12 @@ class Rollouts:
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         from lmforge.modules.lora import disable_adapters
 
+        temperature = self.grpo.temperature
         if self.reference is not None:
-            logits = self.reference(batch["inputs"], **model_inputs(batch))
-        else:
-            assert self.reference_is_base, "grpo.beta > 0 needs a reference"
-            with disable_adapters(self.policy):
-                logits = self.policy(batch["inputs"], **model_inputs(batch))
-        return token_logps(logits, batch["labels"], temperature=self.grpo.temperature)
+            return completion_logps(self.reference, batch, temperature=temperature)
+        assert self.reference_is_base, "grpo.beta > 0 needs a reference"
+        with disable_adapters(self.policy):
+            return completion_logps(self.policy, batch, temperature=temperature)
 
 
 def _completions(prompts: Sequence[PromptSample], results, *, copies: int) -> list[Completion]:

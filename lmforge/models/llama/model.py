@@ -308,6 +308,7 @@ class Transformer(nn.Module):
         kv_caches=None,
         return_hidden: bool = False,
         labels: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         tokens: [b, s] token ids.
@@ -320,6 +321,9 @@ class Transformer(nn.Module):
         labels: [b, s] next-token ids: return the sum of the cross entropy over labels !=
             IGNORE_INDEX instead of logits, the output projection and the loss fused on a GPU
             (`output_cross_entropy`: the logits' gradient is made in the forward).
+        logits_at: bool [b, s]: the logits (or hidden states) of those positions only ->
+            [n, vocab] in row-major order (GRPO's completion tokens: the output projection
+            skips the prompts).
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
@@ -329,6 +333,8 @@ class Transformer(nn.Module):
             cache = kv_caches[int(index)] if kv_caches is not None else None
             h = block(h, cos, sin, attn_mask, cache)
         h = self.norm(h)
+        if logits_at is not None:
+            h = h[logits_at]  # [n, dim]
         if labels is not None:
             from lmforge.modules.cross_entropy import output_cross_entropy  # imports Triton
 
