@@ -51,6 +51,18 @@ def random_prompt_ids(count: int, length: int, vocab: int) -> list[np.ndarray]:
     return [rng.integers(0, vocab, length, dtype=np.int64) for _ in range(count)]
 
 
+def word_tokenizer(vocab_size: int):
+    """A `tokenizers.Tokenizer` whose token i is the word "t{i}" (every id decodes; a prompt of
+    n words is n tokens): benchmarks/trl_grpo.py's and grpo_cli.py's, over a whole vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
+    return tokenizer
+
+
 def _prompts(args, vocab: int) -> list[PromptSample]:
     ids = random_prompt_ids(args.prompts, args.prompt_len, vocab)
     return [PromptSample(row, where=f"random:{i}") for i, row in enumerate(ids)]

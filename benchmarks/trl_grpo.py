@@ -30,21 +30,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from benchmarks.common import PRESETS, write_json
-from benchmarks.grpo_step import random_prompt_ids
+from benchmarks.grpo_step import random_prompt_ids, word_tokenizer
 from lmforge.models import args_to_hf_config
 from lmforge.models.llama import get_preset
 
 
-def word_tokenizer(vocab_size: int):
-    """A transformers tokenizer whose token i is the word "t{i}" (ids map 1:1 to words)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def hf_word_tokenizer(vocab_size: int):
+    """grpo_step.py's word-level tokenizer as transformers takes it."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="t0", eos_token=f"t{vocab_size - 1}", unk_token="t0"
+        tokenizer_object=word_tokenizer(vocab_size),
+        pad_token="t0",
+        eos_token=f"t{vocab_size - 1}",
+        unk_token="t0",
     )
 
 
@@ -106,7 +105,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     model, vocab = hf_model(args, device)
-    tokenizer = word_tokenizer(vocab)
+    tokenizer = hf_word_tokenizer(vocab)
     rows = args.prompts * args.steps
     ids = random_prompt_ids(rows, args.prompt_len, vocab)
     data = datasets.Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row) for row in ids]})
