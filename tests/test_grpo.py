@@ -607,12 +607,21 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     lora = setup.replace(method="lora", grpo_reference="auto")
     assert lora.reference == "adapters_disabled"
     assert plan_memory(lora, "h200").largest("reference model") == 0
+    # the logits cover the completion tokens alone (`logits_at`): 256 of a 1024-position row
+    assert setup.logit_tokens == setup.micro_batch_size * 256 == setup.tokens // 4
+    assert setup.replace(grpo_new_tokens=4096).logit_tokens == setup.micro_batch_size * 1023
+    shorter = plan_memory(setup.replace(grpo_new_tokens=64), "h200")
+    assert shorter.largest("logits and loss") * 4 == plan.largest("logits and loss")
 
     job = load_config(
-        GRPOJob, None, ["model.source=llama3.2-1b", "grpo.beta=0.04", "grpo.num_generations=4"]
-    )
+        GRPOJob,
+        None,
+        ["model.source=llama3.2-1b", "grpo.beta=0.04", "grpo.num_generations=4",
+         "grpo.max_new_tokens=100"],
+    )  # fmt: skip
     from_job = setup_from_job(job, gpus=1)
     assert (from_job.grpo_generations, from_job.grpo_prompts) == (4, 8)
+    assert from_job.grpo_new_tokens == 100
     assert from_job.reference == "frozen_copy" and from_job.grad_accumulation == 4
     from lmforge.plan.search import plan_job  # what `lmforge run` plans a grpo stage with
 
@@ -624,6 +633,7 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     out = capsys.readouterr().out
     assert "GRPO, full finetuning: 64 prompts × 8 completions (KL reference: none)" in out
     assert "GRPO engine KV cache (512 rows × 1024 slots)" in out and "512 accumulation steps" in out
+    assert run_inprocess("plan", [*command, "--max-new-tokens", "64"]) == 0
     assert run_inprocess("plan", ["--model", "llama3.2-1b", "--prompts", "8"]) == 2
     assert "--prompts: only with --method grpo" in capsys.readouterr().err
 

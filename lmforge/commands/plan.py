@@ -63,6 +63,11 @@ def register(subparsers) -> None:
         "--rollout-batch", type=int, help="GRPO: engine KV-cache rows (default: all sequences)"
     )
     what.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="GRPO: tokens a completion (default 256; the positions its logits cover)",
+    )
+    what.add_argument(
         "--kl-reference",
         choices=["none", "auto", "adapters_disabled", "frozen_copy"],
         help="GRPO: the KL term's reference (default none: grpo.beta = 0)",
@@ -216,6 +221,7 @@ def build_setup(args: argparse.Namespace):
                 ("grpo_generations", args.generations),
                 ("grpo_prompts", args.prompts),
                 ("grpo_rollout_batch", args.rollout_batch),
+                ("grpo_new_tokens", args.max_new_tokens),
                 ("grpo_reference", args.kl_reference),
             )
             if value is not None
@@ -265,7 +271,7 @@ def build_setup(args: argparse.Namespace):
     return setup, fixed
 
 
-GRPO_ONLY = ("generations", "prompts", "rollout_batch", "kl_reference")
+GRPO_ONLY = ("generations", "prompts", "rollout_batch", "max_new_tokens", "kl_reference")
 TRAINING_ONLY = (
     "method", "lora_rank", "lora_targets", "dpo_reference", *GRPO_ONLY, "config", "job",
     "dp_shard",

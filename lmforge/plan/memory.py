@@ -109,6 +109,7 @@ class Setup:
     grpo_prompts: int = 8
     grpo_rollout_batch: int = 0
     grpo_reference: str = "none"
+    grpo_new_tokens: int = 256  # grpo.max_new_tokens: the positions GRPO's logits cover
     lora_base_dtype: str = "auto"  # auto | fp32 | bf16: frozen linears' storage (lora.base_dtype)
     document_masking: bool = False
     from_scratch: bool = True  # a preset (fresh init) rather than a checkpoint directory
@@ -249,6 +250,14 @@ class Setup:
     @property
     def tokens(self) -> int:
         return self.sequences * self.seq_len
+
+    @property
+    def logit_tokens(self) -> int:
+        """Positions of a micro-batch whose logits are made: all of them, but GRPO's
+        completion tokens only (its forwards project those alone, `logits_at`)."""
+        if not self.is_grpo:
+            return self.tokens
+        return min(self.tokens, self.sequences * min(self.grpo_new_tokens, self.seq_len - 1))
 
     @property
     def adapted(self) -> frozenset[str]:
@@ -650,7 +659,7 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
         per_token_fwd = per_token_bwd = c * v
     elif setup.compile:
         per_token_fwd, per_token_bwd = c * v, 2 * c * v
-    return per_token_fwd * setup.tokens, per_token_bwd * setup.tokens
+    return per_token_fwd * setup.logit_tokens, per_token_bwd * setup.logit_tokens
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -885,7 +894,7 @@ def _fsdp_phases(
             "logits and loss": logits,
         }
 
-    logits = setup.compute_bytes * setup.args.vocab_size * setup.tokens
+    logits = setup.compute_bytes * setup.args.vocab_size * setup.logit_tokens
     phases = {
         # the root is gathered until the forward returns
         "output projection": forward_phase(rt + gathered_fwd, logits),
@@ -997,7 +1006,7 @@ def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int
     score the rollouts (old and reference log-probabilities: logits, their fp32 copy and
     log-softmax). Gradients are freed before a rollout starts."""
     v = setup.args.vocab_size
-    scoring = (setup.compute_bytes + 8) * v * setup.tokens
+    scoring = (setup.compute_bytes + 8) * v * setup.logit_tokens
     # Under FSDP the engine samples from an unsharded replica of the weights (fp32, as the
     # trainer stores them), gathered before each rollout (lmforge.train.rollout).
     replica = setup.args.num_params() * DTYPE_BYTES[setup.param_dtype] if setup.fsdp else 0
@@ -1017,7 +1026,7 @@ def _overhead(setup: Setup, peak: int) -> int:
     reserve (about one more fp32 loss buffer, more under FSDP with full checkpointing)."""
     overhead = CUDA_CONTEXT_BYTES + (NCCL_BYTES if setup.gpus > 1 or setup.fsdp else 0)
     eager_loss = setup.is_dpo or setup.is_grpo or not setup.compile
-    loss_buffer = 4 * setup.args.vocab_size * setup.tokens if eager_loss else 0
+    loss_buffer = 4 * setup.args.vocab_size * setup.logit_tokens if eager_loss else 0
     kept = (
         LOSS_BUFFERS_RESERVED_FSDP_FULL_AC
         if setup.fsdp and setup.activation_checkpointing == "full"
@@ -1218,6 +1227,7 @@ def setup_from_job(
             grpo_prompts=job.grpo.prompts_per_step,
             grpo_rollout_batch=job.grpo.rollout_batch,
             grpo_reference=job.grpo.reference if job.grpo.beta else "none",
+            grpo_new_tokens=job.grpo.max_new_tokens,
         )
     if job.train.global_batch_size:
         per_pass = job.train.micro_batch_size * base.dp_size
