@@ -162,12 +162,13 @@ grpo)
   # part beside the engine's own batched generate (benchmarks/grpo_step.py), then through the
   # CLI (grpo_cli.py), after the engine's GPU tests of giving its cache back and taking it again
   gpu_tests 150 generate tests/test_generate.py -k "cache_back or greedy_tokens_chosen"
+  gpu_tests 120 grpo-tests tests/test_grpo.py -k compiled_rollout_engine
   step 250 grpo python3 benchmarks/grpo_step.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"
   # the same shapes through `lmforge grpo` itself (its loop, optimizer and logging)
   step 240 grpo-cli python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"
-  tail -n 3 "$OUT/generate.log"
+  tail -n 3 "$OUT/generate.log" "$OUT/grpo-tests.log"
   python3 -c "import json,sys; [print({k: round(v, 4) for k, v in s.items()}) for s in \
     json.load(open(sys.argv[1]))['steps']]" "$OUT/grpo_cli.json"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \

@@ -772,16 +772,34 @@ def test_a_resume_on_other_ranks_samples_a_new_rollout_batch():
     assert (same.handed_out, len(same.batches)) == (1, 1)
 
 
+def _small_rollouts(grpo, *, device="cpu", bf16=False):
+    """Rollouts of 4 three-token prompts (ids 1, 2, 3 + i) with the even-ids reward, one
+    micro-batch of 8 sequences, over 16 positions; `bind` them to a model."""
+    from lmforge.data.prompts import PromptLoader, PromptSample
+    from lmforge.train import rollout as rollout_module
+    from lmforge.train.rewards import Reward
+
+    samples = [PromptSample(np.array([1, 2, 3 + i]), where=f"p:{i}") for i in range(4)]
+    reward = Reward(
+        name="even", weight=1.0, checks_correctness=False, description="even",
+        score_fn=lambda c: sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1),
+    )  # fmt: skip
+    return rollout_module.Rollouts(
+        prompts=PromptLoader(samples, micro_batch_size=4, max_seq_len=16),
+        tokenizer=None, rewards=[reward], grpo=grpo, micro_batch_size=8,
+        num_micro_batches=1, max_seq_len=16, pad_id=0, device=torch.device(device),
+        bf16=bf16, seed=0,
+    )  # fmt: skip
+
+
 def test_a_decode_step_that_does_not_compile_leaves_the_rollouts_eager(monkeypatch, caplog):
     """Where the rollout engine's compiled decode step fails to compile (a torch.compile
     error), the rollout warns and runs again on an eager engine, which samples what an engine
     made eager from the start samples (the same seeds), and the run stays eager."""
     from lmforge.api import build_model
-    from lmforge.data.prompts import PromptLoader, PromptSample
     from lmforge.generate import Engine
     from lmforge.train import rollout as rollout_module
     from lmforge.train.config import GRPOSection
-    from lmforge.train.rewards import Reward
     from tests.train_utils import small_args
 
     class FailsToCompile(Engine):
@@ -797,20 +815,10 @@ def test_a_decode_step_that_does_not_compile_leaves_the_rollouts_eager(monkeypat
             return super().decode_rows(*args, **kwargs)
 
     monkeypatch.setattr(rollout_module, "Engine", FailsToCompile)
-    samples = [PromptSample(np.array([1, 2, 3 + i]), where=f"p:{i}") for i in range(4)]
-    reward = Reward(
-        name="even", weight=1.0, checks_correctness=False, description="even",
-        score_fn=lambda c: sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1),
-    )  # fmt: skip
 
     def first_rollout(compile_rollouts: bool) -> list:
         grpo = GRPOSection(num_generations=2, max_new_tokens=5, compile_rollouts=compile_rollouts)
-        rollouts = rollout_module.Rollouts(
-            prompts=PromptLoader(samples, micro_batch_size=4, max_seq_len=16),
-            tokenizer=None, rewards=[reward], grpo=grpo, micro_batch_size=8,
-            num_micro_batches=1, max_seq_len=16, pad_id=0, device=torch.device("cpu"),
-            bf16=False, seed=0,
-        )  # fmt: skip
+        rollouts = _small_rollouts(grpo)
         rollouts.bind(build_model(small_args(vocab_size=64), seed=0), reference=None, base=False)
         batch = next(rollouts)
         assert not rollouts.engine.compiled
@@ -820,3 +828,30 @@ def test_a_decode_step_that_does_not_compile_leaves_the_rollouts_eager(monkeypat
         tried, rollouts = first_rollout(compile_rollouts=True)
     assert "did not compile (TorchDynamoException: inductor: boom)" in caplog.text
     assert rollouts.eager and tried == first_rollout(compile_rollouts=False)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_compiled_rollout_engine_compiles_once_and_holds_no_cache_between_rollouts():
+    """On a GPU (fp32 weights under bf16 autocast, as `lmforge grpo` trains with LoRA or
+    without bf16 weights) the rollout engine compiles its decode step at the first rollout
+    only, gives its KV cache back after each, and samples what the trainer scores (the
+    engine-trainer gap of bf16 rounding)."""
+    from lmforge.api import build_model
+    from lmforge.train.config import GRPOSection
+    from tests.train_utils import small_args
+
+    rollouts = _small_rollouts(
+        GRPOSection(num_generations=2, max_new_tokens=5, mu=2), device="cuda", bf16=True
+    )
+    rollouts.bind(build_model(small_args(vocab_size=64), seed=0).cuda(), reference=None, base=False)
+    next(rollouts)  # the first rollout: compiles, records its graphs
+    assert rollouts.engine.compiled and rollouts.engine.graphs is not None
+    caches = rollouts.engine.caches.tensors()
+    assert all(t.untyped_storage().nbytes() == 0 for t in caches)  # given back
+    torch._dynamo.utils.counters.clear()
+    for _ in range(3):  # the first rollout's second micro-batch pass, then the next rollout
+        next(rollouts)
+    assert rollouts.num_rollouts == 2
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]  # not compiled again
+    assert all(t.untyped_storage().nbytes() == 0 for t in caches)
+    assert rollouts.metrics["logprob_gap"] < 0.05
