@@ -164,7 +164,8 @@ grpo)
   gpu_tests 150 generate tests/test_generate.py -k "cache_back or greedy_tokens_chosen"
   gpu_tests 120 grpo-tests tests/test_grpo.py -k compiled_rollout_engine
   step 250 grpo python3 benchmarks/grpo_step.py --preset 1b --prompts 64 --generations 8 \
-    --new-tokens 256 --prompt-len 128 --out "$OUT"
+    --new-tokens 256 --prompt-len 128 --out "$OUT" --profile /tmp/grpo-profile
+  cat /tmp/grpo-profile/*.txt >>"$OUT/grpo.log"  # (at most 8 files come back from a call)
   # the same shapes through `lmforge grpo` itself (its loop, optimizer and logging)
   step 240 grpo-cli python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"

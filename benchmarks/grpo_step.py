@@ -23,6 +23,7 @@ Rows (one JSON object, also printed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -84,6 +85,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def profiled(path: Path | None, device: torch.device):
+    """torch.profiler over the block, its op table (by device time on a GPU) written to `path`
+    (None: not profiled)."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as profiler:
+        yield
+        _sync(device)
+    by = "device_time_total" if on_cuda else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profiler.key_averages().table(sort_by=by, row_limit=40))
+
+
 def time_generate(model, prompts, args, device) -> dict:
     """The engine's own batched generate over every sequence of the rollout batch."""
     generator = Generator(
@@ -98,6 +118,8 @@ def time_generate(model, prompts, args, device) -> dict:
     _sync(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in out.results)
+    with profiled(args.profile and args.profile / "profile_generate.txt", device):
+        generator.generate(batch, params, seed=2)
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
@@ -147,6 +169,9 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
         row = {**rollouts.metrics, "update_s": end - update_start, "step_s": end - start}
         gap = loss_step.take_logprob_gap()  # μ = 1: measured in the update's forward
         rows.append(row if gap is None else {**row, "logprob_gap": gap})
+    with profiled(args.profile and args.profile / "profile_rollout.txt", device):
+        for _ in range(num_micro):  # one more rollout batch (the update not profiled)
+            next(rollouts)
     return rows
 
 
@@ -162,6 +187,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps (the first warms up)")
     parser.add_argument("--no-logprob-gap", dest="logprob_gap", action="store_false")
     parser.add_argument("--out", default=None, help="also write grpo_step.json here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed runs, profile one more generate and one more rollout batch: op "
+        "tables in DIR/profile_generate.txt and profile_rollout.txt",
+    )
     args = parser.parse_args()
     args.seq_len = args.prompt_len + args.new_tokens
     device = torch.device(args.device)
