@@ -177,10 +177,13 @@ grpo)
     print('rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step.json"
   ;;
 trl)
-  # TRL's GRPOTrainer (transformers generate) on grpo's shapes: seconds a step
-  step 400 trl python3 benchmarks/trl_grpo.py --preset 1b --prompts 64 --generations 8 \
+  # TRL's GRPOTrainer on grpo's shapes, seconds a step: with transformers' generate (its default
+  # without vLLM), then with transformers' continuous batching
+  step 300 trl python3 benchmarks/trl_grpo.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"
-  tail -n 30 "$OUT/trl.log"
+  step 280 trl-cb python3 benchmarks/trl_grpo.py --preset 1b --prompts 64 --generations 8 \
+    --new-tokens 256 --prompt-len 128 --continuous-batching
+  tail -n 24 "$OUT/trl.log" "$OUT/trl-cb.log"
   ;;
 check)
   # the GPU-only tests: the kernels compiled, the engine's graphs, the training kernels
