@@ -16,7 +16,6 @@ share. Every optimizer step is one rollout batch (μ = 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from benchmarks.common import PRESETS, write_json
-from benchmarks.grpo_step import random_prompt_ids, word_tokenizer
+from benchmarks.grpo_step import SIZES, random_prompt_ids, shape_parser, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,15 +57,7 @@ def make_artifact(preset: str, root: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3, help="GRPO steps (the first compiles)")
+    parser = shape_parser(__doc__, steps="GRPO steps (the first compiles)")
     parser.add_argument("--out", default=None, help="also write grpo_cli.json here")
     parser.add_argument("overrides", nargs="*", help="more KEY=VALUE for `lmforge grpo`")
     args = parser.parse_args()
@@ -105,9 +96,7 @@ def main() -> None:
     result = {
         "preset": args.preset,
         "device": args.device,
-        "sizes": {
-            k: getattr(args, k) for k in ("prompts", "generations", "prompt_len", "new_tokens")
-        },
+        "sizes": {k: getattr(args, k) for k in SIZES},
         "command_s": seconds,
         "steps": steps,
     }

@@ -64,6 +64,24 @@ def word_tokenizer(vocab_size: int):
     return tokenizer
 
 
+SIZES = ("prompts", "generations", "prompt_len", "new_tokens")  # a result's "sizes"
+
+
+def shape_parser(doc: str, *, steps: str) -> argparse.ArgumentParser:
+    """The arguments of the GRPO benchmarks (this one, grpo_cli.py, trl_grpo.py): the model, the
+    device, the step's shapes and how many steps (`steps`: their help)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3, help=steps)
+    return parser
+
+
 def _prompts(args, vocab: int) -> list[PromptSample]:
     ids = random_prompt_ids(args.prompts, args.prompt_len, vocab)
     return [PromptSample(row, where=f"random:{i}") for i, row in enumerate(ids)]
@@ -176,15 +194,7 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3, help="GRPO steps (the first warms up)")
+    parser = shape_parser(__doc__, steps="GRPO steps (the first warms up)")
     parser.add_argument("--no-logprob-gap", dest="logprob_gap", action="store_false")
     parser.add_argument("--out", default=None, help="also write grpo_step.json here")
     parser.add_argument(
@@ -211,9 +221,7 @@ def main() -> None:
     result = {
         "preset": args.preset,
         "device": str(device),
-        "sizes": {
-            k: getattr(args, k) for k in ("prompts", "generations", "prompt_len", "new_tokens")
-        },
+        "sizes": {k: getattr(args, k) for k in SIZES},
         "generate": generate,
         "grpo_steps": steps,
         "rollout_vs_generate": last["rollout_tokens_per_s"] / generate["tokens_per_s"],

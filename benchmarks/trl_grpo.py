@@ -18,7 +18,6 @@ generations completions, --micro-batch-size a forward, as grpo_step.py's step; l
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from benchmarks.common import PRESETS, write_json
-from benchmarks.grpo_step import random_prompt_ids, word_tokenizer
+from benchmarks.grpo_step import SIZES, random_prompt_ids, shape_parser, word_tokenizer
 from lmforge.models import args_to_hf_config
 from lmforge.models.llama import get_preset
 
@@ -85,15 +84,7 @@ class StepTimer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first warms up)")
+    parser = shape_parser(__doc__, steps="optimizer steps (the first warms up)")
     parser.add_argument("--continuous-batching", action="store_true")
     parser.add_argument("--out", default=None, help="also write trl_grpo.json here")
     args = parser.parse_args()
@@ -151,9 +142,7 @@ def main() -> None:
         "trl": trl.__version__,
         "transformers": transformers.__version__,
         "generation": "continuous batching" if args.continuous_batching else "generate",
-        "sizes": {
-            k: getattr(args, k) for k in ("prompts", "generations", "prompt_len", "new_tokens")
-        },
+        "sizes": {k: getattr(args, k) for k in SIZES},
         "step_s": timer.seconds,
         "completion_len": [entry.get("completions/mean_length") for entry in logs],
         "reward": [entry.get("reward") for entry in logs],
