@@ -294,8 +294,10 @@ def test_qlora_stores_adapted_bases_as_nf4():
     from lmforge.sizes import tensor_bytes
 
     for shape in ((64, 64), (512, 1024)):
-        nf4 = _to_nf4(torch.randn(shape), 64)
-        assert tensor_bytes(nf4) == plan_memory_module.nf4_bytes(math.prod(shape))
+        for dtype in (torch.float32, torch.bfloat16):
+            nf4 = _to_nf4(torch.randn(shape, dtype=dtype), 64)
+            planned = plan_memory_module.nf4_bytes(math.prod(shape), dtype.itemsize)
+            assert tensor_bytes(nf4) == planned
     args = get_preset("llama3.1-8b")
     qlora = plan_memory(Setup(args=args, method="qlora", activation_checkpointing="full"))
     lora = plan_memory(Setup(args=args, method="lora", activation_checkpointing="full"))

@@ -427,11 +427,15 @@ def load_nf4_shard(local: torch.Tensor, full: torch.Tensor, *, index: int, num_s
     """Fill a rank's NF4 shard (made by `nf4_placeholders`, then `to_empty`) with its rows of
     `full`, the whole weight quantized once, as in one process."""
     chunk = torch.chunk(full, num_shards, dim=0)[index]
-    # to_empty materializes only the sharded inner tensors; the scale mean and the 16-value
-    # code book are per weight
-    local.scaler_mean = torch.empty_like(chunk.scaler_mean, device=local.device)
-    local.nf4 = torch.empty_like(chunk.nf4, device=local.device)
+    nf4_to_empty(local)
     local.copy_(chunk)
+
+
+def nf4_to_empty(weight: torch.Tensor) -> None:
+    """Finish `to_empty` on an NF4 placeholder: it materializes only the inner tensors that
+    FSDP shards, not the scale mean and the 16-value code book (one each a weight)."""
+    weight.scaler_mean = torch.empty_like(weight.scaler_mean, device=weight.device)
+    weight.nf4 = torch.empty_like(weight.nf4, device=weight.device)
 
 
 def quantize_like(weight: torch.Tensor, block_size: int = NF4_BLOCK_SIZE) -> torch.Tensor:

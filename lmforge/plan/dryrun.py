@@ -225,7 +225,9 @@ def dry_run(setup: Setup) -> DryRun:
         for name in nf4_names:
             t = tensors[name]
             numel = math.prod(t.local_shape)
-            measured["parameters (frozen)"] += nf4_bytes(numel) - numel * t.dtype.itemsize
+            measured["parameters (frozen)"] += (
+                nf4_bytes(numel, t.dtype.itemsize) - numel * t.dtype.itemsize
+            )
         notes.append(
             "NF4 bases: quantization needs real weights, so their bytes are torchao's NF4 "
             "layout applied to the dry run's shapes"

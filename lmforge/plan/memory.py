@@ -313,8 +313,6 @@ def check_setup(setup: Setup) -> None:
         raise ConfigError(f'{key} = "adapters_disabled" needs lora.enabled = true')
     if setup.is_grpo and (setup.tp > 1 or setup.cpu_offload):
         raise ConfigError("lmforge grpo runs without tensor parallelism and CPU offload")
-    if setup.is_grpo and setup.method == "qlora" and setup.gpus > 1:
-        raise ConfigError("lmforge grpo runs QLoRA in one process only")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -417,18 +415,19 @@ def tp_local_numel(spec: ParamSpec, setup: Setup) -> int:
     return math.prod(shape)
 
 
-def nf4_bytes(numel: int) -> int:
-    """Bytes of torchao's NF4Tensor: 4-bit codes, an int8 scale per 64 values, an fp32 factor
-    per group of scales (double quantization), the fp32 mean and the 16-entry code table."""
+def nf4_bytes(numel: int, meta_bytes: int = 4) -> int:
+    """Bytes of torchao's NF4Tensor: 4-bit codes, an int8 scale per 64 values, a factor per
+    group of scales (double quantization), the mean and the 16-entry code table; those last
+    three in the dtype of the weight it quantized (`meta_bytes` a value)."""
     blocks = numel // NF4_BLOCK
     scaler_block = math.gcd(NF4_SCALER_BLOCK, blocks) or 1
-    return numel // 2 + blocks + 4 * (blocks // scaler_block) + 4 + 16 * 4
+    return numel // 2 + blocks + meta_bytes * (blocks // scaler_block + 1 + 16)
 
 
 def parameter_bytes(spec: ParamSpec, setup: Setup, numel: int | None = None) -> int:
     numel = math.prod(local_shape(spec, setup)) if numel is None else numel
-    if spec.nf4:
-        return nf4_bytes(numel)
+    if spec.nf4:  # quantized from the weight as stored (lora.base_dtype)
+        return nf4_bytes(numel, setup.frozen_linear_bytes)
     return numel * (setup.frozen_linear_bytes if spec.frozen_linear else setup.param_bytes)
 
 
@@ -1007,9 +1006,12 @@ def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int
     log-softmax). Gradients are freed before a rollout starts."""
     v = setup.args.vocab_size
     scoring = (setup.compute_bytes + 8) * v * setup.logit_tokens
-    # Under FSDP the engine samples from an unsharded replica of the weights (fp32, as the
-    # trainer stores them), gathered before each rollout (lmforge.train.rollout).
-    replica = setup.args.num_params() * DTYPE_BYTES[setup.param_dtype] if setup.fsdp else 0
+    # Under FSDP the engine samples from an unsharded replica of the weights, stored as the
+    # trainer stores them (frozen linears in lora.base_dtype, QLoRA's bases in NF4), gathered
+    # before each rollout (lmforge.train.rollout).
+    replica = (
+        sum(parameter_bytes(s, setup, s.numel) for s in param_specs(setup)) if setup.fsdp else 0
+    )
     return {
         "rollout (engine)": {
             **state.persistent,

@@ -18,7 +18,14 @@ from lmforge import models
 from lmforge.data.prompts import PromptLoader, load_prompt_data
 from lmforge.data.sft import default_pad_id
 from lmforge.errors import ConfigError
-from lmforge.modules.lora import apply_lora
+from lmforge.modules.lora import (
+    apply_lora,
+    frozen_dtype,
+    is_nf4,
+    lora_modules,
+    nf4_placeholders,
+    nf4_to_empty,
+)
 from lmforge.train.config import GRPOJob
 from lmforge.train.grpo_loss import GRPOLossStep, count_weighted_targets
 from lmforge.train.loop import grad_accumulation_steps
@@ -50,11 +57,6 @@ def _check_layout(job: GRPOJob, layout) -> None:
         raise ConfigError(
             "lmforge grpo cannot use parallel.cpu_offload (the engine samples on the device)"
         )
-    lora = lora_section(job)
-    if layout.dp_size > 1 and lora is not None and lora.quantize_base == "nf4":
-        raise ConfigError(
-            'lmforge grpo runs QLoRA (lora.quantize_base = "nf4") in one process only for now'
-        )
     if job.grpo.prompts_per_step % layout.dp_size:
         raise ConfigError(
             f"grpo.prompts_per_step = {job.grpo.prompts_per_step} must be a multiple of the "
@@ -62,16 +64,28 @@ def _check_layout(job: GRPOJob, layout) -> None:
         )
 
 
-def _replica_factory(spec, layout, lora):
-    """() -> an unsharded model of the policy's structure (its LoRA adapters too) on this
-    rank's device, weights unset: what the engine samples from when FSDP shards the policy."""
+def _replica_factory(spec, layout, lora, bf16: bool):
+    """() -> an unsharded model of the policy's structure (its LoRA adapters, its frozen
+    weights' dtype, QLoRA's NF4 bases) on this rank's device, weights unset: what the engine
+    samples from when FSDP shards the policy."""
 
     def make() -> torch.nn.Module:
         with torch.device("meta"):
             model = models.new_model(spec.args)
         if lora is not None:
-            apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha)
+            apply_lora(
+                model,
+                targets=lora.targets,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                base_dtype=frozen_dtype(lora, bf16),
+            )
+            if lora.quantize_base == "nf4":  # filled from the shards' NF4 bases, as packed
+                nf4_placeholders(model, num_shards=1)
         model.to_empty(device=layout.device)
+        for module in lora_modules(model).values() if lora is not None else ():
+            if is_nf4(module.weight):
+                nf4_to_empty(module.weight)
         model.tie_weights()
         model.init_buffers(layout.device)
         return model.requires_grad_(False).eval()
@@ -151,7 +165,9 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             model,
             reference=reference,
             base=kind == "adapters_disabled",
-            make_replica=_replica_factory(spec, layout, lora_section(job)),
+            make_replica=_replica_factory(
+                spec, layout, lora_section(job), computes_in_bf16(job, layout)
+            ),
             loss_step=loss_step,
         )
         return loss_step
