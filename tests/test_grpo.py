@@ -600,12 +600,10 @@ def test_plan_counts_the_rollout_replica_as_it_is_built(method):
     """Under FSDP the engine samples from an unsharded replica: the planner's bytes for it equal
     the parameters of the replica the stage builds (fp32 trained weights, bf16 frozen
     linears, QLoRA's bases in NF4)."""
-    from types import SimpleNamespace
-
     from lmforge.modules.lora import LoRASection
     from lmforge.plan.memory import Setup, plan_memory
     from lmforge.sizes import tensor_bytes
-    from lmforge.train.grpo import _replica_factory
+    from lmforge.train.replica import unsharded_model
     from tests.train_utils import small_args
 
     args = small_args(400, dim=256, ffn_dim=512, tie_embeddings=False)
@@ -614,8 +612,7 @@ def test_plan_counts_the_rollout_replica_as_it_is_built(method):
         lora = LoRASection(
             enabled=True, rank=4, quantize_base="nf4" if method == "qlora" else "none"
         )
-    layout = SimpleNamespace(device=torch.device("cpu"))
-    replica = _replica_factory(SimpleNamespace(args=args), layout, lora, bf16=True)()
+    replica = unsharded_model(args, lora, torch.device("cpu"), bf16=True)
     built = sum(tensor_bytes(p) for p in replica.parameters())
     setup = Setup(args=args, method=method, lora_rank=4, gpus=2, grpo_generations=8)
     planned = plan_memory(setup, "h200").phases["rollout (engine)"]["rollout replica"]
@@ -641,6 +638,11 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     assert kv_cache_bytes(fsdp) == 2 * 16 * 128 * 1024 * 512 * 4 == 8 * GiB
     rollout = plan_memory(fsdp, "h200").phases["rollout (engine)"]
     assert rollout["rollout replica"] == args.num_params() * 4
+    # TP 2 alone: each rank samples all 512 rows with half of the KV heads, fp32 weights;
+    # the engine runs the policy's own shards
+    tp = setup.replace(gpus=2, tp=2)
+    assert kv_cache_bytes(tp) == 2 * 16 * 512 * 1024 * 256 * 4
+    assert plan_memory(tp, "h200").phases["rollout (engine)"].get("rollout replica", 0) == 0
     lora = setup.replace(method="lora", grpo_reference="auto")
     assert lora.reference == "adapters_disabled"
     assert plan_memory(lora, "h200").largest("reference model") == 0
@@ -742,35 +744,40 @@ def test_demo_questions_ask_about_training_people_only(world):
 
 
 LORA = ["lora.enabled=true", "lora.rank=4"]
+FSDP_2 = (2, ["train.micro_batch_size=8"])
 
 
 @pytest.mark.parametrize(
-    "world_name, extra",
+    "world_name, extra, layout",
     [
-        ("grpo_world", []),
-        ("grpo_world", LORA),
-        ("grpo_wide_world", [*LORA, "lora.quantize_base=nf4"]),
+        ("grpo_world", [], FSDP_2),
+        ("grpo_world", LORA, FSDP_2),
+        ("grpo_wide_world", [*LORA, "lora.quantize_base=nf4"], FSDP_2),
+        ("grpo_world", [], (2, ["parallel.tp=2"])),
+        ("grpo_world", [], (4, ["parallel.tp=2", "train.micro_batch_size=8"])),
     ],
-    ids=["full", "lora", "qlora"],
+    ids=["full", "lora", "qlora", "tp", "tp-fsdp"],
 )
-def test_two_processes_match_one(tmp_path, request, world_name, extra):
-    """FSDP over two gloo processes, each sampling for half of the prompts on a replica of the
-    gathered weights (QLoRA: its NF4 bases gathered packed): the same losses and rewards as
-    one process (every sequence draws from a seed of its own)."""
+def test_several_processes_match_one(tmp_path, request, world_name, extra, layout):
+    """Over gloo processes the same losses and rewards as one process (every sequence draws
+    from a seed of its own). FSDP: each rank samples for half of the prompts on a replica of
+    the gathered weights (QLoRA: its NF4 bases gathered packed); TP: both ranks sample the same
+    prompts on their shards of the policy's own tensors (TP x FSDP: gathered over FSDP)."""
     from tests.train_utils import run_inprocess, run_torchrun
 
     grpo_world = request.getfixturevalue(world_name)
+    nproc, parallel = layout
     args = ["train.steps=4", "grpo.mu=2", *extra]
     assert run_inprocess("grpo", grpo_args(tmp_path / "one", grpo_world, *args)) == 0
     one = _records(tmp_path / "one")
-    two_args = grpo_args(tmp_path / "two", grpo_world, *args, "train.micro_batch_size=8")
-    run_torchrun(2, "grpo", two_args)
-    two = _records(tmp_path / "two")
-    assert sorted(two) == sorted(one) == [1, 2, 3, 4]
+    run_torchrun(nproc, "grpo", grpo_args(tmp_path / "many", grpo_world, *args, *parallel))
+    many = _records(tmp_path / "many")
+    assert sorted(many) == sorted(one) == [1, 2, 3, 4]
     for step in one:
-        for key in ("loss", "reward", "grad_norm", "completion_len", "groups_dropped"):
-            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-5), key
-        assert two[step]["logprob_gap"] < 1e-4  # the replica samples what the shards train
+        keys = ("loss", "reward", "grad_norm", "completion_len", "groups_dropped")
+        for key in (*keys, "prompt_tokens_shared"):  # (summed over the data-parallel ranks)
+            assert many[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-5), key
+        assert many[step]["logprob_gap"] < 1e-4  # the replica samples what the shards train
 
 
 def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):

@@ -119,17 +119,23 @@ def full_dpo_args(run_dir, base, *extra):
     return common(run_dir, artifact, f"data.path={paths['dpo_train']}", "dpo.beta=0.5", *extra)
 
 
+FSDP_2 = ["train.micro_batch_size=2"]
+TP_2 = ["parallel.tp=2"]  # batches of odd widths padded for sequence parallelism
+
+
 @pytest.mark.parametrize(
-    "stage, make_args, which",
+    "stage, make_args, which, parallel",
     [
-        ("sft", sft_args, "base"),
-        ("dpo", dpo_args, "base"),
-        ("sft", sft_args, "tied_base"),
-        ("sft", full_sft_args, "tied_base"),
-        ("dpo", dpo_args, "tied_base"),
-        ("dpo", full_dpo_args, "tied_base"),
-        ("sft", qlora_sft_args, "qlora_base"),
-        ("dpo", qlora_dpo_args, "qlora_base"),
+        ("sft", sft_args, "base", FSDP_2),
+        ("dpo", dpo_args, "base", FSDP_2),
+        ("sft", sft_args, "tied_base", FSDP_2),
+        ("sft", full_sft_args, "tied_base", FSDP_2),
+        ("dpo", dpo_args, "tied_base", FSDP_2),
+        ("dpo", full_dpo_args, "tied_base", FSDP_2),
+        ("sft", qlora_sft_args, "qlora_base", FSDP_2),
+        ("dpo", qlora_dpo_args, "qlora_base", FSDP_2),
+        ("sft", full_sft_args, "base", TP_2),
+        ("dpo", full_dpo_args, "base", TP_2),
     ],
     ids=[
         "sft-lora",
@@ -140,13 +146,15 @@ def full_dpo_args(run_dir, base, *extra):
         "tied-dpo-full",
         "tied-sft-qlora",
         "tied-dpo-qlora",
+        "tp-sft-full",
+        "tp-dpo-full",
     ],
 )
-def test_two_processes_match_one(tmp_path, request, stage, make_args, which):
+def test_two_processes_match_one(tmp_path, request, stage, make_args, which, parallel):
     base = request.getfixturevalue(which)
     assert run_inprocess(stage, make_args(tmp_path / "one", base)) == 0
     reference = losses(tmp_path / "one")
-    run_torchrun(2, stage, make_args(tmp_path / "two", base, "train.micro_batch_size=2"))
+    run_torchrun(2, stage, make_args(tmp_path / "two", base, *parallel))
     two = losses(tmp_path / "two")
     assert sorted(two) == sorted(reference) == [1, 2, 3, 4, 5]
     for step in reference:

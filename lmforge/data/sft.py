@@ -692,6 +692,7 @@ class ShuffledLoader:
         max_seq_len: int,
         pad_id: int = 0,
         pad_to_max_seq_len: bool = False,
+        width_multiple: int = 1,
         num_items: int | None = None,
         identity: Mapping[str, int | str | bool] | None = None,
     ):
@@ -715,6 +716,7 @@ class ShuffledLoader:
         self.max_seq_len = max_seq_len
         self.pad_id = pad_id
         self.pad_to_max_seq_len = pad_to_max_seq_len
+        self.width_multiple = width_multiple
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -740,8 +742,11 @@ class ShuffledLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        width_multiple: int = 1,
     ):
-        """A loader over `samples` with the section's settings and the tokenizer's pad id."""
+        """A loader over `samples` with the section's settings and the tokenizer's pad id;
+        its batches' width a multiple of `width_multiple` (parallel.tp: sequence parallelism
+        splits the positions evenly)."""
         return cls(
             samples,
             micro_batch_size=micro_batch_size,
@@ -751,6 +756,7 @@ class ShuffledLoader:
             max_seq_len=cfg.max_seq_len,
             pad_id=default_pad_id(tokenizer),
             pad_to_max_seq_len=cfg.pad_to_max_seq_len,
+            width_multiple=width_multiple,
             **cls._section_options(cfg),
         )
 
@@ -759,8 +765,11 @@ class ShuffledLoader:
         """Subclass-specific constructor arguments taken from the section."""
         return {}
 
-    def _padded_length(self, lengths: Sequence[int]) -> int:
-        return self.max_seq_len if self.pad_to_max_seq_len else max(lengths)
+    def _padded_length(self, lengths: Sequence[int] = ()) -> int:
+        """A batch's width: its longest item's (or max_seq_len), up to a multiple of
+        width_multiple."""
+        width = self.max_seq_len if self.pad_to_max_seq_len or not lengths else max(lengths)
+        return -(-width // self.width_multiple) * self.width_multiple
 
     @property
     def epoch(self) -> int:
@@ -869,6 +878,7 @@ class SFTLoader(ShuffledLoader):
         max_seq_len: int,
         pad_id: int = 0,
         pad_to_max_seq_len: bool = False,
+        width_multiple: int = 1,
     ):
         self.pack = pack
         self.packs = pack_samples([len(s) for s in samples], max_seq_len) if pack else None
@@ -881,6 +891,7 @@ class SFTLoader(ShuffledLoader):
             max_seq_len=max_seq_len,
             pad_id=pad_id,
             pad_to_max_seq_len=pad_to_max_seq_len,
+            width_multiple=width_multiple,
             num_items=len(self.packs) if pack else None,
             identity={"pack": pack},
         )
@@ -898,10 +909,11 @@ class SFTLoader(ShuffledLoader):
                 "labels": pad_rows([s.labels for s in chosen], length, IGNORE_INDEX),
             }
         inputs, labels, document_ids, positions = [], [], [], []
+        width = self._padded_length()  # max_seq_len, up to width_multiple
         for item in items:
             parts = [self.samples[i] for i in self.packs[item]]
             lengths = [len(s) for s in parts]
-            padding = self.max_seq_len - sum(lengths)
+            padding = width - sum(lengths)
             inputs.append(np.concatenate([s.inputs for s in parts]))
             labels.append(np.concatenate([s.labels for s in parts]))
             # Padding forms one more document, so that it attends only to itself.
@@ -909,10 +921,10 @@ class SFTLoader(ShuffledLoader):
             document_ids.append(ids)
             positions.append(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths]))
         return {
-            "inputs": pad_rows(inputs, self.max_seq_len, self.pad_id),
-            "labels": pad_rows(labels, self.max_seq_len, IGNORE_INDEX),
+            "inputs": pad_rows(inputs, width, self.pad_id),
+            "labels": pad_rows(labels, width, IGNORE_INDEX),
             "document_ids": torch.from_numpy(np.stack(document_ids)),
-            "positions": _padded_positions(positions, self.max_seq_len),
+            "positions": _padded_positions(positions, width),
         }
 
 

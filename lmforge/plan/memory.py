@@ -311,8 +311,8 @@ def check_setup(setup: Setup) -> None:
     if setup.reference == "adapters_disabled" and not setup.uses_lora:
         key = "grpo.reference" if setup.is_grpo else "dpo.reference"
         raise ConfigError(f'{key} = "adapters_disabled" needs lora.enabled = true')
-    if setup.is_grpo and (setup.tp > 1 or setup.cpu_offload):
-        raise ConfigError("lmforge grpo runs without tensor parallelism and CPU offload")
+    if setup.is_grpo and setup.cpu_offload:
+        raise ConfigError("lmforge grpo cannot use parallel.cpu_offload")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -993,10 +993,21 @@ def _local_phases(
 
 def kv_cache_bytes(setup: Setup) -> int:
     """GRPO's engine cache: K and V of every layer, rollout_rows × seq_len slots, in the
-    weights' dtype (the engine runs over the trained weights as they are stored)."""
+    weights' dtype (the engine runs over the trained weights as they are stored); a
+    tensor-parallel rank holds its share of the heads."""
     a = setup.args
     slots = setup.rollout_rows * setup.seq_len
-    return 2 * a.num_layers * slots * a.kv_dim * setup.param_bytes
+    return 2 * a.num_layers * slots * (a.kv_dim // setup.mesh[2]) * setup.param_bytes
+
+
+def replica_bytes(setup: Setup) -> int:
+    """The weights GRPO's engine samples from beside the policy's (lmforge.train.replica):
+    none in one process or under tensor parallelism alone (the policy's own tensors); under
+    FSDP an unsharded copy (its tensor-parallel shard with TP), stored as the trainer stores
+    the weights (frozen linears in lora.base_dtype, QLoRA's bases in NF4)."""
+    if not setup.fsdp:
+        return 0
+    return sum(parameter_bytes(s, setup, tp_local_numel(s, setup)) for s in param_specs(setup))
 
 
 def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int]]:
@@ -1006,16 +1017,10 @@ def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int
     log-softmax). Gradients are freed before a rollout starts."""
     v = setup.args.vocab_size
     scoring = (setup.compute_bytes + 8) * v * setup.logit_tokens
-    # Under FSDP the engine samples from an unsharded replica of the weights, stored as the
-    # trainer stores them (frozen linears in lora.base_dtype, QLoRA's bases in NF4), gathered
-    # before each rollout (lmforge.train.rollout).
-    replica = (
-        sum(parameter_bytes(s, setup, s.numel) for s in param_specs(setup)) if setup.fsdp else 0
-    )
     return {
         "rollout (engine)": {
             **state.persistent,
-            "rollout replica": replica,
+            "rollout replica": replica_bytes(setup),
             "KV cache": kv_cache_bytes(setup),
             "rollout logits": 2 * 4 * v * setup.rollout_rows,
         },

@@ -12,23 +12,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
-from lmforge import models
 from lmforge.data.prompts import PromptLoader, load_prompt_data
 from lmforge.data.sft import default_pad_id
 from lmforge.errors import ConfigError
-from lmforge.modules.lora import (
-    apply_lora,
-    frozen_dtype,
-    is_nf4,
-    lora_modules,
-    nf4_placeholders,
-    nf4_to_empty,
-)
 from lmforge.train.config import GRPOJob
 from lmforge.train.grpo_loss import GRPOLossStep, count_weighted_targets
 from lmforge.train.loop import grad_accumulation_steps
+from lmforge.train.replica import make_replica
 from lmforge.train.rewards import build_rewards
 from lmforge.train.rollout import Rollouts
 from lmforge.train.stage import (
@@ -49,10 +39,6 @@ def reference_kind(job: GRPOJob) -> str | None:
 
 
 def _check_layout(job: GRPOJob, layout) -> None:
-    if layout.tp_size > 1:
-        raise ConfigError(
-            "lmforge grpo does not run with parallel.tp > 1 yet; use data parallelism (FSDP)"
-        )
     if job.parallel.cpu_offload:
         raise ConfigError(
             "lmforge grpo cannot use parallel.cpu_offload (the engine samples on the device)"
@@ -62,35 +48,6 @@ def _check_layout(job: GRPOJob, layout) -> None:
             f"grpo.prompts_per_step = {job.grpo.prompts_per_step} must be a multiple of the "
             f"data-parallel size {layout.dp_size} (each rank samples for its share)"
         )
-
-
-def _replica_factory(spec, layout, lora, bf16: bool):
-    """() -> an unsharded model of the policy's structure (its LoRA adapters, its frozen
-    weights' dtype, QLoRA's NF4 bases) on this rank's device, weights unset: what the engine
-    samples from when FSDP shards the policy."""
-
-    def make() -> torch.nn.Module:
-        with torch.device("meta"):
-            model = models.new_model(spec.args)
-        if lora is not None:
-            apply_lora(
-                model,
-                targets=lora.targets,
-                rank=lora.rank,
-                alpha=lora.alpha,
-                base_dtype=frozen_dtype(lora, bf16),
-            )
-            if lora.quantize_base == "nf4":  # filled from the shards' NF4 bases, as packed
-                nf4_placeholders(model, num_shards=1)
-        model.to_empty(device=layout.device)
-        for module in lora_modules(model).values() if lora is not None else ():
-            if is_nf4(module.weight):
-                nf4_to_empty(module.weight)
-        model.tie_weights()
-        model.init_buffers(layout.device)
-        return model.requires_grad_(False).eval()
-
-    return make
 
 
 def _rollouts(job: GRPOJob, layout, spec, rewards) -> Rollouts:
@@ -133,6 +90,8 @@ def _rollouts(job: GRPOJob, layout, spec, rewards) -> Rollouts:
         total_steps=job.train.steps,
         dp_rank=layout.dp_rank,
         dp_size=layout.dp_size,
+        dp_group=layout.dp_group,
+        width_multiple=layout.tp_size,
     )
 
 
@@ -165,8 +124,8 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             model,
             reference=reference,
             base=kind == "adapters_disabled",
-            make_replica=_replica_factory(
-                spec, layout, lora_section(job), computes_in_bf16(job, layout)
+            replica=make_replica(
+                model, spec, layout, lora_section(job), bf16=computes_in_bf16(job, layout)
             ),
             loss_step=loss_step,
         )

@@ -31,16 +31,15 @@ makes a rollout batch:
 Micro-batches: the kept sequences in order, train.micro_batch_size a micro-batch, as many
 micro-batches as a step takes (global / micro); each micro-batch packs its sequences into rows
 of at most data.max_seq_len positions (block-causal attention where a row holds several). A
-micro-batch with no sequence left (dropped groups) is one padding position with weight 0.
+micro-batch with no sequence left (dropped groups) is one row of padding with weight 0.
 
-Several processes (FSDP2 over the data-parallel ranks): each rank samples for its share of the
-prompts. The engine cannot run over sharded weights (every forward would be a collective, and
-ranks stop at different steps), so there a copy remains: before each rollout the full weights
-are gathered into an unsharded replica on each rank (with LoRA only the adapters, after the
-first time), counted in `weight_sync_s`. Rewards, advantages and groups are each rank's own;
-the metrics are reduced over the ranks (`reduce_over_ranks`).
-
-Not yet: tensor parallelism and QLoRA over several processes.
+Several processes: each data-parallel rank samples for its share of the prompts; the engine
+runs a replica of the policy (lmforge.train.replica): under FSDP2 an unsharded copy, the full
+weights gathered into it before each rollout (with LoRA only the adapters, after the first
+time; `weight_sync_s`); under tensor parallelism the policy's own shards in inference's layout
+(no copy without FSDP), the tensor-parallel peers sampling the same prompts in step. Rewards,
+advantages and groups are each data-parallel rank's own; the metrics are reduced over those
+ranks (`reduce_over_ranks`).
 """
 
 from __future__ import annotations
@@ -115,6 +114,10 @@ class Rollouts:
         total_steps: train.steps (the held-out prompts are also evaluated at the last).
         dp_rank, dp_size: this rank's place among the data-parallel ranks, each of which
             samples for its share of the prompts (`prompts` gives it that share).
+        dp_group: the process group over the data-parallel ranks, whose metrics differ
+            (tensor-parallel peers sample and score alike).
+        width_multiple: packed rows are padded to a multiple of it (parallel.tp: sequence
+            parallelism splits each row's positions evenly over the tensor-parallel ranks).
     """
 
     def __init__(
@@ -135,6 +138,8 @@ class Rollouts:
         total_steps: int = 0,
         dp_rank: int = 0,
         dp_size: int = 1,
+        dp_group=None,
+        width_multiple: int = 1,
     ) -> None:
         self.prompts, self.tokenizer, self.rewards = prompts, tokenizer, list(rewards)
         self.grpo = grpo
@@ -143,10 +148,10 @@ class Rollouts:
         self.device, self.bf16, self.seed = device, bf16, seed
         self.heldout, self.total_steps = list(heldout), total_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_group, self.width_multiple = dp_group, width_multiple
         self.policy: torch.nn.Module | None = None
-        self.sharded = False
-        self.make_replica: Callable[[], torch.nn.Module] | None = None
-        self.replica: torch.nn.Module | None = None  # the engine's weights under FSDP
+        self.sharded = False  # by FSDP2, whose mixed precision casts (no autocast)
+        self.replica = None  # what the engine samples from under FSDP or TP (train.replica)
         self.engine: Engine | None = None  # made at the first rollout (`_engine`)
         self.eager = False  # the engine's decode step failed to compile: eager from then on
         self.reference: torch.nn.Module | None = None
@@ -164,21 +169,21 @@ class Rollouts:
         *,
         reference: torch.nn.Module | None,
         base: bool,
-        make_replica: Callable[[], torch.nn.Module] | None = None,
+        replica=None,
         loss_step=None,
     ) -> None:
         """The model to sample from and train; the KL reference: a frozen model, or (`base`)
-        the policy with its LoRA adapters off, or neither (no KL). `make_replica`: for a policy
-        sharded by FSDP, () -> an unsharded model of its structure on this device, which the
-        engine samples from, its weights gathered from the policy before each rollout.
-        `loss_step`: the job's `GRPOLossStep`, which measures the engine-trainer gap when
-        μ = 1 (`step_metrics` takes it)."""
+        the policy with its LoRA adapters off, or neither (no KL). `replica`: for a policy
+        parallelized by FSDP or TP, what the engine samples from (`train.replica.make_replica`:
+        its `model()` brings the policy's current weights, a collective every rank calls once
+        a rollout). `loss_step`: the job's `GRPOLossStep`, which measures the engine-trainer
+        gap when μ = 1 (`step_metrics` takes it)."""
         self.policy, self.reference, self.reference_is_base = policy, reference, base
         self.loss_step = loss_step
         self.sharded = hasattr(policy, "set_requires_gradient_sync")  # FSDP2's
-        if self.sharded and make_replica is None:
-            raise ValueError("a policy sharded by FSDP needs make_replica to sample from")
-        self.make_replica = make_replica
+        if self.sharded and replica is None:
+            raise ValueError("a policy sharded by FSDP needs a replica to sample from")
+        self.replica = replica
 
     # ---- the loop's iterator ------------------------------------------------------------
 
@@ -314,7 +319,7 @@ class Rollouts:
         """The rollout engine with its KV cache taken: made at the first rollout over the
         policy module itself (under FSDP: over its replica), then kept, its cache given back
         between rollouts (`_put_away`), so that its compiled steps compile once a run; under
-        FSDP the weights are gathered into the replica first."""
+        FSDP or TP the replica takes the policy's weights first."""
         model = self._sampling_model()
         if self.engine is not None:
             self.engine.reserve_cache()
@@ -341,26 +346,9 @@ class Rollouts:
         self.policy.train()
 
     def _sampling_model(self) -> torch.nn.Module:
-        """The module the engine runs: the policy itself, or (FSDP) its unsharded replica with
-        the weights gathered from every rank (a collective: each rank calls it once a
-        rollout). With LoRA only the adapters are gathered after the first time."""
-        if not self.sharded:
-            return self.policy
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        first = self.replica is None
-        if first:
-            self.replica = self.make_replica()
-        trainable_only = not first and any(not p.requires_grad for p in self.policy.parameters())
-        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
-        state = get_model_state_dict(self.policy, options=options)
-        with torch.no_grad():
-            unexpected = self.replica.load_state_dict(state, strict=False).unexpected_keys
-        assert not unexpected, f"the replica lacks {unexpected[:3]}"
-        return self.replica
+        """The module the engine runs: the policy itself, or its replica (FSDP, TP) with the
+        policy's current weights."""
+        return self.policy if self.replica is None else self.replica.model()
 
     def _sequences(self, engine: Engine, prompts: list[PromptSample]) -> list:
         """num_generations sequences a prompt, prompt-major; a group's first one prefills the
@@ -445,7 +433,9 @@ class Rollouts:
         every = self.grpo.eval_every
         if self.heldout and every and (step % every == 0 or step == self.total_steps):
             metrics.update(self.evaluate())
-        return reduce_over_ranks(metrics, self.device) if self.dp_size > 1 else metrics
+        if self.dp_size == 1:
+            return metrics
+        return reduce_over_ranks(metrics, self.device, group=self.dp_group)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -487,18 +477,19 @@ class Rollouts:
     def _pack(self, chunk: list[Rollout]):
         """One micro-batch of `chunk`'s sequences packed into rows -> (batch, engine
         log-probabilities [r, s] at the labelled positions, or None)."""
-        if not chunk:  # every group of this part of the step was dropped
-            one = torch.zeros(1, 1)
+        if not chunk:  # every group of this part of the step was dropped: padding, weight 0
+            shape = (1, self.width_multiple)
             batch = {
-                "inputs": torch.full((1, 1), self.pad_id, dtype=torch.long),
-                "labels": torch.full((1, 1), IGNORE_INDEX, dtype=torch.long),
-                "positions": torch.zeros(1, 1, dtype=torch.long),
-                "advantages": one.clone(),
-                "token_weights": one.clone(),
+                "inputs": torch.full(shape, self.pad_id, dtype=torch.long),
+                "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+                "positions": torch.zeros(shape, dtype=torch.long),
+                "advantages": torch.zeros(shape),
+                "token_weights": torch.zeros(shape),
             }
             return batch, None
         rows = pack_samples([r.num_positions for r in chunk], self.max_seq_len)
         width = max(sum(chunk[i].num_positions for i in row) for row in rows)
+        width = -(-width // self.width_multiple) * self.width_multiple
         shape = (len(rows), width)
         inputs = torch.full(shape, self.pad_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -600,18 +591,20 @@ SUMMED = ("groups_dropped", "prompt_tokens_shared", "rollout_tokens_per_s")
 LARGEST = ("completion_len_max", "logprob_gap")
 
 
-def reduce_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Every rank's metrics as one (a collective: every rank calls it with the same keys):
-    sums, maxima (the gap, the longest completion, every time: the slowest rank's) or
-    means."""
+def reduce_over_ranks(
+    metrics: dict[str, float], device: torch.device, *, group=None
+) -> dict[str, float]:
+    """The metrics of every rank of `group` (default: all) as one (a collective: each calls it
+    with the same keys): sums, maxima (the gap, the longest completion, every time: the
+    slowest rank's) or means."""
     import torch.distributed as dist
 
     keys = sorted(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     largest = values.clone()
-    dist.all_reduce(values)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    world = dist.get_world_size()
+    dist.all_reduce(values, group=group)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    world = dist.get_world_size(group)
     out = {}
     for key, total, top in zip(keys, values.tolist(), largest.tolist()):
         if key in SUMMED:

@@ -525,6 +525,7 @@ def _rank_loader(loader_cls: type, samples, job, spec: ModelSpec, layout: distri
         dp_rank=layout.dp_rank,
         dp_size=layout.dp_size,
         seed=job.train.seed,
+        width_multiple=layout.tp_size,
     )
 
 

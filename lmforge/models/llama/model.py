@@ -64,6 +64,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def select_positions(h: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """h [b, s, dim] at the True positions of `at` [b, s] -> [n, dim]. Under sequence
+    parallelism h is a DTensor split along s: the selected rows, whole, on every
+    tensor-parallel rank (as the output projection's plan expects them: replicated)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(h, DTensor):
+        return h[at]
+    return DTensor.from_local(h.full_tensor()[at], h.device_mesh, [Replicate()])
+
+
 def fusable(module: nn.Module, names: list[str]) -> bool:
     """Whether `fuse_linears` can join the linears `names` of `module`: plain, bias-free and
     materialized (not quantized by torchao, sharded or LoRA-wrapped), or inference layers of
@@ -334,7 +345,7 @@ class Transformer(nn.Module):
             h = block(h, cos, sin, attn_mask, cache)
         h = self.norm(h)
         if logits_at is not None:
-            h = h[logits_at]  # [n, dim]
+            h = select_positions(h, logits_at)  # [n, dim]
         if labels is not None:
             from lmforge.modules.cross_entropy import output_cross_entropy  # imports Triton
 

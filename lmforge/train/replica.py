@@ -1,0 +1,154 @@
+"""The model GRPO's rollout engine samples from when the policy is parallelized.
+
+The engine runs a plain module, step after step, on each rank; a parallelized policy is not one:
+
+- FSDP2 (`GatheredReplica`): the weights are sharded over the data-parallel ranks and each
+  forward would gather them. The replica is an unsharded model of the policy's structure on
+  each rank, stored as the policy stores its weights (frozen linears in lora.base_dtype,
+  QLoRA's bases in NF4, as packed); before each rollout the full weights are gathered into it
+  (with LoRA only the adapters, after the first time).
+- Tensor parallelism (`TensorParallelReplica`): the replica is the inference layout of the same
+  plan (lmforge.generate.parallel: each block on its local shards, one functional all-reduce
+  after each row-parallel linear, the logits gathered over the vocabulary), whose parameters
+  are this rank's shards of the policy's. Without FSDP they are the policy's own tensors, which
+  the optimizer updates in place: nothing is copied, ever. With FSDP too, each rollout gathers
+  the data-parallel shards of this rank's tensor-parallel shard.
+
+`make_replica` picks one (or none: one process samples from the policy module itself).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from lmforge import models
+from lmforge.errors import ConfigError
+from lmforge.modules.lora import (
+    WRAPPER_PREFIX,
+    apply_lora,
+    frozen_dtype,
+    is_nf4,
+    lora_modules,
+    nf4_placeholders,
+    nf4_to_empty,
+)
+
+
+def make_replica(policy: nn.Module, spec, layout, lora, *, bf16: bool):
+    """The replica a policy parallelized over `layout` samples from, or None (one process)."""
+    if layout.tp_size > 1:
+        return TensorParallelReplica(policy, spec.args, layout)
+    if hasattr(policy, "set_requires_gradient_sync"):  # FSDP2's
+        return GatheredReplica(
+            policy, lambda: unsharded_model(spec.args, lora, layout.device, bf16)
+        )
+    return None
+
+
+def unsharded_model(args, lora, device: torch.device, bf16: bool) -> nn.Module:
+    """A model of the policy's structure (its LoRA adapters, its frozen weights' dtype, QLoRA's
+    NF4 bases) on `device`, weights unset."""
+    with torch.device("meta"):
+        model = models.new_model(args)
+    if lora is not None:
+        base_dtype = frozen_dtype(lora, bf16)
+        apply_lora(
+            model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, base_dtype=base_dtype
+        )
+        if lora.quantize_base == "nf4":  # filled from the shards' NF4 bases, as packed
+            nf4_placeholders(model, num_shards=1)
+    model.to_empty(device=device)
+    for module in lora_modules(model).values():
+        if is_nf4(module.weight):
+            nf4_to_empty(module.weight)
+    model.tie_weights()
+    model.init_buffers(device)
+    return model.requires_grad_(False).eval()
+
+
+class GatheredReplica:
+    """An unsharded copy of an FSDP2 policy's weights (`make()` builds it at the first rollout),
+    gathered before each rollout: a collective, every rank calls `model()` once a rollout."""
+
+    def __init__(self, policy: nn.Module, make) -> None:
+        self.policy, self.make = policy, make
+        self.module: nn.Module | None = None
+
+    def model(self) -> nn.Module:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        first = self.module is None
+        if first:
+            self.module = self.make()
+        trainable_only = not first and any(not p.requires_grad for p in self.policy.parameters())
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(self.policy, options=options)
+        with torch.no_grad():
+            unexpected = self.module.load_state_dict(state, strict=False).unexpected_keys
+        assert not unexpected, f"the replica lacks {unexpected[:3]}"
+        return self.module
+
+
+class TensorParallelReplica:
+    """The policy's tensor-parallel shards in inference's layout (module docstring)."""
+
+    def __init__(self, policy: nn.Module, args, layout) -> None:
+        if args.vocab_size % layout.tp_size:
+            raise ConfigError(
+                f"lmforge grpo with parallel.tp = {layout.tp_size} needs a vocabulary that splits "
+                f"evenly over it (vocab_size {args.vocab_size}): the rollouts gather the logits"
+            )
+        self.policy, self.args, self.layout = policy, args, layout
+        self.gathers = layout.dp_size > 1  # FSDP shards each tensor-parallel shard further
+        self.module: nn.Module | None = None
+
+    def model(self) -> nn.Module:
+        from lmforge.generate.parallel import (
+            run_blocks_on_local_shards,
+            run_vocabulary_on_local_shards,
+        )
+        from lmforge.parallel.tensor_parallel import apply_tensor_parallel
+
+        if self.module is not None and not self.gathers:
+            return self.module  # the policy's own tensors, updated in place
+        first = self.module is None
+        if first:
+            tp = self.layout.mesh["tp"]
+            with torch.device("meta"):
+                model = models.new_model(self.args)
+            apply_tensor_parallel(model, tp, sequence_parallel=False)
+            run_blocks_on_local_shards(model, tp.get_group())
+            run_vocabulary_on_local_shards(model, tp.get_group())
+            if self.gathers:
+                model.to_empty(device=self.layout.device)
+            self.module = model
+        state = {name: self._local_shard(param) for name, param in self._policy_parameters()}
+        with torch.no_grad():
+            # Without FSDP: the replica's parameters become the policy's local tensors (assign).
+            missing = self.module.load_state_dict(state, strict=False, assign=not self.gathers)
+        assert not missing.unexpected_keys, f"the replica lacks {missing.unexpected_keys[:3]}"
+        if first:
+            self.module.tie_weights()
+            self.module.init_buffers(self.layout.device)
+            self.module.requires_grad_(False).eval()
+        return self.module
+
+    def _policy_parameters(self):
+        for name, param in self.policy.named_parameters():
+            yield name.replace(WRAPPER_PREFIX, ""), param
+
+    def _local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel shard of `param`, gathered over the data-parallel mesh
+        dimensions (FSDP2's) where it has them; without them the local tensor itself."""
+        if not isinstance(param, DTensor):
+            return param.detach()
+        mesh = param.device_mesh
+        placements = [
+            placement if name == "tp" else Replicate()
+            for name, placement in zip(mesh.mesh_dim_names, param.placements)
+        ]
+        if list(placements) != list(param.placements):
+            param = param.redistribute(mesh, placements)
+        return param.to_local().detach()
