@@ -633,16 +633,20 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     assert setup.reference is None and plan.largest("reference model") == 0  # beta = 0
     with_kl = plan_memory(setup.replace(grpo_reference="auto"), "h200")
     assert with_kl.largest("reference model") > 2 * GiB  # a frozen bf16 copy of 1.24B
-    # FSDP over 4 GPUs: each rank samples 16 prompts × 8 on an unsharded fp32 replica
+    # FSDP over 4 GPUs: each rank samples 16 prompts × 8 on an unsharded replica, keys,
+    # values and weights in bf16 (FSDP's mixed precision computes in it)
     fsdp = setup.replace(gpus=4)
-    assert kv_cache_bytes(fsdp) == 2 * 16 * 128 * 1024 * 512 * 4 == 8 * GiB
+    assert kv_cache_bytes(fsdp) == 2 * 16 * 128 * 1024 * 512 * 2 == 4 * GiB
     rollout = plan_memory(fsdp, "h200").phases["rollout (engine)"]
-    assert rollout["rollout replica"] == args.num_params() * 4
-    # TP 2 alone: each rank samples all 512 rows with half of the KV heads, fp32 weights;
-    # the engine runs the policy's own shards
+    assert rollout["rollout replica"] == args.num_params() * 2
+    # TP 2 alone: each rank samples all 512 rows with half of the KV heads; its fp32 shards
+    # are copied into bf16 before each rollout (else every decode step would cast them)
     tp = setup.replace(gpus=2, tp=2)
-    assert kv_cache_bytes(tp) == 2 * 16 * 512 * 1024 * 256 * 4
-    assert plan_memory(tp, "h200").phases["rollout (engine)"].get("rollout replica", 0) == 0
+    assert kv_cache_bytes(tp) == 2 * 16 * 512 * 1024 * 256 * 2
+    shard = plan_memory(tp, "h200").phases["rollout (engine)"]["rollout replica"]
+    assert args.num_params() * 2 / 2 < shard < args.num_params() * 2 / 2 * 1.1  # norms whole
+    fp32 = tp.replace(compute_dtype="fp32")  # the policy's own shards: no copy
+    assert plan_memory(fp32, "h200").phases["rollout (engine)"].get("rollout replica", 0) == 0
     lora = setup.replace(method="lora", grpo_reference="auto")
     assert lora.reference == "adapters_disabled"
     assert plan_memory(lora, "h200").largest("reference model") == 0
@@ -778,6 +782,20 @@ def test_several_processes_match_one(tmp_path, request, world_name, extra, layou
         for key in (*keys, "prompt_tokens_shared"):  # (summed over the data-parallel ranks)
             assert many[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-5), key
         assert many[step]["logprob_gap"] < 1e-4  # the replica samples what the shards train
+
+
+@pytest.mark.parametrize("parallel", [FSDP_2[1], ["parallel.tp=2"]], ids=["fsdp", "tp"])
+def test_bf16_replicas_sample_what_the_trainer_scores(tmp_path, grpo_world, parallel):
+    """Computing in bf16 (train.mixed_precision), the replicas hold bf16 copies (FSDP: of the
+    gathered weights; TP: of the fp32 shards) and a bf16 KV cache: the engine's log-probabilities
+    stay within bf16's rounding of the trainer's."""
+    from tests.train_utils import run_torchrun
+
+    args = ["train.steps=4", "grpo.mu=2", "train.mixed_precision=bf16", *parallel]
+    run_torchrun(2, "grpo", grpo_args(tmp_path, grpo_world, *args))
+    records = _records(tmp_path)
+    assert sorted(records) == [1, 2, 3, 4]  # two rollouts: the second after two updates
+    assert all(0 < r["logprob_gap"] < 0.02 for r in records.values())  # fp32: < 1e-4
 
 
 def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):

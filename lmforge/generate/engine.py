@@ -379,6 +379,8 @@ class Engine:
             its batch-1 forward is four GEMV launches, the norms, SiLU·up and residual adds
             inside them, around one attention kernel that also applies RoPE and writes the
             cache (`FusedDecodeBlock`, lmforge/generate/decode_attention.py).
+        cache_dtype: the KV cache's (default: the embedding table's). GRPO's rollouts over fp32
+            weights under bf16 autocast keep bf16 keys and values, as they are computed.
     """
 
     def __init__(
@@ -396,6 +398,7 @@ class Engine:
         quantized_kernels: bool = True,
         gemv: bool = True,
         fuse_blocks: bool = True,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -431,7 +434,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk or (2048 if self.on_cuda else 512)
         self.buckets = decode_buckets(max_batch)
         self.kv_buckets = kv_buckets(max_seq_len)
-        self.dtype = model.tok_embeddings.weight.dtype
+        self.dtype = cache_dtype or model.tok_embeddings.weight.dtype
         self.caches = KVCaches.for_model(
             args,
             max_batch=max_batch,

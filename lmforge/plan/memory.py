@@ -992,22 +992,32 @@ def _local_phases(
 
 
 def kv_cache_bytes(setup: Setup) -> int:
-    """GRPO's engine cache: K and V of every layer, rollout_rows × seq_len slots, in the
-    weights' dtype (the engine runs over the trained weights as they are stored); a
-    tensor-parallel rank holds its share of the heads."""
+    """GRPO's engine cache: K and V of every layer, rollout_rows × seq_len slots, in the dtype
+    the trainer computes in (lmforge.train.rollout); a tensor-parallel rank holds its share of
+    the heads."""
     a = setup.args
     slots = setup.rollout_rows * setup.seq_len
-    return 2 * a.num_layers * slots * (a.kv_dim // setup.mesh[2]) * setup.param_bytes
+    return 2 * a.num_layers * slots * (a.kv_dim // setup.mesh[2]) * setup.compute_bytes
 
 
 def replica_bytes(setup: Setup) -> int:
     """The weights GRPO's engine samples from beside the policy's (lmforge.train.replica):
-    none in one process or under tensor parallelism alone (the policy's own tensors); under
-    FSDP an unsharded copy (its tensor-parallel shard with TP), stored as the trainer stores
-    the weights (frozen linears in lora.base_dtype, QLoRA's bases in NF4)."""
-    if not setup.fsdp:
+    none in one process, or under tensor parallelism alone with weights stored as they are
+    computed (the policy's own tensors); else a copy of each rank's tensor-parallel shard
+    (FSDP: gathered), in the compute dtype when that is bf16 (QLoRA's bases in NF4), else as
+    the trainer stores the weights."""
+    copies = setup.fsdp or (setup.tp > 1 and setup.param_bytes != setup.compute_bytes)
+    if not copies:
         return 0
-    return sum(parameter_bytes(s, setup, tp_local_numel(s, setup)) for s in param_specs(setup))
+    bf16 = setup.compute_dtype == "bf16"
+    total = 0
+    for spec in param_specs(setup):
+        numel = tp_local_numel(spec, setup)
+        if spec.nf4 and bf16:
+            total += nf4_bytes(numel, 2)
+        else:
+            total += numel * 2 if bf16 else parameter_bytes(spec, setup, numel)
+    return total
 
 
 def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int]]:

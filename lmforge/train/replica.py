@@ -4,15 +4,17 @@ The engine runs a plain module, step after step, on each rank; a parallelized po
 
 - FSDP2 (`GatheredReplica`): the weights are sharded over the data-parallel ranks and each
   forward would gather them. The replica is an unsharded model of the policy's structure on
-  each rank, stored as the policy stores its weights (frozen linears in lora.base_dtype,
-  QLoRA's bases in NF4, as packed); before each rollout the full weights are gathered into it
-  (with LoRA only the adapters, after the first time).
+  each rank, in the dtype the trainer computes in (FSDP's mixed precision: bf16), QLoRA's
+  bases in NF4 as packed; before each rollout the full weights are gathered into it (with
+  LoRA only the adapters, after the first time).
 - Tensor parallelism (`TensorParallelReplica`): the replica is the inference layout of the same
   plan (lmforge.generate.parallel: each block on its local shards, one functional all-reduce
   after each row-parallel linear, the logits gathered over the vocabulary), whose parameters
-  are this rank's shards of the policy's. Without FSDP they are the policy's own tensors, which
-  the optimizer updates in place: nothing is copied, ever. With FSDP too, each rollout gathers
-  the data-parallel shards of this rank's tensor-parallel shard.
+  are this rank's shards of the policy's. Where the policy stores them in the dtype it computes
+  in and without FSDP, they are the policy's own tensors, which the optimizer updates in place:
+  nothing is copied, ever. Otherwise each rollout copies them in (fp32 weights computing in
+  bf16: else every decode step would cast every weight again), with FSDP gathering the
+  data-parallel shards of this rank's tensor-parallel shard.
 
 `make_replica` picks one (or none: one process samples from the policy module itself).
 """
@@ -37,9 +39,10 @@ from lmforge.modules.lora import (
 
 
 def make_replica(policy: nn.Module, spec, layout, lora, *, bf16: bool):
-    """The replica a policy parallelized over `layout` samples from, or None (one process)."""
+    """The replica a policy parallelized over `layout` samples from, or None (one process).
+    `bf16`: the trainer computes in bf16."""
     if layout.tp_size > 1:
-        return TensorParallelReplica(policy, spec.args, layout)
+        return TensorParallelReplica(policy, spec.args, layout, bf16=bf16)
     if hasattr(policy, "set_requires_gradient_sync"):  # FSDP2's
         return GatheredReplica(
             policy, lambda: unsharded_model(spec.args, lora, layout.device, bf16)
@@ -48,8 +51,9 @@ def make_replica(policy: nn.Module, spec, layout, lora, *, bf16: bool):
 
 
 def unsharded_model(args, lora, device: torch.device, bf16: bool) -> nn.Module:
-    """A model of the policy's structure (its LoRA adapters, its frozen weights' dtype, QLoRA's
-    NF4 bases) on `device`, weights unset."""
+    """A model of the policy's structure (its LoRA adapters, QLoRA's NF4 bases) on `device`,
+    in bf16 where the trainer computes in it (else its frozen linears in lora.base_dtype),
+    weights unset."""
     with torch.device("meta"):
         model = models.new_model(args)
     if lora is not None:
@@ -57,8 +61,10 @@ def unsharded_model(args, lora, device: torch.device, bf16: bool) -> nn.Module:
         apply_lora(
             model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha, base_dtype=base_dtype
         )
-        if lora.quantize_base == "nf4":  # filled from the shards' NF4 bases, as packed
-            nf4_placeholders(model, num_shards=1)
+    if bf16:
+        model.to(torch.bfloat16)  # (meta tensors: nothing moves)
+    if lora is not None and lora.quantize_base == "nf4":  # filled from the NF4 bases, as packed
+        nf4_placeholders(model, num_shards=1)
     model.to_empty(device=device)
     for module in lora_modules(model).values():
         if is_nf4(module.weight):
@@ -94,14 +100,20 @@ class GatheredReplica:
 class TensorParallelReplica:
     """The policy's tensor-parallel shards in inference's layout (module docstring)."""
 
-    def __init__(self, policy: nn.Module, args, layout) -> None:
+    def __init__(self, policy: nn.Module, args, layout, *, bf16: bool) -> None:
         if args.vocab_size % layout.tp_size:
             raise ConfigError(
                 f"lmforge grpo with parallel.tp = {layout.tp_size} needs a vocabulary that splits "
                 f"evenly over it (vocab_size {args.vocab_size}): the rollouts gather the logits"
             )
         self.policy, self.args, self.layout = policy, args, layout
-        self.gathers = layout.dp_size > 1  # FSDP shards each tensor-parallel shard further
+        stored = {p.dtype for p in policy.parameters()}
+        if bf16:
+            self.dtype = torch.bfloat16
+        else:
+            self.dtype = stored.copy().pop() if len(stored) == 1 else torch.float32
+        # FSDP shards each tensor-parallel shard further; another dtype is a copy too
+        self.copies = layout.dp_size > 1 or stored != {self.dtype}
         self.module: nn.Module | None = None
 
     def model(self) -> nn.Module:
@@ -111,7 +123,7 @@ class TensorParallelReplica:
         )
         from lmforge.parallel.tensor_parallel import apply_tensor_parallel
 
-        if self.module is not None and not self.gathers:
+        if self.module is not None and not self.copies:
             return self.module  # the policy's own tensors, updated in place
         first = self.module is None
         if first:
@@ -121,13 +133,13 @@ class TensorParallelReplica:
             apply_tensor_parallel(model, tp, sequence_parallel=False)
             run_blocks_on_local_shards(model, tp.get_group())
             run_vocabulary_on_local_shards(model, tp.get_group())
-            if self.gathers:
-                model.to_empty(device=self.layout.device)
+            if self.copies:
+                model.to(self.dtype).to_empty(device=self.layout.device)
             self.module = model
         state = {name: self._local_shard(param) for name, param in self._policy_parameters()}
         with torch.no_grad():
-            # Without FSDP: the replica's parameters become the policy's local tensors (assign).
-            missing = self.module.load_state_dict(state, strict=False, assign=not self.gathers)
+            # No copies: the replica's parameters become the policy's local tensors (assign).
+            missing = self.module.load_state_dict(state, strict=False, assign=not self.copies)
         assert not missing.unexpected_keys, f"the replica lacks {missing.unexpected_keys[:3]}"
         if first:
             self.module.tie_weights()

@@ -337,6 +337,7 @@ class Rollouts:
             quantized_kernels=False,  # (these three swap the model's modules for inference's)
             gemv=False,
             fuse_blocks=False,
+            cache_dtype=torch.bfloat16 if self.bf16 else None,  # what autocast computes
         )
         return self.engine
 
