@@ -860,7 +860,7 @@ def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     graphs = engine_module.StepGraphs()
     recorded = []
 
-    def record(step, state=()):
+    def record(step, state=(), *, warm):
         recorded.append(step)
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -869,3 +869,25 @@ def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     assert graphs.run(("decode", 1, 256), lambda: torch.tensor([2.0])).tolist() == [2.0]
     assert len(recorded) == 1 and graphs.failed
     assert "running without CUDA graphs: recording ('prefill', 1, 16) failed" in caplog.text
+
+
+def test_a_step_recorded_before_records_again_without_warm_up_runs(monkeypatch):
+    """After `clear` (a KV cache given back and taken again: GRPO's rollouts), a key whose step
+    ran before records again at once: its step compiled and tuned the first time."""
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no GPU here
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+    graphs = engine_module.StepGraphs()
+    warm_ups = []
+
+    def record(step, state=(), *, warm):
+        warm_ups.append(warm)
+        graph = type("Graph", (), {"replay": lambda self: None})()
+        return graph, step()
+
+    monkeypatch.setattr(graphs, "_record", record)
+    for key in (("decode", 8, 256), ("decode", 8, 256), ("prefill", 1, 16)):
+        graphs.run(key, lambda: torch.tensor([1.0]))
+    graphs.clear()
+    for key in (("decode", 8, 256), ("decode", 16, 256)):
+        graphs.run(key, lambda: torch.tensor([1.0]))
+    assert warm_ups == [True, True, False, True]

@@ -251,10 +251,12 @@ class StepGraphs:
     the graph's own buffer, overwritten by the next replay of that graph (the engine consumes
     it first). A new key runs twice uncaptured (compiling, tuning) before it is recorded: a step
     is idempotent (it writes K/V at its positions and advances nothing) or names the `state`
-    it changes, which is put back after each of those runs."""
+    it changes, which is put back after each of those runs; a key recorded before `clear` (its
+    step compiled and tuned) records again at once."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
+        self.warmed: set[tuple] = set()  # keys whose steps ran (compiled, tuned) in this process
         # Every step warms up and records on this one stream. cuBLAS keeps a workspace (32 MiB
         # on Hopper) for each stream it has run on, for the life of the process: a stream a
         # recording, as torch.cuda.graph takes by default, left 0.1 GB of workspaces behind
@@ -280,7 +282,8 @@ class StepGraphs:
             return step()
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._record(step, state)
+                self.graphs[key] = self._record(step, state, warm=key not in self.warmed)
+                self.warmed.add(key)
             except RuntimeError as error:
                 log.warning("running without CUDA graphs: recording %s failed (%s)", key, error)
                 self.failed = True
@@ -290,12 +293,13 @@ class StepGraphs:
         return output
 
     def _record(
-        self, step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = ()
+        self, step: Callable[[], torch.Tensor], state: tuple[torch.Tensor, ...] = (), *, warm: bool
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):  # warm-up off the default stream, as capture wants
-            warm_up(step, state)
-        torch.cuda.current_stream().wait_stream(self.stream)
+        if warm:
+            with torch.cuda.stream(self.stream):  # off the default stream, as capture wants
+                warm_up(step, state)
+            torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's event loop thread may touch CUDA meanwhile.
         with torch.cuda.graph(
