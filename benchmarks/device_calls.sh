@@ -166,9 +166,6 @@ grpo)
   step 250 grpo python3 benchmarks/grpo_step.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT" --profile /tmp/grpo-profile
   cat /tmp/grpo-profile/*.txt >>"$OUT/grpo.log"  # (at most 8 files come back from a call)
-  # the same with the cache given back after each rollout (its graphs recorded again each time)
-  step 200 grpo-release python3 benchmarks/grpo_step.py --preset 1b --prompts 64 \
-    --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --release-cache
   # the same shapes through `lmforge grpo` itself (its loop, optimizer and logging)
   step 240 grpo-cli python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"
@@ -178,9 +175,6 @@ grpo)
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
     [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
     print('rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step.json"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
-    print('released cache: rollout/generate', d['rollout_vs_generate'], \
-    [round(s['rollout_s'], 3) for s in d['grpo_steps']])" "$OUT/grpo_step_release.json"
   ;;
 trl)
   # TRL's GRPOTrainer on grpo's shapes, seconds a step: with transformers' generate (its default

@@ -39,7 +39,6 @@ from lmforge.api import build_model
 from lmforge.data.prompts import PromptLoader, PromptSample
 from lmforge.generate import Generator, SamplingParams
 from lmforge.models.llama import get_preset
-from lmforge.train import rollout as rollout_module
 from lmforge.train.config import GRPOSection
 from lmforge.train.grpo_loss import GRPOLossStep
 from lmforge.train.rewards import Reward
@@ -205,15 +204,7 @@ def main() -> None:
         help="after the timed runs, profile one more generate and one more rollout batch: op "
         "tables in DIR/profile_generate.txt and profile_rollout.txt",
     )
-    parser.add_argument(
-        "--release-cache",
-        action="store_true",
-        help="give the engine's KV cache back after every rollout, so that its CUDA graphs "
-        "record again at each (default: kept where it fits beside the peak)",
-    )
     args = parser.parse_args()
-    if args.release_cache:
-        rollout_module.KEEP_CACHE_FRACTION = 0.0
     args.seq_len = args.prompt_len + args.new_tokens
     device = torch.device(args.device)
     model_args = get_preset(PRESETS[args.preset]).replace(max_seq_len=max(args.seq_len, 256))
@@ -231,15 +222,13 @@ def main() -> None:
         "preset": args.preset,
         "device": str(device),
         "sizes": {k: getattr(args, k) for k in SIZES},
-        "release_cache": args.release_cache,
         "generate": generate,
         "grpo_steps": steps,
         "rollout_vs_generate": last["rollout_tokens_per_s"] / generate["tokens_per_s"],
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        name = "grpo_step_release.json" if args.release_cache else "grpo_step.json"
-        write_json(args.out, name, result)
+        write_json(args.out, "grpo_step.json", result)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ makes a rollout batch:
    and without its inference-only kernels and module swaps (GEMV, fused blocks, quantized
    kernels), which would replace the trained modules. On CUDA its decode steps are compiled
    once a run (grpo.compile_rollouts) and replayed as CUDA graphs. Its KV cache (max_batch ×
-   data.max_seq_len slots) is taken for the rollout (`Engine.reserve_cache`) and given back,
-   with the graphs recorded over it, before the update (`Engine.release_cache`), unless it
-   fits beside the process's peak memory (`_keeps_cache`): a cache taken again moves, and
-   every step's graph records again (at once: its step compiled and tuned the first time).
-   What the sync costs (`weight_sync_s`): taking the cache and switching the model to eval
-   mode.
+   data.max_seq_len slots) is taken for the rollout only (`Engine.reserve_cache`) and given
+   back, with the graphs recorded over it, before the update (`Engine.release_cache`); taken
+   again, it moves, and each step's graph records again (at once: its step compiled and
+   tuned the first time). What the sync costs (`weight_sync_s`): taking the cache and
+   switching the model to eval mode.
 2. rollout: prompts_per_step prompts × G completions, sampled with the job's temperature,
    top-p/top-k and stop strings; each sequence draws from a seed of its own, from (train.seed,
    rollout index) and its place in the batch over all ranks, so a resumed run samples what the
@@ -348,22 +347,9 @@ class Rollouts:
         return self.engine
 
     def _put_away(self, engine: Engine) -> None:
-        """The engine's KV cache back (and its CUDA graphs), unless it fits beside the update
-        (`_keeps_cache`); the policy trains again."""
-        if not self._keeps_cache(engine):
-            engine.release_cache()
+        """The engine's KV cache back (and its CUDA graphs); the policy trains again."""
+        engine.release_cache()
         self.policy.train()
-
-    def _keeps_cache(self, engine: Engine) -> bool:
-        """On a GPU, keep the KV cache through the update, and with it the CUDA graphs recorded
-        over it (a cache taken again moves, and every step's graph records again at the next
-        rollout), where the process's peak so far (the last update, the last rollout) plus the
-        cache stays within KEEP_CACHE_FRACTION of the GPU's memory."""
-        if not engine.on_cuda or self.num_rollouts == 0:  # no update measured yet
-            return False
-        cache = sum(t.numel() * t.element_size() for t in engine.caches.tensors())
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return torch.cuda.max_memory_allocated(self.device) + cache <= KEEP_CACHE_FRACTION * total
 
     def _sampling_model(self) -> torch.nn.Module:
         """The module the engine runs: the policy itself, or its replica (FSDP, TP) with the
