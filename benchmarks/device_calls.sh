@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check | grpo | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check | grpo | grpo-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check|grpo|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check|grpo|grpo-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -175,6 +175,21 @@ grpo)
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
     [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
     print('rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step.json"
+  ;;
+grpo-2gpu)
+  # two H200s: `lmforge grpo` on grpo's 1B shapes over two GPUs, FSDP 2 (each GPU samples half
+  # of the prompts on a gathered bf16 replica) and TP 2 (the engine over the policy's shards,
+  # its collectives on NCCL inside the CUDA graphs)
+  step 280 grpo-fsdp2 python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
+    --new-tokens 256 --prompt-len 128 --nproc 2 --tag fsdp2 --out "$OUT" \
+    train.micro_batch_size=16
+  step 280 grpo-tp2 python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
+    --new-tokens 256 --prompt-len 128 --nproc 2 --tag tp2 --out "$OUT" parallel.tp=2
+  for tag in fsdp2 tp2; do
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2]); \
+      [print({k: round(v, 4) for k, v in s.items()}) for s in d['steps']]" \
+      "$OUT/grpo_cli-$tag.json" "$tag"
+  done
   ;;
 trl)
   # TRL's GRPOTrainer on grpo's shapes, seconds a step: with transformers' generate (its default

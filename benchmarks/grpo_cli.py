@@ -12,6 +12,8 @@ share. Every optimizer step is one rollout batch (μ = 1).
         --generations 4 --new-tokens 16 --prompt-len 16 --micro-batch-size 8
     PYTHONPATH=$PWD python benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \\
         --new-tokens 256 --prompt-len 128
+    # two GPUs (`lmforge launch --nproc 2`), tensor parallel; JSON in grpo_cli-tp2.json
+    PYTHONPATH=$PWD python benchmarks/grpo_cli.py --preset 1b --nproc 2 --tag tp2 parallel.tp=2
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def make_artifact(preset: str, root: Path) -> Path:
 
 def main() -> None:
     parser = shape_parser(__doc__, steps="GRPO steps (the first compiles)")
-    parser.add_argument("--out", default=None, help="also write grpo_cli.json here")
+    parser.add_argument("--out", default=None, help="also write grpo_cli[-TAG].json here")
+    parser.add_argument("--tag", default="", help="names the JSON: grpo_cli-TAG.json")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (lmforge launch)")
     parser.add_argument("overrides", nargs="*", help="more KEY=VALUE for `lmforge grpo`")
     args = parser.parse_args()
 
@@ -71,7 +75,8 @@ def main() -> None:
                                for row in ids))  # fmt: skip
     reward = root / "reward.py"
     reward.write_text(REWARD)
-    command = [sys.executable, "-m", "lmforge", "grpo", f"run_dir={root / 'run'}",
+    launch = ["launch", "--nproc", str(args.nproc)] if args.nproc > 1 else []
+    command = [sys.executable, "-m", "lmforge", *launch, "grpo", f"run_dir={root / 'run'}",
         f"model.source={artifact}", f"data.path={prompts}",
         f"data.max_seq_len={args.prompt_len + args.new_tokens}",
         f"train.steps={args.steps}", f"train.micro_batch_size={args.micro_batch_size}",
@@ -97,12 +102,14 @@ def main() -> None:
         "preset": args.preset,
         "device": args.device,
         "sizes": {k: getattr(args, k) for k in SIZES},
+        "processes": args.nproc,
+        "overrides": args.overrides,
         "command_s": seconds,
         "steps": steps,
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        write_json(args.out, "grpo_cli.json", result)
+        write_json(args.out, f"grpo_cli{'-' + args.tag if args.tag else ''}.json", result)
 
 
 if __name__ == "__main__":
