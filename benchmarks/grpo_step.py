@@ -41,6 +41,7 @@ from lmforge.generate import Generator, SamplingParams
 from lmforge.models.llama import get_preset
 from lmforge.train.config import GRPOSection
 from lmforge.train.grpo_loss import GRPOLossStep
+from lmforge.train.replica import FusedReplica
 from lmforge.train.rewards import Reward
 from lmforge.train.rollout import Rollouts
 
@@ -168,7 +169,8 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
         seed=0,
     )
     loss_step = GRPOLossStep(clip_low=0.2, clip_high=0.28, beta=0.0, temperature=1.0)
-    rollouts.bind(model, reference=None, base=False, loss_step=loss_step)
+    replica = FusedReplica(model, model.args, device) if args.fuse_rollouts else None
+    rollouts.bind(model, reference=None, base=False, replica=replica, loss_step=loss_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     rows = []
     for _ in range(args.steps):
@@ -204,6 +206,12 @@ def main() -> None:
         help="after the timed runs, profile one more generate and one more rollout batch: op "
         "tables in DIR/profile_generate.txt and profile_rollout.txt",
     )
+    parser.add_argument(
+        "--fuse-rollouts",
+        action="store_true",
+        help="sample from fused q/k/v and gate/up copies (grpo.fuse_rollouts); JSON in "
+        "grpo_step_fused.json",
+    )
     args = parser.parse_args()
     args.seq_len = args.prompt_len + args.new_tokens
     device = torch.device(args.device)
@@ -222,13 +230,15 @@ def main() -> None:
         "preset": args.preset,
         "device": str(device),
         "sizes": {k: getattr(args, k) for k in SIZES},
+        "fuse_rollouts": args.fuse_rollouts,
         "generate": generate,
         "grpo_steps": steps,
         "rollout_vs_generate": last["rollout_tokens_per_s"] / generate["tokens_per_s"],
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        write_json(args.out, "grpo_step.json", result)
+        name = "grpo_step_fused.json" if args.fuse_rollouts else "grpo_step.json"
+        write_json(args.out, name, result)
 
 
 if __name__ == "__main__":

@@ -646,6 +646,9 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     shard = plan_memory(tp, "h200").phases["rollout (engine)"]["rollout replica"]
     assert args.num_params() * 2 / 2 < shard < args.num_params() * 2 / 2 * 1.1  # norms whole
     fp32 = tp.replace(compute_dtype="fp32")  # the policy's own shards: no copy
+    # one GPU, grpo.fuse_rollouts: q/k/v and gate/up once more, bf16 (with fp32 masters)
+    fused = plan_memory(setup.replace(grpo_fuse_rollouts=True), "h200").phases["rollout (engine)"]
+    assert fused["rollout replica"] == 16 * (2048 * 2048 + 2 * 512 * 2048 + 2 * 8192 * 2048) * 2
     assert plan_memory(fp32, "h200").phases["rollout (engine)"].get("rollout replica", 0) == 0
     lora = setup.replace(method="lora", grpo_reference="auto")
     assert lora.reference == "adapters_disabled"
@@ -796,6 +799,49 @@ def test_bf16_replicas_sample_what_the_trainer_scores(tmp_path, grpo_world, para
     records = _records(tmp_path)
     assert sorted(records) == [1, 2, 3, 4]  # two rollouts: the second after two updates
     assert all(0 < r["logprob_gap"] < 0.02 for r in records.values())  # fp32: < 1e-4
+
+
+def test_replicas_fuse_the_projections_and_compute_the_policys_logits():
+    """The gathered replica (FSDP's; here over a plain module) and the one-process fused one
+    run one q/k/v and one gate/up matmul a block, with the policy's logits; the fused one
+    shares every other tensor with the policy, and takes its q/k/v again at the next call."""
+    from lmforge.api import build_model
+    from lmforge.train.replica import FusedReplica, GatheredReplica, unsharded_model
+    from tests.train_utils import small_args
+
+    args = small_args(64)
+    policy = build_model(args, seed=0).eval()
+    tokens = torch.arange(1, 9)[None]
+    gathered = GatheredReplica(policy, lambda: unsharded_model(args, None, "cpu", False))
+    fused = FusedReplica(policy, args, torch.device("cpu"))
+    for replica in (gathered, fused):
+        model = replica.model()
+        assert (
+            model.layers["0"].attention.wqkv is not None
+            and model.layers["0"].feed_forward.w13 is not None
+        )
+        torch.testing.assert_close(model(tokens), policy(tokens), rtol=0, atol=1e-5)
+    block = fused.model().layers["0"]
+    assert block.attention.wo.weight.data_ptr() == policy.layers["0"].attention.wo.weight.data_ptr()
+    with torch.no_grad():
+        policy.layers["0"].attention.wk.weight.mul_(2.0)  # an update, in place
+    torch.testing.assert_close(fused.model()(tokens), policy(tokens), rtol=0, atol=1e-5)
+
+
+def test_fused_rollouts_sample_what_the_policy_does(tmp_path, grpo_world):
+    """grpo.fuse_rollouts: the engine runs one q/k/v and one gate/up matmul a block over copies
+    refreshed before each rollout (the second rollout, after two updates, too): the same
+    samples, losses and engine-trainer gap as sampling from the policy module itself."""
+    from tests.train_utils import run_inprocess
+
+    args = ["train.steps=4", "grpo.mu=2"]
+    for name, extra in (("plain", []), ("fused", ["grpo.fuse_rollouts=true"])):
+        assert run_inprocess("grpo", grpo_args(tmp_path / name, grpo_world, *args, *extra)) == 0
+    plain, fused = _records(tmp_path / "plain"), _records(tmp_path / "fused")
+    for step in (1, 2, 3, 4):
+        assert fused[step]["reward"] == pytest.approx(plain[step]["reward"], abs=1e-9)
+        assert fused[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4, abs=1e-6)
+        assert fused[step]["logprob_gap"] < 1e-4
 
 
 def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):

@@ -110,6 +110,7 @@ class Setup:
     grpo_rollout_batch: int = 0
     grpo_reference: str = "none"
     grpo_new_tokens: int = 256  # grpo.max_new_tokens: the positions GRPO's logits cover
+    grpo_fuse_rollouts: bool = False  # grpo.fuse_rollouts: fused q/k/v, gate/up copies
     lora_base_dtype: str = "auto"  # auto | fp32 | bf16: frozen linears' storage (lora.base_dtype)
     document_masking: bool = False
     from_scratch: bool = True  # a preset (fresh init) rather than a checkpoint directory
@@ -1002,12 +1003,16 @@ def kv_cache_bytes(setup: Setup) -> int:
 
 def replica_bytes(setup: Setup) -> int:
     """The weights GRPO's engine samples from beside the policy's (lmforge.train.replica):
-    none in one process, or under tensor parallelism alone with weights stored as they are
-    computed (the policy's own tensors); else a copy of each rank's tensor-parallel shard
-    (FSDP: gathered), in the compute dtype when that is bf16 (QLoRA's bases in NF4), else as
-    the trainer stores the weights."""
+    none in one process (but the fused q/k/v and gate/up copies of grpo.fuse_rollouts), or
+    under tensor parallelism alone with weights stored as they are computed (the policy's own
+    tensors); else a copy of each rank's tensor-parallel shard (FSDP: gathered), in the compute
+    dtype when that is bf16 (QLoRA's bases in NF4), else as the trainer stores the weights."""
     copies = setup.fsdp or (setup.tp > 1 and setup.param_bytes != setup.compute_bytes)
     if not copies:
+        if setup.tp == 1 and setup.grpo_fuse_rollouts and not setup.uses_lora:
+            fused = ("wq", "wk", "wv", "w1", "w3")  # copies in the weights' dtype
+            specs = param_specs(setup)
+            return sum(s.numel * setup.param_bytes for s in specs if s.name.split(".")[-2] in fused)
         return 0
     bf16 = setup.compute_dtype == "bf16"
     total = 0
@@ -1245,6 +1250,7 @@ def setup_from_job(
             grpo_rollout_batch=job.grpo.rollout_batch,
             grpo_reference=job.grpo.reference if job.grpo.beta else "none",
             grpo_new_tokens=job.grpo.max_new_tokens,
+            grpo_fuse_rollouts=job.grpo.fuse_rollouts,
         )
     if job.train.global_batch_size:
         per_pass = job.train.micro_batch_size * base.dp_size

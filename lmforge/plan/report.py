@@ -116,7 +116,7 @@ def format_plan(plan: Plan) -> str:
         "logits and loss": f"logits and loss ({_logits_label(s)} [{s.sequences}, {s.seq_len}, "
         f"{s.args.vocab_size}])",
         "backward workspace": "backward workspace (recompute, activation grads)",
-        "rollout replica": "GRPO engine's unsharded weights (FSDP: gathered)",
+        "rollout replica": "GRPO engine's weight copies (FSDP, TP, fused projections)",
         "KV cache": f"GRPO engine KV cache ({s.rollout_rows} rows × {s.seq_len} slots)",
         "rollout logits": "GRPO decode logits (fp32, every row)",
     }

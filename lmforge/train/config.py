@@ -200,6 +200,11 @@ class GRPOSection(Section):
     """On CUDA, compile the rollout engine's decode steps and replay them as CUDA graphs (one
     compile a run; the graphs are recorded again each rollout, over its new KV cache); false:
     eager, as on the CPU."""
+    fuse_rollouts: bool = False
+    """In one process, sample from fused copies of each block's q/k/v and gate/up weights (one
+    matmul each, as `lmforge generate` runs), copied in before each rollout: those weights'
+    memory once more; the other weights stay the policy's own. (Under FSDP or TP the engine's
+    replica is fused always: it is a copy anyway.) LoRA models stay unfused."""
     mu: PositiveInt = 1
     """Optimizer steps on each rollout batch (μ), against its old log-probabilities."""
     clip_low: float = Field(0.2, ge=0, lt=1)

@@ -125,7 +125,12 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             reference=reference,
             base=kind == "adapters_disabled",
             replica=make_replica(
-                model, spec, layout, lora_section(job), bf16=computes_in_bf16(job, layout)
+                model,
+                spec,
+                layout,
+                lora_section(job),
+                bf16=computes_in_bf16(job, layout),
+                fuse=job.grpo.fuse_rollouts,
             ),
             loss_step=loss_step,
         )

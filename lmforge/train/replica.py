@@ -15,8 +15,13 @@ The engine runs a plain module, step after step, on each rank; a parallelized po
   nothing is copied, ever. Otherwise each rollout copies them in (fp32 weights computing in
   bf16: else every decode step would cast every weight again), with FSDP gathering the
   data-parallel shards of this rank's tensor-parallel shard.
+- One process, grpo.fuse_rollouts (`FusedReplica`): the policy's own tensors, but each block's
+  q/k/v and gate/up weights fused into one matmul each (`Transformer.fuse_projections`), copies
+  refreshed before each rollout.
 
-`make_replica` picks one (or none: one process samples from the policy module itself).
+A replica that holds copies is fused too (no more memory: the copies are made anyway); LoRA
+models stay unfused. `make_replica` picks one (or none: one process samples from the policy
+module itself).
 """
 
 from __future__ import annotations
@@ -38,16 +43,16 @@ from lmforge.modules.lora import (
 )
 
 
-def make_replica(policy: nn.Module, spec, layout, lora, *, bf16: bool):
-    """The replica a policy parallelized over `layout` samples from, or None (one process).
-    `bf16`: the trainer computes in bf16."""
+def make_replica(policy: nn.Module, spec, layout, lora, *, bf16: bool, fuse: bool = False):
+    """The replica a policy parallelized over `layout` samples from, or None (one process,
+    unless `fuse`: grpo.fuse_rollouts). `bf16`: the trainer computes in bf16."""
     if layout.tp_size > 1:
         return TensorParallelReplica(policy, spec.args, layout, bf16=bf16)
     if hasattr(policy, "set_requires_gradient_sync"):  # FSDP2's
         return GatheredReplica(
             policy, lambda: unsharded_model(spec.args, lora, layout.device, bf16)
         )
-    return None
+    return FusedReplica(policy, spec.args, layout.device) if fuse and lora is None else None
 
 
 def unsharded_model(args, lora, device: torch.device, bf16: bool) -> nn.Module:
@@ -88,6 +93,7 @@ class GatheredReplica:
         first = self.module is None
         if first:
             self.module = self.make()
+            self.module.fuse_projections()  # (not with LoRA) joined again at each load
         trainable_only = not first and any(not p.requires_grad for p in self.policy.parameters())
         options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
         state = get_model_state_dict(self.policy, options=options)
@@ -135,6 +141,7 @@ class TensorParallelReplica:
             run_vocabulary_on_local_shards(model, tp.get_group())
             if self.copies:
                 model.to(self.dtype).to_empty(device=self.layout.device)
+                model.fuse_projections()  # its local rows; joined again at each load
             self.module = model
         state = {name: self._local_shard(param) for name, param in self._policy_parameters()}
         with torch.no_grad():
@@ -148,8 +155,7 @@ class TensorParallelReplica:
         return self.module
 
     def _policy_parameters(self):
-        for name, param in self.policy.named_parameters():
-            yield name.replace(WRAPPER_PREFIX, ""), param
+        return policy_parameters(self.policy)
 
     def _local_shard(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's tensor-parallel shard of `param`, gathered over the data-parallel mesh
@@ -164,3 +170,40 @@ class TensorParallelReplica:
         if list(placements) != list(param.placements):
             param = param.redistribute(mesh, placements)
         return param.to_local().detach()
+
+
+class FusedReplica:
+    """One process: the policy's own tensors, with each block's q/k/v and gate/up weights fused
+    into copies (module docstring), which every rollout refreshes from the policy."""
+
+    FUSED = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+
+    def __init__(self, policy: nn.Module, args, device: torch.device) -> None:
+        self.policy, self.args, self.device = policy, args, device
+        self.module: nn.Module | None = None
+
+    def model(self) -> nn.Module:
+        with torch.no_grad():
+            if self.module is not None:  # the fused copies, joined again from the policy's
+                fused = {n: p.detach() for n, p in policy_parameters(self.policy) if self._fused(n)}
+                self.module.load_state_dict(fused, strict=False)
+                return self.module
+            with torch.device("meta"):
+                model = models.new_model(self.args)
+            state = {name: p.detach() for name, p in policy_parameters(self.policy)}
+            model.load_state_dict(state, strict=False, assign=True)  # the policy's tensors
+            model.tie_weights()
+            model.init_buffers(self.device)
+            model.requires_grad_(False).eval()
+            model.fuse_projections()  # the fused weights: copies
+            self.module = model
+        return self.module
+
+    def _fused(self, name: str) -> bool:
+        return name.removesuffix(".weight").endswith(self.FUSED)
+
+
+def policy_parameters(policy: nn.Module):
+    """(state-dict name, parameter) of the policy (activation checkpointing's wrappers cut)."""
+    for name, param in policy.named_parameters():
+        yield name.replace(WRAPPER_PREFIX, ""), param
