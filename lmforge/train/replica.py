@@ -1,4 +1,4 @@
-"""The model GRPO's rollout engine samples from when the policy is parallelized.
+"""The model GRPO's rollout engine samples from where it is not the policy module itself.
 
 The engine runs a plain module, step after step, on each rank; a parallelized policy is not one:
 
@@ -143,19 +143,16 @@ class TensorParallelReplica:
                 model.to(self.dtype).to_empty(device=self.layout.device)
                 model.fuse_projections()  # its local rows; joined again at each load
             self.module = model
-        state = {name: self._local_shard(param) for name, param in self._policy_parameters()}
+        state = {name: self._local_shard(p) for name, p in policy_parameters(self.policy)}
         with torch.no_grad():
             # No copies: the replica's parameters become the policy's local tensors (assign).
-            missing = self.module.load_state_dict(state, strict=False, assign=not self.copies)
-        assert not missing.unexpected_keys, f"the replica lacks {missing.unexpected_keys[:3]}"
+            loaded = self.module.load_state_dict(state, strict=False, assign=not self.copies)
+        assert not loaded.unexpected_keys, f"the replica lacks {loaded.unexpected_keys[:3]}"
         if first:
             self.module.tie_weights()
             self.module.init_buffers(self.layout.device)
             self.module.requires_grad_(False).eval()
         return self.module
-
-    def _policy_parameters(self):
-        return policy_parameters(self.policy)
 
     def _local_shard(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's tensor-parallel shard of `param`, gathered over the data-parallel mesh
