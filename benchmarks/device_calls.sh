@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check | grpo | grpo-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check|grpo|grpo-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -166,9 +166,6 @@ grpo)
   step 250 grpo python3 benchmarks/grpo_step.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT" --profile /tmp/grpo-profile
   cat /tmp/grpo-profile/*.txt >>"$OUT/grpo.log"  # (at most 8 files come back from a call)
-  # the same sampling from fused q/k/v and gate/up copies (grpo.fuse_rollouts)
-  step 200 grpo-fused python3 benchmarks/grpo_step.py --preset 1b --prompts 64 \
-    --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --fuse-rollouts
   # the same shapes through `lmforge grpo` itself (its loop, optimizer and logging)
   step 240 grpo-cli python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"
@@ -178,9 +175,21 @@ grpo)
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
     [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
     print('rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step.json"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
-    print('fused: rollout/generate', d['rollout_vs_generate'], \
-    [round(s['rollout_s'], 3) for s in d['grpo_steps']])" "$OUT/grpo_step_fused.json"
+  ;;
+grpo-ab)
+  # the grpo case's two runs again with what may make them faster: grpo_step.py sampling from
+  # fused q/k/v and gate/up copies (grpo.fuse_rollouts), `lmforge grpo` with its blocks compiled
+  # for the update (parallel.compile) and fused rollouts
+  step 250 grpo-fused python3 benchmarks/grpo_step.py --preset 1b --prompts 64 \
+    --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --fuse-rollouts
+  step 300 grpo-cli-compile python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 \
+    --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --tag compile \
+    parallel.compile=true grpo.fuse_rollouts=true
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
+    [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
+    print('fused: rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step_fused.json"
+  python3 -c "import json,sys; [print('compile', {k: round(v, 4) for k, v in s.items()}) for s \
+    in json.load(open(sys.argv[1]))['steps']]" "$OUT/grpo_cli-compile.json"
   ;;
 grpo-2gpu)
   # two H200s: `lmforge grpo` on grpo's 1B shapes over two GPUs, FSDP 2 (each GPU samples half
