@@ -925,6 +925,38 @@ def _small_rollouts(grpo, *, device="cpu", bf16=False):
     )  # fmt: skip
 
 
+def test_truncated_completions_leave_the_update_but_count_in_their_group():
+    """grpo.mask_truncated (DAPO's overlong filtering): completions cut before a stop are not
+    trained on, but their rewards still shape their group's advantages; they are counted."""
+    from types import SimpleNamespace
+
+    from lmforge.train.config import GRPOSection
+    from lmforge.train.grpo_loss import group_advantages
+
+    def result(ids, reason):
+        return SimpleNamespace(token_ids=ids, text="", finish_reason=reason)
+
+    # the even-ids reward: 1, 0 | 1, 0.5 (the last one cut at max_new_tokens)
+    results = [
+        result([2], "stop"),
+        result([3], "stop"),
+        result([4], "stop"),
+        result([6, 7], "length"),
+    ]
+    for mask in (False, True):
+        grpo = GRPOSection(num_generations=2, drop_equal_groups=False, mask_truncated=mask)
+        rollouts = _small_rollouts(grpo)
+        prompts = [next(iter(rollouts.prompts))[i] for i in range(2)]
+        kept, metrics = rollouts._score(prompts, results, None)
+        rewards = torch.tensor([[1.0, 0.0], [1.0, 0.5]], dtype=torch.float64)
+        expected, _ = group_advantages(rewards, scale=True)
+        assert [r.advantage for r in kept] == expected.flatten().tolist()[: len(kept)]
+        assert [r.completion_ids for r in kept] == (
+            [[2], [3], [4]] if mask else [[2], [3], [4], [6, 7]]
+        )
+        assert metrics.get("truncated_masked") == (1.0 if mask else None)
+
+
 def test_a_decode_step_that_does_not_compile_leaves_the_rollouts_eager(monkeypatch, caplog):
     """Where the rollout engine's compiled decode step fails to compile (a torch.compile
     error), the rollout warns and runs again on an eager engine, which samples what an engine

@@ -219,6 +219,10 @@ class GRPOSection(Section):
     drop_equal_groups: bool = True
     """Leave out of the update the groups whose rewards are all equal (no advantage: only the
     KL term would move them); counted as `groups_dropped`."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: leave out of the update the completions cut at
+    grpo.max_new_tokens (or the context) before a stop; their groups' advantages still count
+    them. Counted as `truncated_masked`."""
     beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (k3 estimator); 0: no KL and no reference."""
     reference: Literal["auto", "adapters_disabled", "frozen_copy"] = "auto"

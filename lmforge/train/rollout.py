@@ -400,6 +400,10 @@ class Rollouts:
         rewards = torch.tensor(scores.total, dtype=torch.float64).view(len(prompts), num)
         advantages, equal = group_advantages(rewards, scale=self.grpo.scale_rewards)
         drop = equal if self.grpo.drop_equal_groups else torch.zeros_like(equal)
+        kept = [(group, j) for group in range(len(prompts)) if not drop[group] for j in range(num)]
+        truncated = [results[group * num + j].finish_reason != "stop" for group, j in kept]
+        if self.grpo.mask_truncated:  # DAPO's overlong filtering
+            kept = [at for at, cut in zip(kept, truncated) if not cut]
         rollouts = [
             Rollout(
                 prompt_ids=prompts[group].prompt_ids.tolist(),
@@ -407,9 +411,7 @@ class Rollouts:
                 advantage=float(advantages[group, j]),
                 engine_logps=None if engine_logps is None else engine_logps[group * num + j],
             )
-            for group in range(len(prompts))
-            if not drop[group]
-            for j in range(num)
+            for group, j in kept
         ]
         lengths = [len(r.token_ids) for r in results]
         metrics = {
@@ -420,6 +422,8 @@ class Rollouts:
             "stopped_fraction": float(np.mean([r.finish_reason == "stop" for r in results])),
             "groups_dropped": float(drop.sum().item()),
         }
+        if self.grpo.mask_truncated:
+            metrics["truncated_masked"] = float(sum(truncated))
         for name, values in scores.by_reward.items():
             metrics[f"reward_{name}"] = float(np.mean(values))
         if scores.correct is not None:
@@ -593,7 +597,7 @@ def _completions(prompts: Sequence[PromptSample], results, *, copies: int) -> li
 
 # Metrics that add up over the data-parallel ranks, and those whose largest value is the one to
 # log; the others are means over equal shares, averaged.
-SUMMED = ("groups_dropped", "prompt_tokens_shared", "rollout_tokens_per_s")
+SUMMED = ("groups_dropped", "truncated_masked", "prompt_tokens_shared", "rollout_tokens_per_s")
 LARGEST = ("completion_len_max", "logprob_gap")
 
 
