@@ -852,19 +852,25 @@ def test_warm_up_puts_back_what_a_step_changes():
     assert positions.item() == 9
 
 
+def _graphs_recording_with(record, monkeypatch):
+    """A `StepGraphs` without a GPU whose recordings are `record(step, state, *, warm)`'s."""
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+    graphs = engine_module.StepGraphs()
+    monkeypatch.setattr(graphs, "_record", record)
+    return graphs
+
+
 def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
     """Where recording a graph fails (a step that syncs with the host, say), the step's
     result still comes back, with a warning, and no later step tries to record again."""
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no GPU here
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
-    graphs = engine_module.StepGraphs()
     recorded = []
 
     def record(step, state=(), *, warm):
         recorded.append(step)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphs, "_record", record)
+    graphs = _graphs_recording_with(record, monkeypatch)
     assert graphs.run(("prefill", 1, 16), lambda: torch.tensor([1.0])).tolist() == [1.0]
     assert graphs.run(("decode", 1, 256), lambda: torch.tensor([2.0])).tolist() == [2.0]
     assert len(recorded) == 1 and graphs.failed
@@ -874,9 +880,6 @@ def test_a_step_cuda_cannot_capture_runs_as_it_is(monkeypatch, caplog):
 def test_a_step_recorded_before_records_again_without_warm_up_runs(monkeypatch):
     """After `clear` (a KV cache given back and taken again: GRPO's rollouts), a key whose step
     ran before records again at once: its step compiled and tuned the first time."""
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no GPU here
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
-    graphs = engine_module.StepGraphs()
     warm_ups = []
 
     def record(step, state=(), *, warm):
@@ -884,7 +887,7 @@ def test_a_step_recorded_before_records_again_without_warm_up_runs(monkeypatch):
         graph = type("Graph", (), {"replay": lambda self: None})()
         return graph, step()
 
-    monkeypatch.setattr(graphs, "_record", record)
+    graphs = _graphs_recording_with(record, monkeypatch)
     for key in (("decode", 8, 256), ("decode", 8, 256), ("prefill", 1, 16)):
         graphs.run(key, lambda: torch.tensor([1.0]))
     graphs.clear()
