@@ -841,6 +841,20 @@ def test_replicas_fuse_the_projections_and_compute_the_policys_logits():
     torch.testing.assert_close(fused.model()(tokens), policy(tokens), rtol=0, atol=1e-5)
 
 
+def test_tensor_parallel_rollouts_need_a_vocabulary_that_splits():
+    """The TP replica gathers the logits over the vocabulary: one that does not split over the
+    tensor-parallel ranks is a ConfigError naming both numbers."""
+    from types import SimpleNamespace
+
+    from lmforge.errors import ConfigError
+    from lmforge.train.replica import TensorParallelReplica
+    from tests.train_utils import small_args
+
+    layout = SimpleNamespace(tp_size=2, dp_size=1)
+    with pytest.raises(ConfigError, match="parallel.tp = 2 .* vocab_size 401"):
+        TensorParallelReplica(torch.nn.Linear(2, 2), small_args(401), layout, bf16=False)
+
+
 def test_fused_rollouts_sample_what_the_policy_does(tmp_path, grpo_world):
     """grpo.fuse_rollouts: the engine runs one q/k/v and one gate/up matmul a block over copies
     refreshed before each rollout (the second rollout, after two updates, too): the same
