@@ -851,7 +851,7 @@ def test_tensor_parallel_rollouts_need_a_vocabulary_that_splits():
     from tests.train_utils import small_args
 
     layout = SimpleNamespace(tp_size=2, dp_size=1)
-    with pytest.raises(ConfigError, match="parallel.tp = 2 .* vocab_size 401"):
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2 .* \(vocab_size 401\)"):
         TensorParallelReplica(torch.nn.Linear(2, 2), small_args(401), layout, bf16=False)
 
 
