@@ -178,16 +178,18 @@ grpo)
   ;;
 grpo-ab)
   # the grpo case's two runs again with what may make them faster: grpo_step.py sampling from
-  # fused q/k/v and gate/up copies (grpo.fuse_rollouts), `lmforge grpo` with its blocks compiled
-  # for the update (parallel.compile) and fused rollouts
-  step 250 grpo-fused python3 benchmarks/grpo_step.py --preset 1b --prompts 64 \
-    --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --fuse-rollouts
+  # fused q/k/v and gate/up copies (grpo.fuse_rollouts: its rollout row) and sharing a group's
+  # prompt in the update (grpo.share_prompts: its update row); `lmforge grpo` with both and its
+  # blocks compiled for the update (parallel.compile)
+  step 250 grpo-options python3 benchmarks/grpo_step.py --preset 1b --prompts 64 \
+    --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --fuse-rollouts \
+    --share-prompts
   step 300 grpo-cli-compile python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 \
     --generations 8 --new-tokens 256 --prompt-len 128 --out "$OUT" --tag compile \
-    parallel.compile=true grpo.fuse_rollouts=true
+    parallel.compile=true grpo.fuse_rollouts=true grpo.share_prompts=true
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
     [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
-    print('fused: rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step_fused.json"
+    print('options: rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step_options.json"
   python3 -c "import json,sys; [print('compile', {k: round(v, 4) for k, v in s.items()}) for s \
     in json.load(open(sys.argv[1]))['steps']]" "$OUT/grpo_cli-compile.json"
   ;;

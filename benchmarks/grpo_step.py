@@ -146,6 +146,7 @@ def time_grpo_steps(model, prompts, args, device) -> list[dict]:
     """GRPO steps as `lmforge grpo` takes them (no checkpoints, no logging): rollout metrics
     from `Rollouts`, the update timed here."""
     grpo = GRPOSection(
+        share_prompts=args.share_prompts,
         prompts_per_step=args.prompts,
         num_generations=args.generations,
         max_new_tokens=args.new_tokens,
@@ -209,8 +210,12 @@ def main() -> None:
     parser.add_argument(
         "--fuse-rollouts",
         action="store_true",
-        help="sample from fused q/k/v and gate/up copies (grpo.fuse_rollouts); JSON in "
-        "grpo_step_fused.json",
+        help="sample from fused q/k/v and gate/up copies (grpo.fuse_rollouts)",
+    )
+    parser.add_argument(
+        "--share-prompts",
+        action="store_true",
+        help="a group's prompt once a row in the update (grpo.share_prompts)",
     )
     args = parser.parse_args()
     args.seq_len = args.prompt_len + args.new_tokens
@@ -231,14 +236,15 @@ def main() -> None:
         "device": str(device),
         "sizes": {k: getattr(args, k) for k in SIZES},
         "fuse_rollouts": args.fuse_rollouts,
+        "share_prompts": args.share_prompts,
         "generate": generate,
         "grpo_steps": steps,
         "rollout_vs_generate": last["rollout_tokens_per_s"] / generate["tokens_per_s"],
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        name = "grpo_step_fused.json" if args.fuse_rollouts else "grpo_step.json"
-        write_json(args.out, name, result)
+        options = args.fuse_rollouts or args.share_prompts
+        write_json(args.out, "grpo_step_options.json" if options else "grpo_step.json", result)
 
 
 if __name__ == "__main__":

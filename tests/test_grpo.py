@@ -855,20 +855,22 @@ def test_tensor_parallel_rollouts_need_a_vocabulary_that_splits():
         TensorParallelReplica(torch.nn.Linear(2, 2), small_args(401), layout, bf16=False)
 
 
-def test_fused_rollouts_sample_what_the_policy_does(tmp_path, grpo_world):
-    """grpo.fuse_rollouts: the engine runs one q/k/v and one gate/up matmul a block over copies
-    refreshed before each rollout (the second rollout, after two updates, too): the same
-    samples, losses and engine-trainer gap as sampling from the policy module itself."""
+@pytest.mark.parametrize("option", ["grpo.fuse_rollouts=true", "grpo.share_prompts=true"])
+def test_speed_options_train_as_the_plain_run(tmp_path, grpo_world, option):
+    """grpo.fuse_rollouts (the engine runs one q/k/v and one gate/up matmul a block over copies
+    refreshed before each rollout, the second after two updates too) and grpo.share_prompts (a
+    group's prompt once a row in the update's forwards): the same samples, losses and
+    engine-trainer gap as the plain run."""
     from tests.train_utils import run_inprocess
 
     args = ["train.steps=4", "grpo.mu=2"]
-    for name, extra in (("plain", []), ("fused", ["grpo.fuse_rollouts=true"])):
+    for name, extra in (("plain", []), ("option", [option])):
         assert run_inprocess("grpo", grpo_args(tmp_path / name, grpo_world, *args, *extra)) == 0
-    plain, fused = _records(tmp_path / "plain"), _records(tmp_path / "fused")
+    plain, other = _records(tmp_path / "plain"), _records(tmp_path / "option")
     for step in (1, 2, 3, 4):
-        assert fused[step]["reward"] == pytest.approx(plain[step]["reward"], abs=1e-9)
-        assert fused[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4, abs=1e-6)
-        assert fused[step]["logprob_gap"] < 1e-4
+        assert other[step]["reward"] == pytest.approx(plain[step]["reward"], abs=1e-9)
+        assert other[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4, abs=1e-6)
+        assert other[step]["logprob_gap"] < 1e-4
 
 
 def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):
@@ -937,6 +939,44 @@ def _small_rollouts(grpo, *, device="cpu", bf16=False):
         num_micro_batches=1, max_seq_len=16, pad_id=0, device=torch.device(device),
         bf16=bf16, seed=0,
     )  # fmt: skip
+
+
+def test_shared_prompts_give_the_same_log_probabilities_and_gradients():
+    """grpo.share_prompts: a group's prompt once a row, its completions after it: the same
+    log-probability at every completion token and the same gradients as whole sequences
+    packed apart, on fewer positions."""
+    from lmforge.api import build_model
+    from lmforge.train.config import GRPOSection
+    from lmforge.train.grpo_loss import GRPOLossStep, completion_logps
+    from lmforge.train.rollout import Rollout
+    from tests.train_utils import small_args
+
+    model = build_model(small_args(vocab_size=64), seed=0)
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, 64, (n,), generator=g).tolist()
+
+    prompts = [ids(5), ids(3), ids(1)]  # (a one-token prompt: nothing before its last token)
+    chunk = [
+        Rollout(prompts[i // 3], ids(2 + i % 4), advantage=i - 3.5, engine_logps=None)
+        for i in range(8)
+    ]
+    seen = {}
+    for share in (False, True):
+        grpo = GRPOSection(share_prompts=share, loss_aggregation="sequence")
+        batch, _ = _small_rollouts(grpo)._pack(chunk)
+        model.zero_grad()
+        step = GRPOLossStep(clip_low=0.2, clip_high=0.28, beta=0.0, temperature=1.0)
+        step(model, batch).loss_sum.backward()
+        logps = completion_logps(model, batch)[batch["labels"] != -100]
+        real = (batch["document_ids"] < len(chunk) + 1).sum() if "document_ids" in batch else None
+        seen[share] = logps.detach(), [p.grad.clone() for p in model.parameters()], real
+    torch.testing.assert_close(seen[True][0], seen[False][0], rtol=0, atol=1e-5)
+    for shared, plain in zip(seen[True][1], seen[False][1]):
+        torch.testing.assert_close(shared, plain, rtol=1e-4, atol=1e-6)
+    # positions: whole sequences 3·5 + 3·3 + 2·1 - 8 + Σ completions; shared, 4 + 2 fewer
+    assert seen[False][2] - seen[True][2] == 2 * 4 + 2 * 2
 
 
 def test_truncated_completions_leave_the_update_but_count_in_their_group():

@@ -289,17 +289,24 @@ class PackedLoader:
         self.samples_consumed = int(state["samples_consumed"])
 
 
-def build_block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Attention mask for packed documents: a token sees earlier tokens of its own document.
+def build_block_causal_mask(
+    document_ids: torch.Tensor, *, shared: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention mask for packed documents: a token sees earlier tokens of its own document,
+    and (`shared`) the earlier positions a whole row shares (GRPO's prompt before its group's
+    completions).
 
     Args:
         document_ids: [b, s] integer document ids (as `PackedLoader` makes them).
+        shared: optional bool [b, s], True at the positions every later one of the row sees.
 
     Returns:
         bool [b, 1, s, s], True = may attend; pass it as the model's `attn_mask`.
     """
     seq_len = document_ids.shape[-1]
     same = document_ids[:, :, None] == document_ids[:, None, :]  # [b, s, s]
+    if shared is not None:
+        same |= shared[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
     return (same & causal).unsqueeze(1)
 

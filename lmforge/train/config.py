@@ -219,6 +219,10 @@ class GRPOSection(Section):
     drop_equal_groups: bool = True
     """Leave out of the update the groups whose rewards are all equal (no advantage: only the
     KL term would move them); counted as `groups_dropped`."""
+    share_prompts: bool = False
+    """In the update's forwards, a group's prompt once a row, its completions after it attending
+    to it (block-causal), where each sequence would run its prompt again: of G·(P + C)
+    positions, (G - 1)·(P - 1) fewer; rows of P + G·C positions under a dense attention mask."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: leave out of the update the completions cut at
     grpo.max_new_tokens (or the context) before a stop; their groups' advantages still count

@@ -38,7 +38,9 @@ def model_inputs(batch: dict) -> dict:
     if "positions" in batch:
         kwargs["positions"] = batch["positions"]
     if "document_ids" in batch:
-        kwargs["attn_mask"] = build_block_causal_mask(batch["document_ids"])
+        kwargs["attn_mask"] = build_block_causal_mask(
+            batch["document_ids"], shared=batch.get("shared_prefix")
+        )
     return kwargs
 
 

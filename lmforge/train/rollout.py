@@ -94,6 +94,28 @@ class Rollout:
         return len(self.prompt_ids) + len(self.completion_ids) - 1
 
 
+@dataclass
+class _Piece:
+    """Consecutive positions of a packed row: `ids` at RoPE positions `start`..; from `first`
+    on they predict `rollout`'s completion tokens (no rollout: a shared prompt)."""
+
+    ids: list[int]
+    start: int
+    rollout: Rollout | None
+    first: int = 0
+
+
+def _runs_of_one_prompt(rollouts: Sequence[Rollout]) -> list[list[Rollout]]:
+    """`rollouts` cut where the prompt changes (a group's G sequences are consecutive)."""
+    runs: list[list[Rollout]] = []
+    for rollout in rollouts:
+        if runs and runs[-1][0].prompt_ids == rollout.prompt_ids:
+            runs[-1].append(rollout)
+        else:
+            runs.append([rollout])
+    return runs
+
+
 def rollout_seed(seed: int, rollout_index: int) -> int:
     """The first sampling seed of one rollout batch (its sequences count on from it)."""
     state = np.random.SeedSequence([seed, rollout_index]).generate_state(1, np.uint64)[0]
@@ -497,37 +519,61 @@ class Rollouts:
                 "token_weights": torch.zeros(shape),
             }
             return batch, None
-        rows = pack_samples([r.num_positions for r in chunk], self.max_seq_len)
-        width = max(sum(chunk[i].num_positions for i in row) for row in rows)
+        rows = self._rows(chunk)
+        width = max(sum(len(piece.ids) for piece in row) for row in rows)
         width = -(-width // self.width_multiple) * self.width_multiple
         shape = (len(rows), width)
         inputs = torch.full(shape, self.pad_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros(shape, dtype=torch.long)
-        document_ids = torch.full(shape, len(chunk), dtype=torch.int32)  # padding: its own
+        document_ids = torch.full(shape, len(chunk) + 1, dtype=torch.int32)  # padding: its own
+        shared = torch.zeros(shape, dtype=torch.bool)
         advantages, weights = torch.zeros(shape), torch.zeros(shape)
         engine = torch.zeros(shape) if chunk[0].engine_logps is not None else None
-        for row, members in enumerate(rows):
+        for row, pieces in enumerate(rows):
             offset = 0
-            for index in members:
-                rollout = chunk[index]
-                ids = torch.tensor(rollout.prompt_ids + rollout.completion_ids)
-                n, first = rollout.num_positions, len(rollout.prompt_ids) - 1
-                span = slice(offset + first, offset + n)  # positions predicting the completion
-                inputs[row, offset : offset + n] = ids[:-1]
-                labels[row, span] = ids[first + 1 :]
-                positions[row, offset : offset + n] = torch.arange(n)
-                document_ids[row, offset : offset + n] = index
-                advantages[row, span] = rollout.advantage
-                weights[row, span] = self._token_weight(len(rollout.completion_ids))
-                if engine is not None:
-                    engine[row, span] = torch.tensor(rollout.engine_logps, dtype=torch.float32)
+            for document, piece in enumerate(pieces):
+                n = len(piece.ids)
+                inputs[row, offset : offset + n] = torch.tensor(piece.ids)
+                positions[row, offset : offset + n] = torch.arange(piece.start, piece.start + n)
+                document_ids[row, offset : offset + n] = document
+                rollout = piece.rollout
+                if rollout is None:  # a prompt its group's completions share
+                    shared[row, offset : offset + n] = True
+                else:
+                    span = slice(offset + piece.first, offset + n)  # predicting the completion
+                    labels[row, span] = torch.tensor(rollout.completion_ids)
+                    advantages[row, span] = rollout.advantage
+                    weights[row, span] = self._token_weight(len(rollout.completion_ids))
+                    if engine is not None:
+                        engine[row, span] = torch.tensor(rollout.engine_logps)
                 offset += n
         batch = {"inputs": inputs, "labels": labels, "positions": positions}
-        if any(len(members) > 1 for members in rows):
-            batch["document_ids"] = document_ids  # several sequences a row: block-causal
+        if any(len(pieces) > 1 for pieces in rows):
+            batch["document_ids"] = document_ids  # several pieces a row: block-causal
+        if shared.any():
+            batch["shared_prefix"] = shared  # ... and every piece sees its row's prompt
         batch.update(advantages=advantages, token_weights=weights)
         return batch, engine
+
+    def _rows(self, chunk: list[Rollout]) -> list[list[_Piece]]:
+        """The pieces of each packed row: whole sequences packed into rows of max_seq_len, or
+        (grpo.share_prompts) a row per run of sequences of one prompt: the prompt but its last
+        token once, then each completion after that token, attending to the prompt."""
+        if not self.grpo.share_prompts:
+            pieces = [
+                _Piece(r.prompt_ids + r.completion_ids[:-1], 0, r, first=len(r.prompt_ids) - 1)
+                for r in chunk
+            ]
+            packed = pack_samples([len(piece.ids) for piece in pieces], self.max_seq_len)
+            return [[pieces[i] for i in row] for row in packed]
+        rows = []
+        for run in _runs_of_one_prompt(chunk):
+            prompt, start = run[0].prompt_ids, len(run[0].prompt_ids) - 1
+            row = [_Piece(prompt[:-1], 0, None)] if start else []
+            row += [_Piece(prompt[-1:] + r.completion_ids[:-1], start, r) for r in run]
+            rows.append(row)
+        return rows
 
     def _token_weight(self, num_tokens: int) -> float:
         return 1.0 if self.grpo.loss_aggregation == "token" else 1.0 / num_tokens
