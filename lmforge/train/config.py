@@ -222,7 +222,9 @@ class GRPOSection(Section):
     share_prompts: bool = False
     """In the update's forwards, a group's prompt once a row, its completions after it attending
     to it (block-causal), where each sequence would run its prompt again: of G·(P + C)
-    positions, (G - 1)·(P - 1) fewer; rows of P + G·C positions under a dense attention mask."""
+    positions, (G - 1)·(P - 1) fewer. For short completions: a row is W = P + G·C positions
+    under a dense attention mask of W² entries (4.7M at 127 + 8·256; 1.1G at 8 × 4096 new
+    tokens), which `lmforge plan` does not count."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: leave out of the update the completions cut at
     grpo.max_new_tokens (or the context) before a stop; their groups' advantages still count
