@@ -32,8 +32,10 @@ makes a rollout batch:
 
 Micro-batches: the kept sequences in order, train.micro_batch_size a micro-batch, as many
 micro-batches as a step takes (global / micro); each micro-batch packs its sequences into rows
-of at most data.max_seq_len positions (block-causal attention where a row holds several). A
-micro-batch with no sequence left (dropped groups) is one row of padding with weight 0.
+of at most data.max_seq_len positions (block-causal attention where a row holds several), or
+with grpo.share_prompts a row per prompt: the prompt once, then its completions, each attending
+to it. A micro-batch with no sequence left (dropped groups) is one row of padding with weight
+0.
 
 Several processes: each data-parallel rank samples for its share of the prompts; the engine
 runs a replica of the policy (lmforge.train.replica): under FSDP2 an unsharded copy, the full
@@ -74,9 +76,6 @@ from lmforge.train.rewards import Completion, Reward, score_completions
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-KEEP_CACHE_FRACTION = (
-    0.85  # of the GPU's memory: the peak so far plus the KV cache (`_keeps_cache`)
-)
 
 
 @dataclass
@@ -87,11 +86,6 @@ class Rollout:
     completion_ids: list[int]
     advantage: float
     engine_logps: list[float] | None  # the engine's log-probability of each completion token
-
-    @property
-    def num_positions(self) -> int:
-        """Positions the training forward sees: every token but the last is an input."""
-        return len(self.prompt_ids) + len(self.completion_ids) - 1
 
 
 @dataclass
@@ -178,7 +172,7 @@ class Rollouts:
         self.dp_group, self.width_multiple = dp_group, width_multiple
         self.policy: torch.nn.Module | None = None
         self.sharded = False  # by FSDP2, whose mixed precision casts (no autocast)
-        self.replica = None  # what the engine samples from under FSDP or TP (train.replica)
+        self.replica = None  # what the engine samples from, if not the policy (train.replica)
         self.engine: Engine | None = None  # made at the first rollout (`_engine`)
         self.eager = False  # the engine's decode step failed to compile: eager from then on
         self.reference: torch.nn.Module | None = None
@@ -201,7 +195,8 @@ class Rollouts:
     ) -> None:
         """The model to sample from and train; the KL reference: a frozen model, or (`base`)
         the policy with its LoRA adapters off, or neither (no KL). `replica`: for a policy
-        parallelized by FSDP or TP, what the engine samples from (`train.replica.make_replica`:
+        parallelized by FSDP or TP (or grpo.fuse_rollouts), what the engine samples from
+        (`train.replica.make_replica`:
         its `model()` brings the policy's current weights, a collective every rank calls once
         a rollout). `loss_step`: the job's `GRPOLossStep`, which measures the engine-trainer
         gap when μ = 1 (`step_metrics` takes it)."""
