@@ -688,6 +688,10 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     assert "GRPO, full finetuning: 64 prompts × 8 completions (KL reference: none)" in out
     assert "GRPO engine KV cache (512 rows × 1024 slots)" in out and "512 accumulation steps" in out
     assert run_inprocess("plan", [*command, "--max-new-tokens", "64"]) == 0
+    # a KV cache that does not fit: fewer rows at once is the cheapest way out
+    big = ["--model", "llama3.2-1b", "--method", "grpo", "--prompts", "512", "--seq-len", "4096"]
+    assert run_inprocess("plan", [*big, "--gpu-memory", "h100"]) == 1  # does not fit
+    assert "1. --rollout-batch 256 " in capsys.readouterr().out
     assert run_inprocess("plan", ["--model", "llama3.2-1b", "--prompts", "8"]) == 2
     assert "--prompts: only with --method grpo" in capsys.readouterr().err
 

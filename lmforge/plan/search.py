@@ -157,6 +157,18 @@ def suggest(plan: Plan, *, max_items: int = 6) -> list[Suggestion]:
         if len(out) > before:
             out[-1].cost *= 1.05  # smaller matmuls run a little less efficiently
             break
+    rows = s.rollout_rows if s.is_grpo else 1
+    while rows > 1:  # GRPO: fewer KV-cache rows (continuous batching over the sequences)
+        rows //= 2
+        before = len(out)
+        consider(
+            f"--rollout-batch {rows}",
+            s.replace(grpo_rollout_batch=rows),
+            note="grpo.rollout_batch: the engine's KV cache holds fewer sequences at once",
+        )
+        if len(out) > before:
+            out[-1].cost *= 1.1  # the rollouts decode fewer rows a step
+            break
     if not s.cpu_offload and s.method != "qlora":
         consider("--cpu-offload", s.replace(cpu_offload=True))
     if s.method != "qlora":
