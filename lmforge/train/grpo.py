@@ -119,19 +119,25 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             beta=job.grpo.beta,
             temperature=job.grpo.temperature,
         )
+        replica = make_replica(
+            model,
+            spec,
+            layout,
+            lora_section(job),
+            bf16=computes_in_bf16(job, layout),
+            fuse=job.grpo.fuse_rollouts,
+        )
+        if layout.is_main:
+            log.warning(
+                "grpo rollouts: the engine samples from %s",
+                replica.summary if replica else "the policy module itself (no copy)",
+            )
         # run_stage makes the batches before the loss step: the rollouts exist by now.
         made["rollouts"].bind(
             model,
             reference=reference,
             base=kind == "adapters_disabled",
-            replica=make_replica(
-                model,
-                spec,
-                layout,
-                lora_section(job),
-                bf16=computes_in_bf16(job, layout),
-                fuse=job.grpo.fuse_rollouts,
-            ),
+            replica=replica,
             loss_step=loss_step,
         )
         return loss_step

@@ -83,6 +83,8 @@ class GatheredReplica:
     """An unsharded copy of an FSDP2 policy's weights (`make()` builds it at the first rollout),
     gathered before each rollout: a collective, every rank calls `model()` once a rollout."""
 
+    summary = "an unsharded copy on each rank, gathered from the FSDP shards before each rollout"
+
     def __init__(self, policy: nn.Module, make) -> None:
         self.policy, self.make = policy, make
         self.module: nn.Module | None = None
@@ -121,6 +123,12 @@ class TensorParallelReplica:
         # FSDP shards each tensor-parallel shard further; another dtype is a copy too
         self.copies = layout.dp_size > 1 or stored != {self.dtype}
         self.module: nn.Module | None = None
+        heads = f"{args.num_kv_heads // layout.tp_size} of {args.num_kv_heads} KV heads"
+        how = "the policy's own tensors (no copy)"
+        if self.copies:
+            source = "gathered from the FSDP shards" if layout.dp_size > 1 else "made"
+            how = f"{str(self.dtype).removeprefix('torch.')} copies {source} before each rollout"
+        self.summary = f"this rank's tensor-parallel shards ({heads}): {how}"
 
     def model(self) -> nn.Module:
         from lmforge.generate.parallel import (
@@ -174,6 +182,7 @@ class FusedReplica:
     into copies (module docstring), which every rollout refreshes from the policy."""
 
     FUSED = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+    summary = "the policy's own tensors, q/k/v and gate/up fused into copies made each rollout"
 
     def __init__(self, policy: nn.Module, args, device: torch.device) -> None:
         self.policy, self.args, self.device = policy, args, device
