@@ -49,11 +49,17 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     """log p(label) at each position of logits [..., V] / temperature -> [...] fp32 (0 where
     labels are IGNORE_INDEX)."""
     mask = labels != IGNORE_INDEX
-    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
     logps = -F.cross_entropy(
-        scaled.flatten(0, -2), labels.masked_fill(~mask, 0).flatten(), reduction="none"
+        scaled_fp32(logits, temperature).flatten(0, -2),
+        labels.masked_fill(~mask, 0).flatten(),
+        reduction="none",
     ).view(labels.shape)
     return logps * mask
+
+
+def scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits in fp32 at the sampling temperature."""
+    return logits.float() / temperature if temperature != 1.0 else logits.float()
 
 
 def completion_logits(model, batch: dict) -> torch.Tensor:
@@ -145,16 +151,19 @@ class GRPOLossStep:
 
     def __call__(self, model, batch: dict) -> LossOutput:
         labels = batch["labels"]
-        picked = labels[labels != IGNORE_INDEX]  # [n]
+        labelled = labels != IGNORE_INDEX
+        picked = labels[labelled]  # [n]
         logits = completion_logits(model, batch)  # [n, V]
-        picked_logps = token_logps(logits, picked, temperature=self.temperature)
+        # one log-softmax [n, V] for the picked tokens' log-probabilities and the entropy
+        log_softmax = scaled_fp32(logits, self.temperature).log_softmax(dim=-1)
+        picked_logps = log_softmax.gather(-1, picked[:, None]).squeeze(-1)
         logps = at_labels(picked_logps, labels)  # [b, s]
         old_logps = batch.get("old_logps")
         if old_logps is None:  # the policy that sampled: ratio 1, logp's gradient
             old_logps = logps.detach()
             if "engine_logps" in batch:
                 raw = picked_logps if self.temperature == 1.0 else token_logps(logits, picked)
-                self._measure_gap(raw, batch["engine_logps"][labels != IGNORE_INDEX])
+                self._measure_gap(raw, batch["engine_logps"][labelled])
         losses, clipped, kl = grpo_token_losses(
             logps,
             old_logps,
@@ -167,7 +176,7 @@ class GRPOLossStep:
         weights = batch["token_weights"]
         metrics = {  # weighted like the loss; the loop divides by the step's total weight
             "clip_fraction": (clipped * weights).sum(),
-            "entropy": (at_labels(self._entropy(logits), labels) * weights).sum(),
+            "entropy": (at_labels(_entropy(log_softmax.detach()), labels) * weights).sum(),
         }
         if self.beta:
             metrics["kl"] = (kl.detach() * weights).sum()
@@ -183,8 +192,7 @@ class GRPOLossStep:
             gap = (trainer.detach() - engine).abs().amax()
             self._gap = gap if self._gap is None else torch.maximum(self._gap, gap)
 
-    @torch.no_grad()
-    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution's entropy at each labelled position: logits [n, V] -> [n]."""
-        logp = (logits.float() / self.temperature).log_softmax(dim=-1)
-        return -(logp.exp() * logp).sum(dim=-1)
+
+def _entropy(log_softmax: torch.Tensor) -> torch.Tensor:
+    """A distribution's entropy from its log-probabilities [n, V] -> [n]."""
+    return -(log_softmax.exp() * log_softmax).sum(dim=-1)
