@@ -590,7 +590,7 @@ class Rollouts:
                 old = token_logps(logits, picked, temperature=self.grpo.temperature)
                 batch["old_logps"] = at_labels(old, labels).cpu()
                 if engine is not None and mask.any():
-                    raw = token_logps(logits, picked)
+                    raw = old if self.grpo.temperature == 1.0 else token_logps(logits, picked)
                     gap = (raw - engine.to(self.device)[mask]).abs().max().item()
                 del logits
             elif engine is not None:
