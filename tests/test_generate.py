@@ -16,6 +16,7 @@ from lmforge.errors import ConfigError
 from lmforge.generate import Engine, Generator, Sampler, SamplingParams
 from lmforge.generate import engine as engine_module
 from lmforge.generate.generate import weight_bytes
+from lmforge.generate.sampling import CDF_BLOCK, inverse_cdf
 from tests.conftest import make_hf_llama, make_hf_qwen3
 from tests.train_utils import demo_world, small_args
 
@@ -309,6 +310,27 @@ def test_top_k_rows_draw_from_the_largest_k_as_from_the_whole_sorted_vocabulary(
             assert tokens[-1] == logits.argmax()
             frequencies = torch.bincount(tokens[:-1], minlength=500) / (draws - 1)
             assert 0.5 * (frequencies - exact).abs().sum() < 0.04, (k, p)
+
+
+@pytest.mark.parametrize("columns", [4 * CDF_BLOCK + 1, 8 * CDF_BLOCK, 8 * CDF_BLOCK + 37])
+def test_two_level_inverse_cdf_draws_what_one_scan_draws(columns):
+    """Wide rows are searched block by block (`inverse_cdf`): on probabilities whose sums are
+    exact in fp32 (multiples of 2^-10, most of them 0, a last block partly past the end), each
+    row draws the first index whose running sum exceeds its uniform times the row's total, as a
+    scan of the whole row finds it, never an index of probability 0, at uniforms from 0 to
+    just under 1."""
+    g = torch.Generator().manual_seed(columns)
+    counts = torch.randint(0, 4, (200, columns), generator=g)
+    counts *= torch.rand(200, columns, generator=g) < 0.05
+    counts[:, 0] += 1  # at least one token a row
+    probs = counts.float() / 1024
+    uniforms = torch.rand(200, generator=g)
+    uniforms[:2] = torch.tensor([0.0, 1 - 2**-24])
+    cdf = probs.double().cumsum(-1)
+    want = (cdf > uniforms.double()[:, None] * cdf[:, -1:]).int().argmax(-1)
+    got = inverse_cdf(probs, uniforms, None)
+    assert torch.equal(got, want)
+    assert (probs.gather(-1, got[:, None]) > 0).all()
 
 
 def test_stop_tokens_and_strings_end_each_row_on_its_own(tiny_with_tokenizer):

@@ -123,19 +123,53 @@ class Sampler:
         return torch.where(self.greedy, greedy_choice, sampled)
 
 
+# Columns a block of `inverse_cdf`'s search: rows of more columns than four blocks are searched
+# in two levels, the blocks' sums first (a scan over all of [512, 128k] fp32 took 444 us of a
+# GRPO decode step on an H200; a sum over them reads the same bytes once and writes none)
+CDF_BLOCK = 256
+
+
 def inverse_cdf(
     probs: torch.Tensor, uniforms: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:
     """probs [b, n] (rows sum to ~1) and uniforms [b] in [0, 1) (None: drawn from
     `generator`) -> for each row the first index whose cumulative probability exceeds its
     uniform (scaled by the row's total, so rounding cannot run past the last token): an exact
-    draw from the row's distribution, where an index of probability 0 is never chosen."""
+    draw from the row's distribution, where an index of probability 0 is never chosen. Wide rows
+    find their block of CDF_BLOCK columns by the blocks' cumulative sums, then the index in it."""
     if uniforms is None:
         uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device)
-    cdf = probs.cumsum(dim=-1)  # [b, n], non-decreasing
-    targets = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]  # [b, 1]
-    choice = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
-    return choice.clamp(max=probs.shape[-1] - 1)
+    if probs.shape[-1] <= 4 * CDF_BLOCK:
+        cdf = probs.cumsum(dim=-1)  # [b, n], non-decreasing
+        targets = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]  # [b, 1]
+        return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    block, rest = _block_draw(probs, uniforms)
+    columns = block[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+    inside = probs.gather(-1, columns.clamp(max=probs.shape[-1] - 1))  # [b, CDF_BLOCK]
+    inside = inside.masked_fill(columns >= probs.shape[-1], 0)  # past the last block's end
+    cdf = inside.cumsum(dim=-1)
+    index = torch.searchsorted(cdf, rest[:, None], right=True).squeeze(-1)
+    # `rest` is below the block's sum; where the in-block sum rounded below it, the block's
+    # last token of nonzero probability (the block's sum is above 0: the search passed it)
+    last = CDF_BLOCK - 1 - (inside > 0).flip(-1).int().argmax(dim=-1)
+    chosen = block * CDF_BLOCK + torch.where(index < CDF_BLOCK, index, last)
+    return chosen.clamp(max=probs.shape[-1] - 1)
+
+
+def _block_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the block of CDF_BLOCK columns each row's draw falls in [b], the draw's remaining
+    mass within that block [b])."""
+    rows, n = probs.shape
+    whole = n // CDF_BLOCK * CDF_BLOCK
+    sums = probs[:, :whole].reshape(rows, -1, CDF_BLOCK).sum(dim=-1)  # [b, blocks]
+    if whole < n:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=-1)
+    cdf = sums.cumsum(dim=-1)
+    targets = uniforms.to(cdf.dtype) * cdf[:, -1]  # [b]
+    block = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(-1)
+    block = block.clamp(max=cdf.shape[-1] - 1)
+    before = cdf.gather(-1, (block - 1).clamp(min=0)[:, None]).squeeze(-1)
+    return block, targets - torch.where(block > 0, before, torch.zeros_like(before))
 
 
 def to_device(values, device: torch.device | str) -> torch.Tensor:
