@@ -666,6 +666,17 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     assert setup.replace(grpo_new_tokens=4096).logit_tokens == setup.micro_batch_size * 1023
     shorter = plan_memory(setup.replace(grpo_new_tokens=64), "h200")
     assert shorter.largest("logits and loss") * 4 == plan.largest("logits and loss")
+    # grpo.share_prompts: a row per prompt, P + G·C wide under a dense bool mask: at 8 × 4096
+    # new tokens 2 rows of 128 + 8 × 4096 a micro-batch of 16 or 12 (8 + 4 or 4 + 8 sequences
+    # of a prompt), 3 of 17 (a micro-batch starting anywhere in a group)
+    long = setup.replace(seq_len=4224, grpo_new_tokens=4096, micro_batch_size=16)
+    assert long.mask_bytes == 0 and long.replace(document_masking=True).mask_bytes == 16 * 4224**2
+    shared = long.replace(grpo_share_prompts=True)
+    assert shared.mask_bytes == 2 * (128 + 8 * 4096) ** 2
+    assert shared.replace(micro_batch_size=12).mask_bytes == shared.mask_bytes
+    assert shared.replace(micro_batch_size=17).mask_bytes == 3 * (128 + 8 * 4096) ** 2
+    extra = plan_memory(shared, "h200").largest("activations")
+    assert extra - plan_memory(long, "h200").largest("activations") == shared.mask_bytes
 
     job = load_config(
         GRPOJob,
@@ -675,7 +686,7 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     )  # fmt: skip
     from_job = setup_from_job(job, gpus=1)
     assert (from_job.grpo_generations, from_job.grpo_prompts) == (4, 8)
-    assert from_job.grpo_new_tokens == 100
+    assert from_job.grpo_new_tokens == 100 and from_job.document_masking  # packed rows
     assert from_job.reference == "frozen_copy" and from_job.grad_accumulation == 4
     from lmforge.plan.search import plan_job  # what `lmforge run` plans a grpo stage with
 

@@ -111,6 +111,7 @@ class Setup:
     grpo_reference: str = "none"
     grpo_new_tokens: int = 256  # grpo.max_new_tokens: the positions GRPO's logits cover
     grpo_fuse_rollouts: bool = False  # grpo.fuse_rollouts: fused q/k/v, gate/up copies
+    grpo_share_prompts: bool = False  # grpo.share_prompts: a row per prompt, a dense mask
     lora_base_dtype: str = "auto"  # auto | fp32 | bf16: frozen linears' storage (lora.base_dtype)
     document_masking: bool = False
     from_scratch: bool = True  # a preset (fresh init) rather than a checkpoint directory
@@ -251,6 +252,21 @@ class Setup:
     @property
     def tokens(self) -> int:
         return self.sequences * self.seq_len
+
+    @property
+    def mask_bytes(self) -> int:
+        """A micro-batch's bool block-causal mask [rows, W, W], shared by the layers: packed
+        documents in rows of seq_len, or (grpo.share_prompts) a row per run of one prompt's
+        completions in the micro-batch (the most groups a micro-batch can touch), W = the prompt
+        once (at most seq_len - C positions) + G completions of C."""
+        if self.is_grpo and self.grpo_share_prompts:
+            completion = min(self.grpo_new_tokens, self.seq_len - 1)
+            width = self.seq_len - completion + self.grpo_generations * completion
+            sequences, group = self.micro_batch_size, self.grpo_generations
+            # a micro-batch starts at a multiple of gcd(sequences, G) into a group
+            rows = -(-(sequences + group - math.gcd(sequences, group)) // group)
+            return rows * width**2
+        return self.sequences * self.seq_len**2 if self.document_masking else 0
 
     @property
     def logit_tokens(self) -> int:
@@ -832,8 +848,7 @@ def _step_activations(setup: Setup, specs: list[ParamSpec]) -> _StepActivations:
     # + RoPE's cos and sin [1, s, head_dim], shared by the layers (the residual's dtype).
     rope = 2 * setup.seq_len * a.head_dim * setup.residual_bytes
     saved = int(tokens * (a.num_layers * per_layer + head_activations(setup))) + rope
-    if setup.document_masking:
-        saved += setup.sequences * setup.seq_len**2  # the bool block-causal mask, shared by layers
+    saved += setup.mask_bytes
     no_ac = setup.replace(activation_checkpointing="none")
     one_layer = int(tokens * sum(layer_activations(no_ac).values()))
     d, f, qd, kvd = a.dim, a.ffn_dim, a.q_dim, a.kv_dim
@@ -1215,6 +1230,7 @@ def setup_from_job(
     data = getattr(job, "data", None)
     seq_len = getattr(data, "seq_len", None) or getattr(data, "max_seq_len", 2048)
     masking = bool(getattr(data, "document_masking", False) or getattr(data, "packing", False))
+    masking |= isinstance(job, GRPOJob)  # its sequences packed into rows of seq_len
     base = Setup(
         args=args,
         model_name=str(source),
@@ -1251,6 +1267,7 @@ def setup_from_job(
             grpo_reference=job.grpo.reference if job.grpo.beta else "none",
             grpo_new_tokens=job.grpo.max_new_tokens,
             grpo_fuse_rollouts=job.grpo.fuse_rollouts,
+            grpo_share_prompts=job.grpo.share_prompts,
         )
     if job.train.global_batch_size:
         per_pass = job.train.micro_batch_size * base.dp_size

@@ -225,8 +225,8 @@ class GRPOSection(Section):
     to it (block-causal), where each sequence would run its prompt again: of G·(P + C)
     positions, (G - 1)·(P - 1) fewer. For short completions: a row is W = P + G·C positions
     under a dense attention mask of W² entries (4.7M at 127 + 8·256; 1.1G at 8 × 4096 new
-    tokens), which `lmforge plan` does not count. On one H200 it saved 3% of the 1B's update
-    at P = 128, C = 256, G = 8."""
+    tokens; `lmforge plan` counts the mask, not what the attention kernel may make of it). On
+    one H200 it saved 3% of the 1B's update at P = 128, C = 256, G = 8."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: leave out of the update the completions cut at
     grpo.max_new_tokens (or the context) before a stop; their groups' advantages still count
