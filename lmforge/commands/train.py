@@ -74,8 +74,9 @@ def register(subparsers) -> None:
         "on the weights being trained, score them with [[grpo.rewards]] (exact_match, "
         "numeric_match, regex, length_penalty, or a python function of yours), and update the "
         "policy with the clipped group-relative loss (grpo.clip_low / clip_high, "
-        "scale_rewards, loss_aggregation, mu, beta). Full, LoRA or QLoRA; FSDP over several "
-        "processes with `lmforge launch` (each samples for its share of the prompts).",
+        "scale_rewards, loss_aggregation, mu, beta). Full, LoRA or QLoRA; with `lmforge "
+        "launch`, FSDP over several processes (each samples for its share of the prompts) "
+        "and tensor parallelism (parallel.tp: the engine runs over the policy's shards).",
         epilog=CONFIG_HELP.replace("pretrain", "grpo"),
     )
     add_config_arguments(grpo)
