@@ -21,6 +21,7 @@ from lmforge.train.grpo_loss import (
     GRPOLossStep,
     group_advantages,
     grpo_token_losses,
+    sequence_means,
     token_logps,
 )
 from lmforge.train.rewards import (
@@ -277,6 +278,49 @@ def test_loss_and_gradient_match_a_plain_loop(beta):
     assert clipped.any() and not clipped.all()  # the toy batch crosses both clip edges
     assert ((ratio > 1.28) & (adv > 0) | (ratio < 0.8) & (adv < 0)).double().equal(clipped)
     assert (kl.abs().sum() > 0) == bool(beta)
+
+
+def test_sequence_ratios_match_a_plain_loop():
+    """GSPO (grpo.importance_sampling = "sequence"): each completion's tokens share one ratio,
+    exp of the mean of their log-ratios, clipped as a whole; the loss and its gradient equal a
+    loop over the completions written here (two completions packed in the last row, positions
+    of no completion between them)."""
+    generator = torch.Generator().manual_seed(2)
+    old = (-torch.rand(3, 6, generator=generator) * 3).double()
+    logps = old + torch.empty(3, 6).uniform_(-0.01, 0.01, generator=generator).double()
+    ids = torch.tensor([[0] * 6, [1] * 4 + [-1] * 2, [-1, 2, 2, -1, 3, 3]])
+    advantages = torch.tensor([1.5, -0.8, 0.3, -1.2], dtype=torch.float64)
+    adv = torch.where(ids >= 0, advantages[ids.clamp(min=0)], torch.zeros(()).double())
+    weights = (ids >= 0).double()
+    clip_low, clip_high = 3e-4, 4e-4
+    logps.requires_grad_(True)
+    losses, clipped, _ = grpo_token_losses(
+        logps, old, adv, clip_low=clip_low, clip_high=clip_high, sequence_ids=ids
+    )
+    (losses * weights).sum().backward()
+    expected, expected_grad = 0.0, torch.zeros(3, 6, dtype=torch.float64)
+    ratios = []
+    for sequence, a in enumerate(advantages.tolist()):
+        at = [(i, t) for i in range(3) for t in range(6) if ids[i, t] == sequence]
+        mean = sum(logps[i, t].item() - old[i, t].item() for i, t in at) / len(at)
+        ratio = math.exp(mean)
+        ratios.append(ratio)
+        bounded = min(max(ratio, 1 - clip_low), 1 + clip_high)
+        expected += len(at) * -min(ratio * a, bounded * a)  # each token counts it once
+        if ratio * a <= bounded * a:  # unclipped: each of n tokens' -ρA, ρ = exp(Σ(l - old) / n)
+            for i, t in at:
+                expected_grad[i, t] = len(at) * -ratio * a / len(at)  # n terms, dρ/dl = ρ / n
+    assert math.isclose((losses * weights).sum().item(), expected, rel_tol=1e-12)
+    assert torch.allclose(logps.grad, expected_grad, atol=1e-12)
+    tokens_clipped = [clipped[ids == j].unique().tolist() for j in range(4)]
+    assert all(len(c) == 1 for c in tokens_clipped)  # a completion is clipped whole
+    assert [c[0] for c in tokens_clipped] == [
+        float((r > 1 + clip_high and a > 0) or (r < 1 - clip_low and a < 0))
+        for r, a in zip(ratios, advantages.tolist(), strict=True)
+    ]
+    assert 0 < sum(c[0] for c in tokens_clipped) < 4  # some clipped, some not
+    means = sequence_means(torch.arange(18.0).view(3, 6), ids)
+    assert means[2].tolist() == [0.0, 13.5, 13.5, 0.0, 16.5, 16.5]
 
 
 def test_loss_step_aggregates_by_token_weights_on_a_model():
@@ -886,6 +930,22 @@ def test_speed_options_train_as_the_plain_run(tmp_path, grpo_world, option):
         assert other[step]["reward"] == pytest.approx(plain[step]["reward"], abs=1e-9)
         assert other[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4, abs=1e-6)
         assert other[step]["logprob_gap"] < 1e-4
+
+
+def test_sequence_ratios_train_through_the_cli(tmp_path, grpo_world):
+    """grpo.importance_sampling = "sequence" (GSPO) through `lmforge grpo` with μ = 2: the first
+    update of a rollout batch is GRPO's (every ratio 1), the second clips whole completions at
+    the paper's clips."""
+    from tests.train_utils import run_inprocess
+
+    args = ["train.steps=2", "grpo.mu=2", "grpo.clip_low=3e-4", "grpo.clip_high=4e-4"]
+    for name, extra in (("token", []), ("sequence", ["grpo.importance_sampling=sequence"])):
+        assert run_inprocess("grpo", grpo_args(tmp_path / name, grpo_world, *args, *extra)) == 0
+    token, sequence = _records(tmp_path / "token"), _records(tmp_path / "sequence")
+    assert sequence[1]["loss"] == pytest.approx(token[1]["loss"], rel=1e-5, abs=1e-7)
+    assert sequence[1]["clip_fraction"] == token[1]["clip_fraction"] == 0
+    assert sequence[2]["loss"] != pytest.approx(token[2]["loss"], rel=1e-5, abs=1e-7)
+    assert 0 < sequence[2]["clip_fraction"] < 1
 
 
 def test_samples_do_not_depend_on_the_engine_batch(tmp_path, grpo_world):

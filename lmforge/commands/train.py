@@ -69,14 +69,15 @@ def register(subparsers) -> None:
 
     grpo = subparsers.add_parser(
         "grpo",
-        help="online RL with verifiable rewards (GRPO, DAPO and Dr. GRPO options)",
+        help="online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO and GSPO options)",
         description="Sample grpo.num_generations completions of each prompt with the engine, "
         "on the weights being trained, score them with [[grpo.rewards]] (exact_match, "
         "numeric_match, regex, length_penalty, or a python function of yours), and update the "
         "policy with the clipped group-relative loss (grpo.clip_low / clip_high, "
-        "scale_rewards, loss_aggregation, mu, beta). Full, LoRA or QLoRA; with `lmforge "
-        "launch`, FSDP over several processes (each samples for its share of the prompts) "
-        "and tensor parallelism (parallel.tp: the engine runs over the policy's shards).",
+        "scale_rewards, loss_aggregation, importance_sampling, mu, beta). Full, LoRA or "
+        "QLoRA; with `lmforge launch`, FSDP over several processes (each samples for its "
+        "share of the prompts) and tensor parallelism (parallel.tp: the engine runs over the "
+        "policy's shards).",
         epilog=CONFIG_HELP.replace("pretrain", "grpo"),
     )
     add_config_arguments(grpo)

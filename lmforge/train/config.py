@@ -212,6 +212,11 @@ class GRPOSection(Section):
     """ε_low: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)
     """ε_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    importance_sampling: Literal["token", "sequence"] = "token"
+    """token: each token's own ratio π / π_old (GRPO, DAPO); sequence: GSPO (Zheng et al., 2025,
+    https://arxiv.org/abs/2507.18071), one ratio a completion, the exp of its tokens' mean
+    log-ratio, clipped as a whole for every token of it (the paper clips at clip_low = 3e-4,
+    clip_high = 4e-4)."""
     scale_rewards: bool = True
     """Divide each group's advantages by its reward std (false: Dr. GRPO)."""
     loss_aggregation: Literal["token", "sequence"] = "token"

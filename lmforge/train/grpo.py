@@ -118,6 +118,7 @@ def grpo(job: GRPOJob, *, reshard: ReshardPolicy) -> Path:
             clip_high=job.grpo.clip_high,
             beta=job.grpo.beta,
             temperature=job.grpo.temperature,
+            sequence_ratio=job.grpo.importance_sampling == "sequence",
         )
         replica = make_replica(
             model,

@@ -9,7 +9,9 @@ tokens, in PPO's clipped surrogate (Schulman et al., 2017):
 
 with the options of the papers that followed: separate low and high clips (DAPO, Yu et al.,
 2025, https://arxiv.org/abs/2503.14476, "clip-higher"), advantages not divided by the group's
-std (Dr. GRPO, Liu et al., 2025, https://arxiv.org/abs/2503.20783), and KL_t the k3 estimator
+std (Dr. GRPO, Liu et al., 2025, https://arxiv.org/abs/2503.20783), one ratio a completion
+(GSPO, Zheng et al., 2025, https://arxiv.org/abs/2507.18071: the exp of the mean of its tokens'
+log-ratios, for each of its tokens), and KL_t the k3 estimator
 exp(r - l) - (r - l) - 1 of KL(π || π_ref) (Schulman, "Approximating KL divergence", 2020),
 l and r the policy's and the reference's token log-probabilities.
 
@@ -97,13 +99,20 @@ def grpo_token_losses(
     clip_high: float,
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token GRPO losses from token log-probabilities (all [b, s]).
 
-    Returns (losses, clipped, kl): `clipped` is 1.0 where the clipped term is the smaller one
-    (the token's gradient is cut), `kl` the k3 estimate (zeros without a reference).
+    sequence_ids (GSPO): each completion token's sequence (0, 1, ... in the micro-batch; -1
+    elsewhere): a token's ratio is then its sequence's, the exp of the mean log-ratio of the
+    sequence's tokens. Returns (losses, clipped, kl): `clipped` is 1.0 where the clipped term is
+    the smaller one (the token's gradient is cut), `kl` the k3 estimate (zeros without a
+    reference).
     """
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if sequence_ids is not None:
+        log_ratio = sequence_means(log_ratio, sequence_ids)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     losses = -torch.minimum(unclipped, clipped)
@@ -117,6 +126,18 @@ def grpo_token_losses(
     return losses, (clipped < unclipped).float(), kl
 
 
+def sequence_means(values: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """values [b, s] -> [b, s]: at each position of a sequence (sequence_ids >= 0) the mean of
+    that sequence's values, 0 elsewhere (differentiable)."""
+    member = sequence_ids >= 0
+    ids = sequence_ids[member]
+    count = int(ids.max()) + 1 if ids.numel() else 0
+    sums = values.new_zeros(count).index_add(0, ids, values[member])
+    sizes = values.new_zeros(count).index_add(0, ids, torch.ones_like(values[member]))
+    means = torch.zeros_like(values).masked_scatter(member, (sums / sizes.clamp(min=1))[ids])
+    return means
+
+
 def count_weighted_targets(batch: dict) -> torch.Tensor:
     """Target count of a GRPO micro-batch: its tokens' aggregation weights (module docstring)."""
     return batch["token_weights"].sum()
@@ -128,7 +149,9 @@ class GRPOLossStep:
     The batch (`lmforge.train.rollout`) holds `inputs`, `labels` [b, s] (completion tokens
     labelled, the rest IGNORE_INDEX), `positions` and, when rows hold several sequences,
     `document_ids`; per position `advantages`, `token_weights`, with a KL term `ref_logps`
-    [b, s], and `old_logps`, the sampling policy's, where the weights moved since it sampled
+    [b, s], `sequence_ids` (a completion token's sequence in the micro-batch, for
+    `sequence_ratio`: GSPO), and `old_logps`, the sampling policy's, where the weights moved
+    since it sampled
     (grpo.mu > 1). Without them the policy is the one that sampled (one optimizer step a
     rollout batch): the ratio is exp(logp - logp.detach()), 1 with logp's gradient, and the
     old log-probabilities' own forward is saved (TRL does the same). Then `engine_logps`, the
@@ -137,10 +160,17 @@ class GRPOLossStep:
     """
 
     def __init__(
-        self, *, clip_low: float, clip_high: float, beta: float, temperature: float
+        self,
+        *,
+        clip_low: float,
+        clip_high: float,
+        beta: float,
+        temperature: float,
+        sequence_ratio: bool = False,
     ) -> None:
         self.clip_low, self.clip_high = clip_low, clip_high
         self.beta, self.temperature = beta, temperature
+        self.sequence_ratio = sequence_ratio  # GSPO: one ratio a sequence (`sequence_ids`)
         self._gap: torch.Tensor | None = None  # the largest engine - trainer gap so far
 
     def take_logprob_gap(self) -> float | None:
@@ -172,6 +202,7 @@ class GRPOLossStep:
             clip_high=self.clip_high,
             beta=self.beta,
             ref_logps=batch.get("ref_logps"),
+            sequence_ids=batch["sequence_ids"] if self.sequence_ratio else None,
         )
         weights = batch["token_weights"]
         metrics = {  # weighted like the loss; the loop divides by the step's total weight

@@ -512,6 +512,7 @@ class Rollouts:
                 "positions": torch.zeros(shape, dtype=torch.long),
                 "advantages": torch.zeros(shape),
                 "token_weights": torch.zeros(shape),
+                "sequence_ids": torch.full(shape, -1, dtype=torch.long),
             }
             return batch, None
         rows = self._rows(chunk)
@@ -524,6 +525,8 @@ class Rollouts:
         document_ids = torch.full(shape, len(chunk) + 1, dtype=torch.int32)  # padding: its own
         shared = torch.zeros(shape, dtype=torch.bool)
         advantages, weights = torch.zeros(shape), torch.zeros(shape)
+        sequence_ids = torch.full(shape, -1, dtype=torch.long)  # a completion's tokens: its index
+        index_of = {id(rollout): index for index, rollout in enumerate(chunk)}  # (equal ones too)
         engine = torch.zeros(shape) if chunk[0].engine_logps is not None else None
         for row, pieces in enumerate(rows):
             offset = 0
@@ -539,6 +542,7 @@ class Rollouts:
                     span = slice(offset + piece.first, offset + n)  # predicting the completion
                     labels[row, span] = torch.tensor(rollout.completion_ids)
                     advantages[row, span] = rollout.advantage
+                    sequence_ids[row, span] = index_of[id(rollout)]
                     weights[row, span] = self._token_weight(len(rollout.completion_ids))
                     if engine is not None:
                         engine[row, span] = torch.tensor(rollout.engine_logps)
@@ -548,7 +552,7 @@ class Rollouts:
             batch["document_ids"] = document_ids  # several pieces a row: block-causal
         if shared.any():
             batch["shared_prefix"] = shared  # ... and every piece sees its row's prompt
-        batch.update(advantages=advantages, token_weights=weights)
+        batch.update(advantages=advantages, token_weights=weights, sequence_ids=sequence_ids)
         return batch, engine
 
     def _rows(self, chunk: list[Rollout]) -> list[list[_Piece]]:
