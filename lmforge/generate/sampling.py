@@ -116,7 +116,9 @@ class Sampler:
                 mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
                 remove |= mass_before >= self.top_p[:, None]  # the first token always stays
             sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-            choice = inverse_cdf(sorted_logits.softmax(dim=-1), uniforms, generator)
+            # (the largest k: one scan, so that a row draws the same beside wider top-k rows)
+            whole = sorted_logits.shape[-1] == logits.shape[-1]
+            choice = inverse_cdf(sorted_logits.softmax(dim=-1), uniforms, generator, blocks=whole)
             sampled = order.gather(-1, choice[:, None]).squeeze(-1)
         else:
             sampled = inverse_cdf(logits.softmax(dim=-1), uniforms, generator)
@@ -130,16 +132,22 @@ CDF_BLOCK = 256
 
 
 def inverse_cdf(
-    probs: torch.Tensor, uniforms: torch.Tensor | None, generator: torch.Generator | None
+    probs: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    generator: torch.Generator | None,
+    *,
+    blocks: bool = True,
 ) -> torch.Tensor:
     """probs [b, n] (rows sum to ~1) and uniforms [b] in [0, 1) (None: drawn from
     `generator`) -> for each row the first index whose cumulative probability exceeds its
     uniform (scaled by the row's total, so rounding cannot run past the last token): an exact
     draw from the row's distribution, where an index of probability 0 is never chosen. Wide rows
-    find their block of CDF_BLOCK columns by the blocks' cumulative sums, then the index in it."""
+    (`blocks`) find their block of CDF_BLOCK columns by the blocks' cumulative sums, then the
+    index in it: the same draws but where rounding puts a uniform on another side of a
+    boundary."""
     if uniforms is None:
         uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device)
-    if probs.shape[-1] <= 4 * CDF_BLOCK:
+    if not blocks or probs.shape[-1] <= 4 * CDF_BLOCK:
         cdf = probs.cumsum(dim=-1)  # [b, n], non-decreasing
         targets = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]  # [b, 1]
         return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
