@@ -131,11 +131,10 @@ def sequence_means(values: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Te
     that sequence's values, 0 elsewhere (differentiable)."""
     member = sequence_ids >= 0
     ids = sequence_ids[member]
-    count = int(ids.max()) + 1 if ids.numel() else 0
+    count = sequence_ids.numel()  # more than there are sequences (their ids' max: a host sync)
     sums = values.new_zeros(count).index_add(0, ids, values[member])
     sizes = values.new_zeros(count).index_add(0, ids, torch.ones_like(values[member]))
-    means = torch.zeros_like(values).masked_scatter(member, (sums / sizes.clamp(min=1))[ids])
-    return means
+    return torch.zeros_like(values).masked_scatter(member, (sums / sizes.clamp(min=1))[ids])
 
 
 def count_weighted_targets(batch: dict) -> torch.Tensor:
@@ -151,8 +150,7 @@ class GRPOLossStep:
     `document_ids`; per position `advantages`, `token_weights`, with a KL term `ref_logps`
     [b, s], `sequence_ids` (a completion token's sequence in the micro-batch, for
     `sequence_ratio`: GSPO), and `old_logps`, the sampling policy's, where the weights moved
-    since it sampled
-    (grpo.mu > 1). Without them the policy is the one that sampled (one optimizer step a
+    since it sampled (grpo.mu > 1). Without them the policy is the one that sampled (one optimizer step a
     rollout batch): the ratio is exp(logp - logp.detach()), 1 with logp's gradient, and the
     old log-probabilities' own forward is saved (TRL does the same). Then `engine_logps`, the
     engine's (temperature 1), if there, are compared with this forward's: the largest
