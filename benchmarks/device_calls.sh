@@ -139,7 +139,9 @@ quantized-serve)
   # the random 1B (PRESET=llama3.1-8b: the 8B) artifact as it is (bf16) and as `lmforge quantize
   # --scheme int8-wo|int4-wo` makes it with its defaults (SCHEMES: which; the 8B's three do not
   # fit one call: "bf16 int4-wo", then "bf16 int8-wo"), each served at 1-64 streams (greedy).
-  # The kernels' own tests and products: cases check and products.
+  # SCHEME/FORMAT quantizes with --format FORMAT (int4-wo/compressed-tensors: vLLM's format,
+  # loaded by lmforge as its own int4). The kernels' own tests and products: cases check and
+  # products.
   preset=${PRESET:-llama3.2-1b}
   step 570 "qserve-$preset" python3 benchmarks/serve_load.py --preset "$preset" --device cuda \
     --schemes ${SCHEMES:-bf16 int4-wo int8-wo} --max-concurrency 64 --concurrency 1 8 32 64 \

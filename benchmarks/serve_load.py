@@ -197,7 +197,11 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
-        "--schemes", nargs="+", default=["bf16"], help="bf16 (as is), int8-wo, int4-wo (quantized)"
+        "--schemes",
+        nargs="+",
+        default=["bf16"],
+        help="bf16 (as is), int8-wo, int4-wo (quantized); SCHEME/FORMAT for another --format "
+        "of `lmforge quantize` (e.g. int4-wo/compressed-tensors)",
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
@@ -217,10 +221,12 @@ def main() -> None:
 
 
 def quantized(source: Path, scheme: str, args) -> Path:
-    """`lmforge quantize SOURCE OUT --scheme SCHEME` with its defaults, as a user makes it."""
-    out = source.parent / scheme
+    """`lmforge quantize SOURCE OUT --scheme SCHEME [--format FORMAT]` (`scheme`: SCHEME or
+    SCHEME/FORMAT) with its defaults otherwise, as a user makes it."""
+    out = source.parent / scheme.replace("/", "-")
     command = [sys.executable, "-m", "lmforge", "quantize", str(source), str(out)]
-    command += ["--scheme", scheme, "--overwrite"]
+    name, _, form = scheme.partition("/")
+    command += ["--scheme", name, "--overwrite"] + (["--format", form] if form else [])
     command += [] if args.device == "auto" else ["--device", args.device]
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
