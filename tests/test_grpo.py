@@ -19,6 +19,7 @@ from lmforge.train.config import GRPOJob
 from lmforge.train.grpo_loss import (
     STD_EPS,
     GRPOLossStep,
+    PickedLogProbs,
     group_advantages,
     grpo_token_losses,
     sequence_means,
@@ -321,6 +322,67 @@ def test_sequence_ratios_match_a_plain_loop():
     assert 0 < sum(c[0] for c in tokens_clipped) < 4  # some clipped, some not
     means = sequence_means(torch.arange(18.0).view(3, 6), ids)
     assert means[2].tolist() == [0.0, 13.5, 13.5, 0.0, 16.5, 16.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_picked_log_probs_in_chunks_equal_the_whole_log_softmax(dtype, monkeypatch):
+    """`PickedLogProbs` (chunks of 3 rows here) gives log_softmax(logits / T) at the labels, the
+    entropies and the gradient of the whole-vocabulary way, in the logits' dtype."""
+    from lmforge.train import grpo_loss
+
+    monkeypatch.setattr(grpo_loss, "CHUNK_VALUES", 3 * 50)
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(8, 50, generator=g) * 3).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 50, (8,), generator=g)
+    weights = torch.randn(8, generator=g).double()
+    picked, entropy = PickedLogProbs.apply(logits, labels, 0.7)
+    (picked.double() * weights).sum().backward()
+    whole = logits.detach().double().requires_grad_(True)
+    log_probs = (whole / 0.7).log_softmax(dim=-1)
+    want = log_probs.gather(-1, labels[:, None]).squeeze(-1)
+    (want * weights).sum().backward()
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert picked.dtype == entropy.dtype == torch.promote_types(dtype, torch.float32)
+    torch.testing.assert_close(picked.double(), want.detach(), rtol=tol, atol=tol)
+    entropies = -(log_probs.exp() * log_probs).sum(dim=-1)
+    torch.testing.assert_close(entropy.double(), entropies.detach(), rtol=tol, atol=tol)
+    assert logits.grad.dtype == dtype and not entropy.requires_grad
+    torch.testing.assert_close(
+        logits.grad.double(), whole.grad, rtol=1e-2 if dtype == torch.bfloat16 else 1e-10,
+        atol=1e-2 * whole.grad.abs().max().item() if dtype == torch.bfloat16 else 1e-12,
+    )  # fmt: skip
+
+
+def test_loss_step_keeps_no_float32_vocabulary_rows_for_backward():
+    """What the loss step's forward keeps for the backward: of [n, V] activations, only the
+    logits themselves (the eager log-softmax kept an fp32 copy and its output)."""
+    from lmforge.api import build_model
+    from tests.train_utils import small_args
+
+    vocab = 97  # (no other width of the model's tensors)
+    model = build_model(small_args(vocab_size=vocab), seed=0).to(torch.bfloat16)
+    inputs = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels = torch.full((2, 9), IGNORE_INDEX)
+    labels[:, 3:] = inputs[:, 3:]
+    batch = {
+        "inputs": inputs,
+        "labels": labels,
+        "advantages": torch.ones(2, 9),
+        "token_weights": (labels != IGNORE_INDEX).float(),
+    }
+    kept, weights = [], {p.data_ptr() for p in model.parameters()}
+
+    def keep(tensor):
+        if tensor.data_ptr() not in weights:  # (the output weight's [dim, V] view apart)
+            kept.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    step = GRPOLossStep(clip_low=0.2, clip_high=0.28, beta=0.0, temperature=1.0)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = step(model, batch)
+    out.loss_sum.backward()
+    vocabulary_rows = [(shape, dtype) for shape, dtype in kept if shape[-1:] == (vocab,)]
+    assert vocabulary_rows == [((12, vocab), torch.bfloat16)]  # 2 rows x 6 completion tokens
 
 
 def test_loss_step_aggregates_by_token_weights_on_a_model():
@@ -708,8 +770,19 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     # the logits cover the completion tokens alone (`logits_at`): 256 of a 1024-position row
     assert setup.logit_tokens == setup.micro_batch_size * 256 == setup.tokens // 4
     assert setup.replace(grpo_new_tokens=4096).logit_tokens == setup.micro_batch_size * 1023
-    shorter = plan_memory(setup.replace(grpo_new_tokens=64), "h200")
-    assert shorter.largest("logits and loss") * 4 == plan.largest("logits and loss")
+    # bf16 logits kept, then their gradient beside them, and a chunk's fp32 temporaries: at most
+    # 2^26 values (512 rows of 128,256), four in the forward, three in the backward
+    from lmforge.plan.memory import GRPO_LOSS_CHUNK
+    from lmforge.train.grpo_loss import CHUNK_VALUES
+
+    assert GRPO_LOSS_CHUNK == CHUNK_VALUES
+    for tokens, micro_batch in ((256, 1), (64, 1), (256, 16)):
+        values = micro_batch * tokens * 128256
+        chunk = min(values, 2**26)
+        shape = setup.replace(grpo_new_tokens=tokens, micro_batch_size=micro_batch)
+        phases = plan_memory(shape, "h200").phases
+        assert phases["forward end (loss)"]["logits and loss"] == 2 * values + 16 * chunk
+        assert phases["loss backward"]["logits and loss"] == 4 * values + 12 * chunk
     # grpo.share_prompts: a row per prompt, P + G·C wide under a dense bool mask: at 8 × 4096
     # new tokens 2 rows of 128 + 8 × 4096 a micro-batch of 16 or 12 (8 + 4 or 4 + 8 sequences
     # of a prompt), 3 of 17 (a micro-batch starting anywhere in a group)

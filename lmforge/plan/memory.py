@@ -652,6 +652,12 @@ def head_activations(setup: Setup) -> float:
     return norm + out_input + (8 if full else 0) + 16
 
 
+# Values of the fp32 temporaries of GRPO's log-probabilities at once (its chunk of rows of the
+# logits: `lmforge.train.grpo_loss.CHUNK_VALUES`): four in the forward (the logits in fp32,
+# their log-softmax, its exp and their product), three in the backward
+GRPO_LOSS_CHUNK = 2**26
+
+
 def loss_bytes(setup: Setup) -> tuple[int, int]:
     """(forward, backward) peak bytes of logits and loss for one micro-batch.
 
@@ -661,7 +667,9 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
     while the policy's log-probabilities wait for backward (4 + 10). A compiled loss keeps the
     bf16 logits and writes a bf16 gradient. The fused loss of GPUs without tensor parallelism
     (`lmforge.modules.cross_entropy`) writes the gradient over the logits in the forward: one
-    tensor of logits in both. Logits are whole on every tensor-parallel rank."""
+    tensor of logits in both. GRPO keeps its bf16 logits and makes their log-probabilities a
+    chunk of rows at a time (`lmforge.train.grpo_loss.PickedLogProbs`), then their gradient.
+    Logits are whole on every tensor-parallel rank."""
     v = setup.args.vocab_size
     c = setup.compute_bytes
     upcast = 4 if c != 4 else 0
@@ -669,8 +677,10 @@ def loss_bytes(setup: Setup) -> tuple[int, int]:
     per_token_bwd = 12 * v
     if setup.is_dpo:
         per_token_fwd = 4 * v + (c + upcast + 4) * v
-    elif setup.is_grpo:  # eager log-probabilities, and the entropy's fp32 rows beside them
-        per_token_fwd = (c + upcast + 4) * v + 8 * v
+    elif setup.is_grpo:  # the logits kept, and a chunk of rows' fp32 temporaries at a time
+        chunk = min(setup.logit_tokens * v, GRPO_LOSS_CHUNK)
+        kept = c * v * setup.logit_tokens
+        return kept + 16 * chunk, 2 * kept + 12 * chunk  # (+ the gradient of the logits)
     elif setup.tp == 1:
         per_token_fwd = per_token_bwd = c * v
     elif setup.compile:

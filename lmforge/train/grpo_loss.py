@@ -25,7 +25,6 @@ over completions of their token means (GRPO) whatever the packing and micro-batc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lmforge.data.sft import IGNORE_INDEX
 from lmforge.train.losses import LossOutput, model_inputs
@@ -51,17 +50,65 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     """log p(label) at each position of logits [..., V] / temperature -> [...] fp32 (0 where
     labels are IGNORE_INDEX)."""
     mask = labels != IGNORE_INDEX
-    logps = -F.cross_entropy(
-        scaled_fp32(logits, temperature).flatten(0, -2),
-        labels.masked_fill(~mask, 0).flatten(),
-        reduction="none",
-    ).view(labels.shape)
-    return logps * mask
+    picked, _ = PickedLogProbs.apply(
+        logits.flatten(0, -2), labels.masked_fill(~mask, 0).flatten(), temperature
+    )
+    return picked.view(labels.shape) * mask
+
+
+# Values of the fp32 temporaries `PickedLogProbs` makes at once: a chunk of rows of the [n, V]
+# logits (2^26: 512 rows of a 128k vocabulary, 256 MB a temporary)
+CHUNK_VALUES = 2**26
+
+
+class PickedLogProbs(torch.autograd.Function):
+    """logits [n, V] (any float dtype), labels [n], temperature T -> (log p(label) of
+    softmax(logits / T) [n] fp32, the distributions' entropies [n] fp32, no gradient), a chunk
+    of rows at a time. Only the logits are kept for the backward, which makes each chunk's
+    softmax again: the eager way kept an fp32 log-softmax [n, V] and made its gradient and the
+    entropy's terms as more fp32 [n, V] tensors (18 bytes a vocabulary entry with bf16 logits,
+    where this keeps the logits' 2 and a chunk's temporaries)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature):
+        picked, entropy, lse = [], [], []
+        for rows in _chunks(logits):
+            scaled = scaled_fp32(logits[rows], temperature)
+            total = scaled.logsumexp(dim=-1)  # [r]
+            log_probs = scaled - total[:, None]
+            entropy.append(-(log_probs.exp() * log_probs).sum(dim=-1))
+            picked.append(log_probs.gather(-1, labels[rows, None]).squeeze(-1))
+            lse.append(total)
+        ctx.save_for_backward(logits, labels, torch.cat(lse))
+        ctx.temperature = temperature
+        entropy = torch.cat(entropy)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(picked), entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked, _):
+        """d log p(label) / d logits = (one_hot(label) - softmax(logits / T)) / T."""
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for rows in _chunks(logits):
+            weight = grad_picked[rows, None]  # [r, 1]
+            chunk = (scaled_fp32(logits[rows], ctx.temperature) - lse[rows, None]).exp_()
+            chunk.mul_(-weight).scatter_add_(-1, labels[rows, None], weight)
+            grad[rows] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
+        return grad, None, None
+
+
+def _chunks(logits: torch.Tensor):
+    """Slices of rows of logits [n, V] of at most CHUNK_VALUES values (one row at least; one
+    empty slice where n = 0)."""
+    step = max(1, CHUNK_VALUES // max(1, logits.shape[-1]))
+    return (slice(start, start + step) for start in range(0, max(1, logits.shape[0]), step))
 
 
 def scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits in fp32 at the sampling temperature."""
-    return logits.float() / temperature if temperature != 1.0 else logits.float()
+    """logits in fp32 (fp64 stays) at the sampling temperature."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits / temperature if temperature != 1.0 else logits
 
 
 def completion_logits(model, batch: dict) -> torch.Tensor:
@@ -182,9 +229,7 @@ class GRPOLossStep:
         labelled = labels != IGNORE_INDEX
         picked = labels[labelled]  # [n]
         logits = completion_logits(model, batch)  # [n, V]
-        # one log-softmax [n, V] for the picked tokens' log-probabilities and the entropy
-        log_softmax = scaled_fp32(logits, self.temperature).log_softmax(dim=-1)
-        picked_logps = log_softmax.gather(-1, picked[:, None]).squeeze(-1)
+        picked_logps, entropy = PickedLogProbs.apply(logits, picked, self.temperature)
         logps = at_labels(picked_logps, labels)  # [b, s]
         old_logps = batch.get("old_logps")
         if old_logps is None:  # the policy that sampled: ratio 1, logp's gradient
@@ -205,7 +250,7 @@ class GRPOLossStep:
         weights = batch["token_weights"]
         metrics = {  # weighted like the loss; the loop divides by the step's total weight
             "clip_fraction": (clipped * weights).sum(),
-            "entropy": (at_labels(_entropy(log_softmax.detach()), labels) * weights).sum(),
+            "entropy": (at_labels(entropy, labels) * weights).sum(),
         }
         if self.beta:
             metrics["kl"] = (kl.detach() * weights).sum()
@@ -220,8 +265,3 @@ class GRPOLossStep:
         if trainer.numel():
             gap = (trainer.detach() - engine).abs().amax()
             self._gap = gap if self._gap is None else torch.maximum(self._gap, gap)
-
-
-def _entropy(log_softmax: torch.Tensor) -> torch.Tensor:
-    """A distribution's entropy from its log-probabilities [n, V] -> [n]."""
-    return -(log_softmax.exp() * log_softmax).sum(dim=-1)
