@@ -54,6 +54,8 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int8-wo-output": _quantized("int8-wo", None, output=True),
     "int4-wo": _quantized("int4-wo", 128),
     "int4-wo-output": _quantized("int4-wo", 128, output=True),
+    # `lmforge quantize`'s own default group (256), which the tile table has no pins for yet
+    "int4-wo-g256": _quantized("int4-wo", None),
 }
 
 VARIANTS = ("lmforge", "hf-static")

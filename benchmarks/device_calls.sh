@@ -149,12 +149,13 @@ quantized-serve)
   tail -n 30 "$OUT/qserve-$preset.log"
   ;;
 tiles)
-  # the GEMV's tiles searched inside the decode step from the pinned ones, 1B and 3B, merged
-  # into $OUT/gemv_tiles.json (to commit over `tiles.TILES`, the table lmforge reads, if faster)
+  # the GEMV's tiles searched inside the decode step from the pinned ones, 1B and 3B (PRESETS:
+  # others, e.g. llama3.1-8b, whose products have no pinned tile yet), merged into
+  # $OUT/gemv_tiles.json (to commit over `tiles.TILES`, the table lmforge reads, if faster)
   cp "$(python3 -c 'from lmforge.generate.kernels import tiles; print(tiles.TILES)')" "$OUT/gemv_tiles.json"
-  for preset in 1b 3b; do
+  for preset in ${PRESETS:-llama3.2-1b llama3.2-3b}; do
     TRITON_CACHE_DIR=/tmp/triton-tiles-$preset step 280 "tiles-$preset" python3 \
-      benchmarks/tile_search.py --preset "llama3.2-$preset" --schemes bf16 int8-wo int4-wo \
+      benchmarks/tile_search.py --preset "$preset" --schemes bf16 int8-wo int4-wo \
       --passes 1 --tokens 64 --out "$OUT/$preset" --table "$OUT/gemv_tiles.json"
   done
   grep -h '^{' "$OUT"/tiles-*.log | cut -c1-200
