@@ -783,6 +783,7 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
         phases = plan_memory(shape, "h200").phases
         assert phases["forward end (loss)"]["logits and loss"] == 2 * values + 16 * chunk
         assert phases["loss backward"]["logits and loss"] == 4 * values + 12 * chunk
+        assert phases["rollout scoring"]["logits and loss"] == 2 * values + 16 * chunk
     # grpo.share_prompts: a row per prompt, P + G·C wide under a dense bool mask: at 8 × 4096
     # new tokens 2 rows of 128 + 8 × 4096 a micro-batch of 16 or 12 (8 + 4 or 4 + 8 sequences
     # of a prompt), 3 of 17 (a micro-batch starting anywhere in a group)
@@ -815,6 +816,7 @@ def test_plan_counts_the_engine_cache_and_the_reference(capsys):
     out = capsys.readouterr().out
     assert "GRPO, full finetuning: 64 prompts × 8 completions (KL reference: none)" in out
     assert "GRPO engine KV cache (512 rows × 1024 slots)" in out and "512 accumulation steps" in out
+    assert "logits and loss (bf16 [256, 128256], fp32 chunks of rows)" in out
     assert run_inprocess("plan", [*command, "--max-new-tokens", "64"]) == 0
     # a KV cache that does not fit: fewer rows at once is the cheapest way out
     big = ["--model", "llama3.2-1b", "--method", "grpo", "--prompts", "512", "--seq-len", "4096"]

@@ -1053,10 +1053,10 @@ def replica_bytes(setup: Setup) -> int:
 def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int]]:
     """GRPO's phases outside the update: the engine sampling (its KV cache and each decode
     step's fp32 logits and log-probabilities over every row), then the no-grad forwards that
-    score the rollouts (old and reference log-probabilities: logits, their fp32 copy and
-    log-softmax). Gradients are freed before a rollout starts."""
+    score the rollouts (old and reference log-probabilities: the logits, and a chunk of rows'
+    fp32 temporaries at a time). Gradients are freed before a rollout starts."""
     v = setup.args.vocab_size
-    scoring = (setup.compute_bytes + 8) * v * setup.logit_tokens
+    scoring, _ = loss_bytes(setup)
     return {
         "rollout (engine)": {
             **state.persistent,

@@ -113,8 +113,7 @@ def format_plan(plan: Plan) -> str:
         "weight copies": plan.labels.get("weight copies", "weight copies"),
         "gradient buffers": plan.labels.get("gradient buffers", "gradient buffers"),
         "activations": f"activations (checkpointing: {s.activation_checkpointing})",
-        "logits and loss": f"logits and loss ({_logits_label(s)} [{s.sequences}, {s.seq_len}, "
-        f"{s.args.vocab_size}])",
+        "logits and loss": f"logits and loss ({_logits_label(s)})",
         "backward workspace": "backward workspace (recompute, activation grads)",
         "rollout replica": "GRPO engine's weight copies (FSDP, TP, fused projections)",
         "KV cache": f"GRPO engine KV cache ({s.rollout_rows} rows × {s.seq_len} slots)",
@@ -187,7 +186,11 @@ def format_suggestions(suggestions: list[Suggestion]) -> str:
 
 
 def _logits_label(s) -> str:
-    """How the loss holds its logits (`plan.memory.loss_bytes`)."""
-    if not s.is_dpo and not s.is_grpo and s.tp == 1:
-        return f"fused, {s.compute_dtype}"
-    return "fp32"
+    """How the loss holds its logits (`plan.memory.loss_bytes`), and their shape."""
+    vocab = s.args.vocab_size
+    if s.is_grpo:  # the completion positions' logits, log-probabilities a chunk at a time
+        return f"{s.compute_dtype} [{s.logit_tokens}, {vocab}], fp32 chunks of rows"
+    shape = f"[{s.sequences}, {s.seq_len}, {vocab}]"
+    if not s.is_dpo and s.tp == 1:
+        return f"fused, {s.compute_dtype} {shape}"
+    return f"fp32 {shape}"
