@@ -174,8 +174,9 @@ grpo)
   step 240 grpo-cli python3 benchmarks/grpo_cli.py --preset 1b --prompts 64 --generations 8 \
     --new-tokens 256 --prompt-len 128 --out "$OUT"
   tail -n 3 "$OUT/generate.log" "$OUT/grpo-tests.log"
-  python3 -c "import json,sys; [print({k: round(v, 4) for k, v in s.items()}) for s in \
-    json.load(open(sys.argv[1]))['steps']]" "$OUT/grpo_cli.json"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print({k: round(v, 4) for k, v \
+    in s.items()}) for s in d['steps']]; print('peak GiB', d['peak_gib'], 'plan (allocated)', \
+    d.get('plan_allocated_gib'), 'plan (total)', d.get('plan_total_gib'))" "$OUT/grpo_cli.json"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['generate']); \
     [print({k: round(v, 4) for k, v in s.items()}) for s in d['grpo_steps']]; \
     print('rollout/generate', d['rollout_vs_generate'])" "$OUT/grpo_step.json"

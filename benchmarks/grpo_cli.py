@@ -1,6 +1,6 @@
 """`lmforge grpo` itself on the shapes of benchmarks/grpo_step.py: the step as a user runs it
 (the one training loop, its optimizer, autocast and logging), its times from the run's
-metrics.jsonl.
+metrics.jsonl, and its peak memory beside what `lmforge plan` says of the same job.
 
 The artifact is the preset with random weights (bf16) and a word-level tokenizer over the whole
 vocabulary (token i is the word "t{i}", so every sampled id decodes and a prompt of
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from benchmarks.common import PRESETS, write_json
 from benchmarks.grpo_step import SIZES, random_prompt_ids, shape_parser, word_tokenizer
+from benchmarks.multi_gpu import GIB, planned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +107,9 @@ def main() -> None:
         "overrides": args.overrides,
         "command_s": seconds,
         "steps": steps,
+        # the run's peak (max allocated: rollouts and updates) beside `lmforge plan` of its job
+        "peak_gib": max(r.get("peak_mem_gb", 0.0) for r in records) * 1e9 / GIB,
+        **planned(root / "run", args.nproc),
     }
     print(json.dumps(result, indent=1))
     if args.out:
