@@ -51,7 +51,7 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     labels are IGNORE_INDEX)."""
     mask = labels != IGNORE_INDEX
     picked, _ = PickedLogProbs.apply(
-        logits.flatten(0, -2), labels.masked_fill(~mask, 0).flatten(), temperature
+        logits.flatten(0, -2), labels.masked_fill(~mask, 0).flatten(), temperature, False
     )
     return picked.view(labels.shape) * mask
 
@@ -63,25 +63,26 @@ CHUNK_VALUES = 2**26
 
 class PickedLogProbs(torch.autograd.Function):
     """logits [n, V] (any float dtype), labels [n], temperature T -> (log p(label) of
-    softmax(logits / T) [n] fp32, the distributions' entropies [n] fp32, no gradient), a chunk
-    of rows at a time. Only the logits are kept for the backward, which makes each chunk's
+    softmax(logits / T) [n] fp32, the distributions' entropies [n] fp32, no gradient; empty
+    when the fourth argument is False), a chunk of rows at a time. Only the logits are kept for the backward, which makes each chunk's
     softmax again: the eager way kept an fp32 log-softmax [n, V] and made its gradient and the
     entropy's terms as more fp32 [n, V] tensors (18 bytes a vocabulary entry with bf16 logits,
     where this keeps the logits' 2 and a chunk's temporaries)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature):
+    def forward(ctx, logits, labels, temperature, with_entropy=True):
         picked, entropy, lse = [], [], []
         for rows in _chunks(logits):
             scaled = scaled_fp32(logits[rows], temperature)
             total = scaled.logsumexp(dim=-1)  # [r]
             log_probs = scaled - total[:, None]
-            entropy.append(-(log_probs.exp() * log_probs).sum(dim=-1))
+            if with_entropy:  # (the scoring forwards read none)
+                entropy.append(-(log_probs.exp() * log_probs).sum(dim=-1))
             picked.append(log_probs.gather(-1, labels[rows, None]).squeeze(-1))
             lse.append(total)
         ctx.save_for_backward(logits, labels, torch.cat(lse))
         ctx.temperature = temperature
-        entropy = torch.cat(entropy)
+        entropy = torch.cat(entropy) if entropy else logits.new_empty(0, dtype=torch.float32)
         ctx.mark_non_differentiable(entropy)
         return torch.cat(picked), entropy
 
@@ -95,7 +96,7 @@ class PickedLogProbs(torch.autograd.Function):
             chunk = (scaled_fp32(logits[rows], ctx.temperature) - lse[rows, None]).exp_()
             chunk.mul_(-weight).scatter_add_(-1, labels[rows, None], weight)
             grad[rows] = chunk / ctx.temperature if ctx.temperature != 1.0 else chunk
-        return grad, None, None
+        return grad, None, None, None
 
 
 def _chunks(logits: torch.Tensor):
@@ -197,11 +198,11 @@ class GRPOLossStep:
     `document_ids`; per position `advantages`, `token_weights`, with a KL term `ref_logps`
     [b, s], `sequence_ids` (a completion token's sequence in the micro-batch, for
     `sequence_ratio`: GSPO), and `old_logps`, the sampling policy's, where the weights moved
-    since it sampled (grpo.mu > 1). Without them the policy is the one that sampled (one optimizer step a
-    rollout batch): the ratio is exp(logp - logp.detach()), 1 with logp's gradient, and the
-    old log-probabilities' own forward is saved (TRL does the same). Then `engine_logps`, the
-    engine's (temperature 1), if there, are compared with this forward's: the largest
-    difference of a step is `take_logprob_gap()`.
+    since it sampled (grpo.mu > 1). Without them the policy is the one that sampled (one
+    optimizer step a rollout batch): the ratio is exp(logp - logp.detach()), 1 with logp's
+    gradient, and the old log-probabilities' own forward is saved (TRL does the same). Then
+    `engine_logps`, the engine's (temperature 1), if there, are compared with this forward's:
+    the largest difference of a step is `take_logprob_gap()`.
     """
 
     def __init__(
