@@ -1054,7 +1054,8 @@ def _rollout_phases(setup: Setup, state: _ModelState) -> dict[str, dict[str, int
     """GRPO's phases outside the update: the engine sampling (its KV cache and each decode
     step's fp32 logits and log-probabilities over every row), then the no-grad forwards that
     score the rollouts (old and reference log-probabilities: the logits, and a chunk of rows'
-    fp32 temporaries at a time). Gradients are freed before a rollout starts."""
+    fp32 temporaries at a time, counted as the loss step's, which also makes the entropy).
+    Gradients are freed before a rollout starts."""
     v = setup.args.vocab_size
     scoring, _ = loss_bytes(setup)
     return {
