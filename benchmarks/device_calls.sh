@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -148,6 +148,14 @@ quantized-serve)
     --schemes ${SCHEMES:-bf16 int4-wo int8-wo} --max-concurrency 64 --concurrency 1 8 32 64 \
     --max-tokens 128 --max-seq-len 4096 --out "$OUT/$preset"
   tail -n 30 "$OUT/qserve-$preset.log"
+  ;;
+quantized-8b)
+  # the 8B (random weights) bf16 and as `lmforge quantize` makes it with its defaults: `lmforge
+  # generate` at batch 1 (decode tokens/s, % of the copy-bandwidth limit, load time) and `lmforge
+  # eval` on the demo's task, each peak beside the inference planner's
+  step 570 qinfer-8b python3 benchmarks/tp_inference.py --rows generate-tp1 eval-tp1 \
+    --schemes bf16 int4-wo int8-wo --work /tmp/tp-work --out "$OUT/qinfer"
+  grep -h '^generate\|^eval\|^quantized\|^wrote' "$OUT/qinfer-8b.log" | cut -c1-400
   ;;
 tiles)
   # the GEMV's tiles searched inside the decode step from the pinned ones, 1B and 3B (PRESETS:

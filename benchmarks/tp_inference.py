@@ -4,6 +4,8 @@ batch 1, greedy, the decode tokens/s `lmforge generate` reports; eval-tpN: the d
 multiple-choice task (demo_mc) with `lmforge eval`, its evaluating and wall seconds. Beside each
 process's peak memory as the command reports it (the CPU's peak RSS with --device cpu), the
 inference planner's allocated bytes a GPU (`plan_inference`, overhead left out) and their ratio.
+--schemes int4-wo int8-wo: the one-GPU rows again on artifacts `lmforge quantize` makes with its
+defaults (their load time and the quantized planner's rows; tensor parallelism takes bf16 only).
 
 The artifact and a small BPE tokenizer of the demo corpus are written once to --work. Fills
 docs/benchmarks.md's "Tensor-parallel inference" table (`bash benchmarks/device_calls.sh tp`).
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 GIB = 2**30
 ROWS = ("generate-tp1", "generate-tp2", "eval-tp1", "eval-tp2")
+QUANTIZED = ("int4-wo", "int8-wo")  # --schemes besides bf16: one GPU only
 
 
 def write_world(work: Path, preset: str, device: str) -> dict[str, Path]:
@@ -90,10 +93,29 @@ def eval_shape(paths: dict) -> tuple[int, int]:
     return longest, scored
 
 
-def row_command(row: str, paths: dict, prompt: str, out_dir: Path, args) -> list[str]:
+def copy_bandwidth() -> float:
+    """The GPU's copy bandwidth in bytes/s (decode.py's limit), measured in this process."""
+    from benchmarks.decode import copy_bandwidth as measure
+
+    return measure()
+
+
+def quantized_artifact(paths: dict, scheme: str, args) -> Path:
+    """`lmforge quantize` of the bf16 artifact with its defaults (made once), as a user runs it."""
+    out = paths["artifact"].with_name(paths["artifact"].name.replace("-bf16", f"-{scheme}"))
+    if not (out / "config.json").exists():
+        command = [sys.executable, "-m", "lmforge", "quantize", str(paths["artifact"]), str(out)]
+        start = time.perf_counter()
+        subprocess.run([*command, "--scheme", scheme, "--device", args.device, "--overwrite"],
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        print(f"quantized {scheme} in {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def row_command(row: str, artifact: Path, paths: dict, prompt: str, out_dir: Path, args) -> list:
     kind, tp = row.split("-tp")
     command = [sys.executable, "-m", "lmforge", "launch", "--nproc", tp, kind]
-    command += [str(paths["artifact"]), "--device", args.device]
+    command += [str(artifact), "--device", args.device]
     if kind == "generate":
         command += ["--prompt", prompt, "--temperature", "0", "--max-batch", "1"]
         command += [] if args.compile else ["--no-compile"]
@@ -115,6 +137,7 @@ def measured_generate(log: str) -> dict:
     peak = re.search(r"peak memory: ([\d.]+ [kMG]B) \(([^)]*)\)", log)
     if not (decode and counts and peak):
         return {"error": "no speed report in the log: " + log[-600:]}
+    achieved = re.search(r"bandwidth:\s+([\d.e+]+) GB/s achieved \(([\d.]+ [kMG]B) of", log)
     load = re.search(r"loaded .* in ([\d.]+)s", log)
     compiled = re.search(r"compiled in ([\d.]+)s", log)
     each = re.search(r"per process: (.*)$", peak.group(2))
@@ -124,6 +147,8 @@ def measured_generate(log: str) -> dict:
         "prompt_tokens": int(counts.group(1)),
         "new_tokens": int(counts.group(2)),
         "peak_gib": peaks,
+        "bandwidth_gb_s": float(achieved.group(1)) if achieved else None,
+        "weight_gib": gigabytes(achieved.group(2)) if achieved else None,
         "load_s": float(load.group(1)) if load else None,
         "compile_s": float(compiled.group(1)) if compiled else None,
     }
@@ -141,13 +166,15 @@ def measured_eval(out_dir: Path) -> dict:
     }
 
 
-def planned(row: str, preset: str, shape: dict, args) -> dict:
+def planned(row: str, scheme: str, shape: dict, args) -> dict:
     """The inference planner's allocated GiB a GPU for the row (total less overhead)."""
     from lmforge.models import get_preset
     from lmforge.plan.inference import InferenceSetup, format_inference_plan, plan_inference
 
     kind, tp = row.split("-tp")
-    setup = InferenceSetup(args=get_preset(preset), tp=int(tp), dtype="bf16")
+    setup = InferenceSetup(args=get_preset(args.preset), tp=int(tp), dtype="bf16",
+                           quantization=None if scheme == "bf16" else scheme,
+                           int4_packed=args.device == "cuda")  # fmt: skip
     if kind == "generate":
         chunk = 2048 if args.device == "cuda" else 512  # the engine's default prefill chunk
         setup = setup.replace(task="generate", batch=1, prefill_chunk=chunk,
@@ -163,6 +190,7 @@ def planned(row: str, preset: str, shape: dict, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--schemes", nargs="+", default=["bf16"], choices=["bf16", *QUANTIZED])
     parser.add_argument("--preset", default="llama3.1-8b")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--prompt-tokens", type=int, default=16)
@@ -180,30 +208,40 @@ def main() -> None:
     env = {**os.environ, "TQDM_DISABLE": "1"}
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-    results = {}
-    for row in args.rows:
-        out_dir = args.work / "eval" / row
+    results = {"copy_bandwidth_gb_s": copy_bandwidth() / 1e9 if args.device == "cuda" else None}
+    jobs = [(row, scheme) for scheme in args.schemes for row in args.rows]
+    for row, scheme in [(r, s) for r, s in jobs if s == "bf16" or r.endswith("-tp1")]:
+        artifact = (
+            paths["artifact"] if scheme == "bf16" else quantized_artifact(paths, scheme, args)
+        )
+        name = row if scheme == "bf16" else f"{row}-{scheme}"
+        out_dir = args.work / "eval" / name
         shutil.rmtree(out_dir, ignore_errors=True)  # an earlier run's results
-        command = row_command(row, paths, prompt, out_dir, args)
-        log = args.out / f"{row}.log"
+        command = row_command(row, artifact, paths, prompt, out_dir, args)
+        log = args.out / f"{name}.log"
         start = time.perf_counter()
         with log.open("w") as out:
             code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         wall = time.perf_counter() - start
         text = log.read_text()
         if code != 0:
-            results[row] = {"error": f"exit {code}: " + text[-600:]}
+            result = {"error": f"exit {code}: " + text[-600:]}
         elif row.startswith("generate"):
-            results[row] = measured_generate(text)
+            result = measured_generate(text)
         else:
-            results[row] = measured_eval(out_dir)
-        results[row]["wall_s"] = wall
-        if "error" not in results[row]:
-            plan = planned(row, args.preset, {**shape, **results[row]}, args)
+            result = measured_eval(out_dir)
+        result["wall_s"] = wall
+        if "error" not in result:
+            plan = planned(row, scheme, {**shape, **result}, args)
             print(plan.pop("plan_text"), flush=True)
-            ratio = max(results[row]["peak_gib"]) / plan["plan_gib"]  # RSS on the CPU: none
-            results[row].update(plan, ratio=ratio if args.device == "cuda" else None)
-        print(row, json.dumps(results[row]), flush=True)
+            ratio = max(result["peak_gib"]) / plan["plan_gib"]  # RSS on the CPU: none
+            result.update(plan, ratio=ratio if args.device == "cuda" else None)
+            if result.get("bandwidth_gb_s") and results["copy_bandwidth_gb_s"]:
+                result["pct_of_limit"] = (
+                    100 * result["bandwidth_gb_s"] / results["copy_bandwidth_gb_s"]
+                )
+        results[name] = result
+        print(name, json.dumps(result), flush=True)
     (args.out / "tp_inference.json").write_text(json.dumps(results, indent=1))
 
 
