@@ -99,9 +99,9 @@ tp)
   ;;
 decode)
   # batch 1, 128 new tokens, bf16 first for each preset's ratios; the 1B also with its output
-  # projection quantized (`lmforge quantize --quantize-output`) and int4 in groups of 256
-  # (`lmforge quantize`'s default; the others are 128's, the pinned tiles' group)
-  decode_rows 320 1b bf16 int8-wo int4-wo int4-wo-g256 int8-wo-output int4-wo-output
+  # projection quantized (`lmforge quantize --quantize-output`) and int4 in groups of 128 (the
+  # others: 256, `lmforge quantize`'s default)
+  decode_rows 320 1b bf16 int8-wo int4-wo int4-wo-g128 int8-wo-output int4-wo-output
   decode_rows 200 3b bf16 int8-wo int4-wo
   grep -h '^{' "$OUT"/decode-*.log | cut -c1-250
   ;;

@@ -80,7 +80,7 @@ class GenerationStats:
                 f"tokens/s:    {self.decode_tokens_per_s:.1f} decode (excluding prefill), "
                 f"{self.tokens_per_s:.1f} overall; {self.num_new_tokens} new tokens in "
                 f"{self.num_decode_steps} decode steps",
-                f"bandwidth:   {self.bandwidth_gb_s:.3g} GB/s achieved "
+                f"bandwidth:   {self.bandwidth_gb_s:.4g} GB/s achieved "
                 f"({_format_bytes(self.weight_bytes)} of weights per decode step)",
                 f"peak memory: {_format_bytes(self.peak_memory_bytes)} ({memory})",
             ]
