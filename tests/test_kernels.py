@@ -708,6 +708,48 @@ def test_a_pinned_tile_is_the_only_one_tuned(tmp_path, monkeypatch, caplog):
         tiles.pinned_tiles.cache_clear()
 
 
+def test_the_tuner_compiles_every_candidate_on_threads_before_timing(monkeypatch, caplog):
+    """Before timing a product's candidates, the tuner compiles each (a warm-up run of its
+    config) under Triton's async compile mode, which hands the compiles to threads; if that
+    fails, the candidates are still timed (compiling one by one), with a warning; one
+    candidate, or one thread, compiles nothing ahead."""
+    from triton.runtime import _async_compile
+
+    events = []
+
+    class Kernel:  # stands for the @triton.jit function: records its runs
+        arg_names = ["x_ptr", "N"]
+        fail = False
+        fn = staticmethod(lambda x_ptr, N: None)  # (the Python function Triton's tuner names)
+
+        def run(self, *args, grid, warmup, **kwargs):
+            assert args == ("x", 64) and grid == (4,)
+            if self.fail:
+                raise RuntimeError("no compile mode here")
+            threaded = _async_compile.active_mode.get() is not None
+            events.append(("compiled" if warmup else "ran", kwargs["BLOCK_N"], threaded))
+
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=4) for n in (8, 16, 32)]
+    monkeypatch.setattr(tiles, "COMPILE_THREADS", 4)
+    kernel = Kernel()
+    tuner = tiles.autotune(configs, key=["N"], prune=lambda c, named, **kw: c)(kernel)
+    tuner._launch = (("x", 64), {"grid": (4,), "warmup": False})
+    # a call without a tuning key times its candidates at once (no cache lookup, no GPU)
+    tuner.check_disk_cache((), configs, lambda: events.append("timed"))
+    assert events == [("compiled", n, True) for n in (8, 16, 32)] + ["timed"]
+    events.clear()
+    kernel.fail = True
+    with caplog.at_level("WARNING", logger="lmforge.generate.kernels.tiles"):
+        tuner.check_disk_cache((), configs, lambda: events.append("timed"))
+    assert events == ["timed"] and "compiling 3 tiles on threads failed" in caplog.text
+    kernel.fail = False
+    events.clear()
+    tuner.check_disk_cache((), configs[:1], lambda: events.append("timed"))
+    monkeypatch.setattr(tiles, "COMPILE_THREADS", 1)
+    tuner.check_disk_cache((), configs, lambda: events.append("timed"))
+    assert events == ["timed", "timed"]
+
+
 def test_the_shipped_tiles_are_candidates():
     """Every tile of lmforge/generate/gemv_tiles.json is one its product's autotuner would try
     (a stale pin would be ignored silently)."""

@@ -33,6 +33,7 @@ from lmforge.generate.kernels.tiles import (
     _gemv_configs,
     _interpreted_tiles,
     _max_splits,
+    autotune,
 )
 
 # Launched early, a GEMV loads its first weight tiles before its wait: how many, by the weight's
@@ -224,18 +225,14 @@ def _input(x_ptr, norm_ptr, cols, rows, K, squares, NORM, GATED, X_TILE: tl.cons
 if INTERPRETED:  # the CPU (tests): no tuning, wide tiles (the interpreter runs programs in turn)
     _gemv_tuned = _gemv
 else:
-    _gemv_tuned = triton.autotune(
+    # The tuner times each tile alone, not inside the step launched early, so picks can be
+    # poor there, and kept (in Triton's cache) they stay: on an H200 one tune ran the int8 1B
+    # at 1,057 tok/s in two processes, where four fresh tunes ran it at 1,361-1,417
+    # (docs/benchmarks.md, session 16). Hence the pinned tiles (`TILES`), chosen in the step.
+    _gemv_tuned = autotune(
         _gemv_configs(),
         key=["N", "K", "BITS", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU", "MAX_SPLITS"],
-        prune_configs_by={"early_config_prune": _fits},
-        # The picks are kept in Triton's cache directory (~/.triton/cache, TRITON_CACHE_DIR)
-        # for this GPU and kernel source: a later process starts without tuning and runs the
-        # same tiles (delete the directory to tune again). The tuner times each tile alone,
-        # not inside the step launched early, so picks can be poor there, and kept they stay:
-        # on an H200 one tune ran the int8 1B at 1,057 tok/s in two processes, where four
-        # fresh tunes ran it at 1,361-1,417 (docs/benchmarks.md, session 16). Hence the pinned
-        # tiles (`TILES`), chosen inside the step.
-        cache_results=True,
+        prune=_fits,
     )(_gemv)
 
 

@@ -26,6 +26,7 @@ from lmforge.generate.kernels.tiles import (
     _int4_fits,
     _interpreted_splits,
     _max_splits,
+    autotune,
 )
 
 
@@ -279,11 +280,10 @@ def int4_halves(group: int, dtype: torch.dtype) -> bool:
 if INTERPRETED:
     _gemv_int4_tuned = _gemv_int4
 else:
-    _gemv_int4_tuned = triton.autotune(
+    _gemv_int4_tuned = autotune(
         _int4_configs(),
         key=["N", "K", "GROUP", "NORM", "GATED", "RESIDUAL", "SWIGLU", "MAX_SPLITS"],
-        prune_configs_by={"early_config_prune": _int4_fits},
-        cache_results=True,
+        prune=_int4_fits,
     )(_gemv_int4)
 
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from lmforge.generate.early_launch import INTERPRETED
+from lmforge.generate.kernels.tiles import autotune
 
 # None: the faster on one H200 (2026-12-04, benchmarks/quantized_gemm.py, the 1B's products;
 # docs/benchmarks.md): swap for int4 and for int8 past 16 rows, fast for bf16 rows. The
@@ -76,14 +77,10 @@ def _smallest(span: int, group: int) -> triton.Config:
     return triton.Config({"BLOCK_N": 32, "BLOCK_K": block_k}, num_warps=4)
 
 
-@triton.autotune(
-    configs=_configs(),
-    key=["M", "N", "STORED", "GROUP", "BITS", "SPLIT_K", "SWAP", "FAST"],
-    prune_configs_by={"early_config_prune": _fits},
-    # kept in Triton's cache directory, as the GEMV's picks: a server started again on this
-    # GPU does not tune every bucket's products again (the int4 1B's took 198 s to start, bf16
-    # 74 s, on an H200)
-    cache_results=True,
+# the picks kept in Triton's cache, as the GEMV's: a server started again on this GPU does not
+# tune every bucket's products again (the int4 1B's took 198 s to start, bf16 74 s, on an H200)
+@autotune(
+    _configs(), key=["M", "N", "STORED", "GROUP", "BITS", "SPLIT_K", "SWAP", "FAST"], prune=_fits
 )
 @triton.jit
 def _quantized_gemm(

@@ -3,8 +3,9 @@ and the other lists, `_INT4_TILES`), the configs they make (`_gemv_configs`, `_i
 and the autotuner's pruning to one product's candidates (`_candidates`, `_int4_candidates`);
 split-K's and folding's switches (`SPLIT_K`, `FOLD`); the table of tiles pinned per GPU
 (`TILES`: lmforge/generate/gemv_tiles.json, or LMFORGE_GEMV_TILES) that a product runs untuned
-(`_fits`, `_int4_fits`); and the one configuration Triton's interpreter runs (`INTERPRETED_*`:
-the tests set them to reach each path).
+(`_fits`, `_int4_fits`); the tuner all three kernels use (`autotune`: picks kept in Triton's
+cache, candidates compiled on threads); and the one configuration Triton's interpreter runs
+(`INTERPRETED_*`: the tests set them to reach each path).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import torch
 import triton
+from triton.runtime.autotuner import Autotuner
 
 from lmforge.generate.kernels.int8 import int8_biased
 
@@ -197,6 +200,65 @@ def _pinned(candidates: list, args: dict) -> list:
     """The candidate that is the product's pinned tile, or all of them where none is pinned."""
     pin = pinned_tiles(gpu_name(args["w_ptr"].device)).get(tile_key(args))
     return [c for c in candidates if describe(c) == pin] or candidates
+
+
+# Threads that compile a product's candidate tiles before the tuner times them (1: each compiles
+# as it is first timed, Triton's own way). A product without a pinned tile on this GPU is tuned
+# on its first call: the 8B's int8 products, 390 candidates in all, took 290.7 s of its first
+# `lmforge generate` on an H200 (2026-12-05, docs/benchmarks.md), where compiling one candidate
+# for sm_90 takes 0.44 s of a CPU core (60 of them: 26.4 s; on two threads 11.6 s: Triton's
+# compiler leaves the GIL).
+COMPILE_THREADS = min(16, os.cpu_count() or 1)
+
+
+class _Tuner(Autotuner):
+    """triton.autotune's tuner that, before timing a product's candidates, compiles them all on
+    COMPILE_THREADS threads (Triton's async compile mode). A candidate that fails there is
+    compiled again, and skipped, as it is timed; picks found in the cache compile nothing."""
+
+    _launch: tuple | None = None  # the call being tuned: (args, kwargs)
+
+    def run(self, *args, **kwargs):
+        self._launch = (args, kwargs)
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self._launch = None
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        def compile_then_time():
+            self.compile_all(configs)
+            bench_fn()
+
+        return super().check_disk_cache(tuning_key, configs, compile_then_time)
+
+    def compile_all(self, configs: list) -> None:
+        if COMPILE_THREADS < 2 or len(configs) < 2 or self._launch is None:
+            return
+        args, kwargs = self._launch
+        try:
+            with (
+                ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="lmforge-tiles") as pool,
+                triton.AsyncCompileMode(pool, ignore_errors=True),
+            ):
+                for config in configs:
+                    self.fn.run(*args, **{**kwargs, **config.all_kwargs(), "warmup": True})
+        except Exception as err:  # (an older Triton, or a compile mode already active)
+            log.warning("compiling %d tiles on threads failed (%s): they compile one by one "
+                        "as they are timed", len(configs), err)  # fmt: skip
+
+
+def autotune(configs: list, key: list[str], prune):
+    """`triton.autotune(configs, key, early_config_prune=prune, cache_results=True)` with the
+    candidates compiled on threads (`_Tuner`). The picks are kept in Triton's cache directory
+    (~/.triton/cache, TRITON_CACHE_DIR) for this GPU and kernel source: a later process starts
+    without tuning and runs the same tiles (delete the directory to tune again)."""
+
+    def decorator(fn):
+        return _Tuner(fn, fn.arg_names, configs, key, None, None,
+                      prune_configs_by={"early_config_prune": prune}, cache_results=True)  # fmt: skip
+
+    return decorator
 
 
 INTERPRETED_X_TILE = True  # x as a tile where it may be (tests set False for the vector path)
