@@ -152,8 +152,10 @@ quantized-serve)
 quantized-8b)
   # the 8B (random weights) bf16 and as `lmforge quantize` makes it with its defaults: `lmforge
   # generate` at batch 1 (decode tokens/s, % of the copy-bandwidth limit, load time) and `lmforge
-  # eval` on the demo's task, each peak beside the inference planner's
-  step 570 qinfer-8b python3 benchmarks/tp_inference.py --rows generate-tp1 eval-tp1 \
+  # eval` on the demo's task, each peak beside the inference planner's; a fresh Triton cache,
+  # so each generate row's "compiled in" is a first tune (290.7 s for int8 on 2026-12-05)
+  TRITON_CACHE_DIR=/tmp/triton-qinfer-$$ step 570 qinfer-8b python3 benchmarks/tp_inference.py \
+    --rows generate-tp1 eval-tp1 \
     --schemes bf16 int4-wo int8-wo --work /tmp/tp-work --out "$OUT/qinfer"
   grep -h '^generate\|^eval\|^quantized\|^wrote' "$OUT/qinfer-8b.log" | cut -c1-400
   ;;
