@@ -718,7 +718,7 @@ def test_the_tuner_compiles_every_candidate_on_threads_before_timing(monkeypatch
     events = []
 
     class Kernel:  # stands for the @triton.jit function: records its runs
-        arg_names = ["x_ptr", "N"]
+        arg_names = ("x_ptr", "N")
         fail = False
         fn = staticmethod(lambda x_ptr, N: None)  # (the Python function Triton's tuner names)
 
