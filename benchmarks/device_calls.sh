@@ -165,8 +165,10 @@ tiles)
   # the 8B's one or two a call, its int8 alone tuned for 290 s), merged into
   # $OUT/gemv_tiles.json (to commit over `tiles.TILES`, the table lmforge reads, if faster)
   cp "$(python3 -c 'from lmforge.generate.kernels import tiles; print(tiles.TILES)')" "$OUT/gemv_tiles.json"
-  for preset in ${PRESETS:-llama3.2-1b llama3.2-3b}; do
-    TRITON_CACHE_DIR=/tmp/triton-tiles-$preset step 280 "tiles-$preset" python3 \
+  presets=${PRESETS:-llama3.2-1b llama3.2-3b}
+  for preset in $presets; do  # the call's 560 s shared among the presets
+    TRITON_CACHE_DIR=/tmp/triton-tiles-$preset step $((560 / $(wc -w <<<"$presets"))) \
+      "tiles-$preset" python3 \
       benchmarks/tile_search.py --preset "$preset" --schemes ${SCHEMES:-bf16 int8-wo int4-wo} \
       --passes 1 --tokens 64 --out "$OUT/$preset" --table "$OUT/gemv_tiles.json"
   done
