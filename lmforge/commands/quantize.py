@@ -40,7 +40,8 @@ def register(subparsers) -> None:
         type=int,
         default=None,
         help="values sharing one scale; must divide the linears' input sizes "
-        "(default: 256 for int4-wo, one scale per output row for int8-wo)",
+        "(default: 256 for int4-wo, one scale per output row for int8-wo; Llama 3.1 8B on an "
+        "H200 decodes int4 9%% faster in groups of 256 than of 128; docs/benchmarks.md)",
     )
     quantize.add_argument(
         "--quantize-output",
