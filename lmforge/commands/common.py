@@ -1,9 +1,11 @@
 """Arguments several subcommands share: where a model runs and in which precision, and
-`--config FILE` for the commands that pipeline stages run."""
+`--config FILE` for the commands that pipeline stages run; and the decode step's warm-up that
+generate and serve print."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -83,3 +85,14 @@ def require_arguments(args: argparse.Namespace, names: Mapping[str, str]) -> Non
         raise ConfigError(
             f"the following arguments are required: {', '.join(missing)} (or --config FILE)"
         )
+
+
+def warm_up(generator) -> None:
+    """Compile (and on a GPU tune) `generator`'s decode step before the first request, saying
+    so: a model's first run on a GPU tunes its kernels, minutes for a large quantized one."""
+    if not generator.compiled:
+        return
+    tunes = " and tuning its kernels (kept in Triton's cache for later runs)"
+    what = "compiling the decode step" + (tunes if generator.device.type == "cuda" else "")
+    print(f"{what}...", file=sys.stderr, flush=True)
+    print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)

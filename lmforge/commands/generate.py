@@ -15,7 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.commands.common import add_config_file, add_runtime_arguments, apply_config_file
+from lmforge.commands.common import (
+    add_config_file,
+    add_runtime_arguments,
+    apply_config_file,
+    warm_up,
+)
 from lmforge.errors import ConfigError, DataError, ModelFormatError
 
 
@@ -198,9 +203,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - start:.1f}s",
         file=sys.stderr,
     )
-    if generator.compiled:
-        print("compiling the decode step...", file=sys.stderr, flush=True)
-        print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
+    warm_up(generator)
 
     stream = generator.stream(prompt_ids, params, seed=parallel.shared_seed(args.seed))
     if len(prompts) == 1:  # print as it comes

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.commands.common import add_runtime_arguments
+from lmforge.commands.common import add_runtime_arguments, warm_up
 from lmforge.errors import ConfigError, ModelFormatError
 
 API_KEY_ENV = "LMFORGE_API_KEY"
@@ -349,9 +349,7 @@ def main(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - start:.1f}s" + (f" ({', '.join(notes)})" if notes else ""),
         file=sys.stderr,
     )
-    if generator.compiled:
-        print("compiling the decode step...", file=sys.stderr, flush=True)
-        print(f"compiled in {generator.warmup():.1f}s", file=sys.stderr)
+    warm_up(generator)
     # What exists now (the model, compiled code, the libraries) lives as long as the server:
     # out of the garbage collector's sight, a full collection under load walks only what the
     # requests made, not the ~600k objects there are after compiling (0.3-0.4 s on a CPU core,
