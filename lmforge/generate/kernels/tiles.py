@@ -255,8 +255,11 @@ def autotune(configs: list, key: list[str], prune):
     without tuning and runs the same tiles (delete the directory to tune again)."""
 
     def decorator(fn):
-        return _Tuner(fn, fn.arg_names, configs, key, None, None,
-                      prune_configs_by={"early_config_prune": prune}, cache_results=True)  # fmt: skip
+        options = {"prune_configs_by": {"early_config_prune": prune}, "cache_results": True}
+        try:  # (Triton 3.6-3.9's Autotuner; another may take other arguments: then its own)
+            return _Tuner(fn, fn.arg_names, configs, key, None, None, **options)
+        except TypeError:
+            return triton.autotune(configs, key, **options)(fn)
 
     return decorator
 
