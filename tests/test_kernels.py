@@ -750,6 +750,68 @@ def test_the_tuner_compiles_every_candidate_on_threads_before_timing(monkeypatch
     assert events == ["timed", "timed"]
 
 
+# The tuner's compile ahead through Triton itself, without a GPU: a stand-in driver answers what
+# compiling asks (an sm_90 target, device 0); nothing is launched. Run in a process without
+# TRITON_INTERPRET (`test_the_tuner_compiles_for_a_gpu_on_threads`).
+TUNE_FOR_SM90 = """
+import sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+class Sm90:
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_active_torch_device(self): return torch.device("cpu")
+
+driver.set_active(Sm90())
+from lmforge.generate.kernels import gemv_kernel, tiles
+
+tiles.COMPILE_THREADS = 2
+n, k = 512, 1024  # int8 of a scale a row, with its norm (as wqkv)
+x, norm = torch.empty(k, dtype=torch.bfloat16), torch.empty(k, dtype=torch.bfloat16)
+w, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1)
+y, partial, count = torch.empty(n, dtype=torch.bfloat16), torch.empty(n), torch.empty(n, dtype=torch.int32)
+args = (x, w, scale, y, norm, y, y, partial, count, n, k, 1e-5)
+flags = dict(GROUP=k, BITS=8, NORM=True, GATED=False, RESIDUAL=False, SWIGLU=False, EARLY=True,
+             PRELOAD=2, INT4_FROM_BITS=False, MAX_SPLITS=1)
+tuner = gemv_kernel._gemv_tuned
+configs = tiles._candidates(tuner.configs, {**dict(zip(tuner.arg_names, args)), **flags})[:6]
+tuner._launch = (args, {**flags, "launch_pdl": True, "grid": (1,), "warmup": False})
+
+def timed():  # stands for timing each candidate on the GPU
+    assert len(kernels) == 6, "every candidate compiled before the timing"
+    tuner.configs_timings = {config: [float(i)] * 3 for i, config in enumerate(configs)}
+    tuner.cache[key] = configs[0]
+
+kernels, key = gemv_kernel._gemv.device_caches[0][0], (n, k, "test")
+assert not tuner.check_disk_cache(key, configs, timed)  # tuned, and the picks kept
+kernels.clear()
+assert tuner.check_disk_cache(key, configs, lambda: sys.exit("timed again"))
+assert len(kernels) == 0, "picks read from the cache compile nothing"
+print("compiled", len(configs), "on threads")
+"""
+
+
+def test_the_tuner_compiles_for_a_gpu_on_threads(tmp_path):
+    """Through Triton itself (its compiler for sm_90, its async compile mode, its cache of
+    picks), without a GPU: the tuner compiles every candidate of a product on threads into the
+    kernel's cache before timing them, keeps the picks in Triton's cache directory, and a
+    second tune reads them there and compiles nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", TUNE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 6 on threads" in done.stdout
+
+
 def test_the_shipped_tiles_are_candidates():
     """Every tile of lmforge/generate/gemv_tiles.json is one its product's autotuner would try
     (a stale pin would be ignored silently)."""

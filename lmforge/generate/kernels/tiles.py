@@ -205,9 +205,10 @@ def _pinned(candidates: list, args: dict) -> list:
 # Threads that compile a product's candidate tiles before the tuner times them (1: each compiles
 # as it is first timed, Triton's own way). A product without a pinned tile on this GPU is tuned
 # on its first call: the 8B's int8 products, 390 candidates in all, took 290.7 s of its first
-# `lmforge generate` on an H200 (2026-12-05, docs/benchmarks.md), where compiling one candidate
-# for sm_90 takes 0.44 s of a CPU core (60 of them: 26.4 s; on two threads 11.6 s: Triton's
-# compiler leaves the GIL).
+# `lmforge generate` on an H200 (2026-12-05, docs/benchmarks.md). Compiling the 8B's 60 int8
+# wqkv candidates for sm_90 through this tuner without a GPU (Triton 3.6, as the test
+# `test_the_tuner_compiles_for_a_gpu_on_threads` does) took 24.0 s on one CPU core and 14.5 s
+# on two threads: Triton's compiler leaves the GIL.
 COMPILE_THREADS = min(16, os.cpu_count() or 1)
 
 
