@@ -93,13 +93,6 @@ def eval_shape(paths: dict) -> tuple[int, int]:
     return longest, scored
 
 
-def copy_bandwidth() -> float:
-    """The GPU's copy bandwidth in bytes/s (decode.py's limit), measured in this process."""
-    from benchmarks.decode import copy_bandwidth as measure
-
-    return measure()
-
-
 def quantized_artifact(paths: dict, scheme: str, args) -> Path:
     """`lmforge quantize` of the bf16 artifact with its defaults (made once), as a user runs it."""
     out = paths["artifact"].with_name(paths["artifact"].name.replace("-bf16", f"-{scheme}"))
@@ -208,9 +201,13 @@ def main() -> None:
     env = {**os.environ, "TQDM_DISABLE": "1"}
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-    results = {"copy_bandwidth_gb_s": copy_bandwidth() / 1e9 if args.device == "cuda" else None}
-    jobs = [(row, scheme) for scheme in args.schemes for row in args.rows]
-    for row, scheme in [(r, s) for r, s in jobs if s == "bf16" or r.endswith("-tp1")]:
+    results = {"copy_bandwidth_gb_s": None}
+    if args.device == "cuda":  # decode.py's limit, measured in this process
+        from benchmarks.decode import copy_bandwidth
+
+        results["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9
+    jobs = [(r, s) for s in args.schemes for r in args.rows if s == "bf16" or "-tp1" in r]
+    for row, scheme in jobs:
         artifact = (
             paths["artifact"] if scheme == "bf16" else quantized_artifact(paths, scheme, args)
         )

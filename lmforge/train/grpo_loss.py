@@ -64,10 +64,11 @@ CHUNK_VALUES = 2**26
 class PickedLogProbs(torch.autograd.Function):
     """logits [n, V] (any float dtype), labels [n], temperature T -> (log p(label) of
     softmax(logits / T) [n] fp32, the distributions' entropies [n] fp32, no gradient; empty
-    when the fourth argument is False), a chunk of rows at a time. Only the logits are kept for the backward, which makes each chunk's
-    softmax again: the eager way kept an fp32 log-softmax [n, V] and made its gradient and the
-    entropy's terms as more fp32 [n, V] tensors (18 bytes a vocabulary entry with bf16 logits,
-    where this keeps the logits' 2 and a chunk's temporaries)."""
+    when the fourth argument is False), a chunk of rows at a time. Only the logits are kept for
+    the backward, which makes each chunk's softmax again: the eager way kept an fp32
+    log-softmax [n, V] and made its gradient and the entropy's terms as more fp32 [n, V]
+    tensors (18 bytes a vocabulary entry with bf16 logits, where this keeps the logits' 2 and a
+    chunk's temporaries)."""
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, with_entropy=True):
