@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -135,6 +135,20 @@ products)
     --rows ${ROWS:-1 8 16 32 64 128} --variants ${VARIANTS:-swap swap-fast fast gemlite}
   tail -n 3 "$OUT/kernels.log"
   tail -n 40 "$OUT/products.log"
+  ;;
+fbgemm)
+  # issue 56's kernel comparison: fbgemm-gpu-genai 1.6.0's CUTLASS sm90 int4 products
+  # (preshuffled, plain) and W8A8 float8 (torch._scaled_mm with run-time activation scales, and
+  # fbgemm's) beside cuBLAS bf16 and lmforge's kernels, the 1B's and the 8B's block products at
+  # 1-128 rows. Carry a .whl of fbgemm-gpu-genai and pydantic's wheels alone (64 MiB a call).
+  step 200 fbgemm-1b python3 benchmarks/quantized_gemm.py --preset llama3.2-1b \
+    --rows 1 8 16 32 64 128 --variants fbgemm fp8
+  step 60 fbgemm-1b-g128 python3 benchmarks/quantized_gemm.py --preset llama3.2-1b \
+    --rows 1 8 64 --bits 16 --group 128 --variants fbgemm
+  step 280 fbgemm-8b python3 benchmarks/quantized_gemm.py --preset llama3.1-8b \
+    --rows 1 8 16 32 64 128 --bits 16 4 --variants fbgemm fp8
+  cat "$OUT/fbgemm-1b-g128.log"
+  tail -n 36 "$OUT/fbgemm-1b.log" "$OUT/fbgemm-8b.log"
   ;;
 quantized-serve)
   # the random 1B (PRESET=llama3.1-8b: the 8B) artifact as it is (bf16) and as `lmforge quantize

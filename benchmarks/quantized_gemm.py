@@ -7,8 +7,13 @@ table (`bash benchmarks/device_calls.sh quantized-serve` runs it first).
     python3 benchmarks/quantized_gemm.py --preset llama3.2-1b --rows 1 8 32 64
 
 --variants adds columns for `quantized_gemm.VARIANT`s (swap: the weight tile as the product's
-left operand; fast: dequantized in bf16 arithmetic) and for GemLite (pip gemlite, its Triton
-A16W8 / A16W4 kernels, the peer docs/benchmarks.md compares with).
+left operand; fast: dequantized in bf16 arithmetic), for GemLite (pip gemlite, its Triton
+A16W8 / A16W4 kernels, the peer docs/benchmarks.md compares with), for fbgemm-gpu-genai's CUTLASS
+sm90 mixed-input products over int4 weights (`fbgemm`: preshuffled and plain, in --group) and for
+W8A8 float8 (`fp8`: e4m3 weights with a scale a row, activations quantized a row at run time,
+through `torch._scaled_mm`; `fp8-mm` the product alone, `fp8-fbgemm` fbgemm's own quantizer and
+`f8f8bf16_rowwise`). Each of those prints its error against the product of the weights it
+dequantizes, ||y - ref|| / ||ref||, at the first row count.
 """
 
 from __future__ import annotations
@@ -98,13 +103,87 @@ def gemlite_layer(n: int, k: int, bits: int, group: int):
     return helper.A16W4_HQQ_INT(device="cuda", dtype=torch.bfloat16).from_weights(q, scale, zero)
 
 
+def fbgemm_columns(weight: torch.Tensor, group: int) -> dict:
+    """fbgemm-gpu-genai's int4 products of `weight` [N, K] (groups of `group`, zero points as
+    the engine's int4: w = (q - 8) * scale + zero), name -> (fn(x), weight bytes, dequantized
+    weight)."""
+    from fbgemm_gpu.experimental.gen_ai.quantize import int4_row_quantize_zp, pack_int4
+
+    q, scale, zero = int4_row_quantize_zp(weight, group)  # q - 8 [N, K]; scale, zero [K/g, N]
+    scale, zero = scale.bfloat16(), zero.bfloat16()
+    dequantized = (q.float().view(q.shape[0], -1, group) * scale.t()[..., None].float()
+                   + zero.t()[..., None].float()).view_as(weight).bfloat16()  # fmt: skip
+    packed = pack_int4(q)
+    shuffled, shuffled_scale = torch.ops.fbgemm.preshuffle_i4(packed, scale)
+    size = packed.numel() + scale.numel() * 4
+    ops = torch.ops.fbgemm
+    return {
+        "i4-shuffled": (
+            lambda x: ops.bf16i4bf16_shuffled(x, shuffled, shuffled_scale, zero),
+            size,
+            dequantized,
+        ),
+        "i4-rowwise": (lambda x: ops.bf16i4bf16_rowwise(x, packed, scale, zero), size, dequantized),
+    }
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float8 e4m3 values and fp32 scales [rows, 1] of x, one scale a row (amax / 448)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def fp8_columns(weight: torch.Tensor) -> dict:
+    """W8A8 float8 products of `weight` [N, K]: a scale a weight row, activations quantized a
+    row at run time. name -> (fn(x), weight bytes, dequantized weight)."""
+    wq, w_scale = fp8_rows(weight)
+    dequantized = (wq.float() * w_scale).bfloat16()
+    size = wq.numel() + w_scale.numel() * 4
+    w_scale_t = w_scale.t().contiguous()  # [1, N]
+
+    def fp8(x):
+        xq, x_scale = fp8_rows(x)
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale_t,
+                                out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
+    prequantized = {}
+
+    def fp8_mm(x):  # the product alone, on activations quantized once outside the graph
+        if x.data_ptr() not in prequantized:
+            prequantized[x.data_ptr()] = fp8_rows(x)
+        xq, x_scale = prequantized[x.data_ptr()]
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale_t,
+                                out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
+    columns = {"fp8": (fp8, size, dequantized), "fp8-mm": (fp8_mm, size, dequantized)}
+    try:
+        from fbgemm_gpu.experimental.gemm.triton_gemm.fp8_gemm import quantize_fp8_row
+    except ImportError:
+        return columns
+    fq, f_scale = quantize_fp8_row(weight)
+
+    def fp8_fbgemm(x):
+        xq, x_scale = quantize_fp8_row(x)
+        return torch.ops.fbgemm.f8f8bf16_rowwise(xq, fq, x_scale, f_scale, use_fast_accum=True)
+
+    columns["fp8-fbgemm"] = (fp8_fbgemm, size, dequantized)
+    return columns
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--group", type=int, default=256, help="int4 group size (256)")
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--variants", nargs="*", default=[], choices=[*VARIANTS, "gemlite"])
+    parser.add_argument("--variants", nargs="*", default=[],
+                        choices=[*VARIANTS, "gemlite", "fbgemm", "fp8"])  # fmt: skip
+    parser.add_argument("--bits", type=int, nargs="+", default=[16, 8, 4],
+                        help="lmforge's own columns: 16 (bf16), 8, 4")  # fmt: skip
     parser.add_argument("--products", nargs="*", default=["wqkv", "wo", "w13", "w2"])
     args = parser.parse_args()
     model = get_preset(args.preset)
@@ -115,11 +194,13 @@ def main() -> None:
         "w2": (model.dim, model.ffn_dim),
     }
     print(f"{args.preset}: ms a product (GB/s of its weight bytes); int4 group {args.group}")
-    extra = [f"{b}-{v}" for v in args.variants for b in ("int8", "int4")]
-    print(
-        f"{'product':>8} {'rows':>5} "
-        + " ".join(f"{c:>16}" for c in ["bf16", "int8", "int4", *extra])
-    )
+    tiled_variants = [v for v in args.variants if v in VARIANTS or v == "gemlite"]
+    extra = [f"{b}-{v}" for v in tiled_variants for b in ("int8", "int4")]
+    peer_names = {"fbgemm": ["i4-shuffled", "i4-rowwise"], "fp8": ["fp8", "fp8-mm", "fp8-fbgemm"]}
+    named = [c for v in args.variants for c in peer_names.get(v, [])]
+    own = {16: "bf16", 8: "int8", 4: "int4"}
+    header = [own[b] for b in args.bits] + extra + named
+    print(f"{'product':>8} {'rows':>5} " + " ".join(f"{c:>16}" for c in header))
     for name, (n, k) in shapes.items():
         if name not in args.products:
             continue
@@ -130,19 +211,23 @@ def main() -> None:
             if "gemlite" in args.variants
             else {}
         )
+        columns = {}
+        if "fbgemm" in args.variants:
+            columns.update(peer_columns(partial(fbgemm_columns, weight, args.group)))
+        if "fp8" in args.variants:
+            columns.update(peer_columns(partial(fp8_columns, weight)))
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cells = []
-            for bits in (16, 8, 4):
+            for bits in args.bits:
                 layer = layers.get(bits)
                 fn = partial(product, x, weight, layer, bits)
                 if bits == 16:
                     size = weight.numel() * 2
                 else:
                     size = layer.q.numel() + layer.scale.numel() * 2 * (2 if bits == 4 else 1)
-                ms = timed(fn, args.repeats)
-                cells.append(f"{ms:.4f} ({size / ms / 1e6:,.0f})")
-            for variant in args.variants:
+                cells.append(timed_cell(fn, size, args.repeats, f"int{bits} rows {rows}"))
+            for variant in tiled_variants:
                 for bits in (8, 4):
                     layer = layers[bits]
                     size = layer.q.numel() + layer.scale.numel() * 2 * (2 if bits == 4 else 1)
@@ -153,14 +238,40 @@ def main() -> None:
                         continue
                     else:
                         fn = partial(variant_product, x, layer, bits, VARIANTS[variant])
+                    cells.append(timed_cell(fn, size, args.repeats, f"{variant} int{bits}"))
+            for column in named:
+                if column not in columns:
+                    cells.append("missing")
+                    continue
+                fn, size, dequantized = columns[column]
+                if rows == args.rows[0]:
                     try:
-                        ms = timed(fn, args.repeats)
-                        cells.append(f"{ms:.4f} ({size / ms / 1e6:,.0f})")
-                    except Exception as error:  # a peer's failure is a cell, not the table's end
-                        cells.append(type(error).__name__)
-                        why = str(error.__cause__ or error).splitlines()[-1:]
-                        print(f"{variant} int{bits} rows {rows}: {why}", flush=True)
+                        error = relative_error(fn(x), x @ dequantized.t())
+                        print(f"{name} {column}: relative error {error:.2e}", flush=True)
+                    except Exception as failure:
+                        print(f"{name} {column}: {type(failure).__name__}: {failure}"[:300])
+                cells.append(timed_cell(partial(fn, x), size, args.repeats, column))
             print(f"{name:>8} {rows:>5} " + " ".join(f"{c:>16}" for c in cells), flush=True)
+
+
+def peer_columns(build) -> dict:
+    """A peer's columns, or none (with the reason printed) where it cannot be built here."""
+    try:
+        return build()
+    except Exception as error:
+        print(f"{build.func.__name__}: {type(error).__name__}: {error}"[:300], flush=True)
+        return {}
+
+
+def timed_cell(fn, size: int, repeats: int, what: str) -> str:
+    """'ms (GB/s)' of fn, or the error's name (a peer's failure is a cell, not the table's end)."""
+    try:
+        ms = timed(fn, repeats)
+    except Exception as error:
+        why = str(error.__cause__ or error).splitlines()[-1:]
+        print(f"{what}: {why}", flush=True)
+        return type(error).__name__
+    return f"{ms:.4f} ({size / ms / 1e6:,.0f})"
 
 
 if __name__ == "__main__":
