@@ -870,26 +870,51 @@ def test_the_engine_process_ends_with_the_http_process_and_says_why(artifact, tm
 # ---- pieces ---------------------------------------------------------------------------------
 
 
-def test_engine_vllm_needs_vllm(artifact, capsys):
+def test_engine_vllm_needs_vllm(artifact, capsys, monkeypatch, tmp_path):
+    """`--engine vllm` builds vLLM's command with our options, refuses a Python without vLLM in
+    one line (exit 2), and with one execs it: here a stand-in records the exec, so that the
+    test never replaces pytest (as it did with LMFORGE_VLLM_PYTHON set)."""
     from lmforge.cli import build_parser
-    from lmforge.commands.serve import vllm_command
+    from lmforge.commands import serve as serve_command
 
+    monkeypatch.delenv(serve_command.VLLM_PYTHON_ENV, raising=False)
+    monkeypatch.delenv("LMFORGE_API_KEY", raising=False)
+    execs = []
+    monkeypatch.setattr(serve_command, "replace_process", lambda *call: execs.append(call))
     options = ["--port", "9001", "--max-concurrency", "4", "--max-seq-len", "512"]
     args = build_parser().parse_args(
         ["serve", str(artifact), "--engine", "vllm", *options, "--dtype", "bfloat16"]
     )
-    command = vllm_command(args)
+    command = serve_command.vllm_command(args)
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     text = " ".join(command)
     for option in ("--model " + str(artifact), "--port 9001", "--max-num-seqs 4",
                    "--max-model-len 512", "--dtype bfloat16", f"--served-model-name {MODEL}"):  # fmt: skip
         assert option in text
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        assert cli_main(["serve", str(artifact), "--engine", "vllm"]) == 2
-        error = capsys.readouterr().err.strip()
-        assert "\n" not in error and "pip install vllm" in error
+
+    without = tmp_path / "python-without-vllm"  # a Python whose `import vllm` fails
+    without.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n"
+    )
+    without.chmod(0o755)
+    assert (
+        cli_main(["serve", str(artifact), "--engine", "vllm", "--vllm-python", str(without)]) == 2
+    )
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "pip install vllm" in error and not execs
+
+    with_vllm = tmp_path / "python-with-vllm"  # one whose `import vllm` works
+    with_vllm.write_text("#!/bin/sh\nexit 0\n")
+    with_vllm.chmod(0o755)
+    key = tmp_path / "key"
+    key.write_text("secret\n")
+    argv = ["serve", str(artifact), "--engine", "vllm", "--vllm-python", str(with_vllm),
+            *options, "--api-key-file", str(key)]  # fmt: skip
+    assert cli_main(argv) == 0
+    [(path, exec_argv, env)] = execs
+    assert path == str(with_vllm) and exec_argv[0] == str(with_vllm)
+    assert "--max-num-seqs 4" in " ".join(exec_argv) and env["VLLM_API_KEY"] == "secret"
+    assert "secret" not in " ".join(exec_argv)
 
 
 def test_api_key_from_a_file_or_the_environment_never_both_ways(tmp_path, monkeypatch):

@@ -134,11 +134,29 @@ def test_lmforge_serve_engine_vllm_answers_the_openai_client(tmp_path):
         server.wait(timeout=60)
 
 
+def _vllm_int4_kernel_missing() -> str | None:
+    """Why vLLM's CPU build cannot run a W4A16 artifact here, or None. It loads one of two op
+    libraries by the CPU: the AVX2 one has no `cpu_gemm_wna16` (its int4 kernel), the AVX-512
+    one has (checked 2026-12-07)."""
+    check = "import vllm._custom_ops, torch; print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))"
+    done = subprocess.run([str(VLLM_PYTHON), "-c", check], env=VLLM_ENV, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    if done.stdout.strip().endswith("True"):
+        return None
+    return (
+        "vLLM's CPU build has no int4 kernel on this CPU (cpu_gemm_wna16 is in its AVX-512 op "
+        "library only); tests/test_quantize.py checks the same artifact in transformers"
+    )
+
+
 def test_vllm_serves_a_compressed_tensors_int4_artifact_with_lmforge_choices(tmp_path):
     """`lmforge quantize --format compressed-tensors --scheme int4-wo` loads in vLLM's CPU build
     (its CPUWNA16 kernel, bf16 activations). Each token vLLM picks is lmforge's greedy pick on
     the dequantized model, or within bf16's rounding of it (a random model has near ties)."""
     from lmforge.cli import main as cli_main
+
+    if reason := _vllm_int4_kernel_missing():
+        pytest.skip(reason)
 
     loaded = LoadedModel(build_model(TINY, dtype=torch.bfloat16, seed=3), None, TINY, "test")
     source = lmforge.save(loaded, tmp_path / "bf16", stage="test")

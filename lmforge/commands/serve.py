@@ -260,6 +260,7 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
 
 
 def _exec_vllm(args: argparse.Namespace) -> int:
+    """Replaces this process by vLLM's server (`replace_process`: its one exec)."""
     _check_vllm(args.vllm_python)
     command = vllm_command(args)
     env = dict(os.environ)
@@ -267,8 +268,13 @@ def _exec_vllm(args: argparse.Namespace) -> int:
     if key is not None:
         env["VLLM_API_KEY"] = key
     print("exec: " + " ".join(command), file=sys.stderr, flush=True)
-    os.execve(args.vllm_python, command, env)
+    replace_process(args.vllm_python, command, env)
     return 0  # not reached
+
+
+def replace_process(path: str, argv: list[str], env: dict[str, str]) -> None:
+    """os.execve, named so that a test can stand in for it (a test never execs its runner)."""
+    os.execve(path, argv, env)
 
 
 def _check_vllm(python: str) -> None:
