@@ -50,6 +50,7 @@ def test_weight_bytes_equal_the_parameters(tied, dtype):
         ("int8-wo", 32, True),
         ("int4-wo", 32, False),
         ("int4-wo", 64, True),
+        ("int4-wo", None, False),  # the group quantize chooses: 64 (256 does not divide dim 64)
     ],
 )
 def test_quantized_weight_bytes_equal_torchao_tensors(scheme, group, output):

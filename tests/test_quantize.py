@@ -287,9 +287,9 @@ def test_pack_unpack_int4_is_exact():
 def test_bad_group_size_names_it(source, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"group_size 48 does not divide the input size 128"):
         quantize_artifact(source, tmp_path / "bad", scheme="int4-wo", group_size=48)
-    # the int4 default, 256, does not divide dim 128 either
+    # 256 given explicitly is not replaced by a size that divides (only the default is chosen)
     with pytest.raises(ConfigError, match=r"group_size 256 .* attention.wq"):
-        quantize_artifact(source, tmp_path / "bad", scheme="int4-wo")
+        quantize_artifact(source, tmp_path / "bad", scheme="int4-wo", group_size=256)
     spec = QuantSpec(scheme="int4-wo", group_size=96)
     with pytest.raises(ConfigError, match=r"group_size 96"):
         quantize_lib.check_group_size(spec, ARGS, "cpu")
@@ -297,6 +297,38 @@ def test_bad_group_size_names_it(source, tmp_path, capsys):
     assert cli_main([*argv, "--group-size", "48", "--device", "cpu"]) == 2
     assert "group_size 48" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_default_int4_group_is_the_largest_that_divides_and_says_so(source, tmp_path, capsys):
+    # The demo's shape (dim 128, as ARGS): 256 does not divide it, so no --group-size gives 128.
+    out = tmp_path / "int4"
+    argv = ["quantize", str(source), str(out), "--scheme", "int4-wo", "--device", "cpu"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "with int4-wo (group size 128) on cpu" in printed[0]
+    assert [line for line in printed if "group size 128:" in line] == [
+        "note: int4 group size 128: the default 256 does not divide the input size 128 of "
+        "attention.wq (dim), and 128 is the largest of 256, 128, 64, 32 that divides every "
+        "quantized linear's (--group-size chooses another)"
+    ]
+    assert json.loads((out / "lmforge.json").read_text())["quantization"]["group_size"] == 128
+    # The whole-model path chooses and says the same.
+    whole = quantize_artifact(source, tmp_path / "whole", scheme="int4-wo", stream=False)
+    assert whole.spec.group_size == 128 and whole.notes[0].startswith("int4 group size 128: ")
+    # The tiny preset (dim 256, ffn 768) keeps 256 without a note; a shape no supported size
+    # divides is refused; the planner counts the group quantize will choose.
+    preset = get_preset("tiny")
+    result = quantize_artifact("tiny", tmp_path / "preset", scheme="int4-wo")
+    assert result.spec.group_size == 256 and not any("group size" in n for n in result.notes)
+    odd = ARGS.replace(dim=80, num_heads=4, num_kv_heads=2, ffn_dim=160)
+    with pytest.raises(ConfigError, match=r"no int4 group size of 256, 128, 64, 32 divides"):
+        quantize_lib.check_group_size(QuantSpec("int4-wo"), odd, "cpu")
+    from lmforge.plan.inference import InferenceSetup, weight_bytes
+
+    for args, group in ((ARGS, 128), (preset, 256)):
+        chosen = InferenceSetup(args=args, task="quantize", quantization="int4-wo")
+        assert weight_bytes(chosen) == weight_bytes(chosen.replace(group_size=group))
+        assert weight_bytes(chosen) != weight_bytes(chosen.replace(group_size=group // 2))
 
 
 def test_schemes_without_a_kernel_are_refused_with_what_works(monkeypatch):
@@ -463,6 +495,14 @@ def test_compressed_tensors_artifact_loads_in_transformers_with_lmforge_logits(
     with torch.no_grad():
         want, got = theirs(tokens).logits, ours(tokens)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+    # greedy decoding: transformers' tokens are lmforge's (the check that runs where vLLM's CPU
+    # build has no int4 kernel: tests/test_vllm.py skips there)
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=())
+    ours_tokens = Generator(ours, max_batch=1).generate([tokens[0].tolist()], params).results
+    generation = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        theirs_tokens = theirs.generate(tokens, **generation)[0, tokens.shape[1] :]
+    assert theirs_tokens.tolist() == list(ours_tokens[0].token_ids)
     # the weights are the round-to-nearest ones: near the originals, and read_state_dict's
     plain = lmforge.api.read_state_dict(out, ours.args)["layers.0.attention.wq.weight"]
     assert type(plain) is torch.Tensor and torch.equal(plain, wq.dequantize().to(plain.dtype))

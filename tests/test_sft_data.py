@@ -132,6 +132,61 @@ def test_sharegpt_conversations_equal_the_same_chat_messages(tmp_path, tokenizer
     assert label_runs(tokenizer, ours.labels) == ["Dunvale." + EOT, "Penwick." + EOT]
 
 
+def test_prompt_completion_text_is_one_user_and_one_assistant_message(tmp_path, tokenizer):
+    # As Alpaca rows: the prompt is the user turn, the completion (with its end of turn) trained.
+    row = {"prompt": "Name a town.", "completion": "Dunvale."}
+    sample = load(tmp_path, tokenizer, [row]).samples[0]
+    ids = tokenizer.encode_chat(
+        [{"role": "user", "content": "Name a town."}, {"role": "assistant", "content": "Dunvale."}]
+    )
+    prompt_len = len(
+        tokenizer.encode_chat(
+            [{"role": "user", "content": "Name a town."}], add_generation_prompt=True
+        )
+    )
+    assert sample.inputs.tolist() == ids[:-1]
+    # Exactly the completion's ids are labels, each the next id.
+    expected = np.full(len(ids) - 1, IGNORE_INDEX)
+    expected[prompt_len - 1 :] = ids[prompt_len:]
+    assert sample.labels.tolist() == expected.tolist()
+    assert label_runs(tokenizer, sample.labels) == ["Dunvale." + EOT]
+
+
+def test_conversational_prompt_completion_trains_only_the_completion(tmp_path, tokenizer):
+    # The prompt's own assistant turn is context; the row renders as the whole conversation.
+    prompt, completion = MULTI_TURN[:4], MULTI_TURN[4:]
+    row = {"prompt": prompt, "completion": completion}
+    sample = load(tmp_path, tokenizer, [row]).samples[0]
+    ids = tokenizer.encode_chat(MULTI_TURN)
+    prompt_len = len(tokenizer.encode_chat(prompt, add_generation_prompt=True))
+    expected = np.full(len(ids) - 1, IGNORE_INDEX)
+    expected[prompt_len - 1 :] = ids[prompt_len:]
+    assert sample.inputs.tolist() == ids[:-1]
+    assert sample.labels.tolist() == expected.tolist()
+    assert label_runs(tokenizer, sample.labels) == ["Kalo has a heron." + EOT]
+    # The same rows as chat messages train both assistant turns; train_on_input trains all.
+    (tmp_path / "chat").mkdir()
+    chat = load(tmp_path / "chat", tokenizer, [{"messages": MULTI_TURN}]).samples[0]
+    assert chat.inputs.tolist() == sample.inputs.tolist()
+    assert len(label_runs(tokenizer, chat.labels)) == 2
+    (tmp_path / "all").mkdir()
+    every = load(tmp_path / "all", tokenizer, [row], train_on_input=True).samples[0]
+    assert every.labels.tolist() == ids[1:]
+
+
+def test_prompt_completion_custom_fields_and_forced_format(tmp_path, tokenizer):
+    rows = [{"q": "Say hi.", "a": "Hi.", "instruction": "ignored in prompt_completion format"}]
+    data = load(
+        tmp_path,
+        tokenizer,
+        rows,
+        format="prompt_completion",
+        prompt_field="q",
+        completion_field="a",
+    )
+    assert label_runs(tokenizer, data.samples[0].labels) == ["Hi." + EOT]
+
+
 def test_alpaca_custom_fields_and_forced_format(tmp_path, tokenizer):
     rows = [{"q": "Say hi.", "a": "Hi.", "messages": "ignored in alpaca format"}]
     data = load(tmp_path, tokenizer, rows, format="alpaca", instruction_field="q", output_field="a")
@@ -183,6 +238,18 @@ BAD_ROWS = [
     ({"instruction": "x"}, "missing field 'output'"),
     ({"instruction": ["x"], "output": "y"}, "field 'instruction' is an array"),
     ([1, 2], "no 'messages' field (chat)"),
+    ({"prompt": "x"}, "missing field 'completion' (fields: prompt)"),
+    ({"completion": "y"}, "missing field 'prompt' (fields: completion)"),
+    ({"prompt": "x", "completion": "  "}, "field 'completion' is empty"),
+    ({"prompt": "", "completion": "y"}, "field 'prompt' is empty"),
+    ({"prompt": 3, "completion": "y"}, "field 'prompt' is a number and 'completion' is a string"),
+    ({"prompt": "x", "completion": [GOOD["messages"][1]]}, "give both as strings or both as"),
+    ({"prompt": [], "completion": [GOOD["messages"][1]]}, "field 'prompt' is an empty list"),
+    ({"prompt": GOOD["messages"][:1], "completion": [{"role": "assistant"}]}, "completion[0]"),
+    (
+        {"prompt": GOOD["messages"][:1], "completion": [{"role": "user", "content": "y"}]},
+        "field 'completion' ends with a user message; it must end with an assistant message",
+    ),
 ]
 
 

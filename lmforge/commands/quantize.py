@@ -13,7 +13,7 @@ from lmforge.commands.common import (
     apply_config_file,
     require_arguments,
 )
-from lmforge.quantize.schemes import SCHEMES
+from lmforge.quantize.schemes import INT4_GROUP_SIZES, SCHEMES
 
 
 def register(subparsers) -> None:
@@ -40,7 +40,9 @@ def register(subparsers) -> None:
         type=int,
         default=None,
         help="values sharing one scale; must divide the linears' input sizes "
-        "(default: 256 for int4-wo, one scale per output row for int8-wo; Llama 3.1 8B on an "
+        f"(default: {INT4_GROUP_SIZES[0]} for int4-wo, or where it does not divide them the "
+        f"largest of {', '.join(map(str, INT4_GROUP_SIZES[1:]))} that does, said in a note; one "
+        "scale per output row for int8-wo; Llama 3.1 8B on an "
         "H200 decodes int4 9%% faster in groups of 256 than of 128; docs/benchmarks.md)",
     )
     quantize.add_argument(

@@ -47,10 +47,11 @@ def register(subparsers) -> None:
     sft = subparsers.add_parser(
         "sft",
         help="instruction finetuning: full, LoRA or QLoRA",
-        description="Finetune any model on instruction data (Alpaca or chat messages), full or "
-        "with LoRA (lora.enabled=true) / QLoRA (also lora.quantize_base=nf4). Prompt tokens are "
-        "masked out of the loss unless data.train_on_input=true. Writes an artifact (and the PEFT "
-        "adapter under <artifact>/adapter/ for LoRA).",
+        description="Finetune any model on instruction data (Alpaca, chat messages, ShareGPT or "
+        "prompt/completion rows), full or with LoRA (lora.enabled=true) / QLoRA (also "
+        "lora.quantize_base=nf4). Prompt tokens are masked out of the loss unless "
+        "data.train_on_input=true. Writes an artifact (and the PEFT adapter under "
+        "<artifact>/adapter/ for LoRA).",
         epilog=CONFIG_HELP.replace("pretrain", "sft"),
     )
     add_config_arguments(sft)

@@ -1,7 +1,7 @@
 """Instruction data for SFT: rows → chat messages → token ids with assistant-only labels → batches.
 
 Rows come from local files (`.json` holding a JSON list, `.jsonl`, `.parquet`; `.json`/`.jsonl`
-may be gzipped) or a Hugging Face dataset name (through `datasets`). Two row formats:
+may be gzipped) or a Hugging Face dataset name (through `datasets`). Row formats:
 
 * Alpaca: `{"instruction", "input" (optional), "output"}` becomes one user message
   (`instruction`, plus `"\\n\\n" + input` when the input is non-empty) and one assistant message.
@@ -9,6 +9,10 @@ may be gzipped) or a Hugging Face dataset name (through `datasets`). Two row for
   wanted; the conversation must end with an assistant message.
 * ShareGPT: `{"conversations": [{"from", "value"}, ...]}`, `from` being system, human (or user)
   and gpt (or assistant): the same conversation in ShareGPT's names.
+* Prompt/completion (TRL's standard form): `{"prompt": str, "completion": str}` becomes one user
+  and one assistant message, as Alpaca does; the conversational variant, `prompt` and
+  `completion` as lists of messages, is the conversation prompt + completion whose trained turns
+  are the completion's assistant messages only (assistant turns inside the prompt are context).
 
 Rendering uses the tokenizer's chat template (`Tokenizer.encode_chat`; a Llama 3 vocabulary
 without a template gets Llama 3's). Which tokens are trained is found by rendering prefixes, so it
@@ -107,16 +111,18 @@ class DataSourceSection(Section):
 
 
 class SFTDataSection(DataSourceSection):
-    """Instruction data for `lmforge sft` (Alpaca rows or chat messages)."""
+    """Instruction data for `lmforge sft` (Alpaca, chat, ShareGPT or prompt/completion rows)."""
 
-    format: Literal["auto", "alpaca", "chat", "sharegpt"] = "auto"
+    format: Literal["auto", "alpaca", "chat", "sharegpt", "prompt_completion"] = "auto"
     """`auto` decides per row: a `messages_field` means chat, a `conversations_field` ShareGPT,
-    an `instruction_field` Alpaca."""
+    an `instruction_field` Alpaca, a `prompt_field` or `completion_field` prompt/completion."""
     instruction_field: str = "instruction"
     input_field: str = "input"
     output_field: str = "output"
     messages_field: str = "messages"
     conversations_field: str = "conversations"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
     train_on_input: bool = False
     """Also train on system/user tokens and chat-template tokens (default: assistant only)."""
     pack: bool = False
@@ -436,8 +442,46 @@ def _text_field(record: Mapping[str, Any], name: str, *, required: bool = True) 
     return value
 
 
-def sft_messages(record: Any, cfg: SFTDataSection) -> list[dict[str, str]]:
-    """The chat messages of one SFT row (Alpaca or chat, per `cfg.format`), or RowProblem."""
+def _ends_with_assistant(messages: list[dict[str, str]], what: str) -> None:
+    if messages[-1]["role"] != "assistant":
+        raise RowProblem(
+            f"{what} ends with a {messages[-1]['role']} message; "
+            "it must end with an assistant message (the response to train on)"
+        )
+
+
+def _prompt_completion(
+    record: Mapping[str, Any], cfg: SFTDataSection
+) -> tuple[list[dict[str, str]], int]:
+    """A prompt/completion row as (messages, index of the first trained message): text as one
+    user and one assistant message, lists of messages as prompt + completion."""
+    prompt_name, completion_name = cfg.prompt_field, cfg.completion_field
+    prompt = _field(record, prompt_name)
+    completion = _field(record, completion_name)
+    if isinstance(prompt, str) and isinstance(completion, str):
+        for name, text in ((prompt_name, prompt), (completion_name, completion)):
+            if not text.strip():
+                raise RowProblem(f"field {name!r} is empty")
+        messages = [{"role": "user", "content": prompt}]
+        return [*messages, {"role": "assistant", "content": completion}], 0
+    if isinstance(prompt, list) and isinstance(completion, list):
+        prompt_messages = check_messages(prompt, prompt_name)
+        completion_messages = check_messages(completion, completion_name)
+        _ends_with_assistant(completion_messages, f"field {completion_name!r}")
+        return prompt_messages + completion_messages, len(prompt_messages)
+    raise RowProblem(
+        f"field {prompt_name!r} is {_json_type(prompt)} and {completion_name!r} is "
+        f"{_json_type(completion)}; give both as strings or both as lists of messages"
+    )
+
+
+def sft_conversation(record: Any, cfg: SFTDataSection) -> tuple[list[dict[str, str]], int]:
+    """The chat messages of one SFT row (per `cfg.format`), or RowProblem.
+
+    Returns:
+        (messages, first_trained_message): assistant messages before that index are not trained
+        (the prompt of a conversational prompt/completion row; 0 for the other forms).
+    """
     fmt = cfg.format
     if fmt == "auto":
         if isinstance(record, Mapping) and cfg.messages_field in record:
@@ -446,11 +490,16 @@ def sft_messages(record: Any, cfg: SFTDataSection) -> list[dict[str, str]]:
             fmt = "sharegpt"
         elif isinstance(record, Mapping) and cfg.instruction_field in record:
             fmt = "alpaca"
+        elif isinstance(record, Mapping) and (
+            cfg.prompt_field in record or cfg.completion_field in record
+        ):
+            fmt = "prompt_completion"
         else:
             keys = ", ".join(map(str, list(record)[:10])) if isinstance(record, Mapping) else ""
             raise RowProblem(
                 f"no {cfg.messages_field!r} field (chat), {cfg.conversations_field!r} field "
-                f"(ShareGPT) or {cfg.instruction_field!r} field (alpaca)"
+                f"(ShareGPT), {cfg.instruction_field!r} field (alpaca) or {cfg.prompt_field!r} "
+                f"and {cfg.completion_field!r} fields (prompt/completion)"
                 + (f"; fields: {keys}" if keys else f"; got {_json_type(record)}")
             )
     if fmt in ("chat", "sharegpt"):
@@ -458,18 +507,17 @@ def sft_messages(record: Any, cfg: SFTDataSection) -> list[dict[str, str]]:
         record = _as_object(record, f"a {name!r} field")
         value = _field(record, name)
         messages = check_messages(_from_sharegpt(value, name) if fmt == "sharegpt" else value, name)
-        if messages[-1]["role"] != "assistant":
-            raise RowProblem(
-                f"the conversation ends with a {messages[-1]['role']} message; "
-                "it must end with an assistant message (the response to train on)"
-            )
-        return messages
+        _ends_with_assistant(messages, "the conversation")
+        return messages, 0
+    if fmt == "prompt_completion":
+        what = f"{cfg.prompt_field!r} and {cfg.completion_field!r} fields"
+        return _prompt_completion(_as_object(record, what), cfg)
     record = _as_object(record, f"{cfg.instruction_field!r} and {cfg.output_field!r} fields")
     instruction = _text_field(record, cfg.instruction_field)
     extra = _text_field(record, cfg.input_field, required=False)
     output = _text_field(record, cfg.output_field)
     user = instruction + "\n\n" + extra if extra and extra.strip() else instruction
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}], 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,9 +657,13 @@ def load_sft_data(cfg: SFTDataSection, tokenizer, *, heldout: bool = False) -> S
     _check_template(tokenizer)
 
     def parse(record: Record) -> tuple[SFTSample | None, bool]:
-        messages = sft_messages(record.value, cfg)
+        messages, first_trained = sft_conversation(record.value, cfg)
         ids, trained = tokenize_conversation(
-            tokenizer, messages, train_on_input=cfg.train_on_input, where=record.where
+            tokenizer,
+            messages,
+            train_on_input=cfg.train_on_input,
+            first_trained_message=first_trained,
+            where=record.where,
         )
         return sft_sample(ids, trained, max_seq_len=cfg.max_seq_len, where=record.where)
 
@@ -947,6 +999,6 @@ __all__ = [
     "load_sft_data",
     "parse_rows",
     "read_records",
-    "sft_messages",
+    "sft_conversation",
     "tokenize_conversation",
 ]

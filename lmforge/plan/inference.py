@@ -45,6 +45,7 @@ from lmforge.plan.memory import (
     parse_memory,
     tp_local_numel,
 )
+from lmforge.quantize.schemes import INT4_GROUP_SIZES, default_int4_group_size
 from lmforge.quantize.schemes import SCHEMES as QUANT_SCHEMES
 
 TASKS = ("generate", "score", "eval", "quantize")  # eval: lm-eval, scoring and generating
@@ -62,7 +63,6 @@ DEFAULT_PREFILL_CHUNK = 2048  # the engine's on CUDA
 # Scored positions a row of lm-eval's log-likelihood requests is planned with: its continuations
 # are short (a choice, an answer); perplexity scores every position.
 EVAL_SCORED_TOKENS = 256
-DEFAULT_INT4_GROUP = 256  # = lmforge.quantize.quantize.DEFAULT_INT4_GROUP_SIZE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ class InferenceSetup:
     tp: int = 1
     dtype: str = "bf16"  # the weights' and activations' dtype (fp32 / bf16 / fp16)
     quantization: str | None = None  # int8-wo | int4-wo: a quantized artifact
-    group_size: int | None = None  # None: per row (int8-wo); int4-wo: DEFAULT_INT4_GROUP
+    group_size: int | None = None  # None: per row (int8-wo); int4-wo: as `lmforge quantize`
     int4_packed: bool = True  # int4-wo made on CUDA (tinygemm's layout); False: made on the CPU
     quantize_output: bool = False  # the output projection quantized too
     batch: int = 1  # KV-cache rows (generate) or rows of one forward (score)
@@ -138,7 +138,10 @@ def quantized_bytes(numel: int, rows: int, setup: InferenceSetup) -> int:
     per_value, per_group = QUANT_LAYOUT[(setup.quantization, packed)]
     group = setup.group_size
     if group is None and setup.quantization == "int4-wo":
-        group = DEFAULT_INT4_GROUP
+        # What `lmforge quantize` picks: 256, or the largest size dividing every input size.
+        a = setup.args
+        sizes = (a.dim, a.num_heads * a.head_dim, a.ffn_dim)
+        group = default_int4_group_size(sizes) or INT4_GROUP_SIZES[-1]
     groups = rows if group is None else math.ceil(numel / group)
     return int(numel * per_value) + groups * per_group
 

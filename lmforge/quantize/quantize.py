@@ -54,7 +54,7 @@ from torch import nn
 from lmforge import artifact, models
 from lmforge.errors import ConfigError
 from lmforge.models import ModelArgs, Transformer
-from lmforge.quantize.schemes import SCHEMES
+from lmforge.quantize.schemes import INT4_GROUP_SIZES, SCHEMES, default_int4_group_size
 from lmforge.quantize.stored import (  # noqa: F401 (is_quantized, unpack_int4: re-exported)
     PACKED_CONFIG_TYPE,
     PACKED_METADATA_KEY,
@@ -66,8 +66,8 @@ from lmforge.quantize.stored import (  # noqa: F401 (is_quantized, unpack_int4: 
 )
 from lmforge.sizes import module_bytes
 
-DEFAULT_INT4_GROUP_SIZE = 256
-TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA int4 kernel accepts
+DEFAULT_INT4_GROUP_SIZE = INT4_GROUP_SIZES[0]  # where it divides every input size
+TINYGEMM_GROUP_SIZES = tuple(sorted(INT4_GROUP_SIZES))  # what the CUDA int4 kernel accepts
 TINYGEMM_PAD_TO = 1024  # ...and it pads in_features to a multiple of this
 # The linears of one transformer block, with the size of their input (the quantized axis).
 BLOCK_LINEARS = {
@@ -177,31 +177,38 @@ def quantized_module_names(args: ModelArgs, *, quantize_output: bool) -> list[st
     return [*names, "output"] if quantize_output else names
 
 
+def linear_input_sizes(args: ModelArgs, *, quantize_output: bool) -> dict[str, tuple[str, int]]:
+    """linear -> (the size's name, its input size): the axis the quantization groups split."""
+    sizes = {"dim": args.dim, "q_dim": args.num_heads * args.head_dim, "ffn_dim": args.ffn_dim}
+    inputs = {linear: (key, sizes[key]) for linear, key in BLOCK_LINEARS.items()}
+    return {**inputs, "output": ("dim", args.dim)} if quantize_output else inputs
+
+
 def check_group_size(spec: QuantSpec, args: ModelArgs, device: str | torch.device) -> int | None:
-    """The group size to use (int4 default 256); a ConfigError if it does not divide the input
-    size of every quantized linear (or is not a tinygemm size on CUDA)."""
+    """The group size to use; a ConfigError if it does not divide the input size of every
+    quantized linear (or is not a tinygemm size on CUDA). int4 without one takes the largest of
+    INT4_GROUP_SIZES that divides them all (256 where it does; `group_size_note` says why not)."""
     group_size = spec.group_size
+    inputs = linear_input_sizes(args, quantize_output=spec.quantize_output)
     if group_size is None:
         if spec.scheme == "int8-wo":
             return None
-        group_size = DEFAULT_INT4_GROUP_SIZE
+        group_size = default_int4_group_size(size for _, size in inputs.values())
+        if group_size is None:
+            shown = ", ".join(f"{key} {size}" for key, size in sorted(set(inputs.values())))
+            raise ConfigError(
+                f"no int4 group size of {', '.join(map(str, INT4_GROUP_SIZES))} divides every "
+                f"quantized linear's input size ({shown}); give a group_size (--group-size) "
+                "that does (the cpu takes any divisor)"
+            )
     if group_size <= 0:
         raise ConfigError(f"group_size {group_size} must be a positive integer")
-    in_features = {
-        "dim": args.dim,
-        "q_dim": args.num_heads * args.head_dim,
-        "ffn_dim": args.ffn_dim,
-    }
-    for linear, size_key in BLOCK_LINEARS.items():
-        if in_features[size_key] % group_size:
+    for linear, (size_key, size) in inputs.items():
+        if size % group_size:
             raise ConfigError(
-                f"group_size {group_size} does not divide the input size {in_features[size_key]} "
-                f"of {linear} ({size_key}); choose a divisor of {in_features[size_key]}"
+                f"group_size {group_size} does not divide the input size {size} "
+                f"of {linear} ({size_key}); choose a divisor of {size}"
             )
-    if spec.quantize_output and args.dim % group_size:
-        raise ConfigError(
-            f"group_size {group_size} does not divide the input size {args.dim} of output (dim)"
-        )
     on_cuda = torch.device(device).type == "cuda"
     if spec.scheme == "int4-wo" and on_cuda and group_size not in TINYGEMM_GROUP_SIZES:
         raise ConfigError(
@@ -209,6 +216,21 @@ def check_group_size(spec: QuantSpec, args: ModelArgs, device: str | torch.devic
             f"{', '.join(map(str, TINYGEMM_GROUP_SIZES))}"
         )
     return group_size
+
+
+def group_size_note(args: ModelArgs, spec: QuantSpec) -> str:
+    """Why int4 runs in groups of `spec.group_size` (chosen by `check_group_size`, none given)
+    rather than of the default."""
+    inputs = linear_input_sizes(args, quantize_output=spec.quantize_output)
+    linear, (size_key, size) = next(
+        (linear, entry) for linear, entry in inputs.items() if entry[1] % DEFAULT_INT4_GROUP_SIZE
+    )
+    return (
+        f"int4 group size {spec.group_size}: the default {DEFAULT_INT4_GROUP_SIZE} does not "
+        f"divide the input size {size} of {linear} ({size_key}), and {spec.group_size} is the "
+        f"largest of {', '.join(map(str, INT4_GROUP_SIZES))} that divides every quantized "
+        "linear's (--group-size chooses another)"
+    )
 
 
 def check_packing(spec: QuantSpec, device: str | torch.device) -> None:
@@ -303,10 +325,20 @@ def quantize_weight(weight: torch.Tensor, config) -> torch.Tensor:
 
 
 def quantize_notes(
-    args: ModelArgs, model: Transformer, spec: QuantSpec, device, start_dtype: torch.dtype
+    args: ModelArgs,
+    model: Transformer,
+    spec: QuantSpec,
+    device,
+    start_dtype: torch.dtype,
+    *,
+    group_size_given: bool = True,
 ) -> list[str]:
-    """What the quantization changed besides the linears (casts, untying, padding)."""
+    """What the quantization changed or chose besides the linears (an int4 group size other
+    than the default when none was given, casts, untying, padding)."""
     notes = []
+    chose = spec.scheme == "int4-wo" and not group_size_given
+    if chose and spec.group_size != DEFAULT_INT4_GROUP_SIZE:
+        notes.append(group_size_note(args, spec))
     end_dtype = model.norm.weight.dtype
     if end_dtype != start_dtype:
         notes.append(f"cast {start_dtype} -> {end_dtype} (the CUDA int4 kernel needs bfloat16)")

@@ -93,6 +93,7 @@ def _quantize_whole(
     if loaded.lineage.get("quantization"):
         scheme_done = loaded.lineage["quantization"]["scheme"]
         raise ConfigError(f"{source}: is already quantized ({scheme_done}); quantize the original")
+    group_size_given = spec.group_size is not None
     spec = replace(spec, group_size=check_group_size(spec, loaded.config, device))
     source_dir = Path(source) if detect_format(source) == "hf" else None  # has safetensors
     original = SizeReport(
@@ -101,7 +102,9 @@ def _quantize_whole(
     )
     start_dtype = next(loaded.model.parameters()).dtype
     modules = quantize_model(loaded.model, spec)
-    notes = quantize_notes(loaded.config, loaded.model, spec, device, start_dtype)
+    notes = quantize_notes(
+        loaded.config, loaded.model, spec, device, start_dtype, group_size_given=group_size_given
+    )
     loaded.config = loaded.model.args
     path = save_quantized(
         loaded, out, spec=spec, modules=modules, max_shard_size=max_shard_size, overwrite=overwrite

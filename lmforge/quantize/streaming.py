@@ -186,13 +186,16 @@ def quantize_streaming(
     device = torch.device(device)
     dtype = parse_dtype(dtype)
     args = read_args(source)
+    group_size_given = spec.group_size is not None
     spec = replace(spec, group_size=check_group_size(spec, args, device))
     reader = SafetensorsSource(source)
     model = _meta_model(reader, args, dtype)
     original = SizeReport(disk_bytes=weight_file_bytes(source), memory_bytes=module_bytes(model))
     start_dtype = next(model.parameters()).dtype
     modules = quantize_model(model, spec, device=device)  # on meta: the plan
-    notes = quantize_notes(args, model, spec, device, start_dtype)
+    notes = quantize_notes(
+        args, model, spec, device, start_dtype, group_size_given=group_size_given
+    )
     flat, _ = flatten_state(hf_state(model), spec)
     maker = _TensorMaker(reader, args, spec, device=device, dtype=dtype, flat=flat, modules=modules)
     path = write_quantized(
