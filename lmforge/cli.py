@@ -99,15 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    # The process's entry point (console script, `python -m lmforge`, torchrun's workers) owns
+    # its signals: preemption handlers, Ctrl-C as exit code 130. A call with argv (a test, a
+    # notebook) leaves them to its caller, so Ctrl-C stops pytest, not just the test.
+    args.owns_signals = argv is None
     try:
         result = args.func(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code
     except KeyboardInterrupt:
+        if not args.owns_signals:
+            raise
         print("interrupted", file=sys.stderr)
         code = 130
     except Terminated as stop:
+        if not args.owns_signals:
+            raise
         print("terminated (SIGTERM); the running stage was stopped first", file=sys.stderr)
         code = stop.exit_code
     except Exception as err:  # a full disk or a read-only directory is the user's to fix

@@ -212,3 +212,33 @@ def test_reshard_auto_at_start_up_reads_the_gpu_and_logs(monkeypatch, caplog, fi
         stage.resolved_parallel(job, spec, _layout("cpu"), ReshardByPlan()).reshard_after_forward
         is True
     )
+
+
+def test_signals_are_the_callers_in_process_and_the_clis_in_its_own(tmp_path, data, monkeypatch):
+    """`cli.main([...])` in a caller's process (pytest) leaves its signal handlers alone and lets
+    Ctrl-C through, so the suite stops on Ctrl-C or SIGTERM; the CLI process (argv from the
+    command line) takes SIGTERM and train.preempt_signal for preemption, and Ctrl-C as exit
+    code 130 (the preemption itself: test_train.py, through subprocesses)."""
+    import signal
+
+    import lmforge.train.pretrain
+    from lmforge import cli
+
+    tokenizer, shards = data
+    seen = {}
+
+    def fake_pretrain(job, reshard):
+        seen["handlers"] = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lmforge.train.pretrain, "pretrain", fake_pretrain)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    argv = ["pretrain", *pretrain_args(tmp_path / "run", tokenizer, shards)]
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(argv)
+    assert seen["handlers"] == before
+
+    monkeypatch.setattr(cli.sys, "argv", ["lmforge", *argv])
+    assert cli_main() == 130  # as the console script runs it
+    assert all(seen["handlers"][s] != before[s] for s in before)
+    assert {s: signal.getsignal(s) for s in before} == before  # given back after the run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -119,7 +120,7 @@ def pretrain_main(args: argparse.Namespace) -> int:
     from lmforge.train.pretrain import pretrain
 
     job = load_config(PretrainJob, args.config, args.overrides)
-    return run_training(pretrain, job)
+    return run_training(pretrain, job, args)
 
 
 def sft_main(args: argparse.Namespace) -> int:
@@ -127,7 +128,7 @@ def sft_main(args: argparse.Namespace) -> int:
     from lmforge.train.config import SFTJob
     from lmforge.train.sft import sft
 
-    return run_training(sft, load_config(SFTJob, args.config, args.overrides))
+    return run_training(sft, load_config(SFTJob, args.config, args.overrides), args)
 
 
 def dpo_main(args: argparse.Namespace) -> int:
@@ -135,7 +136,7 @@ def dpo_main(args: argparse.Namespace) -> int:
     from lmforge.train.config import DPOJob
     from lmforge.train.dpo import dpo
 
-    return run_training(dpo, load_config(DPOJob, args.config, args.overrides))
+    return run_training(dpo, load_config(DPOJob, args.config, args.overrides), args)
 
 
 def grpo_main(args: argparse.Namespace) -> int:
@@ -143,18 +144,22 @@ def grpo_main(args: argparse.Namespace) -> int:
     from lmforge.train.config import GRPOJob
     from lmforge.train.grpo import grpo
 
-    return run_training(grpo, load_config(GRPOJob, args.config, args.overrides))
+    return run_training(grpo, load_config(GRPOJob, args.config, args.overrides), args)
 
 
-def run_training(fn, job) -> int:
+def run_training(fn, job, args: argparse.Namespace) -> int:
     """Run a training stage; a preemption exits with its documented code after saving. The
     planner decides parallel.reshard_after_forward = "auto" (`ReshardByPlan`), handed to the
-    trainer from here: train does not import the planner."""
+    trainer from here: train does not import the planner. The preemption handlers are the
+    process's when it is the CLI (`args.owns_signals`); a caller of `cli.main([...])` keeps its
+    own (pytest stops on Ctrl-C and SIGTERM)."""
     from lmforge.plan.search import ReshardByPlan
-    from lmforge.train.preempt import PreemptedError
+    from lmforge.train.preempt import PreemptedError, PreemptionWatch
 
+    watch = PreemptionWatch(job.train.preempt_signal)
     try:
-        out = fn(job, reshard=ReshardByPlan())
+        with watch if getattr(args, "owns_signals", False) else contextlib.nullcontext():
+            out = fn(job, reshard=ReshardByPlan())
     except PreemptedError as err:
         print(str(err), file=sys.stderr)
         return err.exit_code

@@ -24,7 +24,7 @@ from lmforge.parallel.distributed import Layout
 from lmforge.train.config import CheckpointSection, MetricsSection, ProfileSection, TrainSection
 from lmforge.train.losses import LossOutput, count_label_tokens
 from lmforge.train.metrics import MetricsLogger, Throughput, peak_memory_gb
-from lmforge.train.preempt import PreemptedError, PreemptionWatch
+from lmforge.train.preempt import PreemptedError, active_watch
 from lmforge.train.profiling import Profiler
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ class Trainer:
             peak_flops=cfg.metrics.peak_flops,
             num_devices=self.layout.world_size,
         )
-        watch = PreemptionWatch(cfg.train.preempt_signal)
+        watch = active_watch()
         profiler = Profiler(cfg.profile, self.run_dir, self.layout)
         try:
             if start == total and self.export is not None:
@@ -353,7 +353,6 @@ class Trainer:
                         raise PreemptedError(self.step, watch.signal_name)
                     self._maybe_save_and_export(total)
         finally:
-            watch.close()
             logger.close()
             self.checkpointer.close()
         return self.last_metrics

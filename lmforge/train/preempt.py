@@ -18,13 +18,31 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; never 0, so Slurm's aftero
 
 
 class PreemptionWatch:
-    def __init__(self, signal_name: str) -> None:
+    """The CLI process's preemption handlers (SIGTERM and `train.preempt_signal`), installed for
+    a `with` block (`lmforge pretrain|sft|dpo|grpo`). The loop reads `active_watch()`: a
+    library caller (a test, a notebook) keeps its own signal handlers, so Ctrl-C and SIGTERM
+    stop it as they would anything else."""
+
+    def __init__(self, signal_name: str = "SIGTERM") -> None:
         self.requested = False
-        self.signal_name = None
-        self._previous = {}
-        for name in {"SIGTERM", signal_name}:
+        self.signal_name: str | None = None
+        self._names = {"SIGTERM", signal_name}
+        self._previous: dict = {}
+
+    def __enter__(self) -> PreemptionWatch:
+        global _ACTIVE
+        for name in self._names:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._handle)
+        _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        _ACTIVE = None
 
     def _handle(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
@@ -34,10 +52,13 @@ class PreemptionWatch:
             )
         self.requested = True
 
-    def close(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+
+_ACTIVE: PreemptionWatch | None = None
+
+
+def active_watch() -> PreemptionWatch:
+    """The watch the CLI installed, else one that no signal sets (handlers stay the caller's)."""
+    return _ACTIVE or PreemptionWatch()
 
 
 class PreemptedError(Exception):
