@@ -197,6 +197,47 @@ def lineage_record(
     }
 
 
+# Training stages whose every sample is rendered with the chat template (SFT's conversations,
+# DPO's prompt + response pairs): what they make answers in that template. A GRPO stage may
+# train on plain-text prompts, so it, like the stages that only carry weights on (quantize,
+# merge, convert, export), leaves the answer to the model it started from.
+CHAT_TRAINING_STAGES = frozenset({"sft", "dpo"})
+MAX_LINEAGE_DEPTH = 64  # parents followed before a lineage counts as a loop
+
+
+def chat_tuned(directory: str | Path) -> bool | None:
+    """What an artifact's lineage (its lmforge.json, then its parents') says of chat: True when
+    the nearest stage that trained it on its own kind of data is SFT or DPO, False when it is
+    pretraining, None when the record ends first (a Hugging Face or Meta model, a preset, an
+    export's checkpoint, a parent that is gone or unreadable).
+
+    A parent recorded by a relative path (a pipeline's `runs/<name>/<stage>/...`, relative to
+    where the pipeline ran) is looked for from the working directory, then from each directory
+    above the artifact."""
+    path = Path(directory)
+    for _ in range(MAX_LINEAGE_DEPTH):
+        try:
+            lineage = json.loads((path / LINEAGE_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(lineage, dict):
+            return None
+        stage = lineage.get("stage")
+        if stage in CHAT_TRAINING_STAGES:
+            return True
+        if stage == "pretrain":
+            return False
+        source = (lineage.get("parent") or {}).get("source")
+        if not isinstance(source, str) or not source:
+            return None
+        parent = Path(source)
+        if not parent.is_absolute() and not (parent / LINEAGE_NAME).is_file():
+            found = [d / parent for d in path.resolve().parents if (d / parent).is_dir()]
+            parent = found[0] if found else parent
+        path = parent
+    return None
+
+
 # The entries an artifact directory holds when lmforge wrote it (tokenizer files, PEFT
 # adapter, Meta's original tokenizer): what `--overwrite` may replace without losing a file
 # the user put there.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 
 import pytest
 import torch
@@ -580,6 +581,75 @@ def test_cli_prints_text_and_report(tiny_with_tokenizer, tmp_path, capsys):
     assert f"{prompts_file}:1" in capsys.readouterr().err
     code = cli_main(["generate", str(artifact), "--prompt", "x", "--max-seq-len", "1"])
     assert code == 2 and "max-seq-len" in capsys.readouterr().err
+
+
+def test_text_prompts_of_a_chat_tuned_artifact_go_through_its_chat_template(
+    tiny_with_tokenizer, tmp_path, monkeypatch, capsys
+):
+    """Issue 58: `lmforge generate SFT_ARTIFACT --prompt TEXT` answers TEXT as a user message,
+    as `--chat TEXT` does; a base model continues it; `--raw` continues it anyway."""
+    from lmforge.artifact import chat_tuned
+    from lmforge.data.tokenizer import LLAMA3_CHAT_TEMPLATE
+
+    loaded, converted = tiny_with_tokenizer  # lineage: converted from the preset, no training
+    tokenizer = loaded.tokenizer
+    assert tokenizer.chat_template == LLAMA3_CHAT_TEMPLATE  # lmforge's, for a Llama 3 vocabulary
+    runs = tmp_path / "work" / "runs" / "demo"  # as a pipeline lays them out, paths relative
+    pretrained = lmforge.save(loaded, runs / "pretrain" / "artifact", stage="pretrain")
+    tuned = lmforge.save(loaded, runs / "sft" / "artifact", stage="sft", parent=pretrained)
+    quantized = lmforge.save(
+        loaded, runs / "quantize" / "out", stage="quantize", parent="runs/demo/sft/artifact"
+    )
+    own = tmp_path / "hf"  # a Hugging Face model (no lineage) that ships its own template
+    own.mkdir()
+    for file in converted.iterdir():
+        if file.name != "lmforge.json":
+            (own / file.name).write_bytes(file.read_bytes())
+    (own / "chat_template.jinja").write_text(LLAMA3_CHAT_TEMPLATE + "{#- its own -#}")
+    monkeypatch.chdir(tmp_path)  # not the pipeline's workdir: parents are found from the artifact
+    lineage = [chat_tuned(path) for path in (converted, pretrained, tuned, quantized, own)]
+    assert lineage == [None, False, True, True, None]
+
+    question = "Where does Kalo live?"
+    messages = [{"role": "user", "content": question}]
+    chat_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    text_ids = tokenizer.encode(question, bos=True)
+    applied = "applying the artifact's chat template (--raw for plain text)\n"
+    continued = "continuing the text as it is: the artifact was not tuned to chat"
+
+    def generate(artifact, *options) -> tuple[list[int], str]:
+        command = ["generate", str(artifact), *options, "--max-new-tokens", "2"]
+        code = cli_main([*command, "--temperature", "0", "--device", "cpu", "--no-compile"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return [int(n) for n in re.findall(r"^\[\d+\] (\d+) prompt tokens", out, re.M)], err
+
+    counts, err = generate(tuned, "--prompt", question)
+    assert counts == [len(chat_ids)] and applied in err
+    counts, err = generate(tuned, "--chat", question)
+    assert counts == [len(chat_ids)] and "template" not in err
+    counts, err = generate(tuned, "--raw", "--prompt", question)
+    assert counts == [len(text_ids)] and "template" not in err and continued not in err
+    for chat_model in (quantized, own):  # the SFT parent's say; the model's own template
+        counts, err = generate(chat_model, "--prompt", question)
+        assert counts == [len(chat_ids)] and applied in err, chat_model
+    counts, err = generate(pretrained, "--prompt", question)
+    assert counts == [len(text_ids)] and continued in err
+    counts, err = generate(converted, "--prompt", question)
+    assert counts == [len(text_ids)] and continued in err
+
+    # a prompts file: its text rows become user messages too, its chats stay as they are
+    rows = [{"prompt": question}, {"messages": messages}]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    counts, err = generate(tuned, "--prompts-file", str(prompts_file))
+    assert counts == [len(chat_ids)] * 2 and applied in err
+    counts, err = generate(tuned, "--prompts-file", str(prompts_file), "--raw")
+    assert counts == [len(text_ids), len(chat_ids)]
+
+    assert cli_main(["generate", str(tuned), "--raw", "--chat", question]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --raw and --chat: give one") and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 4])

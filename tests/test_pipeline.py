@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,35 @@ def test_a_failure_stops_dependents_and_status_says_why(done, tmp_path, capsys):
     # fixed: the failed stage and its dependents run, the good one is skipped
     result, out = run(tmp_path, write(tmp_path))
     assert result.ok and set(result.handles) == {"tok", "shards"}, out
+
+
+def test_status_without_run_dir_reads_the_run_written_last(done, tmp_path, monkeypatch, capsys):
+    workdir = copy_of(done, tmp_path)
+    monkeypatch.chdir(workdir)
+    runs = workdir / "runs"
+    shutil.copytree(runs / "cheap", runs / "older")
+    (runs / "notes.txt").write_text("not a run")  # neither this file nor an empty directory
+    (runs / "empty").mkdir()  # is a run
+    for age, name in ((100, "older"), (50, "cheap")):  # seconds ago, all of a run's records
+        for record in [runs / name / "pipeline.json", *(runs / name).glob("*/manifest.json")]:
+            when = time.time() - age
+            os.utime(record, (when, when))
+    assert cli_main(["status"]) == 0
+    captured = capsys.readouterr()
+    assert "status of runs/cheap (the run written last)" in captured.err
+    assert "shards" in captured.out and "tok" in captured.out
+    # one stage manifest newer than any of cheap's records makes `older` the last run
+    os.utime(runs / "older" / "tok" / "manifest.json")
+    assert cli_main(["status", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "status of runs/older" in captured.err
+    assert [s["name"] for s in json.loads(captured.out)] == ["world", "tok", "shards"]
+
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    assert cli_main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no run directory under runs/") and "pass RUN_DIR" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_status_tells_a_killed_runner_from_a_live_one(done, tmp_path):
@@ -468,3 +498,60 @@ def test_a_stage_command_takes_its_settings_from_one_place(tmp_path, capsys):
     config.write_text('models = ["a", "b"]\nlabels = ["a"]\ntasks = ["x"]\nout = "o"\n')
     assert cli_main(["eval", "--config", str(config)]) == 2
     assert "labels has 1 names for 2 models" in capsys.readouterr().err
+
+
+OPTIONAL = """
+[stages.gptq]
+kind = "quantize"
+from = "shards"
+scheme = "int4-wo"
+method = "gptq"
+calibration = "${{shards}}"
+
+[stages.sample]
+kind = "generate"
+from = "gptq"
+prompt = ["hello"]
+
+[stages.compare]
+kind = "eval"
+models = ["shards", "gptq"]
+labels = ["plain", "calibrated"]
+tasks = ["demo_mc"]
+"""
+
+
+def test_a_stage_without_its_optional_environment_is_skipped_with_what_enables_it(
+    done, tmp_path, monkeypatch, capsys
+):
+    """GPTQ's stage without llm-compressor's environment: skipped with one line saying how to
+    enable it, and so is what reads its output (`from`); an eval drops it from its models; the
+    rest runs, and status and the manifests say why. With the environment, it is planned."""
+    work = copy_of(done, tmp_path)
+    file = work / "pipeline.toml"
+    file.write_text(CHEAP.format(vocab_size=300) + OPTIONAL.format())
+    monkeypatch.setenv("LMFORGE_CALIBRATE_PYTHON", str(tmp_path / "missing" / "python"))
+    pipeline = load_pipeline(file, workdir=work)
+    assert set(pipeline.unavailable) == {"gptq", "sample"}
+    assert "make calibrate" in pipeline.unavailable["gptq"]
+    assert pipeline.unavailable["sample"] == "it needs stage 'gptq', which is skipped"
+    compare = pipeline.stage("compare").config
+    assert (compare.labels, len(compare.models)) == (["plain"], 1)
+    assert pipeline.stage("compare").depends_on == ["shards"]
+
+    lines: list[str] = []
+    result = run_pipeline(
+        pipeline, launcher=LocalLauncher(stream=None), echo=lines.append, only="gptq"
+    )
+    out = "\n".join(lines)
+    assert result.ok and not result.handles, out
+    assert "[pipeline] gptq: skipped: GPTQ needs llm-compressor's environment" in out
+    run_dir = work / "runs" / "cheap"
+    assert read_manifest(run_dir / "gptq")["status"] == "unavailable"
+    rows = {s.name: s for s in pipeline_status(run_dir, refresh=False)}
+    assert rows["gptq"].status == "unavailable" and "make calibrate" in rows["gptq"].reason
+
+    monkeypatch.setenv("LMFORGE_CALIBRATE_PYTHON", sys.executable)  # the environment exists
+    pipeline = load_pipeline(file, workdir=work)
+    assert not pipeline.unavailable
+    assert len(pipeline.stage("compare").config.models) == 2

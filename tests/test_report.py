@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -19,6 +20,9 @@ from lmforge.cli import main as cli_main
 from lmforge.launch.local import LocalLauncher
 from lmforge.pipeline import load_pipeline, pipeline_status, read_manifest, run_pipeline
 from lmforge.report import collect_run, write_report
+from lmforge.report import html as html_module
+from lmforge.report.html import make_figures, render_html
+from lmforge.report.summary import RunSummary
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "pipeline.toml"
 TOKEN = "hf_REPORTtestTOKEN_abcdef0123456789"
@@ -267,6 +271,118 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 20_000
     json.dumps({"loaded": loaded})
+
+
+# Counts, for each chart as the page shows it, the pixels that are not background within
+# `pad` px of its left, top and bottom edges and in its last column. Constrained layout keeps a
+# blank margin of 3 pt (4 px at 100 dpi) between the figure's edge and its outermost text, so
+# there is ink there only when something was cut: a clipped tick label leaves what is left of it
+# (issue 58: the '.' of '2.00', its '2' gone). On the right no text lies beyond the axes' frame,
+# whose line may come within 2 px of the edge; only the last column must be blank.
+EDGE_SCRIPT = """
+<script>
+window.addEventListener("load", () => {
+  const pad = 3;
+  const rows = Array.from(document.querySelectorAll("figure img")).map((img) => {
+    const canvas = document.createElement("canvas");
+    canvas.width = img.naturalWidth;
+    canvas.height = img.naturalHeight;
+    const context = canvas.getContext("2d");
+    context.drawImage(img, 0, 0);
+    const { data, width, height } = context.getImageData(0, 0, canvas.width, canvas.height);
+    const ink = { left: 0, right: 0, top: 0, bottom: 0 };
+    for (let y = 0; y < height; y++) {
+      for (let x = 0; x < width; x++) {
+        const i = 4 * (y * width + x);
+        if (Math.min(data[i], data[i + 1], data[i + 2]) > 240) continue;  // background
+        if (x < pad) ink.left++;
+        if (x === width - 1) ink.right++;
+        if (y < pad) ink.top++;
+        if (y >= height - pad) ink.bottom++;
+      }
+    }
+    const box = img.getBoundingClientRect();  // scaled to the page's width, never cropped
+    const shown = box.width > 0 && box.left >= 0 && box.right <= window.innerWidth;
+    const sides = Object.entries(ink).map(([side, n]) => `${side}=${n}`).join(",");
+    return `${img.closest("figure").id}:${sides},shown=${shown}`;
+  });
+  const mark = document.createElement("div");
+  mark.id = "lmforge-edges";
+  mark.textContent = rows.join(" ");
+  document.body.appendChild(mark);
+});
+</script>
+"""
+CLEAN_EDGES = "left=0,right=0,top=0,bottom=0,shown=true"
+
+
+def chart_edges(page: str, tmp_path: Path) -> dict[str, str]:
+    """Each chart of a report page as headless Chromium shows it: figure id -> the ink at each
+    of its edges and whether the image lies inside a 1280 px window."""
+    checked = tmp_path / "edges.html"
+    checked.write_text(page.replace("</body>", EDGE_SCRIPT + "</body>"))
+    command = [
+        chromium(),
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={tmp_path / 'edges-profile'}",
+        "--window-size=1280,2000",
+        "--dump-dom",
+        checked.as_uri(),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    found = re.search(r'<div id="lmforge-edges">([^<]*)</div>', done.stdout)
+    assert found, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    return dict(row.split(":", 1) for row in found.group(1).split())
+
+
+def issue_58_summary(run_dir: Path) -> RunSummary:
+    """The chart of issue 58: a pretraining loss falling from 7 to 2 beside a constant learning
+    rate of 6e-3, whose offset text ('1e-3') meets its panel's title."""
+    records = [
+        {"step": s, "loss": 2 + 5 * math.exp(-s / 40), "lr": 6e-3, "grad_norm": 1 + 30 / s}
+        for s in range(20, 320, 20)
+    ]
+    return RunSummary("issue58", run_dir, [], {"pretrain": records}, {}, {}, [], None, None)
+
+
+@pytest.mark.skipif(
+    chromium() is None,
+    reason="headless Chromium is not installed (apt-get install -y chromium): the charts were "
+    "not checked in a browser",
+)
+def test_no_chart_is_cut_at_its_edges_in_headless_chromium(finished, tmp_path):
+    workdir, _, _, _ = finished
+    paths = write_report(workdir / "runs" / "short", out=tmp_path / "report")
+    edges = chart_edges(paths["html"].read_text(), tmp_path)
+    assert len(edges) == 9 and "fig-training_pretrain" in edges, edges
+    assert {key: edge for key, edge in edges.items() if edge != CLEAN_EDGES} == {}
+
+    summary = issue_58_summary(tmp_path)
+    edges = chart_edges(render_html(summary, make_figures(summary)), tmp_path)
+    assert edges == {"fig-training_pretrain": CLEAN_EDGES, "fig-throughput": CLEAN_EDGES}
+
+
+def test_every_chart_keeps_its_text_inside_the_figure(finished, tmp_path, monkeypatch):
+    """The layout itself, browser or not: each axes' title, tick labels, offset text, legend and
+    annotations lie inside the figure as it was saved. Issue 58: the learning-rate panel's
+    title, moved up on the first draw to clear its offset text, changed the margins after
+    constrained layout had set them, and the loss panel's labels went past the left edge."""
+    saved = []
+    real_png = html_module._png
+    monkeypatch.setattr(
+        html_module, "_png", lambda figure: saved.append(figure) or real_png(figure)
+    )
+    workdir, _, _, _ = finished
+    for summary in (collect_run(workdir / "runs" / "short"), issue_58_summary(tmp_path)):
+        make_figures(summary)
+    assert len(saved) == 9 + 2
+    for figure in saved:
+        renderer = figure.canvas.get_renderer()
+        width, height = figure.bbox.width, figure.bbox.height
+        for ax in figure.axes:
+            box = ax.get_tightbbox(renderer)
+            inside = box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height
+            assert inside, (ax.get_title(), box, (width, height))
 
 
 def test_readme_demo_results_render_from_the_run(finished):

@@ -1,4 +1,7 @@
-"""`lmforge generate ARTIFACT`: continue prompts or answer chat messages, and report the speed.
+"""`lmforge generate ARTIFACT`: answer or continue prompts, and report the speed.
+
+Text prompts of a model tuned to chat go through its chat template as user messages (what the
+model was trained on), else they are continued as they are; `--raw` and `--chat` choose.
 
 Prints each prompt's new text (streamed as it comes when there is one prompt), then the report:
 time, tokens/s (decode alone and overall), achieved weight bandwidth and peak memory (under
@@ -29,9 +32,12 @@ def register(subparsers) -> None:
         "generate",
         help="generate text from an artifact and report tokens/s, bandwidth and memory",
         description="Generate from a model: prefill, then token-by-token decode with a static "
-        "KV cache (torch.compile with CUDA graphs on GPU). Prompts are text (continued as they "
-        "are, after BOS) or chat messages (rendered with the chat template; the answer stops at "
-        "the end of turn). Prints the texts and a speed report.",
+        "KV cache (torch.compile with CUDA graphs on GPU). Prompts are text or chat messages "
+        "(rendered with the chat template; the answer stops at the end of turn). Text is sent "
+        "as a user message through the chat template when the model was tuned to chat (an SFT "
+        "or DPO stage in its lineage, or, with no lineage, a chat template of its own), and "
+        "continued as it is (after BOS) otherwise or with --raw. Prints the texts and a speed "
+        "report.",
         epilog="--prompts-file: plain text holds one prompt per non-empty line; a .jsonl file "
         'holds one JSON object per line, {"prompt": "..."} or {"messages": [{"role": ..., '
         '"content": ...}, ...]}. A model larger than one GPU: `lmforge launch --nproc N generate '
@@ -45,7 +51,11 @@ def register(subparsers) -> None:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--prompt", nargs="+", metavar="TEXT", help="text prompts to continue (one each)"
+        "--prompt",
+        nargs="+",
+        metavar="TEXT",
+        help="text prompts (one each): answered through the chat template when the model was "
+        "tuned to chat, else continued",
     )
     source.add_argument(
         "--chat",
@@ -54,6 +64,11 @@ def register(subparsers) -> None:
         help="user messages, each a one-turn conversation answered through the chat template",
     )
     source.add_argument("--prompts-file", type=Path, metavar="FILE", help="prompts, see below")
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="continue text prompts as they are, without the chat template of a chat-tuned model",
+    )
     parser.add_argument("--system", metavar="TEXT", help="a system message for --chat")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
@@ -85,6 +100,7 @@ _CONFIG_ARGUMENTS = {
     "artifact": "ARTIFACT",
     "prompt": "--prompt",
     "chat": "--chat",
+    "raw": "--raw",
     "system": "--system",
     "max_new_tokens": "--max-new-tokens",
     "temperature": "--temperature",
@@ -134,6 +150,21 @@ def _label(prompt) -> str:
     return text if len(text) <= 70 else text[:67] + "..."
 
 
+def _answers_in_chat(loaded) -> bool | None:
+    """Whether text prompts go through the chat template by default: the model was tuned to
+    chat (its lineage says so, or, with no lineage to ask, its tokenizer came with a template of
+    its own rather than the one lmforge gives any Llama 3 vocabulary). None: it has no template,
+    so there is nothing to choose."""
+    from lmforge.artifact import chat_tuned
+    from lmforge.data.tokenizer import LLAMA3_CHAT_TEMPLATE
+
+    template = loaded.tokenizer.chat_template
+    if template is None:
+        return None
+    tuned = chat_tuned(loaded.source)
+    return tuned if tuned is not None else template != LLAMA3_CHAT_TEMPLATE
+
+
 def main(args: argparse.Namespace) -> int:
     from lmforge.generate.parallel import main_process_output
 
@@ -161,6 +192,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompts = list(args.prompt)
     if args.system and args.chat is None:
         raise ConfigError("--system goes with --chat only")
+    if args.raw and args.chat is not None:
+        raise ConfigError("--raw and --chat: give one (--raw continues text, --chat answers it)")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch {args.max_batch} must be >= 1")
     params = SamplingParams(
@@ -179,6 +212,19 @@ def _generate(args: argparse.Namespace) -> int:
             f"{args.artifact}: has no tokenizer (tokenizer.json or tokenizer.model); "
             "generate needs one to read prompts and write text"
         )
+    if not args.raw and any(isinstance(p, str) for p in prompts):
+        chat = _answers_in_chat(loaded)
+        if chat:
+            print("applying the artifact's chat template (--raw for plain text)", file=sys.stderr)
+            prompts = [
+                [{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts
+            ]
+        elif chat is not None:
+            print(
+                "continuing the text as it is: the artifact was not tuned to chat (--chat "
+                "MESSAGE to use its chat template)",
+                file=sys.stderr,
+            )
     model_args = loaded.config
     prompt_ids = [
         encode_prompt(p, loaded.tokenizer, vocab_size=model_args.vocab_size) for p in prompts

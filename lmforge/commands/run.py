@@ -1,4 +1,4 @@
-"""`lmforge run PIPELINE.toml`, `lmforge status RUN_DIR` and `lmforge report RUN_DIR`.
+"""`lmforge run PIPELINE.toml`, `lmforge status [RUN_DIR]` and `lmforge report RUN_DIR`.
 
 Each stage of a pipeline runs as `lmforge COMMAND --config stage.toml` (lmforge.pipeline.kinds).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 RUN_EPILOG = """\
@@ -79,7 +80,13 @@ def register(subparsers) -> None:
         "the scheduler's, for Slurm / Kubernetes jobs), when it ran, how long it took, its key "
         "metrics, or why it failed or did not start.",
     )
-    status.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    status.add_argument(
+        "run_dir",
+        type=Path,
+        nargs="?",
+        metavar="RUN_DIR",
+        help="default: the run directory under ./runs that `lmforge run` wrote to last",
+    )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument(
         "--no-refresh", action="store_true", help="do not ask the scheduler about unfinished jobs"
@@ -117,9 +124,13 @@ def run_main(args: argparse.Namespace) -> int:
 def status_main(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from lmforge.pipeline import format_status, pipeline_status
+    from lmforge.pipeline import format_status, latest_run_dir, pipeline_status
 
-    statuses = pipeline_status(args.run_dir, refresh=not args.no_refresh)
+    run_dir = args.run_dir
+    if run_dir is None:
+        run_dir = latest_run_dir()
+        print(f"status of {run_dir} (the run written last)", file=sys.stderr)
+    statuses = pipeline_status(run_dir, refresh=not args.no_refresh)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in statuses], indent=2, default=str))
     else:

@@ -46,7 +46,12 @@ from lmforge.pipeline.references import fingerprint
 from lmforge.pipeline.runner import RunResult, run_pipeline, stage_job
 from lmforge.pipeline.schema import PipelineFile
 from lmforge.pipeline.spec import Pipeline, Stage, load_pipeline
-from lmforge.pipeline.status import StageStatus, format_status, pipeline_status
+from lmforge.pipeline.status import (
+    StageStatus,
+    format_status,
+    latest_run_dir,
+    pipeline_status,
+)
 
 __all__ = [
     "STAGE_KINDS",
@@ -58,6 +63,7 @@ __all__ = [
     "StageStatus",
     "fingerprint",
     "format_status",
+    "latest_run_dir",
     "load_pipeline",
     "make_plan",
     "pipeline_status",

@@ -141,6 +141,8 @@ class GenerateStageSection(Section):
     artifact: str
     prompt: list[str] = Field(default_factory=list)
     chat: list[str] = Field(default_factory=list)
+    raw: bool = False
+    """`prompt` text continued as it is, also from a model tuned to chat (`--raw`)."""
     system: str | None = None
     max_new_tokens: PositiveInt = 64
     temperature: float = Field(0.0, ge=0)
@@ -215,6 +217,9 @@ class StageKind:
     finish: Callable[[Path, Path, Path], dict]  # (stage_dir, output, log) -> key metrics
     distributed: bool = False  # runs under torchrun with the stage's nproc_per_node
     one_node: bool = False  # its processes share one node (tensor-parallel inference)
+    # (the stage's table) -> why it cannot run on this installation, or None: such a stage is
+    # skipped with that line, and so are the stages that need its output
+    unavailable: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 def _training_schema(kind: str) -> type[Section]:
@@ -294,6 +299,15 @@ def _build_quantize(ctx: StageContext) -> Built:
     ctx.own("source", "out")
     data = {**ctx.settings, "source": ctx.needs_from(), "out": str(ctx.artifact_dir)}
     return Built(("quantize",), ctx.validate(QuantizeStageSection, data))
+
+
+def _quantize_unavailable(table: Mapping[str, Any]) -> str | None:
+    """GPTQ runs in llm-compressor's own environment, an optional install."""
+    if table.get("method") != "gptq":
+        return None
+    from lmforge.quantize.calibrated import calibration_missing
+
+    return calibration_missing()
 
 
 def _build_generate(ctx: StageContext) -> Built:
@@ -401,7 +415,9 @@ STAGE_KINDS: dict[str, StageKind] = {
     "grpo": _TRAINING,
     # tensor parallel over launcher.nproc_per_node GPUs of one node (lmforge/generate/parallel.py)
     "eval": StageKind(_build_eval, "out", _eval_metrics, distributed=True, one_node=True),
-    "quantize": StageKind(_build_quantize, "artifact", _artifact_metrics),
+    "quantize": StageKind(
+        _build_quantize, "artifact", _artifact_metrics, unavailable=_quantize_unavailable
+    ),
     "generate": StageKind(
         _build_generate, "out", _generate_metrics, distributed=True, one_node=True
     ),

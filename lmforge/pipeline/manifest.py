@@ -73,6 +73,16 @@ def mark_skipped(pipeline: Pipeline, stage: Stage) -> None:
     write_manifest(stage_dir, manifest)
 
 
+def mark_unavailable(pipeline: Pipeline, stage: Stage, reason: str) -> None:
+    """A stage that cannot run on this installation: its manifest says why (a previous output
+    stays where it is, and the stage runs again once it can)."""
+    stage_dir = pipeline.path(stage.stage_dir)
+    manifest = {"stage": stage.name, "kind": stage.kind, "pipeline": pipeline.name,
+                "depends_on": stage.depends_on, "status": "unavailable", "reason": reason,
+                "skipped_at": now()}  # fmt: skip
+    write_manifest(stage_dir, manifest)
+
+
 def pending_manifest(
     pipeline: Pipeline,
     stage: Stage,

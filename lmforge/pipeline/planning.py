@@ -16,8 +16,9 @@ from lmforge.pipeline.spec import Pipeline, Stage
 @dataclasses.dataclass
 class PlanItem:
     stage: Stage
-    action: Literal["run", "skip", "keep"]
-    """run: will run; skip: up to date; keep: not selected (--only/--from), left as it is."""
+    action: Literal["run", "skip", "keep", "unavailable"]
+    """run: will run; skip: up to date; keep: not selected (--only/--from), left as it is;
+    unavailable: cannot run on this installation (`reason` says what enables it)."""
     reason: str
     input_hash: str | None = None
 
@@ -34,6 +35,9 @@ def make_plan(
     plan: list[PlanItem] = []
     running: set[str] = set()
     for stage in pipeline.stages:
+        if stage.name in pipeline.unavailable:
+            plan.append(PlanItem(stage, "unavailable", pipeline.unavailable[stage.name]))
+            continue
         manifest = read_manifest(pipeline.path(stage.stage_dir)) or {}
         if only is not None or start is not None:
             selected = stage.name == only if only else stage.index >= start

@@ -26,6 +26,7 @@ from lmforge.pipeline.manifest import (
     STATUS,
     finalize_stage,
     mark_skipped,
+    mark_unavailable,
     now,
     pending_manifest,
     record_inputs,
@@ -127,8 +128,9 @@ def _plan_and_run(
         f"({launcher.name} launcher)"
     )
     for item in plan:
-        label = {"run": "run", "skip": "up to date", "keep": "left as is"}[item.action]
-        detail = f" ({item.reason})" if item.action == "run" else ""
+        label = {"run": "run", "skip": "up to date", "keep": "left as is",
+                 "unavailable": "skipped"}[item.action]  # fmt: skip
+        detail = f" ({item.reason})" if item.action in ("run", "unavailable") else ""
         echo(f"  {item.stage.name:<14} {item.stage.kind:<9} {label}{detail}")
     plan_files = plan_memory(pipeline, [item.stage for item in to_run], launcher.name, echo)
     if dry_run:
@@ -152,6 +154,9 @@ def _plan_and_run(
         if item.action == "skip":
             echo(f"[pipeline] {item.stage.name}: up to date, skipped")
             mark_skipped(pipeline, item.stage)
+        elif item.action == "unavailable":
+            echo(f"[pipeline] {item.stage.name}: skipped: {item.reason}")
+            mark_unavailable(pipeline, item.stage, item.reason)
     if not jobs:
         echo("[pipeline] everything is up to date")
         report = _maybe_report(pipeline, echo)
@@ -179,7 +184,8 @@ def _plan_and_run(
     finished = all(h.state.finished for h in handles.values())
     report = None
     if ok:
-        echo(f"[pipeline] {pipeline.name}: all {len(jobs)} stage(s) succeeded")
+        skipped = f"; {len(pipeline.unavailable)} skipped" if pipeline.unavailable else ""
+        echo(f"[pipeline] {pipeline.name}: all {len(jobs)} stage(s) succeeded{skipped}")
         report = _maybe_report(pipeline, echo)
     elif finished:
         failed = [h for h in handles.values() if h.state in (JobState.FAILED, JobState.CANCELLED)]

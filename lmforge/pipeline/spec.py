@@ -74,6 +74,8 @@ class Pipeline:
     stages: list[Stage]
     section: PipelineSection
     plan_section: PlanSection = dataclasses.field(default_factory=PlanSection)
+    # stage name -> why it cannot run on this installation (it and what needs it are skipped)
+    unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -134,6 +136,8 @@ def load_pipeline(
     tables = _stage_tables(spec.stages, file)
     all_names = [stage_name for stage_name, _ in tables]
     _refuse_cycles(tables, file)
+    unavailable = _unavailable_stages(tables)
+    tables = [(stage_name, _without_models(table, unavailable)) for stage_name, table in tables]
 
     stages: list[Stage] = []
     problems: list[str] = []
@@ -159,7 +163,42 @@ def load_pipeline(
         stages.append(stage)
     if problems:
         raise ConfigError("\n".join(problems))
-    return Pipeline(name, file, workdir, run_dir, stages, spec.pipeline, spec.plan)
+    for stage in stages:  # a ${stage} reference to a skipped stage's output
+        skipped = [d for d in stage.depends_on if d in unavailable]
+        if skipped and stage.name not in unavailable:
+            unavailable[stage.name] = f"it needs stage {skipped[0]!r}, which is skipped"
+    return Pipeline(name, file, workdir, run_dir, stages, spec.pipeline, spec.plan, unavailable)
+
+
+def _unavailable_stages(tables: list[tuple[str, dict]]) -> dict[str, str]:
+    """Stages that cannot run on this installation (a kind's `unavailable`, e.g. GPTQ without
+    its environment), and those whose `from` is one of them or whose every model is: name ->
+    the one line saying why."""
+    found: dict[str, str] = {}
+    for name, table in tables:
+        kind = STAGE_KINDS.get(table.get("kind"))
+        reason = kind.unavailable(table) if kind and kind.unavailable else None
+        models = table.get("models")
+        if reason is None and table.get("from") in found:
+            reason = f"it needs stage {table['from']!r}, which is skipped"
+        elif reason is None and isinstance(models, list) and models and set(models) <= set(found):
+            reason = "every model it reads is skipped"
+        if reason:
+            found[name] = reason
+    return found
+
+
+def _without_models(table: dict, unavailable: dict[str, str]) -> dict:
+    """An eval's table without the models (and their labels) of skipped stages."""
+    models = table.get("models")
+    if not isinstance(models, list) or not any(m in unavailable for m in models):
+        return table
+    keep = [i for i, model in enumerate(models) if model not in unavailable]
+    table = {**table, "models": [models[i] for i in keep]}
+    labels = table.get("labels")
+    if isinstance(labels, list) and len(labels) == len(models):
+        table["labels"] = [labels[i] for i in keep]
+    return table
 
 
 def _check_override_stages(raw: dict, overrides: Sequence[str], file: Path) -> None:

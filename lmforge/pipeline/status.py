@@ -12,6 +12,7 @@ from lmforge.errors import UserError
 from lmforge.launch import make_launcher
 from lmforge.launch.base import JobHandle, JobState
 from lmforge.manifest import (
+    MANIFEST_NAME,
     PIPELINE_RECORD,
     TRAINING_KINDS,
     pipeline_stages,
@@ -19,6 +20,7 @@ from lmforge.manifest import (
     write_manifest,
 )
 from lmforge.pipeline.manifest import STATUS, finalize_stage, now, record_inputs
+from lmforge.pipeline.schema import PipelineSection
 from lmforge.pipeline.spec import load_pipeline
 from lmforge.procs import process_alive
 
@@ -85,6 +87,28 @@ def pipeline_status(run_dir: str | Path, *, refresh: bool = True) -> list[StageS
             )
         )
     return result
+
+
+def latest_run_dir(runs: str | Path | None = None) -> Path:
+    """The run directory (`<runs>/<pipeline>`) that `lmforge run` wrote to last: the one whose
+    pipeline.json or stage manifest was modified most recently. `runs` defaults to the pipeline
+    files' default run_dir ("runs", relative to the working directory)."""
+    runs = Path(runs if runs is not None else PipelineSection.model_fields["run_dir"].default)
+    newest: tuple[float, str] | None = None
+    for run_dir in sorted(runs.iterdir()) if runs.is_dir() else []:
+        for record in [run_dir / PIPELINE_RECORD, *run_dir.glob(f"*/{MANIFEST_NAME}")]:
+            try:
+                modified = record.stat().st_mtime
+            except OSError:  # absent (or removed since the listing)
+                continue
+            if newest is None or modified > newest[0]:
+                newest = (modified, str(run_dir))
+    if newest is None:
+        raise UserError(
+            f"no run directory under {runs}/ (none holds a {PIPELINE_RECORD} or a stage's "
+            f"{MANIFEST_NAME}); pass RUN_DIR, e.g. `lmforge status {runs}/<pipeline>`"
+        )
+    return Path(newest[1])
 
 
 def _runner_gone(manifest: dict) -> str | None:

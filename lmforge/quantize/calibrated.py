@@ -43,10 +43,24 @@ def calibrate_python(given: str | None) -> str:
     if not Path(python).exists():
         raise UserError(
             f"GPTQ runs llm-compressor in an environment of its own, and {python} does not "
-            f"exist: run `make calibrate` (or pip install llmcompressor into a virtual "
-            f"environment) and pass its Python with --calibrate-python or ${PYTHON_ENV}"
+            f"exist: {ENABLE_HINT}"
         )
     return python
+
+
+ENABLE_HINT = (
+    "run `make calibrate` (or pip install llmcompressor into a virtual environment) and pass its "
+    f"Python with --calibrate-python or ${PYTHON_ENV}"
+)
+
+
+def calibration_missing() -> str | None:
+    """Why GPTQ cannot run here (its environment is not installed), or None."""
+    try:
+        calibrate_python(None)
+    except UserError:
+        return f"GPTQ needs llm-compressor's environment, not installed here: {ENABLE_HINT}"
+    return None
 
 
 def calibration_samples(data: Path, tokenizer, samples: int, seq_len: int) -> list[list[int]]:

@@ -127,6 +127,12 @@ def _new_figure(width: float, height: float):  # inches, at 100 dpi
 
 
 def _png(figure) -> bytes:
+    # Constrained layout sets the margins before the first draw has put each title where it
+    # goes: a title moved up on that draw to clear an offset text beside it ("1e-3" on the
+    # learning-rate panel) changes the margins too late, and a neighbour's tick labels end up
+    # past the figure's edge (issue 58: "pretrain: loss" read ".00" for "2.00"). A first draw
+    # puts the titles in place, so the layout that savefig runs again fits them.
+    figure.canvas.draw()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     return buffer.getvalue()
@@ -227,6 +233,7 @@ def _throughput_figure(summary: RunSummary, colors: MetricColors) -> Figure:
     right.set_title("MFU (%)")
     right.grid(axis="y", alpha=0.3)
     for ax, values, fmt in ((left, speeds, "{:,.0f}"), (right, mfus, "{:.2g}")):
+        ax.margins(y=0.15)  # room for the tallest bar's label inside the frame
         for i, value in enumerate(values):
             ax.annotate(fmt.format(value), (i, value), ha="center", va="bottom", fontsize=8)
     caption = (
@@ -619,7 +626,7 @@ figcaption { color: #555; font-size: 13px; }
 pre { background: #f7f7f7; padding: .8em; overflow-x: auto; border: 1px solid #e4e4e4; }
 .status-succeeded, .status-skipped { color: #2e7d32; }
 .status-failed, .status-cancelled { color: #c62828; font-weight: bold; }
-.status-not_started, .status-pending, .status-running { color: #ef6c00; }
+.status-not_started, .status-pending, .status-running, .status-unavailable { color: #ef6c00; }
 .chain { font-family: monospace; }
 td.nowrap { white-space: nowrap; }
 details { margin: .3em 0; }
