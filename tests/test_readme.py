@@ -40,3 +40,23 @@ def test_blocks_are_replaced_between_their_markers_only():
     )
     with pytest.raises(SystemExit, match="no block 'y'"):
         update_readme.replace_block(text, "y", "new")
+
+
+def test_the_readme_stays_short_and_names_every_stage():
+    """A newcomer's page: two commands first, at most 150 lines, the opening line naming the
+    stages the demo runs (GRPO too), and nothing true only on this project's own machines."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    commands = [line.split("#")[0].strip() for line in text.split("```bash\n", 1)[1].splitlines()]
+    assert commands[:2] == ["make demo", "make test"]
+    opening = text.split("\n\n")[2]
+    assert "GRPO" in opening and "DPO" in opening
+    assert "this machine" not in text
+
+
+def test_the_demo_pipelines_header_says_what_its_config_does():
+    import tomllib
+
+    text = (REPO / "examples" / "tiny" / "pipeline.toml").read_text()
+    people = tomllib.loads(text)["stages"]["world"]["demo"]["num_people"]
+    assert f"A made-up world of {people} people" in text
