@@ -148,3 +148,21 @@ def test_a_gptq_stage_is_planned_on_the_host():
     hessians = 4 * (5 * 4096**2 + 4096**2 + 14336**2)
     assert plan.host_bytes == args.num_params() * 2 + hessians + 8 * 128 * 512 * 4096
     assert "GPTQ of a 8.0B model on the host" in format_inference_plan(plan)
+
+
+def test_fp8_weight_bytes_equal_the_loaded_artifacts(tmp_path):
+    """An fp8 artifact as `lmforge.load` holds it (torchao's Float8Tensor: a byte a value, an
+    fp32 scale a row) weighs what the planner counts; its prefill expands nothing."""
+    pytest.importorskip("compressed_tensors")
+    import lmforge
+    from lmforge.api import LoadedModel
+    from lmforge.cli import main as cli_main
+    from lmforge.plan.inference import expanded_weight_bytes
+
+    model = models.new_model(TINY).to(torch.bfloat16)
+    source = lmforge.save(LoadedModel(model, None, TINY, "tiny"), tmp_path / "bf16", stage="test")
+    assert cli_main(["quantize", str(source), str(tmp_path / "fp8"), "--scheme", "fp8"]) == 0
+    loaded = lmforge.load(tmp_path / "fp8").model
+    setup = InferenceSetup(args=TINY, quantization="fp8")
+    assert weight_bytes(setup) == tensor_bytes(loaded)
+    assert expanded_weight_bytes(setup, rows=4096) == 0

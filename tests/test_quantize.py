@@ -513,6 +513,65 @@ def test_compressed_tensors_artifact_loads_in_transformers_with_lmforge_logits(
     assert (wq - reference).abs().max() <= step * 0.51 + 1e-2 * step
 
 
+def test_fp8_is_compressed_tensors_fp8_dynamic_that_transformers_loads(source, tmp_path, capsys):
+    """`--scheme fp8` (W8A8): float8 e4m3 block linears with a scale a row, activations
+    quantized a token at run time, written as compressed-tensors' FP8-dynamic. transformers
+    (through compressed-tensors) dequantizes the same weights lmforge multiplies; lmforge's
+    products quantize their inputs too (torchao's Float8Tensor, torch._scaled_mm), so its
+    logits stay within that rounding of transformers' and of the bf16 original; the engine
+    decodes it; read_state_dict gives the dequantized weights."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "fp8"
+    assert cli_main(["quantize", str(source), str(out), "--scheme", "fp8"]) == 0
+    printed = capsys.readouterr().out
+    assert "FP8-dynamic (W8A8)" in printed and "activations a token at run time" in printed
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(config)
+    group = parsed.config_groups["group_0"]
+    assert parsed.format == "float-quantized" and "lm_head" in parsed.ignore
+    assert (group.weights.type, group.weights.num_bits, group.weights.strategy) == (
+        "float", 8, "channel")  # fmt: skip
+    assert (group.input_activations.strategy, group.input_activations.dynamic) == ("token", True)
+
+    ours = lmforge.load(out).model
+    wq = ours.layers["0"].attention.wq.weight
+    assert type(wq.data).__name__ == "Float8Tensor" and wq.qdata.dtype == torch.float8_e4m3fn
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    their_wq = theirs.model.layers[0].self_attn.q_proj  # compressed-tensors' fp8 linear
+    assert torch.equal(their_wq.weight.view(torch.uint8), wq.qdata.view(torch.uint8))
+    torch.testing.assert_close(their_wq.weight_scale.float(), wq.scale, rtol=1e-2, atol=0)
+    tokens = torch.tensor([[1, 5, 9, 20, 33, 7, 2]])
+    original = lmforge.load(source).model
+    with torch.no_grad():
+        got, want, bf16 = ours(tokens).float(), theirs(tokens).logits.float(), original(tokens)
+    assert _relative(got, want) < 0.1 and _relative(got, bf16.float()) < 0.15
+    params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
+    [result] = Generator(ours, max_batch=1).generate([tokens[0].tolist()], params).results
+    assert len(result.token_ids) == 6
+    plain = lmforge.api.read_state_dict(out, ours.args)["layers.0.attention.wq.weight"]
+    assert type(plain) is torch.Tensor and torch.equal(plain, wq.dequantize().to(plain.dtype))
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--group-size", "64"], "one scale an output row"),
+        (["--format", "torchao"], "where --scheme fp8 is written"),
+        (["--method", "gptq", "--calibration", "x"], "fp8 is round to nearest"),
+    ],
+)
+def test_fp8_refuses_what_it_has_not(source, tmp_path, capsys, extra, message):
+    out = tmp_path / "fp8"
+    assert cli_main(["quantize", str(source), str(out), "--scheme", "fp8", *extra]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
 def test_compressed_tensors_refuses_torchao_options(source, tmp_path, capsys):
     out = tmp_path / "x"
     base = ["quantize", str(source), str(out), "--scheme", "int4-wo", "--format",

@@ -34,7 +34,14 @@ def register(subparsers) -> None:
         "source", nargs="?", metavar="ARTIFACT", help="artifact, HF directory or preset"
     )
     quantize.add_argument("out", nargs="?", metavar="OUT", type=Path)
-    quantize.add_argument("--scheme", choices=SCHEMES, help="required")
+    quantize.add_argument(
+        "--scheme",
+        choices=SCHEMES,
+        help="required: int8-wo / int4-wo (weight-only), or fp8 (W8A8: float8 e4m3 weights with "
+        "a scale a row and activations quantized a token at run time, written as "
+        "compressed-tensors' FP8-dynamic, which vLLM serves and transformers loads; its "
+        "products are float8 tensor-core products on GPUs of compute capability 8.9+)",
+    )
     quantize.add_argument(
         "--group-size",
         type=int,
@@ -154,9 +161,13 @@ def _write_compressed(args: argparse.Namespace) -> int:
     for flag, value in (
         ("--pack-int4", args.pack_int4),
         ("--quantize-output", args.quantize_output),
+        ("--format torchao", args.format == "torchao"),
     ):
         if value:
-            raise ConfigError(f"{flag} is a torchao option: not with --format compressed-tensors")
+            raise ConfigError(
+                f"{flag} is a torchao option: not with --format compressed-tensors"
+                + (" (where --scheme fp8 is written)" if args.scheme == "fp8" else "")
+            )
     group = args.group_size or (128 if args.scheme == "int4-wo" else None)
     start = time.perf_counter()
     source = local_source(args.source)
@@ -165,10 +176,13 @@ def _write_compressed(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size, overwrite=args.overwrite,
     )  # fmt: skip
     size = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
-    name = {"int4-wo": "W4A16", "int8-wo": "W8A16"}[args.scheme]
+    name = {"int4-wo": "W4A16", "int8-wo": "W8A16", "fp8": "FP8-dynamic (W8A8)"}[args.scheme]
+    scales = f"group size {group}" if group else "a scale an output row"
+    if args.scheme == "fp8":
+        scales += ", activations a token at run time"
     print(
         f"quantized {len(linears)} linears of {args.source} to compressed-tensors {name} "
-        f"({f'group size {group}' if group else 'per output row'}) in "
+        f"({scales}) in "
         f"{time.perf_counter() - start:.1f}s -> {out} ({_size(size)} of weights)\n"
         f"serve it with vLLM: lmforge serve {out} --engine vllm"
     )
@@ -183,6 +197,8 @@ def _write_calibrated(args: argparse.Namespace) -> int:
 
     if args.calibration is None:
         raise ConfigError("--method gptq needs --calibration DATA (samples to calibrate on)")
+    if args.scheme == "fp8":
+        raise ConfigError("--method gptq: --scheme int4-wo or int8-wo (fp8 is round to nearest)")
     for flag, value in (
         ("--pack-int4", args.pack_int4),
         ("--quantize-output", args.quantize_output),
@@ -241,7 +257,7 @@ def quantize_main(args: argparse.Namespace) -> int:
 
     if args.method == "gptq":
         return _write_calibrated(args)
-    if args.format == "compressed-tensors":
+    if args.format == "compressed-tensors" or args.scheme == "fp8":
         return _write_compressed(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()

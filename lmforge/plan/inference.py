@@ -54,10 +54,12 @@ TASKS = ("generate", "score", "eval", "quantize")  # eval: lm-eval, scoring and 
 # zero point per row or group. int4-wo made on the CPU (IntxUnpackedToInt8Tensor): one value per
 # int8 byte, a bf16 scale and an int8 zero point per group. int4-wo made on CUDA
 # (Int4TilePackedTo4dTensor, tinygemm): two values per byte, a bf16 scale and zero per group.
+# fp8 (Float8Tensor): float8 values and an fp32 scale per row.
 QUANT_LAYOUT = {
     ("int8-wo", False): (1.0, 5),
     ("int4-wo", False): (1.0, 3),
     ("int4-wo", True): (0.5, 4),
+    ("fp8", False): (1.0, 4),
 }
 DEFAULT_PREFILL_CHUNK = 2048  # the engine's on CUDA
 # Scored positions a row of lm-eval's log-likelihood requests is planned with: its continuations
@@ -256,8 +258,9 @@ def expanded_weight_bytes(setup: InferenceSetup, rows: int) -> int:
     """A quantized artifact multiplies more than QUANTIZED_GEMM_ROWS rows of activations (a
     prefill chunk, a scoring batch) by its weights expanded to bf16 one linear at a time
     (lmforge/generate/kernels/): the largest, the fused gate/up projection or a quantized
-    output projection. Decoding up to that many sequences needs none."""
-    if setup.quantization is None or rows <= QUANTIZED_GEMM_ROWS:
+    output projection. Decoding up to that many sequences needs none, and fp8 none at all (its
+    products read the float8 weights as they are)."""
+    if setup.quantization in (None, "fp8") or rows <= QUANTIZED_GEMM_ROWS:
         return 0
     a = setup.args
     largest = max(2 * a.ffn_dim * a.dim, a.vocab_size * a.dim if setup.quantize_output else 0)

@@ -3,6 +3,11 @@ compressed-tensors`): what llm-compressor writes, what vLLM serves with its mixe
 kernels (Marlin / Machete on NVIDIA GPUs, CPUWNA16 on CPUs, int4 only there), and what
 transformers loads through the `compressed-tensors` package.
 
+`--scheme fp8` is FP8-dynamic (W8A8, format "float-quantized"): each block linear's `weight`
+in float8 e4m3 with `weight_scale` [N, 1] (amax / 448 a row), activations quantized a token at
+run time (vLLM's fp8 kernels on sm_89+; lmforge loads it as torchao's `Float8Tensor`, whose
+product is `torch._scaled_mm`).
+
 Weight-only, symmetric, round to nearest ("W4A16" / "W8A16", format "pack-quantized"): each
 linear of a block becomes `weight_packed` (int32 [N, K * bits / 32]: compressed-tensors'
 packing), `weight_scale` [N, K / group] (or [N, 1] per output row) in the model's dtype, and
@@ -63,10 +68,16 @@ def _library():
 
 def quantization_args(scheme: str, group_size: int | None):
     """compressed-tensors' description of `scheme`'s weights: symmetric int, in groups of
-    `group_size` columns, or one scale an output row."""
-    if scheme not in BITS:
-        raise ConfigError(f"--format {FORMAT}: --scheme {scheme}; allowed: {', '.join(BITS)}")
+    `group_size` columns, or one scale an output row; fp8: float8 e4m3, a scale an output
+    row."""
     arguments = _library()[2]
+    if scheme == "fp8":
+        if group_size is not None:
+            raise ConfigError("--scheme fp8 has one scale an output row: no --group-size")
+        return arguments(num_bits=8, type="float", symmetric=True, strategy="channel")
+    if scheme not in BITS:
+        allowed = ", ".join([*BITS, "fp8"])
+        raise ConfigError(f"--format {FORMAT}: --scheme {scheme}; allowed: {allowed}")
     strategy = (
         {"strategy": "group", "group_size": group_size} if group_size else {"strategy": "channel"}
     )
@@ -78,6 +89,12 @@ def compress_weight(weight: torch.Tensor, args) -> dict[str, torch.Tensor]:
     name): round to nearest with symmetric scales a group (or an output row)."""
     pack, _, _, _, _, _, quantize, calculate_qparams = _library()
     n, k = weight.shape
+    if args.type == "float":  # fp8: the values themselves, a scale a row
+        scale, zero = calculate_qparams(
+            weight.float().amin(-1, True), weight.float().amax(-1, True), args
+        )
+        values = quantize(weight.float(), scale, zero, args, dtype=torch.float8_e4m3fn)
+        return {"weight": values, "weight_scale": scale.to(weight.dtype)}
     group = args.group_size or k
     if k % group:
         raise ConfigError(f"--group-size {group} does not divide the linears' input size {k}")
@@ -93,11 +110,15 @@ def compress_weight(weight: torch.Tensor, args) -> dict[str, torch.Tensor]:
 
 def quantization_config(args) -> dict:
     """config.json's `quantization_config`, from compressed-tensors' models."""
-    _, _, _, config, scheme, status, _, _ = _library()
-    group = scheme(targets=["Linear"], weights=args)
+    _, _, arguments, config, scheme, status, _, _ = _library()
+    if args.type == "float":  # FP8-dynamic: activations a token at run time
+        tokens = arguments(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+        group = scheme(targets=["Linear"], weights=args, input_activations=tokens)
+    else:
+        group = scheme(targets=["Linear"], weights=args)
     described = config(
         config_groups={"group_0": group},
-        format="pack-quantized",
+        format="float-quantized" if args.type == "float" else "pack-quantized",
         ignore=["lm_head"],
         quantization_status=status.COMPRESSED,
     )
@@ -181,20 +202,26 @@ def _compressed_tensors(shapes: dict, read, args) -> tuple[dict[str, int], objec
             continue
         prefix, (n, k) = name.removesuffix(".weight"), meta.shape
         linears.append(prefix)
+        if args.type == "float":
+            sizes[f"{prefix}.weight"] = n * k  # float8: a byte a value
+            sizes[f"{prefix}.weight_scale"] = n * meta.element_size()
+            continue
         group = args.group_size or k
         if k % group:
             raise ConfigError(f"--group-size {group} does not divide {name}'s input size {k}")
         sizes[f"{prefix}.weight_packed"] = n * (k * args.num_bits // 32) * 4
         sizes[f"{prefix}.weight_scale"] = n * (k // group) * meta.element_size()
         sizes[f"{prefix}.weight_shape"] = 2 * 8
+    # fp8 keeps a linear's `weight` key (its float8 values): made, not read
+    made_keys = set(sizes) - set(shapes) | {f"{prefix}.weight" for prefix in linears}
 
     def produce(key: str) -> torch.Tensor:
-        if key in shapes:
+        if key not in made_keys:
             return read(key)
         if key not in made:
             prefix = key.rsplit(".", 1)[0]
-            compressed = compress_weight(read(f"{prefix}.weight"), args)
-            made.update({f"{prefix}.{suffix}": t for suffix, t in compressed.items()})
+            tensors = compress_weight(read(f"{prefix}.weight"), args)
+            made.update({f"{prefix}.{suffix}": t for suffix, t in tensors.items()})
         return made.pop(key)
 
     return sizes, produce, linears

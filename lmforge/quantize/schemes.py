@@ -4,7 +4,11 @@ int4's group sizes, which the planner reads too."""
 
 from collections.abc import Iterable
 
-SCHEMES = ("int8-wo", "int4-wo")
+SCHEMES = ("int8-wo", "int4-wo", "fp8")
+# Weight-only schemes (torchao's layouts, lmforge's kernels); fp8 is W8A8: float8 e4m3 weights
+# with a scale a row and activations quantized a row at run time, written in compressed-tensors'
+# FP8-dynamic format.
+WEIGHT_ONLY = ("int8-wo", "int4-wo")
 # int4's group sizes, largest first: those the CUDA int4 kernel (tinygemm) accepts. The first is
 # the default (Llama 3.1 8B decodes 9% faster in groups of 256 than of 128: docs/benchmarks.md).
 INT4_GROUP_SIZES = (256, 128, 64, 32)

@@ -147,19 +147,26 @@ def read_compressed_state(directory: Path, args, dtype=None) -> dict[str, torch.
     int8 / int4 (the engine converting it once at load into its kernels' layout)."""
     state = artifact.read_safetensors(Path(directory))
     if dtype is not None:
-        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+        state = {n: t.to(dtype) if _high_precision(t) else t for n, t in state.items()}
     return models.hf_state_dict_to_ours(compressed_as_torchao(state), args, directory)
 
 
+def _high_precision(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.element_size() > 1  # not float8 values
+
+
 def compressed_as_torchao(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A pack-quantized (symmetric) HF state dict with each linear's weight as torchao's int4
-    (`IntxUnpackedToInt8Tensor`, groups) or int8 (`Int8Tensor`) weight-only tensor, zero points
-    0, in its scale's dtype: the same values w = q * scale."""
+    """A compressed-tensors HF state dict with each linear's weight as torchao's: int4
+    (`IntxUnpackedToInt8Tensor`, groups) or int8 (`Int8Tensor`) weight-only, zero points 0, in
+    its scale's dtype (the same values w = q * scale); float8 (FP8-dynamic) as `Float8Tensor`
+    with a scale a row and its activations quantized a row at run time."""
     require_torchao()
     from torchao.quantization import Int8Tensor, IntxUnpackedToInt8Tensor
 
-    out = {}
-    for prefix, q, scale, bits in _packed_linears(state, out):
+    out, rest = {}, {}
+    for prefix, values, scale in _float8_linears(state, rest):
+        out[f"{prefix}.weight"] = _float8_tensor(values, scale)
+    for prefix, q, scale, bits in _packed_linears(rest, out):
         block = [1, q.shape[1] // scale.shape[1]]
         zero = torch.zeros(scale.shape, dtype=torch.int8)
         if bits == 4:
@@ -175,12 +182,45 @@ def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """A compressed-tensors pack-quantized HF state dict with each linear's weight unpacked and
     dequantized (w = q * scale) in its scale's dtype: plain weights, for whatever reads an
     artifact's state dict to change it (`lmforge.api.read_state_dict`: training, merging)."""
-    out = {}
-    for prefix, q, scale, _ in _packed_linears(state, out):
+    out, rest = {}, {}
+    for prefix, values, scale in _float8_linears(state, rest):
+        out[f"{prefix}.weight"] = (values.float() * scale.float()).to(scale.dtype)
+    for prefix, q, scale, _ in _packed_linears(rest, out):
         group = q.shape[1] // scale.shape[1]
         weight = q.float() * scale.float().repeat_interleave(group, dim=1)
         out[f"{prefix}.weight"] = weight.to(scale.dtype)
     return out
+
+
+def _float8_tensor(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torchao's float8 weight (values [N, K] e4m3, scale [N, 1]) computing in the scale's
+    dtype: each product quantizes its input a row at a time and runs `torch._scaled_mm`."""
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import Float8Tensor, PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import (
+        QuantizeTensorToFloat8Kwargs,
+    )
+
+    return Float8Tensor(
+        values, scale.float().reshape(-1, 1), [1, values.shape[1]],
+        mm_config=Float8MMConfig(use_fast_accum=True),
+        act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow()),
+        dtype=scale.dtype,
+    )  # fmt: skip
+
+
+def _float8_linears(state: dict[str, torch.Tensor], others: dict[str, torch.Tensor]):
+    """(prefix, values float8 [N, K], scale [N, 1]) of each float-quantized linear of a
+    compressed-tensors state dict (FP8-dynamic), in turn; every other tensor goes into
+    `others`."""
+    float8 = {n.removesuffix(".weight") for n, t in state.items()
+              if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn}  # fmt: skip
+    for name, tensor in state.items():
+        prefix = name.rsplit(".", 1)[0]
+        if prefix not in float8:
+            others[name] = tensor
+        elif name.endswith(".weight"):
+            yield prefix, tensor, state[f"{prefix}.weight_scale"]
 
 
 def _packed_linears(state: dict[str, torch.Tensor], others: dict[str, torch.Tensor]):
