@@ -99,6 +99,13 @@ def info_main(args: argparse.Namespace) -> int:
         f"{name} {_human(total * size, 'B')}" for name, size in BYTES_PER_DTYPE.items()
     )
     print(f"bytes:       {sizes}")
+    active = model_args.num_params(active=True)
+    if active != total:  # a Mixture-of-Experts: what one token runs through
+        print(f"active:      {active:,} ({_human(active)}) a token: attention, chosen experts")
+        sizes = ", ".join(
+            f"{name} {_human(active * size, 'B')}" for name, size in BYTES_PER_DTYPE.items()
+        )
+        print(f"active bytes: {sizes}")
     flops = model_args.flops_per_token(args.seq_len)
     print(f"train FLOPs: {_human(flops)} per token at seq_len {args.seq_len}")
     print(f"layer shapes (block 0 of {model_args.num_layers} shown):")

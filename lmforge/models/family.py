@@ -22,13 +22,14 @@ class ParamShape:
     """One parameter of a transformer block, named as in the model (`attention.wq.weight`).
 
     kind: "linear" (a matmul weight LoRA may adapt), "norm" (an RMSNorm over the residual
-    stream) or "head_norm" (an RMSNorm over each head of the projection `reads`).
+    stream), "head_norm" (an RMSNorm over each head of the projection `reads`) or "experts"
+    (a MoE's stacked expert weights [E, out, in]: matmul weights LoRA does not adapt).
     tp_dim: the dimension tensor parallelism splits; None: replicated over the tp axis.
     """
 
     name: str
     shape: tuple[int, ...]
-    kind: Literal["linear", "norm", "head_norm"]
+    kind: Literal["linear", "norm", "head_norm", "experts"]
     tp_dim: int | None = None
     reads: str | None = None  # head_norm: the linear whose output it normalizes ("wq", "wk")
 
@@ -48,9 +49,13 @@ class Family:
     presets: named shapes (preset names are unique across families).
     args_from_hf_config(cfg, path) / args_to_hf_config(args, dtype): config.json translation.
     hf_to_ours(name) -> our name or None / ours_to_hf(name): the weight key map.
-    block_params(args): the parameters of one block (the planner's shapes).
+    block_params(args, layer=None): the parameters of block `layer` (the planner's shapes;
+        None: a typical block).
     tp_plan(sequence_parallel=...): one block's tensor-parallel plan, module name -> torch
         ParallelStyle (sequence parallel in training, replicated norms in inference).
+    hf_merge(hf_state, path) / hf_split(hf_state): for formats that store one of our tensors
+        as several (a MoE's per-expert weights): many HF tensors made one before the key map,
+        and one split back after it on save. None (dense families): names map one to one.
     """
 
     name: str
@@ -66,11 +71,15 @@ class Family:
     ours_to_hf: Callable[[str], str]
     block_params: Callable[[object], list[ParamShape]]
     tp_plan: Callable[..., dict]
+    hf_merge: Callable[[dict, Path], dict] | None = None
+    hf_split: Callable[[dict], dict] | None = None
 
     def hf_state_dict_to_ours(
         self, hf_state: dict[str, torch.Tensor], path: Path
     ) -> dict[str, torch.Tensor]:
         """Our names for a HF state dict; a tensor the family does not have is an error."""
+        if self.hf_merge is not None:
+            hf_state = self.hf_merge(hf_state, path)
         ours = {}
         for name, tensor in hf_state.items():
             if name.endswith("rotary_emb.inv_freq"):
@@ -87,8 +96,9 @@ class Family:
         self, state: dict[str, torch.Tensor], args
     ) -> dict[str, torch.Tensor]:
         """HF names for our state dict; a tied output projection is left out (HF ties it)."""
-        return {
+        hf_state = {
             self.ours_to_hf(name): tensor
             for name, tensor in state.items()
             if not (args.tie_embeddings and name == "output.weight")
         }
+        return self.hf_split(hf_state) if self.hf_split is not None else hf_state

@@ -393,16 +393,23 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
                 )
             )
 
-    block = family_of(a).block_params(a)  # the family's shapes, e.g. attention.wq.weight
+    block_params = family_of(a).block_params  # the family's shapes, e.g. attention.wq.weight
     for i in range(a.num_layers if num_layers is None else num_layers):
         group = f"layers.{i}"
-        for param in block:
+        for param in block_params(a, i):  # a MoE family's sparse and dense blocks differ
             if param.kind == "linear":
                 prefix = f"{group}.{param.name.removesuffix(param.attribute + '.weight')}"
                 linear(prefix, param.attribute, param.shape, param.tp_dim, group)
-            else:
+            else:  # stacked experts: matmul weights LoRA does not adapt
                 specs.append(
-                    ParamSpec(f"{group}.{param.name}", param.shape, group, param.tp_dim, full)
+                    ParamSpec(
+                        f"{group}.{param.name}",
+                        param.shape,
+                        group,
+                        param.tp_dim,
+                        full,
+                        matmul=param.kind == "experts",
+                    )
                 )
     specs.append(ParamSpec("norm.weight", (d,), "root", None, full))
     if not a.tie_embeddings:  # tied: the output projection *is* tok_embeddings.weight

@@ -70,9 +70,11 @@ def describe(setup: Setup) -> list[str]:
         f"{masters}, compute {setup.compute_dtype}"
     )
     name = setup.model_name or "model"
+    active = a.num_params(active=True)  # a Mixture-of-Experts: fewer than all
+    sparse = f", {active / 1e9:.2f}B active a token" if active != a.num_params() else ""
     return [
-        f"model      {name}: {a.num_params() / 1e9:.2f}B parameters ({a.num_layers} layers, "
-        f"dim {a.dim}, vocab {a.vocab_size}{', tied' if a.tie_embeddings else ''})",
+        f"model      {name}: {a.num_params() / 1e9:.2f}B parameters{sparse} "
+        f"({a.num_layers} layers, dim {a.dim}, vocab {a.vocab_size}{', tied' if a.tie_embeddings else ''})",
         f"method     {method}",
         f"GPUs       {where}; {layout}",
         f"step       {batch}; {', '.join(extras)}",

@@ -86,7 +86,13 @@ def use_fused_blocks(model: nn.Module) -> int:
     fused = 0
     for block in model.layers.values():
         attention, ffn = block.attention, block.feed_forward
-        linears = (attention.wqkv, attention.wo, ffn.w13, ffn.w2)
+        # A sparse MLP (router and stacked experts, no w13) keeps the block's own forward.
+        linears = (
+            attention.wqkv,
+            attention.wo,
+            getattr(ffn, "w13", None),
+            getattr(ffn, "w2", None),
+        )
         if not isinstance(block, FusedDecodeBlock) and all(
             isinstance(linear, _MatvecLayer) for linear in linears
         ):

@@ -101,23 +101,29 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
     # ---- parameter and FLOP counts -------------------------------------------------------
-    def num_params(self, *, include_embedding: bool = True) -> int:
+    def mlp_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of block `layer`'s MLP; `active`: those one token runs through (all of
+        them here; a Mixture-of-Experts family counts its chosen experts)."""
+        return 3 * self.dim * self.ffn_dim
+
+    def num_params(self, *, include_embedding: bool = True, active: bool = False) -> int:
         """Parameters; with include_embedding=False the input lookup table is left out
-        (a tied table is still counted once, as the output projection)."""
+        (a tied table is still counted once, as the output projection). `active`: only those
+        one token runs through (`mlp_params`); a dense model's are all of them."""
         attention = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attention + mlp + self.layer_norm_params()
+        per_layer = attention + self.layer_norm_params()
+        mlp = sum(self.mlp_params(layer, active=active) for layer in range(self.num_layers))
         table = self.vocab_size * self.dim
-        total = self.num_layers * per_layer + self.dim  # + final norm
+        total = self.num_layers * per_layer + mlp + self.dim  # + final norm
         if self.tie_embeddings:
             return total + table
         return total + table + (table if include_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6·N (N = matmul parameters: all but the input lookup)
-        plus 12·layers·q_dim·seq_len for attention scores and values (PaLM appendix B; q_dim =
-        heads·head_dim, which is dim for Llama)."""
-        return 6 * self.num_params(include_embedding=False) + 12 * (
+        """Training FLOPs per token: 6·N (N = active matmul parameters: all but the input
+        lookup, and a MoE's unchosen experts) plus 12·layers·q_dim·seq_len for attention scores
+        and values (PaLM appendix B; q_dim = heads·head_dim, which is dim for Llama)."""
+        return 6 * self.num_params(include_embedding=False, active=True) + 12 * (
             self.num_layers * self.q_dim * seq_len
         )
 

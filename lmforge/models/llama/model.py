@@ -232,12 +232,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, *, qk_norm: bool = False) -> None:
+    """feed_forward: the block's MLP (default Llama's `FeedForward`; a MoE family passes its
+    sparse one: any module x [b, s, dim] -> [b, s, dim] with `init_weights(std, out_std)`)."""
+
+    def __init__(
+        self, args: ModelArgs, *, qk_norm: bool = False, feed_forward: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, qk_norm=qk_norm)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args)
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, kv_cache)
@@ -260,12 +265,21 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(args, qk_norm=self.qk_norm) for i in range(args.num_layers)}
+            {
+                str(i): TransformerBlock(
+                    args, qk_norm=self.qk_norm, feed_forward=self.block_feed_forward(i)
+                )
+                for i in range(args.num_layers)
+            }
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def block_feed_forward(self, layer: int) -> nn.Module:
+        """Block `layer`'s MLP: Llama's SwiGLU in every block (a MoE family overrides it)."""
+        return FeedForward(self.args)
 
     def tie_weights(self) -> None:
         """Share the input table with the output projection (again: `to_empty` unties them)."""
@@ -279,18 +293,20 @@ class Transformer(nn.Module):
         every block's weights are plain tensors or inference layers that join themselves
         (the engine's quantized kernels); torchao-quantized, sharded and LoRA models stay as
         they are."""
-        blocks = list(self.layers.values())
-        if all(b.attention.wqkv is not None and b.feed_forward.w13 is not None for b in blocks):
+        # (module, its linears, their fused name); a block's MLP that is not `FeedForward` (a
+        # MoE's experts are already stacked) keeps its own.
+        groups = [(block.attention, ["wq", "wk", "wv"], "wqkv") for block in self.layers.values()]
+        groups += [
+            (block.feed_forward, ["w1", "w3"], "w13")
+            for block in self.layers.values()
+            if isinstance(block.feed_forward, FeedForward)
+        ]
+        if all(getattr(module, fused) is not None for module, _, fused in groups):
             return True  # already fused
-        if not all(
-            fusable(block.attention, ["wq", "wk", "wv"])
-            and fusable(block.feed_forward, ["w1", "w3"])
-            for block in blocks
-        ):
+        if not all(fusable(module, names) for module, names, _ in groups):
             return False
-        for block in blocks:
-            fuse_linears(block.attention, ["wq", "wk", "wv"], "wqkv")
-            fuse_linears(block.feed_forward, ["w1", "w3"], "w13")
+        for module, names, fused in groups:
+            fuse_linears(module, names, fused)
         return True
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:

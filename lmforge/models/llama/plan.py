@@ -13,9 +13,9 @@ from lmforge.models.family import ParamShape
 from lmforge.models.llama.args import ModelArgs
 
 
-def block_params(args: ModelArgs) -> list[ParamShape]:
+def block_params(args: ModelArgs, layer: int | None = None) -> list[ParamShape]:
     """One block's parameters in the model's order, with the dimension TP splits (0: columns
-    of a column-parallel linear, 1: rows of a row-parallel one)."""
+    of a column-parallel linear, 1: rows of a row-parallel one); every block (`layer`) alike."""
     d = args.dim
     return [
         ParamShape("attention_norm.weight", (d,), "norm"),

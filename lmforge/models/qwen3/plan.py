@@ -13,8 +13,8 @@ from lmforge.models.llama import plan as llama_plan
 from lmforge.models.qwen3.args import ModelArgs
 
 
-def block_params(args: ModelArgs) -> list[ParamShape]:
-    params = llama_plan.block_params(args)
+def block_params(args: ModelArgs, layer: int | None = None) -> list[ParamShape]:
+    params = llama_plan.block_params(args, layer)
     after_wo = [p.name for p in params].index("attention.wo.weight") + 1
     params[after_wo:after_wo] = [
         ParamShape("attention.q_norm.weight", (args.head_dim,), "head_norm", reads="wq"),

@@ -1,0 +1,220 @@
+"""The Mixture-of-Experts feed-forward shared by MoE families: a linear router choosing the top-k
+of E SwiGLU experts per token (Shazeer et al., 2017; Fedus et al., 2022), the experts' weights
+stacked in two tensors, and the Switch Transformer load-balancing loss.
+
+It lives in models/ (not modules/) because family models build it, and models/ imports nothing
+above core. Weights, in Meta's names (llama's FeedForward: w1 gate, w3 up, w2 down):
+`router.weight` [E, dim], `experts.w13` [E, 2·moe_ffn_dim, dim] (each expert's gate rows then
+its up rows: transformers' in-memory `gate_up_proj`) and `experts.w2` [E, dim, moe_ffn_dim].
+
+Two ways to run the experts (`expert_outputs`), equal up to float rounding:
+- the loop: per expert, the tokens routed to it (data-dependent shapes: a host sync per expert;
+  the reference, and the CPU's default);
+- grouped: the token-expert assignments sorted by expert (argsort), counts and offsets made on
+  the device (no host sync), one grouped GEMM per projection (`torch._grouped_mm`) over the
+  sorted rows, then the weighted rows added back to their tokens. Where `_grouped_mm` does not
+  take the dtype or alignment, each expert's slice of the sorted rows (by the offsets) is
+  multiplied on its own: the same permutation, checkable on any device. CUDA's default.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(
+    logits: torch.Tensor, top_k: int, *, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, E] -> (weights [tokens, k] in the logits' dtype, experts [tokens,
+    k] int64): softmax in fp32 over the experts, the k largest, renormalized to sum to one when
+    `norm_topk_prob` (else the softmax probabilities as they are)."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] gate then up -> silu(gate) * up [n, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def experts_loop(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+) -> torch.Tensor:
+    """The reference: x [tokens, dim] through each token's experts, weighted and summed ->
+    [tokens, dim]. One small matmul pair per expert that got tokens."""
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        token, slot = torch.where(experts == expert)  # [n] each: who chose it, as which choice
+        if token.numel() == 0:
+            continue
+        y = F.linear(_swiglu(F.linear(x[token], w13[expert])), w2[expert])  # [n, dim]
+        y = y * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def _grouped_mm_fits(rows: torch.Tensor, *widths: int) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: bf16 on CUDA (fp32 and bf16 on the
+    CPU), and every row width a multiple of 16 bytes."""
+    if rows.device.type == "cuda" and rows.dtype != torch.bfloat16:
+        return False
+    if rows.device.type not in ("cuda", "cpu"):
+        return False
+    align = 16 // rows.element_size()
+    return all(width % align == 0 for width in widths)
+
+
+def _grouped_linear(
+    rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, use_grouped_mm: bool
+) -> torch.Tensor:
+    """rows [n, in] sorted by expert, expert e's rows ending at ends[e]; weight [E, out, in] ->
+    [n, out], each row times its expert's weight."""
+    if use_grouped_mm:
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends)
+    # The same groups one at a time (host syncs: only where _grouped_mm does not fit).
+    bounds = [0, *ends.tolist()]
+    parts = [
+        rows[start:end] @ weight[expert].T
+        for expert, (start, end) in enumerate(itertools.pairwise(bounds))
+    ]
+    return torch.cat(parts)
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    *,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """`experts_loop`'s result by sorting the (token, choice) assignments by expert: fixed
+    shapes throughout, so no host sync when `torch._grouped_mm` runs it (`use_grouped_mm`
+    None: wherever it fits)."""
+    num_experts, top_k = w13.shape[0], experts.shape[1]
+    flat = experts.reshape(-1)  # [tokens * k]: assignment a is token a // k's choice a % k
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+    token = order // top_k  # [tokens * k]: the token of each sorted assignment
+    # Counts by scatter-add of ones: bincount's output size would need the max on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    ends = counts.cumsum(0, dtype=torch.int32)  # [E]: where each expert's rows end
+    if use_grouped_mm is None:
+        use_grouped_mm = _grouped_mm_fits(x, x.shape[1], w2.shape[2])
+    rows = x[token]  # [tokens * k, dim]
+    hidden = _swiglu(_grouped_linear(rows, w13, ends, use_grouped_mm))  # [tokens * k, I]
+    y = _grouped_linear(hidden, w2, ends, use_grouped_mm)  # [tokens * k, dim]
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def expert_outputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    *,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """x [tokens, dim] through the experts its router chose: `experts` [tokens, k] indices,
+    `weights` [tokens, k] -> [tokens, dim]. `grouped` None: grouped on CUDA, the loop elsewhere."""
+    if grouped is None:
+        grouped = x.device.type == "cuda"
+    if grouped:
+        return experts_grouped(x, w13, w2, weights, experts)
+    return experts_loop(x, w13, w2, weights, experts)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two stacked weights: w13 [E, 2·ffn_dim, dim], w2 [E, dim, ffn_dim]."""
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.grouped: bool | None = None  # `expert_outputs`'s choice; None: by device
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        return expert_outputs(x, self.w13, self.w2, weights, experts, grouped=self.grouped)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w13, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class MoEFeedForward(nn.Module):
+    """A block's sparse MLP: x [b, s, dim] -> [b, s, dim], each token through its top-k experts.
+
+    In training mode the router's logits of the last forward stay in `router_logits` [b·s, E]
+    for the load-balancing loss (`load_balancing_loss`); in eval mode nothing is kept.
+    """
+
+    def __init__(
+        self, dim: int, ffn_dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = Experts(dim, ffn_dim, num_experts)
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # [b * s, dim]
+        logits = self.router(tokens)  # [b * s, E]
+        if self.training:
+            self.router_logits = logits
+        weights, experts = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+        return self.experts(tokens, weights, experts).view_as(x)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
+        self.experts.init_weights(std, out_std)
+
+
+def load_balancing_loss(
+    router_logits_per_layer: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al., 2022, eqs. 4-6), pooled over layers:
+    E · Σ_e f_e · P_e, f_e the fraction of top-k assignments that went to expert e and P_e its
+    mean router probability, both over every layer's tokens (rows where `attention_mask`
+    [b, s] is 0 left out). Each layer's logits are [b·s, E]. Like transformers'
+    `load_balancing_loss_func`, f sums the k choices, so a uniform router scores k."""
+    device = router_logits_per_layer[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.reshape(-1, 1).to(device=device, dtype=torch.float32)  # [b*s, 1]
+    rows = 0.0
+    for logits in router_logits_per_layer:
+        probs = F.softmax(logits.to(device), dim=-1).float()  # [b*s, E]
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [b*s, k]
+        weight = (
+            torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.expand_as(chosen)
+        )
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), weight.reshape(-1))
+        if mask is None:
+            prob_sum = prob_sum + probs.sum(dim=0)
+            rows = rows + probs.shape[0]
+        else:
+            prob_sum = prob_sum + (probs * mask).sum(dim=0)
+            rows = rows + mask.sum()
+    return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
