@@ -235,7 +235,8 @@ def demo_results(run_dir: Path) -> str:
             *lines,
             "",
             "What quantizing the dpo model costs (int4: round-to-nearest, and calibrated by GPTQ "
-            "on the pretraining shards; perplexity on held-out biographies):",
+            "on the pretraining shards; fp8: float8 weights and activations; perplexity on "
+            "held-out biographies):",
             "",
             *costs,
             "",

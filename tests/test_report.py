@@ -86,6 +86,7 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
         "quantize_int8",
         "quantize_int4",
         "quantize_int4_gptq",
+        "quantize_fp8",
         "eval_quantized",
         "generate",
     ]
@@ -100,11 +101,12 @@ def test_every_stage_ran_and_recorded_its_metrics(finished):
     for metrics in evaluated.values():
         assert {"demo_mc/acc", "demo_mc_chat/acc", "preference/accuracy"} <= set(metrics)
     quantized = found["eval_quantized"]["metrics"]
-    assert list(quantized) == ["dpo", "int8", "int4", "int4-gptq"]
+    assert list(quantized) == ["dpo", "int8", "int4", "int4-gptq", "fp8"]
     assert all("perplexity/prose_heldout.txt" in m for m in quantized.values())
     int8, int4 = found["quantize_int8"]["metrics"], found["quantize_int4"]["metrics"]
     assert int8["scheme"] == "int8-wo" and int4["scheme"] == "int4-wo"
     assert found["quantize_int4_gptq"]["metrics"]["method"] == "gptq"
+    assert found["quantize_fp8"]["metrics"]["scheme"] == "fp8"
     sample = (run_dir / "generate" / "out" / "sample.txt").read_text()
     assert sample.startswith("=== Where does") and "tokens/s" in sample
     assert "report:" in out and (run_dir / "report.html").exists()
@@ -179,7 +181,10 @@ def test_report_is_self_contained_with_every_section(finished, tmp_path, capsys)
         "quantize_int8",
         "quantize_int4",
         "quantize_int4_gptq",
+        "quantize_fp8",
     ]
+    schemes = {a.stage: a.scheme for a in summary.artifacts}
+    assert (schemes["quantize_int4_gptq"], schemes["quantize_fp8"]) == ("int4-wo", "fp8")
     sizes = {a.stage: a.weight_bytes for a in summary.artifacts}
     # CPU int4 is stored one value per byte (the layout transformers reads), so int4 and int8
     # artifacts are about the same size; both are smaller than the bf16 model.

@@ -377,7 +377,7 @@ def _artifact_metrics(stage_dir: Path, output: Path, log: Path) -> dict:
     lineage = output / "lmforge.json"
     if lineage.exists():
         record = json.loads(lineage.read_text())
-        # torchao's artifacts keep it at the top, compressed-tensors' (and GPTQ's) in config
+        # at the top (compressed-tensors' written before 2026-12-07: in config only)
         quant = record.get("quantization") or record.get("config", {}).get("quantization") or {}
         metrics |= {key: quant[key] for key in ("scheme", "method") if quant.get(key)}
     return metrics

@@ -169,6 +169,7 @@ def write_calibrated(
             record = artifact.lineage_record(
                 stage="quantize", parent=source, config={"quantization": lineage}
             )
+            record["quantization"] = lineage  # where the report and the planner read it
             write_model_files(staging, model_args, config, tokenizer, record)
     return Path(out), len(rows)
 

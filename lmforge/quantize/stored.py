@@ -76,8 +76,10 @@ def is_quantized(directory: Path) -> bool:
     config.json has a torchao (or our packed) `quantization_config`."""
     directory = Path(directory)
     lineage_path = directory / artifact.LINEAGE_NAME
-    if lineage_path.exists() and artifact.read_json(lineage_path).get("quantization"):
-        return True
+    if lineage_path.exists():
+        quantization = artifact.read_json(lineage_path).get("quantization") or {}
+        if quantization and quantization.get("format") != "compressed-tensors":  # is_compressed
+            return True
     config_path = directory / artifact.CONFIG_NAME
     if not config_path.exists():
         return False
