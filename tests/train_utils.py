@@ -39,9 +39,26 @@ def small_qwen3_args(vocab_size: int = 256, **changes) -> ModelArgs:
     return get_preset("qwen3-0.6b").replace(**{**shape, "eos_id": None, **changes})
 
 
+# Qwen3-MoE cut down the same way: every block sparse, 4 experts of width 32, top-2.
+SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_ffn_dim=32)
+QWEN3_MOE_MODEL = [
+    "model.source=qwen3-30b-a3b",
+    *(f"model.overrides.{k}={v}" for k, v in {**SMALL_SHAPE, **SMALL_MOE}.items()),
+    "model.overrides.head_dim=24",
+]
+
+
+def small_qwen3_moe_args(vocab_size: int = 256, **changes) -> ModelArgs:
+    """Qwen3-30B-A3B cut down to SMALL_SHAPE and SMALL_MOE with head_dim 24; untied."""
+    shape = {**SMALL_SHAPE, **SMALL_MOE, "head_dim": 24, "vocab_size": vocab_size}
+    return get_preset("qwen3-30b-a3b").replace(
+        **{**shape, "bos_id": None, "eos_id": None, **changes}
+    )
+
+
 def small_family_args(family: str, vocab_size: int = 256, **changes) -> ModelArgs:
-    make = {"llama": small_args, "qwen3": small_qwen3_args}[family]
-    return make(vocab_size, **changes)
+    make = {"llama": small_args, "qwen3": small_qwen3_args, "qwen3_moe": small_qwen3_moe_args}
+    return make[family](vocab_size, **changes)
 
 
 def demo_world(root: Path, vocab_size: int) -> tuple[dict[str, Path], Tokenizer, ModelArgs]:

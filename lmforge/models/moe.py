@@ -159,8 +159,11 @@ class Experts(nn.Module):
 class MoEFeedForward(nn.Module):
     """A block's sparse MLP: x [b, s, dim] -> [b, s, dim], each token through its top-k experts.
 
-    In training mode the router's logits of the last forward stay in `router_logits` [b·s, E]
-    for the load-balancing loss (`load_balancing_loss`); in eval mode nothing is kept.
+    In training mode, under autograd, the router's logits of the last forward stay in
+    `router_logits` [b·s, E] for the load-balancing loss (`load_balancing_loss`) and the experts'
+    load (`expert_counts`); in eval mode or under no_grad (a frozen reference, a rollout, DPO's
+    reference pass through the policy with its adapters off) nothing is kept, so the logits of
+    the forward being trained are not replaced.
     """
 
     def __init__(
@@ -176,7 +179,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [b * s, dim]
         logits = self.router(tokens)  # [b * s, E]
-        if self.training:
+        if self.training and torch.is_grad_enabled():
             self.router_logits = logits
         weights, experts = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
         return self.experts(tokens, weights, experts).view_as(x)
@@ -184,6 +187,15 @@ class MoEFeedForward(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
         self.experts.init_weights(std, out_std)
+
+
+@torch.no_grad()
+def expert_counts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Router logits [tokens, E] -> [E] fp32: how many of the tokens' top-k choices went to each
+    expert (the top-k of the logits are those of the softmax). Fixed shapes: no host sync."""
+    chosen = torch.topk(logits, top_k, dim=-1).indices.reshape(-1)  # [tokens * k]
+    counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+    return counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
 
 
 def load_balancing_loss(
@@ -205,7 +217,7 @@ def load_balancing_loss(
         mask = attention_mask.reshape(-1, 1).to(device=device, dtype=torch.float32)  # [b*s, 1]
     rows = 0.0
     for logits in router_logits_per_layer:
-        probs = F.softmax(logits.to(device), dim=-1).float()  # [b*s, E]
+        probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)  # [b*s, E]
         chosen = torch.topk(probs, top_k, dim=-1).indices  # [b*s, k]
         weight = (
             torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.expand_as(chosen)

@@ -148,6 +148,9 @@ def make_figures(summary: RunSummary) -> list[Figure]:
         figure = _training_figure(stage, records, colors)
         if figure is not None:
             figures.append(figure)
+        figure = _expert_load_figure(stage, records)
+        if figure is not None:
+            figures.append(figure)
     if summary.training:
         figures.append(_throughput_figure(summary, colors))
     for stage, models in summary.evals.items():
@@ -202,6 +205,59 @@ def _training_figure(stage: str, records: list[dict], colors: MetricColors) -> F
     return Figure(
         f"training_{stage}", f"Training: {stage}", _png(figure), _training_caption(records)
     )
+
+
+# metrics.jsonl's per-layer spread of a Mixture-of-Experts stage: "expert_load_max_mean/<layer>"
+EXPERT_LOAD_PREFIX = "expert_load_max_mean/"
+
+
+def expert_load_layers(records: list[dict]) -> list[int]:
+    """The sparse layers whose load a stage's records carry, in layer order."""
+    found = {
+        key.removeprefix(EXPERT_LOAD_PREFIX)
+        for record in records
+        for key in record
+        if key.startswith(EXPERT_LOAD_PREFIX)
+    }
+    return sorted(int(layer) for layer in found if layer.isdigit())
+
+
+def _expert_load_figure(stage: str, records: list[dict]) -> Figure | None:
+    """A Mixture-of-Experts stage's load spread over steps, one line a sparse layer: the busiest
+    expert's share of the layer's top-k choices over the mean share (1: balanced; E / k: every
+    token picks the same k experts). None for a dense model."""
+    layers = expert_load_layers(records)
+    if not layers:
+        return None
+    from matplotlib import colormaps
+
+    figure = _new_figure(6.2, 2.9)
+    ax = figure.subplots()
+    cmap = colormaps["viridis"]
+    labelled = set(layers) if len(layers) <= 8 else {layers[0], layers[-1]}
+    for i, layer in enumerate(layers):
+        steps, values = _series(records, f"{EXPERT_LOAD_PREFIX}{layer}")
+        ax.plot(
+            steps,
+            values,
+            marker="o" if len(steps) <= 50 else None,
+            markersize=2.5,
+            linewidth=1.2,
+            color=cmap(i / max(1, len(layers) - 1) * 0.9),
+            label=f"layer {layer}" if layer in labelled else None,
+        )
+    ax.axhline(1.0, color="#7f7f7f", linewidth=0.8, linestyle="--")
+    ax.set_title(f"{stage}: expert load, max / mean per layer", fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncols=2 if len(labelled) > 4 else 1)
+    _, worst = _series(records, "expert_load_max_mean")
+    caption = (
+        f"{len(layers)} sparse layers; worst layer's max / mean {worst[0]:.2f} → {worst[-1]:.2f}"
+        if worst
+        else f"{len(layers)} sparse layers"
+    )
+    return Figure(f"experts_{stage}", f"Experts' load: {stage}", _png(figure), caption)
 
 
 def _training_caption(records: list[dict]) -> str:
@@ -692,8 +748,9 @@ def render_html(summary: RunSummary, figures: list[Figure]) -> str:
     if summary.training:
         parts.append("<h2>Training</h2>")
         for stage in summary.training:
-            if f"training_{stage}" in by_key:
-                parts.append(_figure_html(by_key[f"training_{stage}"]))
+            for key in (f"training_{stage}", f"experts_{stage}"):
+                if key in by_key:
+                    parts.append(_figure_html(by_key[key]))
         if "throughput" in by_key:
             parts.append(_figure_html(by_key["throughput"]))
     parts.append("<h2>Settings</h2>")
@@ -786,7 +843,7 @@ def render_markdown(summary: RunSummary, figures: list[Figure], assets: str) -> 
     if summary.training:
         out += ["## Training", ""]
         for stage in summary.training:
-            out += image(f"training_{stage}")
+            out += image(f"training_{stage}") + image(f"experts_{stage}")
         out += image("throughput")
     out += ["## Settings", "", _md_table(SETTINGS_HEADER, settings_rows(summary)), ""]
     if summary.evals:

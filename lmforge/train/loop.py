@@ -4,6 +4,23 @@ A method plugs in only its batches and its `loss_step(model, batch) -> LossOutpu
 here: gradient accumulation normalized by the step's target tokens over all micro-batches and
 ranks, mixed precision, clipping, the NaN/Inf stop, the lr schedule, metrics, profiling,
 checkpoints with automatic resume, preemption and artifact export.
+
+Mixture-of-Experts models (any model with an `aux_loss()`, asked by name, never by family) get
+their load-balancing loss added to every method's loss. A micro-batch's backward takes
+loss_sum · dp_size / step_targets + aux_loss / accumulation_steps: with one micro-batch on one
+rank that is transformers' `Qwen3MoeForCausalLM` loss (mean cross entropy + router_aux_loss_coef
+× load balancing) exactly. With accumulation or data parallelism the first term is still the
+whole step's token mean, the second the mean over the step's micro-batches (and ranks, FSDP
+averaging) of each micro-batch's own auxiliary loss, as transformers gives for each forward:
+not the loss of the pooled batch (f · P is not linear in the tokens), so runs that split a
+step's sequences differently between micro-batches differ by that term. Padding positions of
+right-padded rows (SFT, DPO, GRPO) are routed and counted like the others (the batches carry no
+attention mask; transformers given one leaves them out). The logged `loss` is the
+method's own (comparable with a dense model's); `aux_loss` is logged beside it, and the
+experts' load (`expert_counts()`) per sparse layer: `expert_load_min/L`, `expert_load_max/L`
+(fractions of the layer's top-k choices), `expert_load_max_mean/L` (max over mean: 1 when
+balanced, E / k when every token picks the same k) and, over layers, the worst
+`expert_load_max_mean`.
 """
 
 from __future__ import annotations
@@ -142,6 +159,10 @@ class Trainer:
         self.sums_in_fp32 = self.accum_steps > 1 and bool(getattr(optimizer, "masters", None))
         self.skips_on_device = skips_diverged_step_on_device(optimizer, layout.device)
         self.last_metrics: dict[str, float] = {}  # the latest logged values
+        # Mixture-of-Experts: the last forward's weighted load-balancing loss and the experts'
+        # top-k counts per sparse layer (None for dense models; see the module docstring)
+        self.aux_loss = getattr(model, "aux_loss", None)
+        self.expert_counts = getattr(model, "expert_counts", None)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _micro_batches(self) -> list[dict]:
@@ -173,10 +194,16 @@ class Trainer:
         # FSDP reduce-scatters after every micro-batch: skipping it would hold unsharded fp32
         # gradients of the whole model on each device (282 GB for 70B).
         sums: dict[torch.Tensor, torch.Tensor] = {}
+        moe = _RoutingSums() if self.aux_loss is not None else None
         for index, batch in enumerate(micro_batches):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 out = self.loss_step(self.model, batch)
-            (out.loss_sum * scale).backward()
+            loss = out.loss_sum * scale
+            if moe is not None:  # (before backward: recomputed blocks keep logits again)
+                aux = self.aux_loss()  # a mean over this micro-batch's tokens
+                loss = loss + aux / self.accum_steps
+                moe.add(aux, self.expert_counts() if self.expert_counts else {})
+            loss.backward()
             if self.sums_in_fp32:
                 add_in_fp32(self.params, sums, last=index == len(micro_batches) - 1)
             loss_sum += out.loss_sum.detach().float()
@@ -197,6 +224,8 @@ class Trainer:
             [loss_sum, num_tokens.float(), torch.full((), float(preempt_flag), device=device)]
             + [metric_sums[k] for k in keys]
         )
+        if moe is not None:  # [aux sum, counts of layer 0 ..., ...] in the same all-reduce
+            stats = torch.cat([stats, moe.flat()])
         grad_norm = grad_norm.reshape(1).float().to(device)  # on the CPU under FSDP offload
         stats = torch.cat([self._all_reduce(stats), grad_norm])
         lr = self.scheduler.get_last_lr()[0]
@@ -214,6 +243,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         stats = stats.tolist()
         grad_norm_value = stats.pop()
+        if moe is not None:
+            moe_values = stats[3 + len(keys) :]
+            del stats[3 + len(keys) :]
         loss = stats[0] / max(stats[1], 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm_value)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -239,6 +271,10 @@ class Trainer:
         }
         values.update({k: v / max(stats[1], 1) for k, v in zip(keys, stats[3:])})
         values["preempt"] = stats[2] > 0
+        if moe is not None:
+            # every rank (TP ranks too) adds each micro-batch's mean once: divide by all of them
+            micro_batch_count = self.layout.world_size * self.accum_steps
+            values.update(moe.metrics(moe_values, micro_batch_count))
         if self.batch_metrics is not None:
             values.update(self.batch_metrics(self.step))
         return values
@@ -372,6 +408,45 @@ class Trainer:
             self.step == total or (export_every and self.step % export_every == 0)
         ):
             self.export(self.step, self.step == total)
+
+
+class _RoutingSums:
+    """A step's Mixture-of-Experts sums on the device: the auxiliary losses of its micro-batches
+    and, per sparse layer, the top-k choices each expert got."""
+
+    def __init__(self) -> None:
+        self.aux = None
+        self.counts: dict[int, torch.Tensor] = {}
+
+    def add(self, aux: torch.Tensor, counts: dict[int, torch.Tensor]) -> None:
+        aux = aux.detach().float().reshape(())
+        self.aux = aux if self.aux is None else self.aux + aux
+        for layer, value in counts.items():
+            self.counts[layer] = self.counts[layer] + value if layer in self.counts else value
+
+    def flat(self) -> torch.Tensor:
+        """[1 + layers · E]: the aux sum, then each layer's counts (in layer order)."""
+        parts = [self.aux.reshape(1)] + [self.counts[layer] for layer in sorted(self.counts)]
+        return torch.cat([part.float().to(self.aux.device) for part in parts])
+
+    def metrics(self, values: list[float], micro_batch_count: int) -> dict[str, float]:
+        """The logged values from `flat()`'s all-reduced numbers (module docstring)."""
+        out = {"aux_loss": values[0] / micro_batch_count}
+        layers = sorted(self.counts)
+        if not layers:
+            return out
+        num_experts = (len(values) - 1) // len(layers)
+        worst = 0.0
+        for i, layer in enumerate(layers):
+            counts = values[1 + i * num_experts : 1 + (i + 1) * num_experts]
+            total = max(sum(counts), 1e-30)
+            low, high = min(counts) / total, max(counts) / total
+            out[f"expert_load_min/{layer}"] = low
+            out[f"expert_load_max/{layer}"] = high
+            out[f"expert_load_max_mean/{layer}"] = high * num_experts
+            worst = max(worst, high * num_experts)
+        out["expert_load_max_mean"] = worst
+        return out
 
 
 class _TrainProgress:

@@ -136,6 +136,8 @@ class MetricsLogger:
             print(_console_line(record), file=sys.stderr, flush=True)
         else:
             extra = {"reward": f"{record['reward']:.3f}"} if "reward" in record else {}
+            if "expert_load_max_mean" in record:  # MoE: the worst layer's max / mean load
+                extra["load"] = f"{record['expert_load_max_mean']:.2f}"
             self._bar.set_postfix(
                 loss=f"{record.get('loss', float('nan')):.4f}",
                 **extra,  # GRPO's rollouts
@@ -195,4 +197,9 @@ def _console_line(record: dict) -> str:
         f"peak mem {record.get('peak_mem_gb', 0):.2f} GB, eta {record.get('eta_s', 0):.0f}s"
         + (f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
         + (f", reward {record['reward']:.4f}" if "reward" in record else "")
+        + (
+            f", expert load max/mean {record['expert_load_max_mean']:.2f}"
+            if "expert_load_max_mean" in record
+            else ""
+        )
     )

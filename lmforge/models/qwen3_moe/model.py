@@ -2,7 +2,8 @@
 sparse layers (`ModelArgs.is_moe_layer`), a router over stacked SwiGLU experts
 (lmforge/models/moe.py); the other layers keep the dense SwiGLU. The forward's arguments are
 Llama's. In training mode each sparse MLP keeps its last router logits, from which `aux_loss`
-makes the load-balancing loss for a training loss to add (train/'s loss steps do not add it yet).
+makes the load-balancing loss that the training loop adds to every method's loss, and
+`expert_counts` the experts' load it logs (train/loop.py asks any model for both).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmforge.models.moe import MoEFeedForward, load_balancing_loss
+from lmforge.models.moe import MoEFeedForward, expert_counts, load_balancing_loss
 from lmforge.models.qwen3.model import Transformer as Qwen3Transformer
 from lmforge.models.qwen3_moe.args import ModelArgs
 
@@ -34,17 +35,39 @@ class Transformer(Qwen3Transformer):
             norm_topk_prob=a.norm_topk_prob,
         )
 
+    def _moe_blocks(self) -> dict[int, MoEFeedForward]:
+        # (a block may be wrapped for activation checkpointing: modules() sees through it)
+        found = {}
+        for index, block in self.layers.items():
+            for module in block.modules():
+                if isinstance(module, MoEFeedForward):
+                    found[int(index)] = module
+        return found
+
     def router_logits(self) -> tuple[torch.Tensor, ...]:
         """The last training-mode forward's router logits, one [b·s, E] a sparse layer."""
-        mlps = [block.feed_forward for block in self.layers.values()]
-        return tuple(mlp.router_logits for mlp in mlps if isinstance(mlp, MoEFeedForward))
+        return tuple(mlp.router_logits for mlp in self._moe_blocks().values())
+
+    def expert_counts(self) -> dict[int, torch.Tensor]:
+        """Sparse layer index -> [E] fp32: the top-k choices each expert got in the last
+        training-mode forward (all zeros before one)."""
+        a = self.args
+        counts = {}
+        for layer, mlp in self._moe_blocks().items():
+            if mlp.router_logits is None:
+                counts[layer] = torch.zeros(a.num_experts, device=mlp.router.weight.device)
+            else:
+                counts[layer] = expert_counts(mlp.router_logits, a.num_experts_per_tok)
+        return counts
 
     def aux_loss(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """router_aux_loss_coef × the load-balancing loss of the last training-mode forward
         (`attention_mask` [b, s]: 0 for padding rows)."""
         a = self.args
         logits = self.router_logits()
-        if not logits or any(layer is None for layer in logits):
+        if not logits:  # every layer dense (mlp_only_layers): nothing to balance
+            return torch.zeros((), device=self.tok_embeddings.weight.device)
+        if any(layer is None for layer in logits):
             raise RuntimeError("aux_loss needs a forward in training mode first")
         loss = load_balancing_loss(logits, a.num_experts, a.num_experts_per_tok, attention_mask)
         return a.router_aux_loss_coef * loss
