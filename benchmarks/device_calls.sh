@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -149,6 +149,13 @@ fbgemm)
     --rows 1 8 16 32 64 128 --bits 16 4 --variants fbgemm fp8
   cat "$OUT/fbgemm-1b-g128.log"
   tail -n 36 "$OUT/fbgemm-1b.log" "$OUT/fbgemm-8b.log"
+  ;;
+moe)
+  # one Mixture-of-Experts feed-forward at qwen3-30b-a3b's shapes (PRESET: another), bf16: the
+  # grouped path (torch._grouped_mm) against the per-expert loop, forward and backward
+  step 120 moe python3 benchmarks/moe_layer.py --preset "${PRESET:-qwen3-30b-a3b}" \
+    --tokens 16 512 16384
+  tail -n 12 "$OUT/moe.log"
   ;;
 quantized-serve)
   # the random 1B (PRESET=llama3.1-8b: the 8B) artifact as it is (bf16) and as `lmforge quantize
