@@ -554,6 +554,37 @@ def test_fp8_is_compressed_tensors_fp8_dynamic_that_transformers_loads(source, t
     assert type(plain) is torch.Tensor and torch.equal(plain, wq.dequantize().to(plain.dtype))
 
 
+def test_fp8_in_the_engines_layer_fused_as_bf16_projections_are(source, tmp_path):
+    """On a GPU the engine swaps each float8 linear for its `Float8Linear` (the same float8
+    values and scales, `torch._scaled_mm` on its input quantized a row at a time), which joins
+    q/k/v and gate/up into one product each. A product equals its definition computed in
+    float64 (within the float8 rounding of a few inputs); the logits stay within a few percent
+    of torchao's own product's, whose activation scales round otherwise (here on the CPU,
+    whose `_scaled_mm` computes the same)."""
+    from lmforge.generate.kernels import Float8Linear, use_quantized_kernels
+
+    out = tmp_path / "fp8"
+    assert cli_main(["quantize", str(source), str(out), "--scheme", "fp8"]) == 0
+    reference, model = lmforge.load(out).model, lmforge.load(out).model
+    linear = reference.layers["0"].attention.wq
+    x = torch.randn(7, linear.in_features, dtype=torch.bfloat16)
+    scale = x.double().abs().amax(-1, keepdim=True) / 448  # the definition, in float64
+    rows = (x.double() / scale).to(torch.float8_e4m3fn).double() * scale
+    weight = linear.weight.qdata.double() * linear.weight.scale.double()
+    assert _relative(Float8Linear.from_linear(linear)(x).double(), rows @ weight.t()) < 5e-3
+    assert use_quantized_kernels(model) == 7 * model.args.num_layers
+    assert model.fuse_projections()
+    attention, ffn = model.layers["0"].attention, model.layers["0"].feed_forward
+    assert type(attention.wqkv) is Float8Linear and type(ffn.w13) is Float8Linear
+    tokens = torch.tensor([[1, 5, 9, 20, 33, 7, 2]])
+    with torch.no_grad():
+        got, want = model(tokens).float(), reference(tokens).float()
+    assert _relative(got, want) < 6e-2
+    wq = reference.layers["0"].attention.wq.weight
+    assert torch.equal(attention.wqkv.values[: wq.shape[0]].view(torch.uint8),
+                       wq.qdata.view(torch.uint8))  # fmt: skip
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 

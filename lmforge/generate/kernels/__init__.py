@@ -42,6 +42,7 @@ and `INTERPRETED` (a fact of the process, never set), but no switch.
 from lmforge.generate.early_launch import INTERPRETED
 from lmforge.generate.kernels.fused_block import FusedDecodeBlock, use_fused_blocks
 from lmforge.generate.kernels.layers import (
+    Float8Linear,
     GemvLinear,
     QuantizedLinear,
     quantized_values,
@@ -52,6 +53,7 @@ from lmforge.generate.kernels.ops import dequantize, gemv, one_row, quantized_ma
 
 __all__ = [
     "INTERPRETED",
+    "Float8Linear",
     "FusedDecodeBlock",
     "GemvLinear",
     "QuantizedLinear",

@@ -1,7 +1,9 @@
-"""The modules that put the kernels in a model: `GemvLinear` (a plain weight) and
+"""The modules that put the kernels in a model: `GemvLinear` (a plain weight),
 `QuantizedLinear` (a torchao weight-only int8 or int4 weight in the kernels' layout, converted
-by `quantized_values`), and the swaps that install them (`use_gemv`, `use_quantized_kernels`).
-One row of activations goes through `gemv`; more through `F.linear` or `quantized_matmul`.
+by `quantized_values`) and `Float8Linear` (W8A8: float8 weights a scale a row, the input
+quantized a row at run time), and the swaps that install them (`use_gemv`,
+`use_quantized_kernels`). One row of activations goes through `gemv`; more through `F.linear`
+or `quantized_matmul`; float8 always through `torch._scaled_mm`.
 """
 
 from __future__ import annotations
@@ -196,10 +198,73 @@ def _tinygemm_values(weight: torch.Tensor):
     return 4, q, scale, zero
 
 
+FLOAT8_MAX = 448.0  # e4m3's largest finite value
+
+
+class Float8Linear(nn.Module):
+    """A bias-free linear over float8 e4m3 `values` [N, K] with `scale` [N] (fp32), w = values *
+    scale a row (`lmforge quantize --scheme fp8`, compressed-tensors' FP8-dynamic): the input is
+    quantized a row at a time (amax / 448) and multiplied on the float8 tensor cores by
+    `torch._scaled_mm` with both scales applied to its fp32 sums. `from_linear` takes torchao's
+    per-row `Float8Tensor` (as `lmforge.load` makes it); `concatenate` joins several along their
+    outputs (fused q/k/v and gate/up: one product instead of three or two). Inference only."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("values", values)
+        self.register_buffer("scale", scale.reshape(1, -1).float())  # [1, N]: _scaled_mm's b
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        # [M, 1] fp32 scales; the input's float8 copy (the compiled decode step fuses these)
+        scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FLOAT8_MAX
+        quantized = (rows / scale).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(
+            quantized, self.values.t(), scale_a=scale, scale_b=self.scale,
+            out_dtype=x.dtype, use_fast_accum=True,
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> Float8Linear | None:
+        """The layer of a bias-free linear whose weight is torchao's per-row float8 tensor with
+        per-row activation quantization, or None for any other."""
+        if type(linear) is not nn.Linear or linear.bias is not None:
+            return None
+        weight = linear.weight.data
+        if type(weight).__name__ != "Float8Tensor" or weight.qdata.dtype != torch.float8_e4m3fn:
+            return None
+        if list(weight.block_size) != [1, weight.shape[1]] or weight.act_quant_kwargs is None:
+            return None  # one scale a row, activations quantized at run time: nothing else
+        n, k = weight.shape
+        if weight.device.type == "cuda" and (weight.dtype != torch.bfloat16 or n % 16 or k % 16):
+            return None  # row-wise scaled products on CUDA: bf16 out, sizes in 16s (torchao's)
+        return cls(weight.qdata, weight.scale.reshape(-1))
+
+    @staticmethod
+    def joinable(linears: list[nn.Module]) -> bool:
+        """Whether `concatenate` takes `linears`: all of this type, one input size."""
+        width = linears[0].values.shape[1]
+        return all(type(lin) is Float8Linear and lin.values.shape[1] == width for lin in linears)
+
+    @classmethod
+    def concatenate(cls, linears: list[Float8Linear]) -> Float8Linear:
+        if not cls.joinable(linears):
+            raise ValueError("only float8 linears of one input size can be joined")
+        values = torch.cat([lin.values for lin in linears])
+        return cls(values, torch.cat([lin.scale.reshape(-1) for lin in linears]))
+
+
 def use_quantized_kernels(model: nn.Module, *, tinygemm: bool = False) -> int:
     """Swap every torchao weight-only linear of `model` that these kernels read for a
-    `QuantizedLinear` (tinygemm's int4 too when `tinygemm`); returns how many were swapped."""
-    return _swap(model, partial(QuantizedLinear.from_linear, tinygemm=tinygemm))
+    `QuantizedLinear` (tinygemm's int4 too when `tinygemm`), and every float8 one (W8A8) for a
+    `Float8Linear`; returns how many were swapped."""
+    weight_only = _swap(model, partial(QuantizedLinear.from_linear, tinygemm=tinygemm))
+    return weight_only + _swap(model, Float8Linear.from_linear)
 
 
 def use_gemv(model: nn.Module) -> int:
