@@ -4,7 +4,8 @@ on the same weights, against the memory-bandwidth limit.
 
 Fills docs/benchmarks.md's "Decode" table and the quantized decode rows of its "Quantized"
 section (`bash benchmarks/device_calls.sh decode`). The limit = device copy bandwidth / weight
-bytes read a token; one preset a command (each variant compiles for about a minute).
+bytes read a token (a Mixture-of-Experts: the k experts a token chooses); one preset a command
+(each variant compiles for about a minute).
 
     python benchmarks/decode.py --device cpu --presets tiny --schemes fp32 --variants lmforge
 """
@@ -31,7 +32,7 @@ from benchmarks.common import cleanup, write_json
 from lmforge.api import build_model, save_state
 from lmforge.generate import Generator, SamplingParams
 from lmforge.generate.generate import weight_bytes
-from lmforge.models.llama import get_preset
+from lmforge.models import get_preset
 
 
 # Weight schemes for lmforge rows: the bf16 model with its linears quantized as `lmforge
@@ -46,7 +47,19 @@ def _quantized(scheme: str, group_size: int | None, *, output: bool = False):
     return apply
 
 
+def _fp8(model: nn.Module) -> nn.Module:
+    """`lmforge quantize --scheme fp8`'s weights (W8A8) on every block linear, as `lmforge.load`
+    holds them (torchao's Float8Tensor; the engine makes them its `Float8Linear`)."""
+    from lmforge.quantize.stored import float8_weight
+
+    for name, module in model.layers.named_modules():
+        if type(module) is nn.Linear and module.bias is None and "router" not in name:
+            module.weight = nn.Parameter(float8_weight(module.weight.data), requires_grad=False)
+    return model
+
+
 SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "fp8": _fp8,
     "bf16": lambda model: model,
     "fp32": lambda model: model.float(),  # CPUs without fast bf16 matmuls
     "int8-wo": _quantized("int8-wo", None),
@@ -87,8 +100,16 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iterations: int = 20) -> float:
     return 2 * num_bytes * iterations / seconds
 
 
+NUM_LAYERS: int | None = None  # --num-layers: a preset shortened (a large MoE on one GPU)
+
+
+def preset_args(preset: str):
+    args = get_preset(preset)
+    return args.replace(num_layers=NUM_LAYERS) if NUM_LAYERS else args
+
+
 def make_model(preset: str, scheme: str) -> nn.Module:
-    model = build_model(get_preset(preset), device=DEVICE, dtype=torch.bfloat16, seed=0)
+    model = build_model(preset_args(preset), device=DEVICE, dtype=torch.bfloat16, seed=0)
     return SCHEMES[scheme](model.eval())
 
 
@@ -117,7 +138,7 @@ def bench_hf(preset: str, prompt: list[int], args) -> tuple[float, float, int]:
         num_bytes = weight_bytes(model)
         state = {name: t.detach().cpu() for name, t in model.state_dict().items()}
         directory = Path(tmp) / "model"
-        save_state(state, get_preset(preset), None, directory, stage="benchmark", parent=None)
+        save_state(state, preset_args(preset), None, directory, stage="benchmark", parent=None)
         del model, state
         cleanup()
         model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
@@ -160,9 +181,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="where decode.json goes")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--num-layers", type=int, help="shorten the presets to this many blocks")
     args = parser.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, NUM_LAYERS
+    DEVICE, NUM_LAYERS = args.device, args.num_layers
     if DEVICE == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device (--device cpu measures the CPU)")
 
@@ -170,7 +192,7 @@ def main() -> None:
     print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows: list[dict] = []
     for preset in args.presets:
-        model_args = get_preset(preset)
+        model_args = preset_args(preset)
         prompt = torch.randint(
             0, model_args.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)
         ).tolist()

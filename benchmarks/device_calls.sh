@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -152,10 +152,23 @@ fbgemm)
   ;;
 moe)
   # one Mixture-of-Experts feed-forward at qwen3-30b-a3b's shapes (PRESET: another), bf16: the
-  # grouped path (torch._grouped_mm) against the per-expert loop, forward and backward
+  # grouped path (torch._grouped_mm) against the per-expert loop, forward and backward; then
+  # batch-1 decode of the preset shortened to 24 blocks (random weights, bf16), its limit
+  # counted on the bytes a token reads (attention, the chosen experts, the output projection)
   step 120 moe python3 benchmarks/moe_layer.py --preset "${PRESET:-qwen3-30b-a3b}" \
     --tokens 16 512 16384
+  TRITON_CACHE_DIR=/tmp/triton-moe step 240 decode-moe python3 benchmarks/decode.py \
+    --presets "${PRESET:-qwen3-30b-a3b}" --num-layers 24 --variants lmforge --schemes bf16 \
+    --new-tokens 128 --repeats 2 --out "$OUT/moe"
   tail -n 12 "$OUT/moe.log"
+  grep -h '^{' "$OUT/decode-moe.log" | cut -c1-250
+  ;;
+fp8)
+  # batch-1 decode of the 1B in bf16 and fp8 (W8A8, `lmforge quantize --scheme fp8`'s weights
+  # in the engine's Float8Linear), then the fp8 artifact served beside bf16: case quantized-serve
+  # with SCHEMES="bf16 fp8"
+  decode_rows 280 1b bf16 fp8
+  grep -h '^{' "$OUT"/decode-*.log | cut -c1-250
   ;;
 quantized-serve)
   # the random 1B (PRESET=llama3.1-8b: the 8B) artifact as it is (bf16) and as `lmforge quantize

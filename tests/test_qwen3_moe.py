@@ -230,6 +230,24 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path):
         torch.set_num_threads(threads)
 
 
+def test_a_decode_step_reads_the_chosen_experts_only(tmp_path):
+    """`weight_bytes` (what generate's GB/s and decode.py's limit divide by) counts a MoE
+    block's stacked experts at k of E: the bytes one token's step reads."""
+    from lmforge.generate.generate import weight_bytes
+    from lmforge.sizes import tensor_bytes
+
+    make_hf_qwen3_moe(tmp_path / "m", seed=4)
+    model = lmforge.load(tmp_path / "m").model
+    stacks = [b.feed_forward.experts for b in model.layers.values()
+              if isinstance(b.feed_forward, moe.MoEFeedForward)]  # fmt: skip
+    assert stacks
+    experts = sum(tensor_bytes(p) for stack in stacks for p in stack.parameters())
+    share = model.args.num_experts_per_tok / model.args.num_experts
+    everything = sum(tensor_bytes(p) for p in model.parameters())
+    table = tensor_bytes(model.tok_embeddings.weight)  # looked up, not read whole (untied)
+    assert weight_bytes(model) == everything - table - round(experts * (1 - share))
+
+
 # ---- the experts' two paths and the load-balancing loss ------------------------------------
 
 

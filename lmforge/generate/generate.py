@@ -24,6 +24,7 @@ from lmforge.generate.engine import Engine
 from lmforge.generate.sampling import SamplingParams
 from lmforge.generate.sequence import GenerationResult, Prompt, TokenEvent
 from lmforge.generate.sequence import Sequence as EngineSequence
+from lmforge.models.moe import MoEFeedForward
 from lmforge.sizes import tensor_bytes
 
 __all__ = ["GenerationResult", "Prompt", "TokenEvent"]
@@ -105,10 +106,12 @@ class GenerationOutput:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter and persistent buffer once,
-    except an embedding table that is only looked up (a table tied to the output layer counts).
+    """Bytes of weights one decode step of one sequence reads: every parameter and persistent
+    buffer once, except an embedding table that is only looked up (a table tied to the output
+    layer counts), and a Mixture-of-Experts' stacked experts only for the k a token chooses.
     Quantized tensor subclasses count their packed data and scales."""
     tensors: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (tensor, only in embeddings)
+    chosen: dict[int, float] = {}  # id of an expert stack -> the share of it a token reads
     for module in model.modules():
         skip = module._non_persistent_buffers_set
         owned = [*module.parameters(recurse=False)]
@@ -116,7 +119,14 @@ def weight_bytes(model: nn.Module) -> int:
         for tensor in owned:
             _, lookup_only = tensors.get(id(tensor), (tensor, True))
             tensors[id(tensor)] = (tensor, lookup_only and isinstance(module, nn.Embedding))
-    return sum(tensor_bytes(t) for t, lookup_only in tensors.values() if not lookup_only)
+        if isinstance(module, MoEFeedForward):
+            for tensor in module.experts.parameters():
+                chosen[id(tensor)] = module.top_k / tensor.shape[0]
+    return sum(
+        int(tensor_bytes(t) * chosen.get(id(t), 1.0))
+        for t, lookup_only in tensors.values()
+        if not lookup_only
+    )
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -194,6 +194,14 @@ def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def float8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear's weight [N, K] as `--scheme fp8` stores it (e4m3, amax / 448 a row), as the
+    torchao tensor `lmforge.load` makes of it."""
+    scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    values = (weight.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return _float8_tensor(values, scale.to(weight.dtype))
+
+
 def _float8_tensor(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """torchao's float8 weight (values [N, K] e4m3, scale [N, 1]) computing in the scale's
     dtype: each product quantizes its input a row at a time and runs `torch._scaled_mm`."""
