@@ -313,6 +313,139 @@ def test_top_k_rows_draw_from_the_largest_k_as_from_the_whole_sorted_vocabulary(
             assert 0.5 * (frequencies - exact).abs().sum() < 0.04, (k, p)
 
 
+def test_min_p_keeps_the_tokens_near_the_best_after_temperature_and_before_top_p():
+    """min_p keeps the tokens at least min_p times as likely as the best one (after
+    temperature), then top-p cuts what it kept (vLLM's order; Hugging Face's top-p first would
+    keep token 1 in the last row); min_p 1 is greedy. Drawn with given uniforms: exact."""
+    cpu = torch.device("cpu")
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 5))
+    params = [
+        SamplingParams(temperature=1.0),  # plain: cdf 0.5, 0.8, 0.95, 1
+        SamplingParams(temperature=1.0, min_p=0.5),  # keeps 0, 1: 0.625, 0.375
+        SamplingParams(temperature=2.0, min_p=0.5),  # p^(1/2) / max: 1, .77, .55, .32
+        SamplingParams(temperature=1.0, min_p=1.0),
+        SamplingParams(temperature=1.0, min_p=0.5, top_p=0.6),  # 0.625 >= 0.6: token 0 only
+    ]
+    sampler = Sampler(params, device=cpu)
+    assert sampler.uses_min_p and not Sampler(params[:1], device=cpu).uses_min_p
+    for uniform, expected in (
+        (0.99, [3, 1, 2, 0, 0]),
+        (0.6, [1, 0, 1, 0, 0]),
+        (0.7, [1, 1, 1, 0, 0]),
+    ):
+        uniforms = torch.full((5,), uniform)
+        assert sampler(logits, uniforms=uniforms).tolist() == expected, uniform
+    # the same through the sort (a row with top-p beside them) and through top-k
+    with_top_k = [SamplingParams(temperature=1.0, min_p=0.5, top_k=3)] * 5
+    assert (
+        Sampler(with_top_k, device=cpu)(logits, uniforms=torch.full((5,), 0.99)).tolist() == [1] * 5
+    )
+    with pytest.raises(ConfigError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_rows_without_min_p_or_min_tokens_draw_what_they_draw_alone(top_p):
+    """Rows with min_p or min_tokens beside plain rows: the plain rows' tokens are those they
+    draw alone with the same uniforms (over 3000 columns: the two-level search), and a min_p
+    1 row at temperature 1 takes the argmax."""
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    uniforms = torch.rand(6, generator=g)
+    plain = SamplingParams(temperature=0.8, top_p=top_p)
+    params = [
+        plain,
+        SamplingParams(temperature=1.0, min_p=1.0, top_p=top_p),
+        SamplingParams(temperature=1.0, top_p=top_p),
+        SamplingParams(temperature=0.7, min_p=0.05, top_p=top_p, min_tokens=2),
+        plain,
+        SamplingParams(temperature=0, min_tokens=5),
+    ]
+    stop_ids = [(), (), (), (7, 11), (), [int(logits[5].argmax())]]
+    sampler = Sampler(params, device=cpu, stop_ids=stop_ids)
+    before = logits.clone()
+    tokens = sampler(logits, uniforms=uniforms, num_generated=torch.tensor([0, 0, 0, 1, 0, 4]))
+    assert torch.equal(logits, before)  # masks go to a copy (log-probabilities read these)
+    for row in (0, 2, 4):
+        alone = Sampler([params[row]], device=cpu)(
+            logits[row : row + 1], uniforms=uniforms[row : row + 1]
+        )
+        assert tokens[row] == alone[0], row
+    assert tokens[1] == logits[1].argmax()
+    assert tokens[5] == logits[5].topk(2).indices[1]  # its argmax is its stop id, masked
+    assert tokens[3] not in (7, 11)
+
+
+def test_min_tokens_masks_each_rows_stop_ids_until_it_has_enough():
+    """A row below its min_tokens cannot choose its stop ids (greedy rows too); one past it,
+    or with no stop ids, chooses as without; a row without min_tokens is untouched."""
+    cpu = torch.device("cpu")
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=8, min_tokens=3),
+        SamplingParams(temperature=0, max_new_tokens=8, min_tokens=2),
+        SamplingParams(temperature=0),
+    ]
+    sampler = Sampler(params, device=cpu, stop_ids=[{2, 3}, {2}, {0}])
+    assert sampler.all_greedy
+    assert sampler(logits, num_generated=torch.tensor([0, 1, 0])).tolist() == [1, 3, 0]
+    assert sampler(logits, num_generated=torch.tensor([2, 2, 0])).tolist() == [1, 2, 0]
+    assert sampler(logits, num_generated=torch.tensor([3, 2, 0])).tolist() == [2, 2, 0]
+    assert sampler(logits).tolist() == [2, 2, 0]  # no row under its min_tokens
+    # no stop ids: nothing to mask (not token 0)
+    bare = Sampler(params[:1], device=cpu, stop_ids=[()])
+    assert bare(logits[:1], num_generated=torch.tensor([0])).tolist() == [2]
+    assert Sampler(params[2:], device=cpu).min_tokens is None  # nothing built without it
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    with pytest.raises(ConfigError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(-1,))
+
+
+def test_min_tokens_holds_off_stop_tokens_and_strings_in_the_engine(tiny_with_tokenizer):
+    """Greedy with its own first token as a stop id ends at once; with min_tokens 3 it runs
+    on, and every token is the greedy one of the masked logits: it ends at its first stop id
+    after the third token. A stop string found in the first min_tokens tokens does not end it;
+    a row beside it without min_tokens generates what it does alone."""
+    loaded, _ = tiny_with_tokenizer
+    tokenizer = loaded.tokenizer
+    generator = Generator(loaded.model, tokenizer, max_batch=2, max_seq_len=64)
+    prompts = ["Kelmora is a town", "The baker"]
+    free = generator.generate(
+        prompts, SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=())
+    ).results
+    first = free[0].token_ids[0]
+    stop_at_first = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(first,))
+    assert generator.generate(prompts[:1], stop_at_first).results[0].token_ids == [first]
+    held = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(first,), min_tokens=3)
+    alone = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=())
+    results = generator.generate(prompts, [held, alone]).results
+    ids = results[0].token_ids
+    assert len(ids) >= 3 and first not in ids[:3]
+    assert results[0].finish_reason == "length" or (ids[-1] == first and first not in ids[3:-1])
+    assert results[1].token_ids == free[1].token_ids
+    # each token is the argmax of a plain forward's logits, the stop id masked for 3 tokens
+    tokens = results[0].prompt_ids + ids
+    with torch.no_grad():
+        logits = generator.engine.model(torch.tensor([tokens]))[0].float()
+    for step, token in enumerate(ids):
+        expected = logits[len(results[0].prompt_ids) - 1 + step]
+        if step < 3:
+            expected[first] = float("-inf")
+        assert token == expected.argmax().item(), step
+    # a stop string inside the first tokens' text waits for min_tokens
+    text = free[0].text
+    stop = text[:2] if text[:2].strip() else text.strip()[:2]
+    early = SamplingParams(max_new_tokens=12, temperature=0, stop=(stop,), stop_token_ids=())
+    assert len(generator.generate(prompts[:1], early).results[0].token_ids) < 12
+    late = SamplingParams(
+        max_new_tokens=12, temperature=0, stop=(stop,), stop_token_ids=(), min_tokens=12
+    )
+    result = generator.generate(prompts[:1], late).results[0]
+    assert result.token_ids == free[0].token_ids and result.finish_reason == "length"
+
+
 @pytest.mark.parametrize("columns", [4 * CDF_BLOCK + 1, 8 * CDF_BLOCK, 8 * CDF_BLOCK + 37])
 def test_two_level_inverse_cdf_draws_what_one_scan_draws(columns):
     """Wide rows are searched block by block (`inverse_cdf`): on probabilities whose sums are
@@ -571,10 +704,19 @@ def test_cli_prints_text_and_report(tiny_with_tokenizer, tmp_path, capsys):
             "5",
             "--top-p",
             "0.9",
+            "--min-p",
+            "0.05",
+            "--min-tokens",
+            "3",
             "--no-compile",
         ]
     )
-    assert code == 0 and "=== Hi" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "=== Hi" in out and "3 new, finish: length" in out
+    code = cli_main(
+        ["generate", str(artifact), "--prompt", "x", "--max-new-tokens", "2", "--min-tokens", "3"]
+    )
+    assert code == 2 and "min_tokens=3" in capsys.readouterr().err
 
     prompts_file.write_text('{"text": 1}\n')
     assert cli_main(["generate", str(artifact), "--prompts-file", str(prompts_file)]) == 2

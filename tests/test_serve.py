@@ -322,6 +322,122 @@ def test_openai_client_matches_lmforge_generate(main_server, artifact, reference
         client.completions.create(model="other", prompt=prompt, max_tokens=2)
 
 
+def test_tokenize_and_detokenize_as_the_routes_and_the_tokenizer_do(main_server, reference):
+    """vLLM's /tokenize: a prompt as /v1/completions encodes it (BOS first unless
+    add_special_tokens is false), messages as /v1/chat/completions renders them (with or without
+    the assistant header); /detokenize gives the tokenizer's text back."""
+    tokenizer = reference.tokenizer
+
+    def post(path: str, body: dict) -> dict:
+        status, _, content = request(main_server, "POST", path, {"model": MODEL, **body}, AUTH)
+        assert status == 200, content
+        return json.loads(content)
+
+    prompt = "The cat sat on the mat. Hello, world!"
+    got = post("/tokenize", {"prompt": prompt})
+    assert got["tokens"] == reference.encode_prompt(prompt) == tokenizer.encode(prompt, bos=True)
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == MAIN_CONTEXT
+    plain = post("/tokenize", {"prompt": prompt, "add_special_tokens": False})["tokens"]
+    assert plain == tokenizer.encode(prompt) and plain != got["tokens"]
+    assert post("/detokenize", {"tokens": plain}) == {"prompt": prompt}  # the text back
+    with_bos = post("/detokenize", {"tokens": got["tokens"]})["prompt"]
+    assert with_bos == tokenizer.decode(got["tokens"]) != prompt
+    assert post("/detokenize", {"tokens": []})["prompt"] == ""
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world!"}],
+        },
+    ]
+    rendered = [messages[0], {"role": "user", "content": "Hello, world!"}]
+    chat = post("/tokenize", {"messages": messages})
+    assert chat["tokens"] == reference.encode_prompt(rendered)
+    assert chat["tokens"] == tokenizer.encode_chat(rendered, add_generation_prompt=True)
+    bare = post("/tokenize", {"messages": messages, "add_generation_prompt": False})["tokens"]
+    assert bare == tokenizer.encode_chat(rendered, add_generation_prompt=False) != chat["tokens"]
+    text = post("/detokenize", {"tokens": chat["tokens"]})["prompt"]
+    assert text == tokenizer.decode(chat["tokens"])
+    assert text == tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    # the chat route reads the same prompt
+    client = openai.OpenAI(base_url=main_server.base_url, api_key=KEY, max_retries=0)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert answer.usage.prompt_tokens == chat["count"]
+    # "model" may be left out (as in vLLM)
+    status, _, content = request(main_server, "POST", "/tokenize", {"prompt": "hi"}, AUTH)
+    assert status == 200 and json.loads(content)["tokens"] == tokenizer.encode("hi", bos=True)
+
+
+def test_vllm_sampling_extras_min_tokens_min_p_and_stop_token_ids(main_server, reference):
+    """vLLM's extra body fields through the openai client: stop_token_ids end a generation at
+    that id (besides EOS), min_tokens keeps them from ending it before its count, min_p 1 at
+    temperature 1 is greedy; each as the Generator does it."""
+    client = openai.OpenAI(base_url=main_server.base_url, api_key=KEY, max_retries=0)
+    tokenizer = reference.tokenizer
+    prompt = "The cat sat"
+    ids = reference.encode_prompt(prompt)
+
+    def reference_ids(**params) -> list[int]:
+        params = SamplingParams(max_new_tokens=10, temperature=0, **params)
+        return reference.generate([ids], params).results[0].token_ids
+
+    def complete(**extra):
+        completion = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body=extra
+        )
+        return completion.choices[0], completion.usage.completion_tokens
+
+    free = reference_ids(stop_token_ids=())
+    choice, count = complete(ignore_eos=True)
+    assert choice.text == tokenizer.decode(free) and count == 10
+
+    # stop_token_ids: the third token's id ends it (at its first occurrence), EOS still does
+    stop = free[2]
+    stops = tuple(sorted({*tokenizer.stop_ids, stop}))
+    expected = reference_ids(stop_token_ids=stops)
+    assert expected[-1] == stop and len(expected) <= 3
+    choice, count = complete(stop_token_ids=[stop])
+    assert (choice.text, choice.finish_reason, count) == (
+        tokenizer.decode(expected[:-1]),
+        "stop",
+        len(expected),
+    )
+    # with ignore_eos, the request's ids alone
+    choice, count = complete(stop_token_ids=[stop], ignore_eos=True)
+    assert count == len(reference_ids(stop_token_ids=(stop,)))
+
+    # min_tokens: the first greedy token as a stop id would end it at once
+    first = free[0]
+    assert complete(stop_token_ids=[first], ignore_eos=True)[1] == 1
+    held = reference_ids(stop_token_ids=(first,), min_tokens=3)
+    choice, count = complete(stop_token_ids=[first], ignore_eos=True, min_tokens=3)
+    assert count == len(held) >= 3 and choice.text == tokenizer.decode(
+        held[:-1] if held[-1] == first else held
+    )
+    messages = [{"role": "user", "content": "Hello, world!"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"min_tokens": 6, "stop_token_ids": [first]},
+    )  # fmt: skip
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+
+    # min_p 1 at temperature 1 keeps only the most likely token: greedy
+    greedy_chat = (
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    for seed in (1, 2):
+        choice, _ = complete(ignore_eos=True, min_p=1.0, temperature=1.0, seed=seed)
+        assert choice.text == tokenizer.decode(free)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=seed,
+            extra_body={"min_p": 1.0},
+        )  # fmt: skip
+        assert chat.choices[0].message.content == greedy_chat
+
+
 def test_32_concurrent_streams_equal_sequential_greedy(main_server, reference):
     prompts = []
     for i in range(MAIN_CONCURRENCY):
@@ -494,6 +610,34 @@ BAD_REQUESTS = [
     ("/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
      400, "tools"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4},
+     400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 17}, 400, "min_tokens"),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "min_tokens": 96},
+     400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [5, 99999]}, 400,
+     "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400,
+     "stop_token_ids[0]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": 5}, 400,
+     "stop_token_ids"),
+    ("/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "x"}]},
+     400, "messages"),
+    ("/tokenize", {"model": MODEL, "prompt": "hi", "add_generation_prompt": True}, 400,
+     "add_generation_prompt"),
+    ("/tokenize", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/tokenize", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "hi", "chat_template": "x"}, 400, "chat_template"),
+    ("/tokenize", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/detokenize", {"model": MODEL, "tokens": [1, 320]}, 400, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400, "tokens[0]"),
+    ("/detokenize", {"model": MODEL}, 400, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": "1 2"}, 400, "tokens"),
+    ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
 ]  # fmt: skip
 
 
@@ -541,6 +685,9 @@ SAMPLING_FIELDS = {
     "logit_bias": _field(st.dictionaries(st.text(max_size=3), st.floats(-100, 100))),
     "user": _field(st.text(max_size=5)),
     "ignore_eos": _field(st.booleans()),
+    "min_p": _field(st.floats(-0.1, 1.1)),
+    "min_tokens": _field(st.integers(-1, 6)),
+    "stop_token_ids": _field(st.lists(st.integers(-1, 330), max_size=3)),
 }
 # content is required (a message without it gets 400); _field still makes it any JSON value
 message = st.fixed_dictionaries(
@@ -646,6 +793,8 @@ def test_api_key_guards_every_route_but_health(main_server):
         ("GET", f"/v1/models/{MODEL}"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
         ("GET", "/metrics"),
         ("GET", "/openapi.json"),
         ("GET", "/no/such/route"),

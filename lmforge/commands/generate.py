@@ -74,6 +74,20 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=None, metavar="K")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="sample among tokens at least P times as likely as the likeliest (0: all)",
+    )
+    parser.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no stop token or stop string ends a text before N new tokens (0)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument(
         "--stop", nargs="+", default=[], metavar="STR", help="stop strings (cut from the text)"
@@ -201,7 +215,9 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         stop=tuple(args.stop),
+        min_tokens=args.min_tokens,
     )
 
     start = time.perf_counter()

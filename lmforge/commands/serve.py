@@ -32,9 +32,11 @@ def register(subparsers) -> None:
         help="serve an artifact over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API: GET /v1/models, POST "
         "/v1/completions and /v1/chat/completions (streamed as server-sent events with "
-        '"stream": true), GET /health and GET /metrics (Prometheus). Concurrent requests share '
-        "decode steps (continuous batching). SIGTERM stops accepting connections, lets "
-        "in-flight requests finish within --shutdown-grace and exits 0.",
+        '"stream": true; vLLM\'s extra fields top_k, min_p, min_tokens, stop_token_ids, '
+        "ignore_eos too), vLLM's POST /tokenize and /detokenize, GET /health and GET /metrics "
+        "(Prometheus). Concurrent requests share decode steps (continuous batching). SIGTERM "
+        "stops accepting connections, lets in-flight requests finish within --shutdown-grace "
+        "and exits 0.",
         epilog=f"The API key comes from --api-key-file (first line), the {API_KEY_ENV} "
         "environment variable or --api-key (visible to every user in `ps`: prefer the other "
         "two); with one set, every route but /health needs 'Authorization: Bearer KEY'.",

@@ -565,6 +565,12 @@ class Engine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**64)
         stop_ids = params.stop_token_ids
+        vocab_size = self.args.vocab_size
+        if stop_ids is not None and any(i >= vocab_size for i in stop_ids):
+            bad = next(i for i in stop_ids if i >= vocab_size)
+            raise ConfigError(
+                f"stop token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+            )
         if shares_prompt_with is not None and shares_prompt_with.prompt_ids != ids:
             raise ConfigError(
                 f"prompt {index} shares the prompt of prompt {shares_prompt_with.index}, "
@@ -973,26 +979,38 @@ class Engine:
 
     # ---- sampling and collecting ----------------------------------------------------------
 
-    def _batch_sampler(self, params: list[SamplingParams]) -> Sampler:
+    def _batch_sampler(self, sequences: list[Sequence]) -> Sampler:
         """The sampler of these rows' settings: the last step's while the rows are the same (a
-        new one copies four settings tensors to the device)."""
+        new one copies five settings tensors to the device, seven with min_tokens)."""
+        params = [s.params for s in sequences]
         last_params, sampler = self._last_sampler
         if len(params) != len(last_params) or any(
             a is not b for a, b in zip(params, last_params, strict=True)
         ):
-            sampler = Sampler(params, device=self.device)
+            # (a row's stop ids follow from its params: the same params, the same ids)
+            vocab_size = self.args.vocab_size
+            stop_ids = [[i for i in s.stop_ids if i < vocab_size] for s in sequences]
+            sampler = Sampler(params, device=self.device, stop_ids=stop_ids)
             self._last_sampler = (params, sampler)
         return sampler
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """logits [n, vocab] -> each sequence's next token [n] (on the device), every row in
         one sampler call (a call per row launched ~20 kernels a row, every step); queues the
-        log-probabilities of the sequences that ask for them."""
-        if all(s.params.greedy for s in sequences):
+        log-probabilities of the sequences that ask for them (of the logits as they are, before
+        min_tokens' masks, as vLLM's)."""
+        # rows whose stop ids min_tokens masks this step: the count goes to the device, where
+        # the sampler compares it with its tensor of min_tokens (a row past it adds 0s)
+        under = any(s.under_min_tokens for s in sequences)
+        if all(s.params.greedy for s in sequences) and not under:
             chosen = logits.argmax(dim=-1)
         else:
-            sampler = self._batch_sampler([s.params for s in sequences])
-            chosen = sampler(logits, uniforms=self._uniforms_of(sequences))
+            num_generated = None
+            if under:
+                num_generated = self._to_device([s.num_scheduled for s in sequences])
+            sampler = self._batch_sampler(sequences)
+            uniforms = None if sampler.all_greedy else self._uniforms_of(sequences)
+            chosen = sampler(logits, uniforms=uniforms, num_generated=num_generated)
         wanted = [i for i, s in enumerate(sequences) if s.num_logprobs is not None]
         if wanted:
             self._queue_logprobs([sequences[i] for i in wanted], logits, chosen, wanted)

@@ -1,19 +1,24 @@
-"""Sampling the next token: greedy, temperature, top-k and nucleus (top-p), per row of a batch.
+"""Sampling the next token: greedy, temperature, min-p, top-k and nucleus (top-p), per row of a
+batch.
 
 `SamplingParams` is one request's settings (also its length limit and stop conditions);
 `Sampler` turns the settings of a batch's rows into tensors once and then draws one token per
-row from [b, vocab] logits per step, all rows at once. The order is that of Hugging Face's
-`generate`: temperature, then top-k, then top-p on what top-k kept. A row's draw is one
+row from [b, vocab] logits per step, all rows at once. The order is vLLM's: the stop tokens of
+rows still under their `min_tokens` masked (greedy rows too), then temperature, min-p, top-k,
+and top-p on what those kept (min-p and top-k commute: both keep a row's best tokens). A row's
+draw is one
 uniform number u in [0, 1) turned into a token by the inverse of its distribution (the first
 token whose cumulative probability exceeds u): the uniforms come from a `torch.Generator`, the
 engine's for a whole batch or a seeded sequence's own, drawn ahead for all its tokens, so a
 seeded sequence draws the same tokens whatever rows sample beside it, in one call for the
-whole batch. Nucleus sampling: Holtzman et al. 2019, https://arxiv.org/abs/1904.09751.
+whole batch. Nucleus sampling: Holtzman et al. 2019, https://arxiv.org/abs/1904.09751; min-p:
+Nguyen et al. 2024, https://arxiv.org/abs/2407.01082.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +36,24 @@ class SamplingParams:
         top_k: sample among the k most likely tokens only (None or 0: all).
         top_p: sample from the smallest set of most likely tokens whose probability is >= top_p
             (1.0: all).
+        min_p: sample among the tokens at least min_p times as likely as the most likely one
+            (after temperature; 0: all, 1: only the most likely).
         stop: strings that end the generation; the text is cut before the first one found.
         stop_token_ids: token ids that end the generation (not part of the text); None: the
             tokenizer's stop ids (EOS, end of turn), or the model's EOS without a tokenizer;
             () for none.
+        min_tokens: no stop token can be chosen, and no stop string ends the generation,
+            before this many new tokens (vLLM's `min_tokens`; at most max_new_tokens).
     """
 
     max_new_tokens: int = 128
     temperature: float = 0.8
     top_k: int | None = None
     top_p: float = 1.0
+    min_p: float = 0.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop string, not its characters
@@ -58,6 +69,14 @@ class SamplingParams:
             raise ConfigError(f"top_k={self.top_k} must be >= 1 (or 0 / None for no limit)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p={self.min_p} must be in [0, 1] (0: no limit)")
+        if self.stop_token_ids is not None and any(i < 0 for i in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids={list(self.stop_token_ids)} must be ids >= 0")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"min_tokens={self.min_tokens} must be in 0..max_new_tokens ({self.max_new_tokens})"
+            )
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty")
 
@@ -68,9 +87,22 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws the next token for each row of a batch, with each row's own settings."""
+    """Draws the next token for each row of a batch, with each row's own settings.
 
-    def __init__(self, params: Sequence[SamplingParams], *, device: torch.device) -> None:
+    Args:
+        params: each row's settings.
+        device: where the logits are.
+        stop_ids: each row's stop token ids (what its `min_tokens` keeps from being chosen);
+            needed only where a row has min_tokens.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        *,
+        device: torch.device,
+        stop_ids: Sequence[Collection[int]] | None = None,
+    ) -> None:
         sampled = [p for p in params if not p.greedy]
         self.all_greedy = not sampled
         self.uses_top_k = any(p.top_k for p in sampled)
@@ -78,7 +110,9 @@ class Sampler:
         # When every sampled row keeps at most k tokens, only the largest k of all rows' logits
         # can be drawn: a top-k of those replaces sorting the whole vocabulary (the sort of
         # 64 rows x 128k took ~1 ms of a 64-stream server step on an H200).
-        self.widest_top_k = max(p.top_k for p in sampled) if all(p.top_k for p in sampled) else None
+        self.widest_top_k = (
+            max(p.top_k for p in sampled) if sampled and all(p.top_k for p in sampled) else None
+        )
         # Greedy rows are sampled at temperature 1 and then replaced by the argmax.
         self.greedy = to_device([p.greedy for p in params], device)
         self.temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device)
@@ -87,6 +121,25 @@ class Sampler:
         self.unit_temperature = all(p.greedy or p.temperature == 1.0 for p in params)
         self.top_k = to_device([p.top_k or 0 for p in params], device)
         self.top_p = to_device([p.top_p for p in params], device)
+        # min-p in logit space: p / p_max >= min_p is logit >= max logit + log(min_p)
+        self.uses_min_p = any(p.min_p > 0 for p in sampled)
+        self.log_min_p = to_device(
+            [math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], device
+        )
+        self.min_tokens: torch.Tensor | None = None  # [b]; None: no row has min_tokens
+        self.stop_ids: torch.Tensor | None = None  # [b, most stop ids of a row]
+        if any(p.min_tokens for p in params):
+            rows = [sorted(ids) for ids in (stop_ids or [()] * len(params))]
+            if len(rows) != len(params):
+                raise ValueError(f"{len(rows)} rows of stop_ids for {len(params)} rows")
+            width = max(1, *map(len, rows))
+            # a row's ids padded with its first (adding -inf twice is adding it once); a row
+            # without any has nothing to mask: its min_tokens is taken as 0
+            padded = [(ids + ids[:1] * width)[:width] if ids else [0] * width for ids in rows]
+            self.min_tokens = to_device(
+                [p.min_tokens if ids else 0 for p, ids in zip(params, rows)], device
+            )
+            self.stop_ids = to_device(padded, device)
 
     def __call__(
         self,
@@ -94,15 +147,23 @@ class Sampler:
         generator: torch.Generator | None = None,
         *,
         uniforms: torch.Tensor | None = None,
+        num_generated: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """logits [b, vocab] (float) -> token ids [b] (int64); each sampled row draws with
-        its entry of `uniforms` [b] (in [0, 1)), or with uniforms drawn from `generator`."""
+        """logits [b, vocab] (float; not changed) -> token ids [b] (int64); each sampled row
+        draws with its entry of `uniforms` [b] (in [0, 1)), or with uniforms drawn from
+        `generator`. `num_generated` [b]: the rows' new tokens so far, where a row's stop ids
+        are masked while it is below its min_tokens (None: no row is)."""
+        if num_generated is not None and self.min_tokens is not None:
+            logits = mask_stop_ids(logits, self.stop_ids, num_generated < self.min_tokens)
         greedy_choice = logits.argmax(dim=-1)
         if self.all_greedy:
             return greedy_choice
         logits = logits.float()
         if not self.unit_temperature:
             logits = logits / self.temperature[:, None]
+        if self.uses_min_p and not (self.uses_top_k or self.uses_top_p):
+            floor = logits.amax(dim=-1, keepdim=True) + self.log_min_p[:, None]  # [b, 1]
+            logits = logits.masked_fill(logits < floor, float("-inf"))
         if self.uses_top_k or self.uses_top_p:
             if self.widest_top_k is not None and self.widest_top_k < logits.shape[-1]:
                 sorted_logits, order = logits.topk(self.widest_top_k, dim=-1)  # [b, k]
@@ -111,6 +172,8 @@ class Sampler:
             ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
             limit = torch.where(self.top_k > 0, self.top_k, logits.shape[-1])
             remove = ranks[None, :] >= limit[:, None]  # [b, vocab]: beyond top-k
+            if self.uses_min_p:  # (the first column holds the row's largest logit)
+                remove |= sorted_logits < sorted_logits[:, :1] + self.log_min_p[:, None]
             if self.uses_top_p:
                 probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
                 mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
@@ -123,6 +186,16 @@ class Sampler:
         else:
             sampled = inverse_cdf(logits.softmax(dim=-1), uniforms, generator)
         return torch.where(self.greedy, greedy_choice, sampled)
+
+
+def mask_stop_ids(
+    logits: torch.Tensor, stop_ids: torch.Tensor, under: torch.Tensor
+) -> torch.Tensor:
+    """logits [b, vocab] with the ids `stop_ids` [b, m] of the rows `under` [b] (bool) at -inf,
+    the others as they were; a new tensor, of fixed shapes whoever is under (a CUDA graph's
+    step can hold it)."""
+    penalty = torch.where(under, float("-inf"), 0.0).to(logits.dtype)  # [b]
+    return logits.scatter_add(-1, stop_ids, penalty[:, None].expand(stop_ids.shape))
 
 
 # Columns a block of `inverse_cdf`'s search: rows of more columns than four blocks are searched

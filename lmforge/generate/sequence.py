@@ -156,8 +156,19 @@ class Sequence:
     @property
     def plain_greedy(self) -> bool:
         """Whether its next token is its logits' argmax and nothing else reads them (no draws
-        of its own, no log-probabilities)."""
-        return self.params.greedy and self.generator is None and self.num_logprobs is None
+        of its own, no log-probabilities, no stop ids masked by min_tokens)."""
+        return (
+            self.params.greedy
+            and self.generator is None
+            and self.num_logprobs is None
+            and not self.under_min_tokens
+        )
+
+    @property
+    def under_min_tokens(self) -> bool:
+        """Whether its next token (the one the engine launches next) may not be a stop token:
+        fewer than min_tokens are launched, and it has stop ids."""
+        return self.num_scheduled < self.params.min_tokens and bool(self.stop_ids)
 
     @property
     def prefilled(self) -> bool:
@@ -187,7 +198,7 @@ class Sequence:
             if is_stop_token or at_length:
                 text += self.text_decoder.flush()  # bytes of an incomplete character
             self.text = text
-            if stops:
+            if stops and len(token_ids) > self.params.min_tokens:  # (vLLM's rule)
                 self._check_stop_strings(old_length)
                 text = self.text
         if self.finish_reason is None:

@@ -4,11 +4,12 @@ around the front end of the engine (engine.py's `Engine`), which talks to the en
 own: frontend.py) and starts and stops with the app's lifespan.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both also as
-server-sent events with `"stream": true`, ending with `data: [DONE]`), `GET /health` (never
-behind the API key) and `GET /metrics` (Prometheus text). The wire format and the error
-envelope are protocol.py's; a request's run through the engine is session.py's; running the app
-under uvicorn is server.py's. An unknown model is a 404; a missing or wrong
-`Authorization: Bearer` key a 401 (compared in constant time).
+server-sent events with `"stream": true`, ending with `data: [DONE]`), vLLM's `POST /tokenize`
+(a prompt or a chat's messages -> {count, max_model_len, tokens}) and `POST /detokenize`
+(tokens -> {prompt}), `GET /health` (never behind the API key) and `GET /metrics` (Prometheus
+text). The wire format and the error envelope are protocol.py's; a request's run through the
+engine is session.py's; running the app under uvicorn is server.py's. An unknown model is a
+404; a missing or wrong `Authorization: Bearer` key a 401 (compared in constant time).
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ from lmforge.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
     ServeSettings,
+    TokenizeRequest,
     error_response,
     validation_error,
 )
-from lmforge.serve.session import EventStream, ServedModel, Session, plan_request
+from lmforge.serve.session import (
+    EventStream,
+    ServedModel,
+    Session,
+    detokenize,
+    plan_request,
+    tokenize,
+)
 
 logger = logging.getLogger("lmforge.serve")
 
@@ -147,6 +157,19 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(request, body)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            check_model(body.model)
+        tokens = tokenize(body, model)
+        return {"count": len(tokens), "max_model_len": model.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            check_model(body.model)
+        return {"prompt": detokenize(body, model)}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -15,7 +15,15 @@ from lmforge.serve.protocol import ApiError, error_response
 
 # ---- metrics --------------------------------------------------------------------------------
 
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ROUTES = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
 
 
 class Metrics:

@@ -202,6 +202,11 @@ class GenerationRequest(_Strict):
     logit_bias: dict[str, Float] | None = None
     user: Text | None = None
     ignore_eos: bool | None = None  # vLLM's extension: generate exactly max_tokens
+    # vLLM's extensions: min-p sampling (0: off), stop token ids besides EOS (with ignore_eos
+    # the only ones), no stop (token or string) before min_tokens new tokens
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     # vLLM's extension: logprobs name their tokens "token_id:N" (not the token's text)
     return_tokens_as_token_ids: bool | None = None
 
@@ -248,3 +253,22 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text (`prompt`, BOS first unless add_special_tokens is false) or a
+    chat (`messages`, rendered as /v1/chat/completions renders them; BOS only from the
+    template unless add_special_tokens is true), one of the two."""
+
+    model: Text | None = None  # optional, as in vLLM; a wrong one is a 404
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool | None = None  # messages only; default true
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: Text | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -1,6 +1,8 @@
 """One generation request's way through the engine: checked against the model and the limits
 and turned into engine sequences (`plan_request`), then answered as one JSON body or as a stream of
-server-sent events (`Session`, `EventStream`) with OpenAI's completion and chat shapes.
+server-sent events (`Session`, `EventStream`) with OpenAI's completion and chat shapes. vLLM's
+/tokenize and /detokenize (`tokenize`, `detokenize`) encode as these requests do, without the
+engine.
 
 A request past its timeout is a 408, a full queue a 429 with `Retry-After`, a request still
 running when the drain's grace period ends a 503 (a last error event for streams). A client
@@ -26,9 +28,12 @@ from lmforge.serve.engine import EngineStopped, QueueFull, SequenceRequest, Toke
 from lmforge.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
     ServeSettings,
+    TokenizeRequest,
     error_body,
 )
 
@@ -100,28 +105,36 @@ def _check_unsupported(body: GenerationRequest) -> None:
             )
 
 
+def encode_chat(
+    model: ServedModel, messages: list[ChatMessage], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a request's chat: text parts joined, a developer's message a system one,
+    rendered with the chat template (a 400 naming 'messages' where it cannot be)."""
+    tokenizer = model.tokenizer
+    rendered = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if message.role == "developer" else message.role
+        rendered.append({"role": role, "content": content or ""})
+    if tokenizer.chat_template is None:
+        raise ApiError(
+            400,
+            "this model has no chat template; use /v1/completions",
+            param="messages",
+            code="no_chat_template",
+        )
+    try:
+        return tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt)
+    except UserError as err:
+        raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+
+
 def _encode_prompts(body: GenerationRequest, model: ServedModel) -> tuple[list, str]:
     """The prompts' token ids and the parameter that holds them."""
-    tokenizer = model.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        messages = []
-        for message in body.messages:
-            content = message.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": content or ""})
-        if tokenizer.chat_template is None:
-            raise ApiError(
-                400,
-                "this model has no chat template; use /v1/completions",
-                param="messages",
-                code="no_chat_template",
-            )
-        try:
-            return [tokenizer.encode_chat(messages, add_generation_prompt=True)], "messages"
-        except UserError as err:
-            raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+        return [encode_chat(model, body.messages)], "messages"
     prompt = body.prompt
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     ids = []
@@ -134,6 +147,72 @@ def _encode_prompts(body: GenerationRequest, model: ServedModel) -> tuple[list, 
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
     return ids, "prompt"
+
+
+def tokenize(body: TokenizeRequest, model: ServedModel) -> list[int]:
+    """vLLM's /tokenize: the ids of a prompt (as /v1/completions encodes it) or of a chat (as
+    /v1/chat/completions does)."""
+    tokenizer = model.tokenizer
+    if body.prompt is not None and body.messages is not None:
+        raise ApiError(
+            400, "give 'prompt' or 'messages', not both", param="messages", code="invalid_value"
+        )
+    if body.messages is not None:
+        add_generation_prompt = body.add_generation_prompt is not False
+        ids = encode_chat(model, body.messages, add_generation_prompt=add_generation_prompt)
+        if body.add_special_tokens and tokenizer.bos_id is not None:
+            ids = [tokenizer.bos_id, *ids]
+        return ids
+    if body.prompt is None:
+        raise ApiError(
+            400,
+            "missing required parameter 'prompt' (or 'messages')",
+            param="prompt",
+            code="missing",
+        )
+    if body.add_generation_prompt is not None:
+        raise ApiError(
+            400,
+            "'add_generation_prompt' goes with 'messages', not with 'prompt'",
+            param="add_generation_prompt",
+            code="invalid_value",
+        )
+    bos = body.add_special_tokens is not False and tokenizer.bos_id is not None
+    return tokenizer.encode(body.prompt, bos=bos)
+
+
+def detokenize(body: DetokenizeRequest, model: ServedModel) -> str:
+    """vLLM's /detokenize: the text of token ids (special tokens included)."""
+    vocab_size = min(model.vocab_size, getattr(model.tokenizer, "vocab_size", model.vocab_size))
+    for index, token_id in enumerate(body.tokens):
+        if token_id >= vocab_size:
+            raise ApiError(
+                400,
+                f"token id {token_id} (tokens[{index}]) is outside the vocabulary "
+                f"(0..{vocab_size - 1})",
+                param="tokens",
+                code="invalid_value",
+            )
+    return model.tokenizer.decode(body.tokens)
+
+
+def _stop_token_ids(body: GenerationRequest, model: ServedModel) -> tuple[int, ...] | None:
+    """The request's stop ids as vLLM takes them: `stop_token_ids` besides the tokenizer's
+    (EOS, end of turn), or alone with `ignore_eos`; None: the engine's default."""
+    extra = body.stop_token_ids or []
+    bad = [i for i in extra if i >= model.vocab_size]
+    if bad:
+        raise ApiError(
+            400,
+            f"stop token id {bad[0]} is outside the vocabulary (0..{model.vocab_size - 1})",
+            param="stop_token_ids",
+            code="invalid_value",
+        )
+    if body.ignore_eos:
+        return tuple(dict.fromkeys(extra))
+    if not extra:
+        return None
+    return tuple(sorted({*model.tokenizer.stop_ids, *extra}))
 
 
 def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSettings) -> _Plan:
@@ -188,6 +267,8 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
     else:
         num_logprobs = body.logprobs
     top_k = body.top_k if body.top_k and body.top_k > 0 else None
+    stop_token_ids = _stop_token_ids(body, model)
+    min_tokens = body.min_tokens or 0
     sequences = []
     for ids in prompts:
         if max_tokens is not None:
@@ -196,13 +277,27 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
             limit_tokens = min(16, context - len(ids))  # OpenAI's default for completions
         else:
             limit_tokens = context - len(ids)
+        if min_tokens > limit_tokens:
+            limit = (
+                f"{max_tokens_param}={max_tokens}"
+                if max_tokens is not None
+                else f"the {limit_tokens} tokens this request may generate"
+            )
+            raise ApiError(
+                400,
+                f"min_tokens={min_tokens} must be at most {limit}",
+                param="min_tokens",
+                code="invalid_value",
+            )
         params = SamplingParams(
             max_new_tokens=limit_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=None if top_k is None else min(top_k, model.vocab_size),
             top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
             stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
-            stop_token_ids=() if body.ignore_eos else None,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
         )
         for choice in range(n):
             seed = None if body.seed is None else body.seed + choice
