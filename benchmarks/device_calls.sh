@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -259,6 +259,15 @@ grpo-2gpu)
       [print({k: round(v, 4) for k, v in s.items()}) for s in d['steps']]" \
       "$OUT/grpo_cli-$tag.json" "$tag"
   done
+  ;;
+moe-2gpu)
+  # two H200s: qwen3-30b-a3b's shapes cut to 4 blocks (128 experts, top-8; random weights),
+  # `lmforge launch --nproc N pretrain` tokens/s on one GPU, on two under FSDP2 (each expert
+  # sharded over both) and on two with parallel.ep=2 (64 experts a GPU, tokens by all-to-all);
+  # no compile in any row (expert parallelism does not take it yet). Not run yet.
+  step 580 moe-2gpu python3 benchmarks/multi_gpu.py --rows moe-1 moe-2 moe-ep2 \
+    --steps 10 --warmup 3 --out "$OUT"
+  tail -n 6 "$OUT/moe-2gpu.log"
   ;;
 trl)
   # TRL's GRPOTrainer on grpo's shapes, seconds a step: with transformers' generate (its default

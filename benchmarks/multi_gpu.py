@@ -6,9 +6,12 @@ warm-up, the peak memory (max allocated) and the planner's allocated bytes for t
 Fills docs/benchmarks.md's "Training through the CLI, one GPU" rows (`bash
 benchmarks/device_calls.sh cli`, `cli-post`) and its "Multi-GPU" table (`fsdp2`, `fsdp2-post`).
 
-Rows are PRESET-LAYOUT[-KIND][+nrs|+rs][+bf16r]: layout 1, 2 (FSDP2) or tp2; kind pretrain
+Rows are PRESET-LAYOUT[-KIND][+nrs|+rs][+bf16r]: layout 1, 2 (FSDP2), tp2 or ep2 (FSDP2 with the
+experts split over both GPUs, parallel.ep=2: preset moe only); kind pretrain
 (default), sft-full, sft-lora, sft-qlora, dpo-full or dpo-lora; +nrs / +rs set
 parallel.reshard_after_forward false / true (default auto); +bf16r parallel.reduce_dtype=bfloat16.
+Preset moe is qwen3-30b-a3b cut to MOE_LAYERS blocks (128 experts, top-8), without compile in
+every layout (expert parallelism does not take it yet), `bash benchmarks/device_calls.sh moe-2gpu`.
 Data: a generated corpus and a BPE tokenizer (vocab 8192; the model keeps its 128256-row table).
 """
 
@@ -25,8 +28,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
-MICRO_BATCH = {"1b": 8, "3b": 4, "8b": 2, "tiny": 4}
+PRESETS = {
+    "1b": "llama3.2-1b",
+    "3b": "llama3.2-3b",
+    "8b": "llama3.1-8b",
+    "tiny": "tiny",
+    "moe": "qwen3-30b-a3b",
+}
+MICRO_BATCH = {"1b": 8, "3b": 4, "8b": 2, "tiny": 4, "moe": 4}
+MOE_LAYERS = 4  # ~2.7B parameters: fp32 weights, gradients and AdamW fit one GPU
 GIB = 2**30
 
 
@@ -77,6 +87,7 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
     size, layout, *kind = row.split("-", 2)
     kind = kind[0] if kind else "pretrain"
     nproc = 1 if layout == "1" else 2
+    compile_ = args.device == "cuda" and size != "moe"
     stage = kind.split("-")[0]
     micro = MICRO_BATCH[size] if stage != "dpo" else max(1, MICRO_BATCH[size] // 2)
     keys = [
@@ -92,11 +103,15 @@ def row_command(row: str, data: dict, run_dir: Path, args) -> tuple[int, list[st
         "metrics.tensorboard=false",
         "checkpoint.every=0",
         "checkpoint.export_dtype=bfloat16",
-        f"parallel.compile={str(args.device == 'cuda').lower()}",
+        f"parallel.compile={str(compile_).lower()}",
     ]
+    if size == "moe":
+        keys.append(f"model.overrides.num_layers={MOE_LAYERS}")
     keys += [OPTIONS[option] for option in options]
     if layout == "tp2":
         keys += ["parallel.tp=2", "parallel.dp_shard=1"]
+    if layout == "ep2":
+        keys.append("parallel.ep=2")
     if stage == "pretrain":
         keys += [f"data.shards={data['shards']}", f"data.seq_len={args.seq_len}"]
     else:
@@ -168,7 +183,7 @@ def main() -> None:
         "\n| row | tokens/s | vs 1 GPU | peak GiB | planner GiB (allocated) |\n|---|---|---|---|---|"
     )
     for row, r in results.items():
-        one = results.get(re.sub(r"-2|-tp2", "-1", row.split("+")[0]), {}).get("tokens_per_s")
+        one = results.get(re.sub(r"-2|-tp2|-ep2", "-1", row.split("+")[0]), {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / one:.3f}x" if one and "error" not in r else ""
         cells = [r.get("error", "")[-200:]] if "error" in r else [f"{r['tokens_per_s']:,.0f}"]
         cells += [ratio, f"{r.get('peak_gib', 0):.1f}", f"{r.get('plan_allocated_gib', 0):.1f}"]

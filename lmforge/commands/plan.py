@@ -105,6 +105,9 @@ def register(subparsers) -> None:
     hardware.add_argument("--dp-replicate", type=int)
     hardware.add_argument("--tp", type=int)
     hardware.add_argument(
+        "--ep", type=int, help="expert parallelism (MoE): experts split over ep of the dp ranks"
+    )
+    hardware.add_argument(
         "--ac", choices=["none", "selective", "full"], help="activation checkpointing"
     )
     hardware.add_argument("--cpu-offload", action="store_true", default=None)
@@ -236,6 +239,7 @@ def build_setup(args: argparse.Namespace):
         "dp_shard": args.dp_shard,
         "dp_replicate": args.dp_replicate,
         "tp": args.tp,
+        "ep": args.ep,
         "activation_checkpointing": args.ac,
         "cpu_offload": args.cpu_offload,
         "compile": args.compile,
@@ -274,7 +278,7 @@ def build_setup(args: argparse.Namespace):
 GRPO_ONLY = ("generations", "prompts", "rollout_batch", "max_new_tokens", "kl_reference")
 TRAINING_ONLY = (
     "method", "lora_rank", "lora_targets", "dpo_reference", *GRPO_ONLY, "config", "job",
-    "dp_shard",
+    "dp_shard", "ep",
     "dp_replicate", "ac", "cpu_offload", "compile", "micro_batch_size", "grad_accumulation",
     "optimizer", "param_dtype", "grad_dtype", "optimizer_dtype", "search", "dry_run", "nodes",
     "gpus", "gpus_per_node", "host_memory",

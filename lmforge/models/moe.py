@@ -15,11 +15,16 @@ Two ways to run the experts (`expert_outputs`), equal up to float rounding:
   sorted rows, then the weighted rows added back to their tokens. Where `_grouped_mm` does not
   take the dtype or alignment, each expert's slice of the sorted rows (by the offsets) is
   multiplied on its own: the same permutation, checkable on any device. CUDA's default.
+
+Both paths take optional per-expert low-rank updates (`ExpertAdapters`: LoRA on the stacked
+experts, built by lmforge/modules/lora.py): W_e x + scale · B_e (A_e x) for each projection, in
+the loop per expert, in the grouped path as two more grouped products over the same sorted rows.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,22 @@ def route(
     return weights.to(logits.dtype), experts
 
 
+@dataclass
+class ExpertAdapters:
+    """Per-expert low-rank updates of the stacked weights (LoRA, Hu et al., 2021): expert e's
+    projection W_e becomes W_e + scale · B_e A_e, computed as x W_eᵀ + scale · (x A_eᵀ) B_eᵀ."""
+
+    a13: torch.Tensor  # [E, rank, dim]
+    b13: torch.Tensor  # [E, 2·ffn_dim, rank]
+    a2: torch.Tensor  # [E, rank, ffn_dim]
+    b2: torch.Tensor  # [E, dim, rank]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a13.shape[1]
+
+
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[n, 2I] gate then up -> silu(gate) * up [n, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -51,15 +72,26 @@ def experts_loop(
     w2: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
+    lora: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """The reference: x [tokens, dim] through each token's experts, weighted and summed ->
-    [tokens, dim]. One small matmul pair per expert that got tokens."""
+    [tokens, dim]. One small matmul pair per expert that got tokens (two more per projection
+    with `lora`)."""
     out = torch.zeros_like(x)
     for expert in range(w13.shape[0]):
         token, slot = torch.where(experts == expert)  # [n] each: who chose it, as which choice
         if token.numel() == 0:
             continue
-        y = F.linear(_swiglu(F.linear(x[token], w13[expert])), w2[expert])  # [n, dim]
+        rows = x[token]  # [n, dim]
+        gate_up = F.linear(rows, w13[expert])  # [n, 2I]
+        if lora is not None:
+            low = F.linear(rows.to(lora.a13.dtype), lora.a13[expert])  # [n, rank]
+            gate_up = gate_up + lora.scale * F.linear(low, lora.b13[expert]).to(gate_up.dtype)
+        hidden = _swiglu(gate_up)  # [n, I]
+        y = F.linear(hidden, w2[expert])  # [n, dim]
+        if lora is not None:
+            low = F.linear(hidden.to(lora.a2.dtype), lora.a2[expert])  # [n, rank]
+            y = y + lora.scale * F.linear(low, lora.b2[expert]).to(y.dtype)
         y = y * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
@@ -92,18 +124,34 @@ def _grouped_linear(
     return torch.cat(parts)
 
 
+def _grouped_lora(
+    rows: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    ends: torch.Tensor,
+    use_grouped_mm: bool,
+) -> torch.Tensor:
+    """scale · (rows A_eᵀ) B_eᵀ for rows [n, in] sorted by expert: a [E, rank, in], b [E, out,
+    rank] -> [n, out], through the same groups as the base product."""
+    low = _grouped_linear(rows.to(a.dtype), a, ends, use_grouped_mm)  # [n, rank]
+    return scale * _grouped_linear(low, b, ends, use_grouped_mm)
+
+
 def experts_grouped(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
+    lora: ExpertAdapters | None = None,
     *,
     use_grouped_mm: bool | None = None,
 ) -> torch.Tensor:
     """`experts_loop`'s result by sorting the (token, choice) assignments by expert: fixed
     shapes throughout, so no host sync when `torch._grouped_mm` runs it (`use_grouped_mm`
-    None: wherever it fits)."""
+    None: wherever it fits). `lora`'s products run as grouped products too, where the rank
+    fits `_grouped_mm`'s alignment and its dtype is the rows' (else per expert slice)."""
     num_experts, top_k = w13.shape[0], experts.shape[1]
     flat = experts.reshape(-1)  # [tokens * k]: assignment a is token a // k's choice a % k
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert
@@ -115,8 +163,20 @@ def experts_grouped(
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_fits(x, x.shape[1], w2.shape[2])
     rows = x[token]  # [tokens * k, dim]
-    hidden = _swiglu(_grouped_linear(rows, w13, ends, use_grouped_mm))  # [tokens * k, I]
+    gate_up = _grouped_linear(rows, w13, ends, use_grouped_mm)  # [tokens * k, 2I]
+    if lora is not None:
+        lora_grouped = (
+            use_grouped_mm
+            and lora.a13.dtype == x.dtype
+            and _grouped_mm_fits(x, x.shape[1], w2.shape[2], lora.rank)
+        )
+        gate_up = gate_up + _grouped_lora(
+            rows, lora.a13, lora.b13, lora.scale, ends, lora_grouped
+        ).to(gate_up.dtype)
+    hidden = _swiglu(gate_up)  # [tokens * k, I]
     y = _grouped_linear(hidden, w2, ends, use_grouped_mm)  # [tokens * k, dim]
+    if lora is not None:
+        y = y + _grouped_lora(hidden, lora.a2, lora.b2, lora.scale, ends, lora_grouped).to(y.dtype)
     y = y * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
@@ -129,14 +189,16 @@ def expert_outputs(
     experts: torch.Tensor,
     *,
     grouped: bool | None = None,
+    lora: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """x [tokens, dim] through the experts its router chose: `experts` [tokens, k] indices,
-    `weights` [tokens, k] -> [tokens, dim]. `grouped` None: grouped on CUDA, the loop elsewhere."""
+    `weights` [tokens, k] -> [tokens, dim]. `grouped` None: grouped on CUDA, the loop elsewhere.
+    `lora`: per-expert low-rank updates added to both projections."""
     if grouped is None:
         grouped = x.device.type == "cuda"
     if grouped:
-        return experts_grouped(x, w13, w2, weights, experts)
-    return experts_loop(x, w13, w2, weights, experts)
+        return experts_grouped(x, w13, w2, weights, experts, lora)
+    return experts_loop(x, w13, w2, weights, experts, lora)
 
 
 class Experts(nn.Module):

@@ -12,10 +12,24 @@ QLoRA (Dettmers et al., 2023, https://arxiv.org/abs/2305.14314) stores the froze
 4-bit NormalFloat with double-quantized scales (torchao's `NF4Tensor`; `quantize_base_nf4`)
 while the adapters train in bf16/fp32.
 
+Mixture-of-Experts models: target "experts" swaps each stacked `Experts` (models/moe.py) for a
+`LoRAExperts`, with per-expert adapters of both projections, A [E, rank, in] and B [E, out, rank],
+run inside the expert computation (models/moe.py's `ExpertAdapters`: per expert in the loop path,
+as extra grouped products in the grouped one); target "router" makes the router a `LoRALinear`
+(frozen by default, like every base weight).
+
 Adapters are saved and loaded in the layout of Hugging Face PEFT (`adapter_config.json` +
 `adapter_model.safetensors`, keys like
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so `peft.PeftModel` loads
-ours onto transformers' model and ours loads PEFT's LoRA adapters for Llama.
+ours onto transformers' model and ours loads PEFT's LoRA adapters for Llama. Experts and routers
+are not `nn.Linear`s in transformers: PEFT adapts them through `target_parameters`
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, `mlp.gate.weight`; its `ParamWrapper`):
+lora_A [rank·E, in] expert-major rows, lora_B [out, rank·E] rank-major columns, and two wrapped
+parameters of one module nested (the first one, gate_up_proj, under `base_layer.`). PEFT allows
+no dropout there, so neither does lmforge on those targets. What PEFT cannot load is refused when
+the adapters are applied: gate / up / down on the dense MLP layers of a MoE model (PEFT on
+transformers 5 rewrites those target_modules into the experts' parameters), and one expert
+projection without the other.
 
 Everything here is plain module structure (no custom autograd besides torchao's NF4 linear), so
 FSDP2's `fully_shard` wraps blocks that contain `LoRALinear`s like any others.
@@ -27,9 +41,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -43,6 +59,7 @@ from torch import nn
 from lmforge import models
 from lmforge.config import Section
 from lmforge.errors import ConfigError, ModelFormatError
+from lmforge.models import moe
 
 # Target name -> our module attribute (Meta names) and the Hugging Face module name.
 TARGET_MODULES = {
@@ -54,6 +71,8 @@ TARGET_MODULES = {
     "up": "w3",
     "down": "w2",
     "output": "output",
+    "experts": "experts",  # a MoE's stacked experts (both projections): `LoRAExperts`
+    "router": "router",  # a MoE's router linear
 }
 HF_TARGET_NAMES = {
     "q": "q_proj",
@@ -65,6 +84,12 @@ HF_TARGET_NAMES = {
     "down": "down_proj",
     "output": "lm_head",
 }
+# Targets transformers holds as parameters, not nn.Linears: PEFT's `target_parameters`.
+HF_TARGET_PARAMETERS = {
+    "experts": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    "router": ("mlp.gate.weight",),
+}
+PARAMETER_TARGETS = tuple(HF_TARGET_PARAMETERS)
 DEFAULT_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -86,9 +111,11 @@ class LoRASection(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input."""
     targets: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
-    """Which linears get adapters: q, k, v, o (attention), gate, up, down (MLP), output."""
+    """Which linears get adapters: q, k, v, o (attention), gate, up, down (MLP), output,
+    experts (a MoE's stacked experts, both projections), router (a MoE's router)."""
     quantize_base: Literal["none", "nf4"] = "none"
-    """nf4: store the frozen base weights of the adapted linears in 4-bit NormalFloat (QLoRA)."""
+    """nf4: store the frozen base weights of the adapted linears (and adapted experts) in 4-bit
+    NormalFloat (QLoRA)."""
     base_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """dtype of the frozen linear weights (embeddings, norms and adapters stay float32): auto
     is bfloat16 when training in bf16 mixed precision (the matmuls read bf16 weights anyway:
@@ -196,6 +223,20 @@ class LoRALinear(nn.Module):
         delta = self.lora_b.weight.float() @ self.lora_a.weight.float()  # [out, in]
         return (base.float() + self.scale * delta).to(base.dtype)
 
+    def merged_module(self) -> nn.Linear:
+        """A frozen `nn.Linear` holding `merged_weight()` (and the bias)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(self.merged_weight(), requires_grad=False)
+        linear.bias = self.bias
+        return linear
+
+    def quantize_base(self, block_size: int, name: str) -> None:
+        if not is_nf4(self.weight):
+            nf4 = _to_nf4(self.weight, block_size, f"{name}.weight")
+            self.weight = nn.Parameter(nf4, requires_grad=False)
+
+    base_names = ("weight",)
+
     def extra_repr(self) -> str:
         quantized = ", nf4" if is_nf4(self.weight) else ""
         return (
@@ -238,12 +279,189 @@ def _to_nf4(
     return _import_nf4().to_nf4(weight.detach().contiguous(), block_size, scaler_block_size)
 
 
+class LoRAExperts(nn.Module):
+    """A MoE's stacked experts (models/moe.py's `Experts`), frozen, plus a trainable low-rank
+    update per expert and projection (Hu et al., 2021):
+
+        W13_e + (alpha / rank) · lora_b.w13[e] @ lora_a.w13[e]   lora_a.w13 [E, rank, dim],
+                                                                 lora_b.w13 [E, 2·ffn_dim, rank]
+        W2_e  + (alpha / rank) · lora_b.w2[e] @ lora_a.w2[e]     lora_a.w2 [E, rank, ffn_dim],
+                                                                 lora_b.w2 [E, dim, rank]
+
+    applied inside the expert computation (`moe.expert_outputs`'s `lora`), never by forming
+    W + ΔW. Adopts `w13` and `w2` under their names, so base state dicts load unchanged.
+
+    QLoRA (`quantize_base`): each stacked weight is stored as NF4 over its [E·out, in] rows
+    (torchao's NF4Tensor holds at most 2-D; a 64-weight block never straddles two experts when
+    out·in is a multiple of 64, as in every real shape). The forward dequantizes a layer's
+    stack to its stored dtype, and, under autograd, runs the experts under activation
+    checkpointing, so the dequantized copy is not kept for backward: the memory cost is one
+    layer's experts in bf16 at a time, the speed cost a second dequantization and expert
+    forward per layer in backward (`_grouped_mm` reads plain bf16, never NF4).
+    """
+
+    base_names = ("w13", "w2")
+
+    def __init__(self, base: moe.Experts, *, rank: int, alpha: float):
+        super().__init__()
+        if rank <= 0:
+            raise ConfigError(f"LoRA rank={rank} must be > 0")
+        num_experts, two_ffn, dim = base.w13.shape
+        self.shapes = {"w13": tuple(base.w13.shape), "w2": tuple(base.w2.shape)}
+        self.num_experts, self.dim, self.ffn_dim = num_experts, dim, two_ffn // 2
+        self.rank, self.alpha = rank, alpha
+        self.scale = alpha / rank
+        self.w13, self.w2 = base.w13, base.w2
+        self.w13.requires_grad_(False)
+        self.w2.requires_grad_(False)
+        self.grouped = base.grouped
+        factory = {"device": self.w13.device, "dtype": self.w13.dtype}
+
+        def stack(*shape):
+            return nn.Parameter(torch.empty(num_experts, *shape, **factory))
+
+        self.lora_a = nn.ParameterDict({"w13": stack(rank, dim), "w2": stack(rank, self.ffn_dim)})
+        self.lora_b = nn.ParameterDict({"w13": stack(two_ffn, rank), "w2": stack(dim, rank)})
+        self.disabled = False
+        if not self.w13.is_meta:
+            self.reset_lora_parameters()
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """A: nn.Linear's (and PEFT's) Kaiming-uniform per expert, U(±1/√in); B: zeros."""
+        for name, a in self.lora_a.items():
+            bound = 1 / math.sqrt(a.shape[-1])
+            nn.init.uniform_(a, -bound, bound)
+            nn.init.zeros_(self.lora_b[name])
+
+    def base_weight(self, name: str) -> torch.Tensor:
+        """The stacked base weight `name` (w13 / w2) [E, out, in], dequantized if NF4."""
+        weight = getattr(self, name)
+        if is_nf4(weight):
+            return weight.get_original_weight().view(self.shapes[name])
+        return weight
+
+    def adapters(self) -> moe.ExpertAdapters | None:
+        if self.disabled:
+            return None
+        a, b = self.lora_a, self.lora_b
+        return moe.ExpertAdapters(a["w13"], b["w13"], a["w2"], b["w2"], self.scale)
+
+    def _experts(self, x, weights, experts) -> torch.Tensor:
+        w13, w2 = self.base_weight("w13"), self.base_weight("w2")
+        return moe.expert_outputs(
+            x, w13, w2, weights, experts, grouped=self.grouped, lora=self.adapters()
+        )
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        if torch.is_grad_enabled() and is_nf4(self.w13):  # see the class docstring
+            return torch.utils.checkpoint.checkpoint(
+                self._experts, x, weights, experts, use_reentrant=False
+            )
+        return self._experts(x, weights, experts)
+
+    @torch.no_grad()
+    def merged_weight(self, name: str) -> torch.Tensor:
+        """W_e + (alpha / rank) · B_e A_e for every expert [E, out, in], computed in fp32,
+        returned in the base dtype."""
+        base = self.base_weight(name).detach()
+        delta = torch.bmm(self.lora_b[name].float(), self.lora_a[name].float())  # [E, out, in]
+        return (base.float() + self.scale * delta).to(base.dtype)
+
+    def merged_module(self) -> moe.Experts:
+        """A frozen `Experts` holding the merged stacks."""
+        with torch.device("meta"):
+            merged = moe.Experts(self.dim, self.ffn_dim, self.num_experts)
+        for name in self.base_names:
+            setattr(merged, name, nn.Parameter(self.merged_weight(name), requires_grad=False))
+        merged.grouped = self.grouped
+        return merged
+
+    def quantize_base(self, block_size: int, name: str) -> None:
+        for param_name in self.base_names:
+            weight = getattr(self, param_name)
+            if not is_nf4(weight):
+                rows = weight.reshape(-1, weight.shape[-1])  # [E·out, in]: NF4 holds 2-D
+                nf4 = _to_nf4(rows, block_size, f"{name}.{param_name}")
+                setattr(self, param_name, nn.Parameter(nf4, requires_grad=False))
+
+    def extra_repr(self) -> str:
+        quantized = ", nf4" if is_nf4(self.w13) else ""
+        return (
+            f"num_experts={self.num_experts}, dim={self.dim}, ffn_dim={self.ffn_dim}, "
+            f"rank={self.rank}, alpha={self.alpha:g}{quantized}"
+        )
+
+
+def _stacked_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our A [E, r, in], B [E, out, r] -> PEFT's ParamWrapper lora_A [E·r, in] (expert-major
+    rows) and lora_B [out, r·E] (column j·E + e is B_e's column j), for an [E, out, in] weight
+    (transformers' non-transposed layout, swapped in/out in PEFT's terms)."""
+    num_experts, rank, _ = a.shape
+    peft_a = a.reshape(num_experts * rank, a.shape[-1])
+    peft_b = b.permute(1, 2, 0).reshape(b.shape[1], rank * num_experts)
+    return peft_a.contiguous(), peft_b.contiguous()
+
+
+def _stacked_from_peft(
+    peft_a: torch.Tensor, peft_b: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_stacked_to_peft`."""
+    a = peft_a.reshape(num_experts, -1, peft_a.shape[-1])  # [E, r, in]
+    b = peft_b.reshape(peft_b.shape[0], -1, num_experts).permute(2, 0, 1)  # [E, out, r]
+    return a, b
+
+
 # ---- applying, inspecting, merging -------------------------------------------------------
 
+AdapterModule = LoRALinear | LoRAExperts
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """Every LoRALinear of `model` by module name (e.g. 'layers.0.attention.wq')."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+def lora_modules(model: nn.Module) -> dict[str, AdapterModule]:
+    """Every adapted module of `model` (`LoRALinear`, `LoRAExperts`) by module name (e.g.
+    'layers.0.attention.wq', 'layers.1.feed_forward.experts')."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))
+    }
+
+
+def lora_base_names(model: nn.Module) -> list[str]:
+    """State-dict names of the adapted (frozen) base weights, without activation
+    checkpointing's prefix: 'layers.0.attention.wq.weight', 'layers.1.feed_forward.experts.w13'."""
+    return [
+        f"{name.replace(WRAPPER_PREFIX, '')}.{base}"
+        for name, module in lora_modules(model).items()
+        for base in module.base_names
+    ]
+
+
+def nf4_summary(model: nn.Module) -> str:
+    """Which frozen weights are NF4 (layer indices folded into '*'), and the stacked experts
+    left unquantized because they carry no adapters: what QLoRA's log line says."""
+
+    def fold(names):
+        return sorted({re.sub(r"layers\.\d+\.", "layers.*.", n) for n in names})
+
+    quantized = [
+        name.replace(WRAPPER_PREFIX, "")
+        for name, param in model.named_parameters()
+        if is_nf4(param)
+    ]
+    plain_experts = [
+        f"{name.replace(WRAPPER_PREFIX, '')}.{p}"
+        for name, m in model.named_modules()
+        if isinstance(m, moe.Experts)
+        for p in ("w13", "w2")
+    ]
+    text = f"NF4: {', '.join(fold(quantized)) or 'nothing'}"
+    if plain_experts:
+        dtype = str(model.get_submodule(plain_experts[0].rsplit(".", 1)[0]).w13.dtype)
+        text += (
+            f"; stacked experts without adapters stay in {dtype.removeprefix('torch.')} "
+            f"({', '.join(fold(plain_experts))}; add 'experts' to lora.targets to store them "
+            "in NF4)"
+        )
+    return text
 
 
 def _is_lora_parameter(name: str) -> bool:
@@ -259,17 +477,25 @@ def apply_lora(
     dropout: float = 0.0,
     base_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Swap the targeted linears of a `Transformer` (any family) for `LoRALinear`s, in place, and
-    freeze every other parameter; with `base_dtype`, store the frozen linear weights in it
-    (`frozen_linears`; the adapters keep the model's dtype). Works on a meta-device model
-    (adapters are then initialized by `reset_lora_parameters(model)` after `to_empty`).
-    Returns `model`.
+    """Swap the targeted linears of a `Transformer` (any family) for `LoRALinear`s (a MoE's
+    stacked experts for `LoRAExperts`), in place, and freeze every other parameter; with
+    `base_dtype`, store the frozen linear weights in it (`frozen_linears`; the adapters keep the
+    model's dtype). Works on a meta-device model (adapters are then initialized by
+    `reset_lora_parameters(model)` after `to_empty`). Returns `model`.
 
-    targets: names from q, k, v, o, gate, up, down, output (Meta's wq wk wv wo w1 w3 w2 output).
+    targets: names from q, k, v, o, gate, up, down, output, experts, router (Meta's wq wk wv wo
+    w1 w3 w2 output, a MoE's experts and router).
     """
     problem = _targets_problem(targets)
     if problem:
         raise ConfigError(problem)
+    on_parameters = [t for t in targets if t in PARAMETER_TARGETS]
+    if dropout > 0 and on_parameters:
+        raise ConfigError(
+            f"lora.dropout = {dropout} with LoRA target(s) {', '.join(on_parameters)}: adapters "
+            "on experts and routers take no dropout (PEFT's target_parameters cannot represent "
+            "it); set lora.dropout = 0 or drop those targets"
+        )
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters; merge or rebuild it first")
     args = getattr(model, "args", None)
@@ -282,7 +508,10 @@ def apply_lora(
     swaps = []
     for name, module in model.named_modules():
         attribute = name.rsplit(".", 1)[-1]
-        if not isinstance(module, nn.Linear) or attribute not in attributes:
+        is_experts = isinstance(module, moe.Experts)
+        if not (isinstance(module, nn.Linear) or is_experts) or attribute not in attributes:
+            continue
+        if is_experts != (attribute == TARGET_MODULES["experts"]):
             continue
         if attribute == "output" and name != "output":
             continue  # only the model's output head, no nested module of that name
@@ -290,9 +519,25 @@ def apply_lora(
         swaps.append((parent, attribute))
     if not swaps:
         raise ConfigError(f"no linear layer of the model matches the LoRA targets {list(targets)}")
+    dense_mlp = {TARGET_MODULES[t] for t in ("gate", "up", "down")}
+    in_dense_mlp = sorted({a for _, a in swaps if a in dense_mlp})
+    if in_dense_mlp and any(isinstance(m, moe.Experts) for m in model.modules()):
+        # PEFT (0.21, transformers 5) reads target_modules gate_proj / up_proj / down_proj of a
+        # MoE model as its experts' stacked parameters, so the dense layers' adapters would be
+        # lost on load.
+        raise ConfigError(
+            "LoRA targets gate / up / down on the dense MLP layers of a Mixture-of-Experts model "
+            "are not supported: PEFT reads those names as the experts' for MoE models; use "
+            "'experts' (and 'router') for the MLPs, e.g. lora.targets = "
+            '["q", "k", "v", "o", "experts"]'
+        )
     for parent, attribute in swaps:
         base = getattr(parent, attribute)
-        setattr(parent, attribute, LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout))
+        if isinstance(base, moe.Experts):
+            adapted = LoRAExperts(base, rank=rank, alpha=alpha)
+        else:
+            adapted = LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout)
+        setattr(parent, attribute, adapted)
     for name, param in model.named_parameters():
         param.requires_grad_(_is_lora_parameter(name))
     if base_dtype is not None:
@@ -311,21 +556,23 @@ def frozen_dtype(lora: LoRASection, bf16_training: bool) -> torch.dtype | None:
 
 
 def frozen_linears(model: nn.Module) -> list[nn.Module]:
-    """The LoRALinears' bases and every other frozen linear layer whose weight is not shared
-    with another module (a tied output projection is the embedding table)."""
+    """The LoRALinears' and LoRAExperts' bases and every other frozen linear layer whose weight
+    is not shared with another module (a tied output projection is the embedding table)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     adapters = {id(sub) for m in lora_modules(model).values() for sub in (m.lora_a, m.lora_b)}
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, (nn.Linear, LoRALinear))
-        and id(m) not in adapters
-        and not m.weight.requires_grad
-        and owners[id(m.weight)] == 1
-    ]
+    found = []
+    for m in model.modules():
+        if isinstance(m, LoRAExperts) or (
+            isinstance(m, (nn.Linear, LoRALinear))
+            and id(m) not in adapters
+            and not m.weight.requires_grad
+            and owners[id(m.weight)] == 1
+        ):
+            found.append(m)
+    return found
 
 
 def reset_lora_parameters(model: nn.Module) -> None:
@@ -343,8 +590,9 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only, by our names ('layers.0.attention.wq.lora_a.weight')."""
     state = {}
     for name, module in lora_modules(model).items():
-        state[f"{name}.lora_a.weight"] = module.lora_a.weight.detach()
-        state[f"{name}.lora_b.weight"] = module.lora_b.weight.detach()
+        for param_name, param in module.named_parameters():
+            if _is_lora_parameter(param_name):
+                state[f"{name}.{param_name}"] = param.detach()
     return state
 
 
@@ -365,16 +613,12 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold each adapter into its base weight and swap the `LoRALinear` back for an
-    `nn.Linear` (frozen, like the rest of a LoRA model), in place. NF4 bases are dequantized.
-    Returns `model`."""
+    `nn.Linear` (a `LoRAExperts` for an `Experts`: W_e += scale · B_e A_e), frozen like the rest
+    of a LoRA model, in place. NF4 bases are dequantized. Returns `model`."""
     for name, module in lora_modules(model).items():
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        merged = module.merged_weight()
-        linear = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
-        linear.weight = nn.Parameter(merged, requires_grad=False)
-        linear.bias = module.bias
-        setattr(parent, attribute, linear)
+        setattr(parent, attribute, module.merged_module())
     return model
 
 
@@ -385,14 +629,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
 def quantize_base_nf4(
     model: nn.Module, *, include_frozen_linears: bool = False, block_size: int = NF4_BLOCK_SIZE
 ) -> nn.Module:
-    """Store the frozen base weight of every `LoRALinear` as NF4 (QLoRA), in place; with
-    `include_frozen_linears`, also swap every other frozen `nn.Linear` (not sharing its weight
-    with an embedding) for an `NF4Linear`. Call after the base weights are loaded. The adapters
-    keep their dtype. Returns `model`."""
+    """Store the frozen base weight of every `LoRALinear` (and the stacked weights of every
+    `LoRAExperts`) as NF4 (QLoRA), in place; with `include_frozen_linears`, also swap every
+    other frozen `nn.Linear` (not sharing its weight with an embedding) for an `NF4Linear`.
+    Call after the base weights are loaded. The adapters keep their dtype. `nf4_summary` says
+    what was quantized. Returns `model`."""
     for name, module in lora_modules(model).items():
-        if not is_nf4(module.weight):
-            nf4 = _to_nf4(module.weight, block_size, f"{name}.weight")
-            module.weight = nn.Parameter(nf4, requires_grad=False)
+        module.quantize_base(block_size, name)
     if include_frozen_linears:
         plain = {id(m) for m in frozen_linears(model) if type(m) is nn.Linear}
         for name in [name for name, m in model.named_modules() if id(m) in plain]:
@@ -407,8 +650,15 @@ def nf4_placeholders(model: nn.Module, *, num_shards: int, block_size: int = NF4
     device) into an NF4 tensor, so that FSDP2 shards and all-gathers its packed form (torchao's
     NF4 all-gather extension: 0.5 bytes a weight on the wire and in memory). Each weight must
     split into `num_shards` row blocks that hold whole NF4 and scale blocks. Fill the shards with
-    `load_nf4_shard` after `to_empty`."""
+    `load_nf4_shard` after `to_empty`. Stacked experts (`LoRAExperts`) are refused here: QLoRA
+    on experts runs in one process."""
     for name, module in lora_modules(model).items():
+        if isinstance(module, LoRAExperts):
+            raise ConfigError(
+                f'lora.quantize_base = "nf4" over {num_shards} FSDP shards with LoRA target '
+                f"'experts' ({name.replace(WRAPPER_PREFIX, '')}) is not supported yet; use QLoRA "
+                "in one process or drop 'experts' from lora.targets"
+            )
         name = f"{name.replace(WRAPPER_PREFIX, '')}.weight"
         weight = module.weight
         nf4 = _to_nf4(weight, block_size, name, meta_ok=True)
@@ -446,11 +696,56 @@ def quantize_like(weight: torch.Tensor, block_size: int = NF4_BLOCK_SIZE) -> tor
 # ---- PEFT-compatible adapter files ------------------------------------------------------------
 
 
-def _peft_module_name(our_module: str, args) -> str:
-    """'layers.0.attention.wq' -> 'base_model.model.model.layers.0.self_attn.q_proj' (by the
-    key map of the family of `args`)."""
-    hf_name = models.ours_to_hf(f"{our_module}.weight", args)
-    return _PEFT_PREFIX + hf_name.removesuffix(".weight")
+@dataclass(frozen=True)
+class _PeftTensors:
+    """Where one adapted weight's adapter lives in a PEFT file."""
+
+    prefix: str  # '<prefix>.lora_A.weight' / '<prefix>.lora_B.weight'
+    module: AdapterModule
+    base: str  # the adapted weight's attribute: 'weight', 'w13', 'w2'
+    target_module: str | None  # its adapter_config.json target_modules entry, or
+    target_parameter: str | None  # its target_parameters entry
+
+    def ours_as_peft(self) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.module
+        if isinstance(m, LoRAExperts):
+            return _stacked_to_peft(m.lora_a[self.base].detach(), m.lora_b[self.base].detach())
+        return m.lora_a.weight.detach(), m.lora_b.weight.detach()
+
+    def ours(self) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.module
+        if isinstance(m, LoRAExperts):
+            return m.lora_a[self.base], m.lora_b[self.base]
+        return m.lora_a.weight, m.lora_b.weight
+
+
+def _peft_tensors(model: nn.Module, args) -> list[_PeftTensors]:
+    """PEFT's names for every adapter of `model`, by the key map of the family of `args`:
+    'layers.0.attention.wq' -> 'base_model.model.model.layers.0.self_attn.q_proj' (target_modules
+    q_proj); 'layers.1.feed_forward.experts' w13 / w2 -> '...layers.1.mlp.experts.base_layer' /
+    '...layers.1.mlp.experts' (target_parameters mlp.experts.gate_up_proj / down_proj: PEFT
+    nests the wrappers of one module's parameters in their order of registration, which is
+    ours); the router -> '...mlp.gate' (target_parameters mlp.gate.weight)."""
+    attribute_to_target = {attr: target for target, attr in TARGET_MODULES.items()}
+    found = []
+    for name, module in lora_modules(model).items():
+        target = attribute_to_target[name.rsplit(".", 1)[-1]]
+        for index, base in enumerate(module.base_names):
+            hf_name = models.ours_to_hf(f"{name}.{base}", args)
+            hf_module = hf_name.rpartition(".")[0]
+            nesting = ".base_layer" * (len(module.base_names) - 1 - index)
+            in_layer = re.sub(r"^model\.layers\.\d+\.", "", hf_name)
+            on_parameter = target in PARAMETER_TARGETS
+            found.append(
+                _PeftTensors(
+                    prefix=_PEFT_PREFIX + hf_module + nesting,
+                    module=module,
+                    base=base,
+                    target_module=None if on_parameter else HF_TARGET_NAMES[target],
+                    target_parameter=in_layer if on_parameter else None,
+                )
+            )
+    return found
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -482,15 +777,14 @@ def save_peft_adapter(
             )
     if getattr(args, "tie_embeddings", False) and "output" in modules:
         raise ConfigError("LoRA on the output projection of a tied-embedding model")
-    attribute_to_target = {attr: target for target, attr in TARGET_MODULES.items()}
-    hf_targets = sorted(
-        {HF_TARGET_NAMES[attribute_to_target[name.rsplit(".", 1)[-1]]] for name in modules}
-    )
+    entries = _peft_tensors(model, args)
     tensors = {}
-    for name, module in modules.items():
-        prefix = _peft_module_name(name, args)
-        tensors[f"{prefix}.lora_A.weight"] = module.lora_a.weight.detach().cpu().contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = module.lora_b.weight.detach().cpu().contiguous()
+    for entry in entries:
+        peft_a, peft_b = entry.ours_as_peft()
+        tensors[f"{entry.prefix}.lora_A.weight"] = peft_a.cpu().contiguous()
+        tensors[f"{entry.prefix}.lora_B.weight"] = peft_b.cpu().contiguous()
+    hf_targets = sorted({e.target_module for e in entries if e.target_module})
+    hf_parameters = sorted({e.target_parameter for e in entries if e.target_parameter})
     alpha = lora_cfg.alpha
     config = {
         "peft_type": "LORA",
@@ -500,6 +794,7 @@ def save_peft_adapter(
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
         "lora_dropout": lora_cfg.dropout,
         "target_modules": hf_targets,
+        "target_parameters": hf_parameters or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -551,7 +846,6 @@ def read_peft_config(adapter_dir: str | Path) -> LoRASection:
         "layers_to_transform": lambda v: v is not None,
         "rank_pattern": bool,
         "alpha_pattern": bool,
-        "target_parameters": bool,
         "trainable_token_indices": bool,
         "layer_replication": bool,
     }
@@ -561,26 +855,64 @@ def read_peft_config(adapter_dir: str | Path) -> LoRASection:
                 f"{path}: {key} = {json.dumps(config[key])} is not supported by lmforge's LoRA"
             )
     hf_to_target = {hf: target for target, hf in HF_TARGET_NAMES.items()}
+    parameter_targets = _parameter_targets(config.get("target_parameters"), path)
     names = config.get("target_modules")
     if names == "all-linear":  # PEFT's shorthand: every linear except the output head
-        names = [HF_TARGET_NAMES[t] for t in DEFAULT_TARGETS]
-    if not isinstance(names, list) or not names or any(n not in hf_to_target for n in names):
+        names = [HF_TARGET_NAMES[t] for t in DEFAULT_TARGETS if t in HF_TARGET_NAMES]
+    if parameter_targets and names is None:
+        names = []
+    if (
+        not isinstance(names, list)
+        or not (names or parameter_targets)
+        or any(n not in hf_to_target for n in names)
+    ):
         raise ModelFormatError(
             f"{path}: target_modules = {json.dumps(names)} is not supported; allowed: a list of "
             f"{', '.join(HF_TARGET_NAMES.values())} (or 'all-linear')"
         )
+    targets = {hf_to_target[n] for n in names} | parameter_targets
     try:
         return LoRASection(
             enabled=True,
             rank=config["r"],
             alpha=config["lora_alpha"],
             dropout=config.get("lora_dropout", 0.0),
-            targets=sorted({hf_to_target[n] for n in names}, key=list(TARGET_MODULES).index),
+            targets=sorted(targets, key=list(TARGET_MODULES).index),
         )
     except KeyError as err:
         raise ModelFormatError(f"{path}: lacks the key {err.args[0]!r}") from None
     except ValueError as err:  # pydantic: r or lora_alpha out of range
         raise ModelFormatError(f"{path}: invalid LoRA settings ({err})") from None
+
+
+def _parameter_targets(entries, path: Path) -> set[str]:
+    """PEFT's target_parameters -> our targets (experts, router). PEFT matches an entry as a
+    suffix of '<module>.<parameter>', so 'experts.gate_up_proj' and the full
+    'mlp.experts.gate_up_proj' both name the experts' first stack; both stacks are needed."""
+    if not entries:
+        return set()
+    known = {hf: target for target, names in HF_TARGET_PARAMETERS.items() for hf in names}
+    allowed = ", ".join(known)
+    if not isinstance(entries, list):
+        raise ModelFormatError(f"{path}: target_parameters = {json.dumps(entries)}: not a list")
+    matched: dict[str, str] = {}
+    for entry in entries:
+        hits = [hf for hf in known if hf == entry or hf.endswith(f".{entry}")]
+        if len(hits) != 1:
+            raise ModelFormatError(
+                f"{path}: target_parameters entry {entry!r} is not supported by lmforge's LoRA; "
+                f"allowed: {allowed}"
+            )
+        matched[hits[0]] = known[hits[0]]
+    targets = set(matched.values())
+    for target in targets:
+        missing = [hf for hf in HF_TARGET_PARAMETERS[target] if hf not in matched]
+        if missing:
+            raise ModelFormatError(
+                f"{path}: target_parameters adapts only part of the {target} ({missing[0]} is "
+                f"missing); lmforge adapts {' and '.join(HF_TARGET_PARAMETERS[target])} together"
+            )
+    return targets
 
 
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> LoRASection:
@@ -606,10 +938,10 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> LoRASection:
     except (SafetensorError, OSError) as err:
         raise ModelFormatError(f"{weights_path}: cannot read safetensors ({err})") from None
     expected = {}
-    for name, module in lora_modules(model).items():
-        prefix = _peft_module_name(name, model.args)
-        expected[f"{prefix}.lora_A.weight"] = module.lora_a.weight
-        expected[f"{prefix}.lora_B.weight"] = module.lora_b.weight
+    for entry in _peft_tensors(model, model.args):
+        peft_a, peft_b = entry.ours_as_peft()
+        expected[f"{entry.prefix}.lora_A.weight"] = (entry, 0, peft_a.shape)
+        expected[f"{entry.prefix}.lora_B.weight"] = (entry, 1, peft_b.shape)
     # PEFT also saves the full base weight of an adapted lm_head ("...lm_head.base_layer.weight")
     # when it suspects tied embeddings; it is the base model's own weight, which we already have.
     found = {k for k in tensors if not k.endswith(".base_layer.weight")}
@@ -619,15 +951,21 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> LoRASection:
             f"{weights_path}: tensors do not match {ADAPTER_CONFIG_NAME}: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
+    for key, (_, _, shape) in expected.items():
+        if tuple(tensors[key].shape) != tuple(shape):
+            raise ModelFormatError(
+                f"{weights_path}: tensor {key} has shape {tuple(tensors[key].shape)}, the model "
+                f"needs {tuple(shape)} (an adapter for another model?)"
+            )
     with torch.no_grad():
-        for key, param in expected.items():
-            tensor = tensors[key]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelFormatError(
-                    f"{weights_path}: tensor {key} has shape {tuple(tensor.shape)}, the model "
-                    f"needs {tuple(param.shape)} (an adapter for another model?)"
-                )
-            param.copy_(tensor)
+        for entry in {id(e): e for e, _, _ in expected.values()}.values():
+            peft_a = tensors[f"{entry.prefix}.lora_A.weight"]
+            peft_b = tensors[f"{entry.prefix}.lora_B.weight"]
+            if isinstance(entry.module, LoRAExperts):
+                peft_a, peft_b = _stacked_from_peft(peft_a, peft_b, entry.module.num_experts)
+            param_a, param_b = entry.ours()
+            param_a.copy_(peft_a)
+            param_b.copy_(peft_b)
     return cfg
 
 
@@ -645,6 +983,7 @@ __all__ = [
     "ADAPTER_WEIGHTS_NAME",
     "HF_TARGET_NAMES",
     "TARGET_MODULES",
+    "LoRAExperts",
     "LoRALinear",
     "LoRASection",
     "NF4Linear",
@@ -653,9 +992,11 @@ __all__ = [
     "disable_adapters",
     "is_nf4",
     "load_peft_adapter",
+    "lora_base_names",
     "lora_modules",
     "lora_state_dict",
     "merge_lora",
+    "nf4_summary",
     "quantize_base_nf4",
     "read_peft_config",
     "reset_lora_parameters",

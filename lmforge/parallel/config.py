@@ -19,6 +19,15 @@ class ParallelSection(Section):
     dp_replicate: PositiveInt = 1
     dp_shard: int = -1
     tp: PositiveInt = 1
+    ep: PositiveInt = 1
+    """Expert parallelism (Mixture-of-Experts models): the experts are split over `ep` ranks,
+    each holding num_experts / ep of them, and tokens travel to their experts' ranks and back
+    by all-to-all. The ep ranks are a sub-axis of dp_shard (as in torchtitan): ep must divide
+    dp_shard (resolved) and the model's num_experts; FSDP2 shards each rank's experts over the
+    dp_shard / ep ranks that hold the same ones (HSDP: replicated over dp_replicate), everything
+    else over all dp ranks as before.
+    Not yet with tp > 1, compile, cpu_offload or LoRA. Allowed: a positive integer dividing
+    dp_shard and num_experts."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     """torch.compile each transformer block."""

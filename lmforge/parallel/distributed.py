@@ -19,6 +19,8 @@ from lmforge.errors import ConfigError
 from lmforge.parallel.config import ParallelSection
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+# Expert parallelism's view of the same ranks: ep is the inner (contiguous) part of dp_shard.
+SPARSE_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass
@@ -31,6 +33,9 @@ class Layout:
     dp_size: int
     tp_size: int
     dp_group: object = None  # process group over (dp_replicate, dp_shard); None: one process
+    ep_size: int = 1
+    # axes SPARSE_AXES: dp_shard split into (dp_shard_mod_ep, ep); None unless ep_size > 1
+    sparse_mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
@@ -40,6 +45,18 @@ class Layout:
     def dp_mesh(self) -> DeviceMesh | None:
         """The (dp_replicate, dp_shard) sub-mesh FSDP2 shards over (HSDP when both > 1)."""
         return None if self.mesh is None else self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh the experts are split over (all-to-all of tokens); None without ep."""
+        return None if self.sparse_mesh is None else self.sparse_mesh["ep"]
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """The (dp_replicate, dp_shard_mod_ep) mesh FSDP2 shards each rank's experts over."""
+        if self.sparse_mesh is None:
+            return None
+        return self.sparse_mesh["dp_replicate", "dp_shard_mod_ep"]
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -69,7 +86,31 @@ def mesh_shape(parallel: ParallelSection, world_size: int) -> tuple[int, int, in
             f"({tp}) = {replicate * shard * tp} does not match the world size {world_size} "
             "(number of processes)"
         )
+    check_ep(parallel, shard)
     return replicate, shard, tp
+
+
+def check_ep(parallel: ParallelSection, dp_shard: int) -> None:
+    """parallel.ep against the resolved dp_shard and the options it does not combine with yet."""
+    ep = parallel.ep
+    if ep == 1:
+        return
+    if dp_shard % ep:
+        allowed = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+        raise ConfigError(
+            f"parallel.ep = {ep} must divide parallel.dp_shard ({dp_shard}: the expert-parallel "
+            f"ranks are a part of the data-parallel shards); allowed here: {allowed}"
+        )
+    for key, value, off in (
+        ("parallel.tp", parallel.tp, 1),
+        ("parallel.compile", parallel.compile, False),
+        ("parallel.cpu_offload", parallel.cpu_offload, False),
+    ):
+        if value != off:
+            raise ConfigError(
+                f"parallel.ep = {ep} cannot be combined with {key} = {str(value).lower()} yet; "
+                f"set {key} = {str(off).lower()} or parallel.ep = 1"
+            )
 
 
 def setup(parallel: ParallelSection, device_choice: str) -> Layout:
@@ -88,6 +129,11 @@ def setup(parallel: ParallelSection, device_choice: str) -> Layout:
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
     replicate_rank = mesh.get_local_rank("dp_replicate")
     shard_rank = mesh.get_local_rank("dp_shard")
+    sparse_mesh = None
+    if parallel.ep > 1:
+        sparse_mesh = mesh._unflatten(
+            "dp_shard", (shape[1] // parallel.ep, parallel.ep), SPARSE_AXES[1:3]
+        )
     return Layout(
         rank=dist.get_rank(),
         world_size=world_size,
@@ -97,6 +143,8 @@ def setup(parallel: ParallelSection, device_choice: str) -> Layout:
         dp_size=shape[0] * shape[1],
         tp_size=shape[2],
         dp_group=mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group(),
+        ep_size=parallel.ep,
+        sparse_mesh=sparse_mesh,
     )
 
 

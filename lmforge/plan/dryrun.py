@@ -164,7 +164,7 @@ def dry_run(setup: Setup) -> DryRun:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lmforge.parallel.config import ParallelSection
-    from lmforge.parallel.distributed import MESH_AXES, Layout
+    from lmforge.parallel.distributed import MESH_AXES, SPARSE_AXES, Layout
     from lmforge.train.optim import to_bf16_parameters
 
     check_setup(setup)
@@ -173,6 +173,7 @@ def dry_run(setup: Setup) -> DryRun:
         dp_replicate=setup.dp_replicate,
         dp_shard=setup.dp_shard,
         tp=setup.tp,
+        ep=setup.ep,
         activation_checkpointing=setup.activation_checkpointing,
         cpu_offload=setup.cpu_offload,
         reshard_after_forward=setup.reshard_after_forward,
@@ -186,6 +187,10 @@ def dry_run(setup: Setup) -> DryRun:
             )
         else:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_AXES)
+            sparse_mesh = None
+            if setup.ep > 1:  # as distributed.setup() splits dp_shard
+                sizes = (shape[1] // setup.ep, setup.ep)
+                sparse_mesh = mesh._unflatten("dp_shard", sizes, SPARSE_AXES[1:3])
             layout = Layout(
                 rank=0,
                 world_size=setup.gpus,
@@ -194,6 +199,8 @@ def dry_run(setup: Setup) -> DryRun:
                 dp_rank=0,
                 dp_size=shape[0] * shape[1],
                 tp_size=shape[2],
+                ep_size=setup.ep,
+                sparse_mesh=sparse_mesh,
             )
         model = _build(setup, layout, parallel, lora=setup.uses_lora)
         if setup.master_weights:  # what lmforge.train.adamw.AdamW(bf16_params=True) does
@@ -218,10 +225,9 @@ def dry_run(setup: Setup) -> DryRun:
     if setup.method == "qlora":
         # NF4 needs real weights (the trainer quantizes after loading): count the adapted
         # bases' stored bytes from their shapes, as quantize_base_nf4 will store them.
-        from lmforge.modules.lora import lora_modules
+        from lmforge.modules.lora import lora_base_names
 
-        nf4_names = {f"{n}.weight" for n in lora_modules(model)}
-        nf4_names = {n.replace(_WRAPPER_PREFIX, "") for n in nf4_names}
+        nf4_names = set(lora_base_names(model))
         for name in nf4_names:
             t = tensors[name]
             numel = math.prod(t.local_shape)

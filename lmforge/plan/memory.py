@@ -86,6 +86,7 @@ class Setup:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    ep: int = 1  # parallel.ep: stacked experts split over ep of the dp_shard ranks
     activation_checkpointing: str = "none"
     cpu_offload: bool = False
     reshard_after_forward: bool = True
@@ -163,7 +164,12 @@ class Setup:
         from lmforge.parallel.distributed import mesh_shape
 
         section = ParallelSection(
-            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            ep=self.ep,
+            compile=self.compile,
+            cpu_offload=self.cpu_offload,
         )
         return mesh_shape(section, self.gpus)
 
@@ -323,6 +329,23 @@ def check_setup(setup: Setup) -> None:
             raise ConfigError(
                 "lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)"
             )
+    if setup.ep > 1:
+        num_experts = getattr(setup.args, "num_experts", 0)
+        if not num_experts:
+            raise ConfigError(
+                f"parallel.ep = {setup.ep} needs a Mixture-of-Experts model (this one has no "
+                "experts); set parallel.ep = 1"
+            )
+        if num_experts % setup.ep:
+            allowed = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ConfigError(
+                f"parallel.ep = {setup.ep} must divide the model's num_experts ({num_experts}); "
+                f"allowed: {allowed}"
+            )
+        if setup.uses_lora:
+            raise ConfigError(
+                "lora.enabled with parallel.ep > 1 is not supported yet; set parallel.ep = 1"
+            )
     if setup.method == "qlora" and setup.cpu_offload:
         raise ConfigError('lora.quantize_base = "nf4" (QLoRA) cannot be combined with CPU offload')
     if setup.reference == "adapters_disabled" and not setup.uses_lora:
@@ -347,6 +370,7 @@ class ParamSpec:
     nf4: bool = False  # stored as NF4 (QLoRA's frozen bases of adapted linears)
     matmul: bool = False  # used as a matmul weight (cast to the compute dtype)
     frozen_linear: bool = False  # a linear's weight frozen by LoRA (stored in lora.base_dtype)
+    expert: bool = False  # stacked experts [E, ...]: parallel.ep splits dim 0
 
     @property
     def numel(self) -> int:
@@ -400,7 +424,8 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
             if param.kind == "linear":
                 prefix = f"{group}.{param.name.removesuffix(param.attribute + '.weight')}"
                 linear(prefix, param.attribute, param.shape, param.tp_dim, group)
-            else:  # stacked experts: matmul weights LoRA does not adapt
+            else:  # stacked experts [E, out, in] (LoRA target "experts"), norms
+                is_adapted = param.kind == "experts" and "experts" in adapted
                 specs.append(
                     ParamSpec(
                         f"{group}.{param.name}",
@@ -408,35 +433,61 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
                         group,
                         param.tp_dim,
                         full,
+                        nf4=is_adapted and setup.method == "qlora",
                         matmul=param.kind == "experts",
+                        expert=param.kind == "experts",
+                        frozen_linear=is_adapted,
                     )
                 )
+                if is_adapted:  # lora.py's LoRAExperts: A [E, r, in], B [E, out, r]
+                    e, out_dim, in_dim = param.shape
+                    prefix, _, stack = param.name.rpartition(".")
+                    for which, shape in (("lora_a", (e, r, in_dim)), ("lora_b", (e, out_dim, r))):
+                        specs.append(
+                            ParamSpec(
+                                f"{group}.{prefix}.{which}.{stack}",
+                                shape,
+                                group,
+                                None,
+                                True,
+                                matmul=True,
+                            )
+                        )
     specs.append(ParamSpec("norm.weight", (d,), "root", None, full))
     if not a.tie_embeddings:  # tied: the output projection *is* tok_embeddings.weight
         linear("", "output", (a.vocab_size, d), 0, "root")
     return specs
 
 
-def local_shape(spec: ParamSpec, setup: Setup) -> tuple[int, ...]:
-    """Shape of rank 0's shard: tensor parallelism splits `tp_dim` (torch.chunk, so rank 0
-    gets the ceiling), then FSDP2 splits dim 0 of that over dp_shard (padded to the same size
-    on every rank, which rank 0's chunk equals)."""
-    _, dp_shard, tp = setup.mesh
+def _model_parallel_shape(spec: ParamSpec, setup: Setup) -> list[int]:
+    """The parameter as one rank holds it with FSDP's shards gathered: tensor parallelism splits
+    `tp_dim` (torch.chunk, so rank 0 gets the ceiling); expert parallelism keeps E / ep of the
+    stacked experts (`lmforge.parallel.expert_parallel`)."""
+    _, _, tp = setup.mesh
     shape = list(spec.shape)
     if tp > 1 and spec.tp_dim is not None:
         shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
+    if spec.expert and setup.ep > 1:
+        shape[0] //= setup.ep
+    return shape
+
+
+def local_shape(spec: ParamSpec, setup: Setup) -> tuple[int, ...]:
+    """Shape of rank 0's shard: `_model_parallel_shape`, then FSDP2 splits dim 0 of that over
+    dp_shard (padded to the same size on every rank, which rank 0's chunk equals); an expert-
+    parallel rank's experts over the dp_shard / ep ranks that hold the same ones."""
+    _, dp_shard, _ = setup.mesh
+    shape = _model_parallel_shape(spec, setup)
+    if spec.expert and setup.ep > 1:
+        dp_shard //= setup.ep
     if setup.fsdp and dp_shard > 1:
         shape[0] = math.ceil(shape[0] / dp_shard)
     return tuple(shape)
 
 
 def tp_local_numel(spec: ParamSpec, setup: Setup) -> int:
-    """Elements one rank holds when FSDP has gathered the parameter (TP shard only)."""
-    _, _, tp = setup.mesh
-    shape = list(spec.shape)
-    if tp > 1 and spec.tp_dim is not None:
-        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
-    return math.prod(shape)
+    """Elements one rank holds when FSDP has gathered the parameter (TP and EP shards only)."""
+    return math.prod(_model_parallel_shape(spec, setup))
 
 
 def nf4_bytes(numel: int, meta_bytes: int = 4) -> int:
@@ -1258,6 +1309,7 @@ def setup_from_job(
         dp_replicate=job.parallel.dp_replicate,
         dp_shard=job.parallel.dp_shard,
         tp=job.parallel.tp,
+        ep=job.parallel.ep,
         activation_checkpointing=job.parallel.activation_checkpointing,
         cpu_offload=job.parallel.cpu_offload,
         reshard_after_forward=job.parallel.reshard_after_forward,

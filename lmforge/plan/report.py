@@ -47,6 +47,8 @@ def describe(setup: Setup) -> list[str]:
     if setup.fsdp:
         kind = "HSDP" if replicate > 1 and shard > 1 else "FSDP2"
         layout = f"{kind}: dp_replicate {replicate} × dp_shard {shard} × tp {tp}"
+        if setup.ep > 1:
+            layout += f", experts split over ep {setup.ep} of the dp_shard ranks"
     elif tp > 1:
         layout = f"tensor parallel {tp} (no FSDP)"
     else:

@@ -94,7 +94,30 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     squares in fp32: torch's norm of bf16 tensors is a bf16 number, three digits in the logs."""
     if grads and all(g.dtype == torch.bfloat16 and not isinstance(g, DTensor) for g in grads):
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, torch.float32)))
+    groups = by_mesh(grads)
+    if len(groups) > 1:
+        # DTensors on several meshes (expert parallelism: the experts' and the rest): each
+        # mesh's norm on its own, reduced to a plain number, then the norm of those.
+        norms = [total_grad_norm(group) for group in groups]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
     return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+
+def by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by their DTensor mesh (plain tensors together), in first-seen order:
+    foreach ops take one mesh per list, and expert parallelism puts the experts on their own."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
+        groups.setdefault(mesh, []).append(tensor)
+    return list(groups.values())
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float, grad_norm: torch.Tensor) -> None:
+    """Scale the gradients by min(1, max_norm / grad_norm), one foreach pass per mesh."""
+    for group in by_mesh(p for p in params if p.grad is not None):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm, foreach=True)
 
 
 def add_in_fp32(params: list[torch.Tensor], sums: dict, *, last: bool) -> None:
@@ -214,7 +237,7 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         max_norm = self.cfg.train.max_grad_norm
         if max_norm and not self.skips_on_device:
-            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, grad_norm, foreach=True)
+            clip_grads(self.params, max_norm, grad_norm)
         # One all-reduce and one host sync per step carry the loss, the extra metrics and the
         # preemption flag (TP ranks hold the same loss: numerator and denominator both count it).
         # The flag is filled on the device: torch.tensor(..., device=cuda) would copy it from

@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.train.config import OptimSection, SchedulerSection
 
@@ -29,6 +30,17 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    meshes = []  # expert parallelism: the experts' DTensors are on a mesh of their own
+    for param in decay + no_decay:
+        mesh = _mesh(param)
+        if mesh not in meshes:
+            meshes.append(mesh)
+    if len(meshes) > 1:  # foreach updates take one mesh per list: a group per mesh
+        groups = [
+            {**group, "params": [p for p in group["params"] if _mesh(p) == mesh]}
+            for group in groups
+            for mesh in meshes
+        ]
     groups = [g for g in groups if g["params"]]
     options = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     if fused and device.type == "cuda":
@@ -36,6 +48,10 @@ def build_optimizer(
 
         return AdamW(groups, kernel=TRITON_ADAMW, bf16_params=bf16_params, **options)
     return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **options)
+
+
+def _mesh(param: torch.Tensor):
+    return param.device_mesh if isinstance(param, DTensor) else None
 
 
 def to_bf16_parameters(module: nn.Module) -> None:

@@ -1,9 +1,10 @@
 """`parallelize(model, layout, cfg)`: the one place parallelism is applied, from outside the model.
 
 Order (each step sees the result of the previous one): float8 conversion → tensor parallel plan
-(DTensor; sequence parallel for the norms) → activation checkpointing → per-block torch.compile →
-FSDP2 per block, then the root. The model is built on the meta device before this and
-materialized after it, so no rank ever holds the full unsharded model.
+(DTensor; sequence parallel for the norms) → expert parallelism (the experts split over the ep
+axis) → activation checkpointing → per-block torch.compile → FSDP2 per block (a block's experts
+first, over the ranks left beside ep), then the root. The model is built on the meta device
+before this and materialized after it, so no rank ever holds the full unsharded model.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lmforge.errors import ConfigError
 from lmforge.models import Transformer
 from lmforge.parallel.config import ParallelSection
 from lmforge.parallel.distributed import Layout
+from lmforge.parallel.expert_parallel import apply_expert_parallel, expert_parallel_modules
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -42,6 +44,8 @@ def parallelize(
         convert_to_float8(model, layout)
     if layout.tp_size > 1:
         apply_tensor_parallel(model, layout.mesh["tp"])
+    if layout.ep_size > 1:
+        apply_expert_parallel(model, layout.ep_mesh)
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
@@ -129,6 +133,15 @@ def apply_fsdp(model: Transformer, layout: Layout, cfg: ParallelSection, *, bf16
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         reshard = cfg.reshard_after_forward and index < len(blocks) - 1
+        for experts in expert_parallel_modules(block):
+            # Each rank's own experts, sharded over the ranks that hold the same ones.
+            fully_shard(
+                experts,
+                mesh=layout.expert_dp_mesh,
+                mp_policy=policy,
+                offload_policy=offload,
+                reshard_after_forward=reshard,
+            )
         fully_shard(
             block,
             mesh=mesh,

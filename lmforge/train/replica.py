@@ -72,8 +72,9 @@ def unsharded_model(args, lora, device: torch.device, bf16: bool) -> nn.Module:
         nf4_placeholders(model, num_shards=1)
     model.to_empty(device=device)
     for module in lora_modules(model).values():
-        if is_nf4(module.weight):
-            nf4_to_empty(module.weight)
+        for weight in module.parameters(recurse=False):
+            if is_nf4(weight):
+                nf4_to_empty(weight)
     model.tie_weights()
     model.init_buffers(device)
     return model.requires_grad_(False).eval()

@@ -44,6 +44,7 @@ from lmforge.modules.lora import (
     lora_state_dict,
     merge_lora,
     nf4_placeholders,
+    nf4_summary,
     quantize_base_nf4,
     quantize_like,
     reset_lora_parameters,
@@ -178,6 +179,10 @@ def _initial_state_on_rank0(
 def _check_lora_layout(lora: LoRASection, layout: distributed.Layout, job: TrainJob) -> None:
     if layout.tp_size > 1:
         raise ConfigError("lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)")
+    if layout.ep_size > 1:
+        raise ConfigError(
+            "lora.enabled with parallel.ep > 1 is not supported yet; set parallel.ep = 1"
+        )
     if lora.quantize_base == "nf4" and job.parallel.cpu_offload:
         raise ConfigError(
             'lora.quantize_base = "nf4" (QLoRA) cannot be combined with parallel.cpu_offload'
@@ -241,10 +246,11 @@ def build_and_load_model(
     if layout.is_main and lora.quantize_base == "nf4":
         log.warning(
             "QLoRA: adapted base weights in NF4, other frozen linears in %s: model memory "
-            "%s%.1f MB per process",
+            "%s%.1f MB per process (%s)",
             stored,
             "" if sharded_nf4 else f"{before / 1e6:.1f} MB -> ",
             module_bytes(model) / 1e6,
+            nf4_summary(model),
         )
     elif layout.is_main:
         log.warning("LoRA: frozen linear weights in %s: model memory %.1f MB", stored, before / 1e6)
