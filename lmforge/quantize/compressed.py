@@ -13,8 +13,10 @@ linear of a block becomes `weight_packed` (int32 [N, K * bits / 32]: compressed-
 packing), `weight_scale` [N, K / group] (or [N, 1] per output row) in the model's dtype, and
 `weight_shape` [2]; config.json carries the `quantization_config` that compressed-tensors' own
 models describe. Scales and values are compressed-tensors' (`calculate_qparams`, `quantize`),
-so the weights are exactly what its decompression, and vLLM's kernels, multiply. Embeddings,
-norms and the output projection stay as they are (`ignore`). A safetensors source is read,
+so the weights are exactly what its decompression, and vLLM's kernels, multiply. A
+Mixture-of-Experts' experts are quantized one expert's projection at a time, under the hub's
+per-expert names (what llm-compressor writes and vLLM's MoE kernels read). Embeddings, norms,
+a MoE's router and the output projection stay as they are (`ignore`). A safetensors source is read,
 compressed and written one tensor at a time (the shard writer of `lmforge.quantize.quantize`),
 so a 70B model needs the host memory of one weight and one shard, not of the model.
 
@@ -38,7 +40,7 @@ from lmforge.quantize.stored import quiet_torchao
 FORMAT = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
 # The linears of a block in Hugging Face's names (both families).
-BLOCK_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+BLOCK_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.\w+_proj\.weight$")
 BITS = {"int4-wo": 4, "int8-wo": 8}
 
 
@@ -119,7 +121,7 @@ def quantization_config(args) -> dict:
     described = config(
         config_groups={"group_0": group},
         format="float-quantized" if args.type == "float" else "pack-quantized",
-        ignore=["lm_head"],
+        ignore=["lm_head", "re:.*mlp.gate$"],  # (a MoE's router stays as it is)
         quantization_status=status.COMPRESSED,
     )
     return described.model_dump(exclude_none=True)

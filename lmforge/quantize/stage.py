@@ -61,6 +61,7 @@ def quantize_artifact(
     artifact.parse_size(max_shard_size)  # a bad size fails before any work
     artifact.check_output(out, inputs=[source], overwrite=overwrite)
     kind = detect_format(source)
+    _refuse_experts(source)
     if stream and kind == "hf":
         result = quantize_streaming(
             Path(source),
@@ -81,6 +82,19 @@ def quantize_artifact(
     if pack_int4:
         result.warnings.append(PACKED_WARNING.format(type=PACKED_CONFIG_TYPE))
     return result
+
+
+def _refuse_experts(source: str | Path) -> None:
+    """torchao's weight-only layouts cover linears, not a Mixture-of-Experts' stacked experts:
+    rather than leave them in bf16 unsaid, send the user to the formats that quantize them."""
+    from lmforge.api import read_args
+
+    if getattr(read_args(source), "num_experts", 0):
+        raise ConfigError(
+            f"{source}: a Mixture-of-Experts model; --format torchao (the default for int8-wo / "
+            "int4-wo) does not quantize its experts: use --format compressed-tensors (W8A16 / "
+            "W4A16, every expert, as vLLM's MoE kernels read them) or --scheme fp8"
+        )
 
 
 def _quantize_whole(

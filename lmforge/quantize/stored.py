@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 
 from lmforge import artifact, models
 from lmforge.errors import ModelFormatError, UserError
+
+log = logging.getLogger(__name__)
 
 PACKED_SUFFIX = "_int4x2"  # `<module>._weight_qdata_int4x2`: two int4 values per byte
 # config.json of a packed artifact: quant_method "torchao" with this config type, which torchao
@@ -166,6 +169,7 @@ def compressed_as_torchao(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     from torchao.quantization import Int8Tensor, IntxUnpackedToInt8Tensor
 
     out, rest = {}, {}
+    state = _experts_dequantized(state)
     for prefix, values, scale in _float8_linears(state, rest):
         out[f"{prefix}.weight"] = _float8_tensor(values, scale)
     for prefix, q, scale, bits in _packed_linears(rest, out):
@@ -178,6 +182,24 @@ def compressed_as_torchao(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         else:
             out[f"{prefix}.weight"] = Int8Tensor(q, scale, block, scale.dtype, zero_point=zero)
     return out
+
+
+def _experts_dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Mixture-of-Experts' per-expert linears dequantized (the rest as it is): lmforge stacks
+    the experts [E, ...] and its engine has no quantized expert kernels yet, so they compute in
+    the scales' dtype (said once)."""
+    experts = {n: t for n, t in state.items() if _EXPERT.search(n)}
+    if not experts:
+        return state
+    log.warning(
+        "the Mixture-of-Experts' experts are dequantized at load (lmforge has no quantized "
+        "expert kernels yet); attention and dense layers stay quantized"
+    )
+    others = {n: t for n, t in state.items() if n not in experts}
+    return {**others, **dequantized_state(experts)}
+
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
