@@ -1,5 +1,6 @@
 """Tensor-parallel inference on 2 gloo processes (`lmforge launch --nproc 2 generate|eval`):
-the same greedy tokens as one process, tied and untied embeddings, and the same per-request
+the same greedy tokens as one process, tied and untied embeddings, Qwen3 and Qwen3-MoE (its
+attention split, its experts replicated), and the same per-request
 log-likelihoods under lm-eval (within 1e-4)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import lmforge
 from lmforge.api import LoadedModel, build_model
 from lmforge.eval import run_eval, write_demo_task
-from tests.train_utils import demo_world, small_qwen3_args
+from tests.train_utils import demo_world, small_qwen3_args, small_qwen3_moe_args
 
 PROMPTS = ["the cat sat", "a b c d e f g h", "x"]
 
@@ -28,6 +29,8 @@ def world(tmp_path_factory):
     artifacts = {}
     shapes = {False: args, True: args.replace(tie_embeddings=True)}
     shapes["qwen3"] = small_qwen3_args(tokenizer.vocab_size)  # tied, q/k head norms
+    # Mixture-of-Experts: attention split over the processes, the experts replicated
+    shapes["qwen3_moe"] = small_qwen3_moe_args(tokenizer.vocab_size)
     for tied, model_args in shapes.items():
         model = build_model(model_args, seed=5).eval()
         with torch.no_grad():  # peakier distributions: greedy choices far from ties
@@ -53,7 +56,9 @@ def _texts_and_counts(stdout: str) -> str:
     return stdout.split("\ntime:")[0]
 
 
-@pytest.mark.parametrize("tied", [False, True, "qwen3"], ids=["untied", "tied", "qwen3"])
+@pytest.mark.parametrize(
+    "tied", [False, True, "qwen3", "qwen3_moe"], ids=["untied", "tied", "qwen3", "qwen3_moe"]
+)
 def test_generate_tp2_equals_one_process(world, tied):
     argv = ["generate", str(world["artifacts"][tied]), "--prompt", *PROMPTS]
     argv += ["--temperature", "0", "--max-new-tokens", "16", "--max-batch", "2"]
