@@ -203,6 +203,20 @@ def test_pretrain_two_fsdp_processes_match_one(tmp_path, data):
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
 
 
+def test_tensor_parallel_attention_matches_one_process(tmp_path, data):
+    """parallel.tp = 2 splits attention over the two processes and keeps every MLP (router,
+    stacked experts) replicated: the same rows give one process's losses, aux losses and
+    loads."""
+    args = ["train.micro_batch_size=1", "train.global_batch_size=2"]
+    assert run_inprocess("pretrain", moe_pretrain_args(tmp_path / "one", data, *args)) == 0
+    run_torchrun(2, "pretrain", moe_pretrain_args(tmp_path / "tp", data, *args, "parallel.tp=2"))
+    one, tp = _records(tmp_path / "one"), _records(tmp_path / "tp")
+    assert sorted(tp) == sorted(one)
+    for step, record in one.items():
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert tp[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-6), (step, key)
+
+
 def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
     """Two FSDP2 processes killed mid-run resume from the last committed checkpoint: every
     step's loss, aux loss and expert loads equal the uninterrupted run's."""

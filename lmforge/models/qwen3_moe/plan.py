@@ -56,6 +56,6 @@ def tp_plan(*, sequence_parallel: bool = True) -> dict:
             use_local_input=True,
             output_layouts=(Replicate(),),
             desired_output_layouts=(Shard(1),),
-            use_local_output=False,
+            use_local_output=True,  # the residual stream is local shards, as in Llama
         )
     return plan
