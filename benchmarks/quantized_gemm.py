@@ -28,6 +28,7 @@ from lmforge.generate.kernels import QuantizedLinear, gemv
 from lmforge.generate.kernels import quantized_gemm as tiled
 from lmforge.generate.kernels.quantized_gemm import quantized_gemm
 from lmforge.models import get_preset
+from lmforge.quantize.stored import float8_rows
 
 
 def timed(fn, repeats: int, launches: int = 20) -> float:
@@ -127,22 +128,16 @@ def fbgemm_columns(weight: torch.Tensor, group: int) -> dict:
     }
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float8 e4m3 values and fp32 scales [rows, 1] of x, one scale a row (amax / 448)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
-    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
 def fp8_columns(weight: torch.Tensor) -> dict:
     """W8A8 float8 products of `weight` [N, K]: a scale a weight row, activations quantized a
     row at run time. name -> (fn(x), weight bytes, dequantized weight)."""
-    wq, w_scale = fp8_rows(weight)
+    wq, w_scale = float8_rows(weight)
     dequantized = (wq.float() * w_scale).bfloat16()
     size = wq.numel() + w_scale.numel() * 4
     w_scale_t = w_scale.t().contiguous()  # [1, N]
 
     def fp8(x):
-        xq, x_scale = fp8_rows(x)
+        xq, x_scale = float8_rows(x)
         return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale_t,
                                 out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
 
@@ -150,7 +145,7 @@ def fp8_columns(weight: torch.Tensor) -> dict:
 
     def fp8_mm(x):  # the product alone, on activations quantized once outside the graph
         if x.data_ptr() not in prequantized:
-            prequantized[x.data_ptr()] = fp8_rows(x)
+            prequantized[x.data_ptr()] = float8_rows(x)
         xq, x_scale = prequantized[x.data_ptr()]
         return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale_t,
                                 out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip

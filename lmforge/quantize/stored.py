@@ -216,11 +216,21 @@ def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+FLOAT8_MAX = 448.0  # e4m3's largest finite value
+
+
+def float8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (float8 e4m3 values [rows, K], fp32 scales [rows, 1]): one scale a row,
+    amax / 448. fp8's weights (`--scheme fp8`) and its activations at run time are both so."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FLOAT8_MAX
+    values = (x.float() / scale).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
 def float8_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear's weight [N, K] as `--scheme fp8` stores it (e4m3, amax / 448 a row), as the
-    torchao tensor `lmforge.load` makes of it."""
-    scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
-    values = (weight.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    """A linear's weight [N, K] as `--scheme fp8` stores it, as the torchao tensor
+    `lmforge.load` makes of it."""
+    values, scale = float8_rows(weight)
     return _float8_tensor(values, scale.to(weight.dtype))
 
 

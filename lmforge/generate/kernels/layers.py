@@ -17,6 +17,7 @@ from torch import nn
 from lmforge.generate.kernels.int8 import stored_int8
 from lmforge.generate.kernels.ops import gemv, one_row, quantized_matmul
 from lmforge.generate.kernels.tiles import MIN_TILE
+from lmforge.quantize.stored import float8_rows
 
 
 class _MatvecLayer(nn.Module):
@@ -198,9 +199,6 @@ def _tinygemm_values(weight: torch.Tensor):
     return 4, q, scale, zero
 
 
-FLOAT8_MAX = 448.0  # e4m3's largest finite value
-
-
 class Float8Linear(nn.Module):
     """A bias-free linear over float8 e4m3 `values` [N, K] with `scale` [N] (fp32), w = values *
     scale a row (`lmforge quantize --scheme fp8`, compressed-tensors' FP8-dynamic): the input is
@@ -219,10 +217,8 @@ class Float8Linear(nn.Module):
         return self.values.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        # [M, 1] fp32 scales; the input's float8 copy (the compiled decode step fuses these)
-        scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FLOAT8_MAX
-        quantized = (rows / scale).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+        # the input's float8 copy and [M, 1] fp32 scales (the compiled decode step fuses these)
+        quantized, scale = float8_rows(x.reshape(-1, x.shape[-1]))
         y = torch._scaled_mm(
             quantized, self.values.t(), scale_a=scale, scale_b=self.scale,
             out_dtype=x.dtype, use_fast_accum=True,
