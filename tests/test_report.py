@@ -230,6 +230,21 @@ def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+def dump_dom(page: str, script: str, tmp_path: Path, name: str) -> subprocess.CompletedProcess:
+    """The DOM headless Chromium makes of `page` with `script` run in it (a 1280 px window)."""
+    checked = tmp_path / f"{name}.html"
+    checked.write_text(page.replace("</body>", script + "</body>"))
+    command = [
+        chromium(),
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={tmp_path / f'{name}-profile'}",
+        "--window-size=1280,2000",
+        "--dump-dom",
+        checked.as_uri(),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.skipif(
     chromium() is None,
     reason="headless Chromium is not installed (apt-get install -y chromium): the report "
@@ -238,19 +253,8 @@ def chromium() -> str | None:
 def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, tmp_path):
     workdir, _, _, _ = finished
     paths = write_report(workdir / "runs" / "short", out=tmp_path / "report")
-    page = paths["html"].read_text()
-    checked = tmp_path / "checked.html"  # the report plus a script that counts loaded images
-    checked.write_text(page.replace("</body>", CHECK_SCRIPT + "</body>"))
-    profile = tmp_path / "profile"
-    command = [
-        chromium(),
-        *CHROMIUM_FLAGS,
-        f"--user-data-dir={profile}",
-        "--window-size=1280,2000",
-        "--dump-dom",
-        checked.as_uri(),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # the report plus a script that counts loaded images
+    done = dump_dom(paths["html"].read_text(), CHECK_SCRIPT, tmp_path, "checked")
     match = re.search(r"images-loaded=(\d+)/(\d+)", done.stdout)
     assert match, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     loaded, total = int(match.group(1)), int(match.group(2))
@@ -265,7 +269,7 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(finished, t
         [
             chromium(),
             *CHROMIUM_FLAGS,
-            f"--user-data-dir={profile}",
+            f"--user-data-dir={tmp_path / 'checked-profile'}",
             f"--screenshot={shot}",
             "--window-size=1280,2400",
             paths["html"].as_uri(),
@@ -324,17 +328,7 @@ CLEAN_EDGES = "left=0,right=0,top=0,bottom=0,shown=true"
 def chart_edges(page: str, tmp_path: Path) -> dict[str, str]:
     """Each chart of a report page as headless Chromium shows it: figure id -> the ink at each
     of its edges and whether the image lies inside a 1280 px window."""
-    checked = tmp_path / "edges.html"
-    checked.write_text(page.replace("</body>", EDGE_SCRIPT + "</body>"))
-    command = [
-        chromium(),
-        *CHROMIUM_FLAGS,
-        f"--user-data-dir={tmp_path / 'edges-profile'}",
-        "--window-size=1280,2000",
-        "--dump-dom",
-        checked.as_uri(),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = dump_dom(page, EDGE_SCRIPT, tmp_path, "edges")
     found = re.search(r'<div id="lmforge-edges">([^<]*)</div>', done.stdout)
     assert found, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     return dict(row.split(":", 1) for row in found.group(1).split())
