@@ -116,10 +116,27 @@ def test_expert_targets_refuse_dropout_dense_models_and_dense_mlps_of_moes():
     assert lora.LoRASection(targets=["q", "experts", "router"]).targets[-1] == "router"
     # PEFT on transformers 5 reads gate_proj / up_proj / down_proj of a MoE as the experts'.
     with_dense = build_model(small_qwen3_moe_args(mlp_only_layers=(1,)))
-    with pytest.raises(ConfigError, match="dense MLP layers of a Mixture-of-Experts"):
+    with pytest.raises(ConfigError, match="down without the other MLP projections"):
         lora.apply_lora(with_dense, targets=["q", "down"], rank=2, alpha=4)
-    all_sparse = build_model(small_qwen3_moe_args())  # (default targets: attention only)
-    lora.apply_lora(all_sparse, targets=lora.DEFAULT_TARGETS, rank=2, alpha=4)
+
+
+def test_default_targets_adapt_the_experts_and_frozen_experts_are_stored_in_base_dtype():
+    """The default targets' gate / up / down mean a MoE's experts (as PEFT reads them); the
+    dense layer among sparse ones takes none; experts left unadapted are frozen in base_dtype."""
+    model = build_model(small_qwen3_moe_args(mlp_only_layers=(1,)))
+    lora.apply_lora(model, targets=lora.DEFAULT_TARGETS, rank=2, alpha=4, base_dtype=torch.bfloat16)
+    adapted = lora.lora_modules(model)
+    assert isinstance(adapted["layers.0.feed_forward.experts"], lora.LoRAExperts)
+    assert not any(".feed_forward.w" in name for name in adapted)  # the dense layer 1's MLP
+    assert adapted["layers.0.feed_forward.experts"].w13.dtype == torch.bfloat16
+    attention_only = build_model(small_qwen3_moe_args())
+    lora.apply_lora(attention_only, targets=["q", "v"], rank=2, alpha=4, base_dtype=torch.bfloat16)
+    experts = attention_only.layers["0"].feed_forward.experts
+    assert type(experts) is moe.Experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.bfloat16
+    assert not experts.w13.requires_grad
+    assert lora.targets_for(["q", "gate", "up", "down"], moe_model=True) == ["q", "experts"]
+    assert lora.targets_for(["q", "gate", "up", "down"], moe_model=False)[-1] == "down"
 
 
 # ---- PEFT both ways ---------------------------------------------------------------------------
@@ -299,13 +316,20 @@ def test_qlora_sft_on_experts_says_what_is_nf4(tmp_path, moe_base, caplog):
     assert sorted(steps) == [1, 2, 3] and all(math.isfinite(v) for v in steps.values())
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_dry_run_counts_the_expert_adapters_as_the_planner_does(method):
+@pytest.mark.parametrize(
+    ("method", "targets"),
+    [
+        ("lora", ("q", "experts", "router")),
+        ("qlora", ("q", "experts", "router")),
+        ("lora", ("q", "v")),
+        ("lora", tuple(lora.DEFAULT_TARGETS)),
+    ],
+)
+def test_dry_run_counts_the_expert_adapters_as_the_planner_does(method, targets):
+    """Adapted, unadapted (frozen in bf16) and default-targeted (gate / up / down: the experts)."""
     from lmforge.plan import Setup, dry_run
 
     args = small_qwen3_moe_args(vocab_size=250, num_layers=3, mlp_only_layers=(1,))
-    setup = Setup(
-        args=args, gpus=2, method=method, lora_rank=4, lora_targets=("q", "experts", "router")
-    )
+    setup = Setup(args=args, gpus=2, method=method, lora_rank=4, lora_targets=targets)
     report = dry_run(setup)  # the meta-device model's tensors against param_specs
     assert report.mismatches == [] and report.matches

@@ -138,6 +138,28 @@ def _targets_problem(targets) -> str | None:
     return None
 
 
+MLP_TARGETS = ("gate", "up", "down")
+
+
+def targets_for(targets, *, moe_model: bool) -> list[str]:
+    """The targets as applied to a model. On a Mixture-of-Experts model the MLP targets gate, up
+    and down (the default's) mean its experts, as PEFT reads gate_proj / up_proj / down_proj of a
+    MoE model (its dense MLP layers among sparse ones, if any, then take no adapter: PEFT could
+    not load them); one or two of the three alone cannot be (an expert adapter covers both
+    stacked projections)."""
+    named = [t for t in MLP_TARGETS if t in targets]
+    if not moe_model or not named:
+        return list(targets)
+    if len(named) < len(MLP_TARGETS):
+        raise ConfigError(
+            f"LoRA target(s) {', '.join(named)} without the other MLP projections on a "
+            "Mixture-of-Experts model: its MLPs are experts, adapted together (gate, up and down "
+            'as one target); use "experts", e.g. lora.targets = ["q", "k", "v", "o", "experts"]'
+        )
+    chosen = {t for t in targets if t not in MLP_TARGETS} | {"experts"}
+    return sorted(chosen, key=list(TARGET_MODULES).index)
+
+
 def _nf4_tensor_type():
     """torchao's NF4Tensor class, or None when torchao was never imported (then no tensor can
     be one)."""
@@ -489,6 +511,9 @@ def apply_lora(
     problem = _targets_problem(targets)
     if problem:
         raise ConfigError(problem)
+    targets = targets_for(
+        targets, moe_model=any(isinstance(m, moe.Experts) for m in model.modules())
+    )
     on_parameters = [t for t in targets if t in PARAMETER_TARGETS]
     if dropout > 0 and on_parameters:
         raise ConfigError(
@@ -519,18 +544,6 @@ def apply_lora(
         swaps.append((parent, attribute))
     if not swaps:
         raise ConfigError(f"no linear layer of the model matches the LoRA targets {list(targets)}")
-    dense_mlp = {TARGET_MODULES[t] for t in ("gate", "up", "down")}
-    in_dense_mlp = sorted({a for _, a in swaps if a in dense_mlp})
-    if in_dense_mlp and any(isinstance(m, moe.Experts) for m in model.modules()):
-        # PEFT (0.21, transformers 5) reads target_modules gate_proj / up_proj / down_proj of a
-        # MoE model as its experts' stacked parameters, so the dense layers' adapters would be
-        # lost on load.
-        raise ConfigError(
-            "LoRA targets gate / up / down on the dense MLP layers of a Mixture-of-Experts model "
-            "are not supported: PEFT reads those names as the experts' for MoE models; use "
-            "'experts' (and 'router') for the MLPs, e.g. lora.targets = "
-            '["q", "k", "v", "o", "experts"]'
-        )
     for parent, attribute in swaps:
         base = getattr(parent, attribute)
         if isinstance(base, moe.Experts):
@@ -556,8 +569,9 @@ def frozen_dtype(lora: LoRASection, bf16_training: bool) -> torch.dtype | None:
 
 
 def frozen_linears(model: nn.Module) -> list[nn.Module]:
-    """The LoRALinears' and LoRAExperts' bases and every other frozen linear layer whose weight
-    is not shared with another module (a tied output projection is the embedding table)."""
+    """The LoRALinears' and LoRAExperts' bases, the experts LoRA does not adapt and every other
+    frozen linear layer whose weight is not shared with another module (a tied output projection
+    is the embedding table)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -565,11 +579,15 @@ def frozen_linears(model: nn.Module) -> list[nn.Module]:
     adapters = {id(sub) for m in lora_modules(model).values() for sub in (m.lora_a, m.lora_b)}
     found = []
     for m in model.modules():
-        if isinstance(m, LoRAExperts) or (
-            isinstance(m, (nn.Linear, LoRALinear))
-            and id(m) not in adapters
-            and not m.weight.requires_grad
-            and owners[id(m.weight)] == 1
+        if (
+            isinstance(m, LoRAExperts)
+            or (isinstance(m, moe.Experts) and not m.w13.requires_grad)
+            or (
+                isinstance(m, (nn.Linear, LoRALinear))
+                and id(m) not in adapters
+                and not m.weight.requires_grad
+                and owners[id(m.weight)] == 1
+            )
         ):
             found.append(m)
     return found
@@ -1001,5 +1019,6 @@ __all__ = [
     "read_peft_config",
     "reset_lora_parameters",
     "save_peft_adapter",
+    "targets_for",
     "trainable_parameters",
 ]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from lmforge.errors import ConfigError
 from lmforge.models import ModelArgs, family_of
-from lmforge.modules.lora import DEFAULT_TARGETS, TARGET_MODULES
+from lmforge.modules.lora import DEFAULT_TARGETS, TARGET_MODULES, targets_for
 
 GiB = 2**30
 TiB = 2**40
@@ -283,11 +283,16 @@ class Setup:
         return min(self.tokens, self.sequences * min(self.grpo_new_tokens, self.seq_len - 1))
 
     @property
+    def applied_targets(self) -> list[str]:
+        """The LoRA targets as the trainer applies them (a MoE's gate / up / down: its experts)."""
+        return targets_for(self.lora_targets, moe_model=bool(getattr(self.args, "num_experts", 0)))
+
+    @property
     def adapted(self) -> frozenset[str]:
         """Module attributes (wq, w1, output, ...) carrying LoRA adapters."""
         if not self.uses_lora:
             return frozenset()
-        return frozenset(TARGET_MODULES[t] for t in self.lora_targets)
+        return frozenset(TARGET_MODULES[t] for t in self.applied_targets)
 
 
 def check_setup(setup: Setup) -> None:
@@ -314,6 +319,8 @@ def check_setup(setup: Setup) -> None:
         raise ConfigError(
             f"LoRA targets {list(setup.lora_targets)}: allowed: {', '.join(TARGET_MODULES)}"
         )
+    if setup.uses_lora:
+        setup.applied_targets  # noqa: B018 (raises ConfigError for a MoE's partial MLP targets)
     if setup.uses_lora and "output" in setup.lora_targets and setup.args.tie_embeddings:
         raise ConfigError(
             "LoRA target 'output' is not supported with tied embeddings; drop 'output'"
@@ -436,7 +443,7 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
                         nf4=is_adapted and setup.method == "qlora",
                         matmul=param.kind == "experts",
                         expert=param.kind == "experts",
-                        frozen_linear=is_adapted,
+                        frozen_linear=not full and param.kind == "experts",
                     )
                 )
                 if is_adapted:  # lora.py's LoRAExperts: A [E, r, in], B [E, out, r]

@@ -35,7 +35,7 @@ def describe(setup: Setup) -> list[str]:
         "dpo-full": "DPO, full",
     }[setup.method]
     if setup.uses_lora:
-        method += f" rank {setup.lora_rank} on {','.join(setup.lora_targets)}"
+        method += f" rank {setup.lora_rank} on {','.join(setup.applied_targets)}"
     if setup.is_dpo:
         method += f" (reference: {setup.reference.replace('_', ' ')})"
     if setup.is_grpo:
