@@ -278,6 +278,33 @@ def test_grouped_path_equals_the_loop(shape, use_grouped_mm):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_path_under_autocast_takes_the_grouped_product(monkeypatch):
+    """fp32 rows, weights and adapters under bf16 autocast (LoRA on one GPU): cast as autocast
+    casts a linear, so every product is one `_grouped_mm` (no per-expert fallback and its host
+    syncs), equal to the loop under the same autocast; the fp32 adapters get gradients."""
+    x, w13, w2, weights, experts = _routed(37, 96, 24, 6, 2)
+    rank, g = 8, torch.Generator().manual_seed(3)
+    lora = moe.ExpertAdapters(
+        *(torch.randn(6, *shape, generator=g).mul_(0.1).requires_grad_()
+          for shape in ((rank, 96), (48, rank), (rank, 24), (96, rank))),
+        scale=2.0,
+    )  # fmt: skip
+    products = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(
+        torch, "_grouped_mm", lambda *a, **k: products.append(1) or grouped_mm(*a, **k)
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = moe.experts_loop(x, w13, w2, weights, experts, lora)
+        assert not products
+        grouped = moe.experts_grouped(x, w13, w2, weights, experts, lora)
+    assert len(products) == 6  # w13, w2 and two per projection for the adapters
+    assert grouped.dtype == torch.bfloat16
+    torch.testing.assert_close(grouped.float(), reference.float(), atol=0.05, rtol=0.05)
+    grouped.float().square().sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (lora.a13, lora.b2))
+
+
 def test_router_and_experts_equal_transformers_block():
     for norm in (True, False):
         config = transformers.Qwen3MoeConfig(**(SHAPE | dict(norm_topk_prob=norm)))

@@ -7,7 +7,7 @@ above core. Weights, in Meta's names (llama's FeedForward: w1 gate, w3 up, w2 do
 `router.weight` [E, dim], `experts.w13` [E, 2·moe_ffn_dim, dim] (each expert's gate rows then
 its up rows: transformers' in-memory `gate_up_proj`) and `experts.w2` [E, dim, moe_ffn_dim].
 
-Two ways to run the experts (`expert_outputs`), equal up to float rounding:
+Two ways to run the experts here (`expert_outputs`), equal up to float rounding:
 - the loop: per expert, the tokens routed to it (data-dependent shapes: a host sync per expert;
   the reference, and the CPU's default);
 - grouped: the token-expert assignments sorted by expert (argsort), counts and offsets made on
@@ -19,12 +19,18 @@ Two ways to run the experts (`expert_outputs`), equal up to float rounding:
 Both paths take optional per-expert low-rank updates (`ExpertAdapters`: LoRA on the stacked
 experts, built by lmforge/modules/lora.py): W_e x + scale · B_e (A_e x) for each projection, in
 the loop per expert, in the grouped path as two more grouped products over the same sorted rows.
+
+A third way is the inference engine's, for a few tokens (lmforge/generate/kernels/moe.py): two
+Triton kernels indexed by the (token, choice) pairs, so that they read only the chosen experts'
+rows, with no sort and no host sync. The engine installs it on CUDA (`FusedExperts`, a subclass
+of `Experts`) for forwards without autograd of at most `FUSED_PAIRS` token-expert pairs, never
+on LoRA's experts; training and everything else run the two above.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +144,19 @@ def _grouped_lora(
     return scale * _grouped_linear(low, b, ends, use_grouped_mm)
 
 
+def _autocast_operands(x, w13, w2, lora: ExpertAdapters | None):
+    """The grouped products' operands in autocast's dtype, as autocast casts a linear's:
+    `torch._grouped_mm` is on none of its lists, so the fp32 rows of an autocast step (the
+    residual stream; LoRA on one GPU) would miss its dtype and fall back to a product per
+    expert, each a host sync."""
+    dtype = torch.get_autocast_dtype(x.device.type)
+    if lora is not None:
+        lora = replace(
+            lora, **{name: getattr(lora, name).to(dtype) for name in ("a13", "b13", "a2", "b2")}
+        )
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), lora
+
+
 def experts_grouped(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -152,6 +171,8 @@ def experts_grouped(
     shapes throughout, so no host sync when `torch._grouped_mm` runs it (`use_grouped_mm`
     None: wherever it fits). `lora`'s products run as grouped products too, where the rank
     fits `_grouped_mm`'s alignment and its dtype is the rows' (else per expert slice)."""
+    if torch.is_autocast_enabled(x.device.type):
+        x, w13, w2, lora = _autocast_operands(x, w13, w2, lora)
     num_experts, top_k = w13.shape[0], experts.shape[1]
     flat = experts.reshape(-1)  # [tokens * k]: assignment a is token a // k's choice a % k
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert
