@@ -137,7 +137,10 @@ def _saved(root, params: set[int]) -> tuple[int, int]:
                 if key in params or key in seen:
                     continue
                 seen.add(key)
-                is_copy = type(node).__name__ == "MmBackward0" and name == "_saved_mat2"
+                is_copy = name == "_saved_mat2" and type(node).__name__ in (
+                    "MmBackward0",
+                    "GroupedMmBackward0",  # (a MoE's experts cast under autocast)
+                )
                 (copies if is_copy else activations)[key] = storage.nbytes()
         stack.extend(fn for fn, _ in node.next_functions)
     return sum(activations.values()), sum(copies.values())
@@ -151,6 +154,9 @@ def _forward_saved(args, *, dtype, autocast, lora_targets=None, batch=2, seq=24)
     if lora_targets:
         apply_lora(model, targets=list(lora_targets), rank=4, alpha=8.0)
     model = model.to(dtype)
+    for module in model.modules():  # a MoE's experts as on GPUs (models/moe.py)
+        if hasattr(module, "grouped"):
+            module.grouped = True
     tokens = torch.randint(0, args.vocab_size, (batch, seq))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -196,6 +202,54 @@ def test_full_training_activations_equal_autograds_saved_tensors(path, family):
     norms = args.num_layers * args.layer_norm_params() + args.dim
     matmul = args.num_params(include_embedding=False) - norms
     assert copies == (2 * matmul if setup.autocast else 0)
+
+
+@pytest.mark.parametrize("path", ["bf16 (as under FSDP mixed precision)", "autocast"])
+def tiny_moe_args(**changes):
+    shape = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, ffn_dim=160)
+    moe = dict(vocab_size=250, num_experts=6, num_experts_per_tok=2, moe_ffn_dim=40)
+    return get_preset("qwen3-30b-a3b").replace(**(shape | moe | changes))
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize(
+    ("path", "targets"),
+    [(path, None) for path in sorted(PATHS)]
+    + [
+        (path, targets)  # LoRA's precisions (one GPU: autocast)
+        for path in ("bf16 (as under FSDP mixed precision)", "autocast")
+        for targets in (("q", "v"), ("q", "experts", "router"))
+    ],
+    ids=str,
+)
+def test_moe_block_activations_equal_autograds_saved_tensors(path, targets, norm_topk_prob):
+    """A sparse block (the grouped path) fully trained, with LoRA beside frozen experts, and
+    with LoRA on the experts and router: one block more (3 against 2) saves what the planner
+    counts, but for the loss step's aux loss (outside the blocks' graph) and the products'
+    [E] int32 offsets (a few bytes a layer) and LoRA's 8-byte scales: under 2 bytes a token."""
+    dtype, autocast, precision = PATHS[path]
+    batch, seq = 2, 24
+    saved = {
+        layers: _forward_saved(
+            tiny_moe_args(num_layers=layers, norm_topk_prob=norm_topk_prob),
+            dtype=dtype,
+            autocast=autocast,
+            lora_targets=targets,
+        )[0]
+        for layers in (2, 3)
+    }
+    setup = Setup(
+        args=tiny_moe_args(norm_topk_prob=norm_topk_prob),
+        method="lora" if targets else "full",
+        lora_rank=4,
+        lora_targets=targets or ("q",),  # (full training: none)
+        micro_batch_size=batch,
+        seq_len=seq,
+        **precision,
+    )
+    parts = layer_activations(setup)
+    per_layer = (saved[3] - saved[2]) / (batch * seq)
+    assert per_layer == pytest.approx(sum(parts.values()) - parts["aux loss"], abs=2)
 
 
 @pytest.mark.parametrize("path", ["bf16 (as under FSDP mixed precision)", "autocast"])

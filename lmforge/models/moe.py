@@ -144,6 +144,19 @@ def _grouped_lora(
     return scale * _grouped_linear(low, b, ends, use_grouped_mm)
 
 
+def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [tokens·k, dim], the assignments' outputs in `order` (sorted by expert) -> [tokens,
+    dim]: each token's k outputs weighted by `weights` [tokens, k] and summed in a fixed order,
+    the same on any number of tokens (a batched product is not: its kernel follows the batch,
+    and expert parallelism would then drift from one process). An index_add_ of the weighted
+    rows keeps a second [tokens·k, dim] copy for backward and adds with atomics on CUDA."""
+    top_k = weights.shape[1]
+    positions = torch.arange(order.numel(), device=order.device)
+    inverse = torch.empty_like(order).scatter_(0, order, positions)  # sorted row of assignment a
+    per_token = y[inverse].view(-1, top_k, y.shape[-1])  # [tokens, k, dim]
+    return (per_token * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
 def _autocast_operands(x, w13, w2, lora: ExpertAdapters | None):
     """The grouped products' operands in autocast's dtype, as autocast casts a linear's:
     `torch._grouped_mm` is on none of its lists, so the fp32 rows of an autocast step (the
@@ -198,8 +211,7 @@ def experts_grouped(
     y = _grouped_linear(hidden, w2, ends, use_grouped_mm)  # [tokens * k, dim]
     if lora is not None:
         y = y + _grouped_lora(hidden, lora.a2, lora.b2, lora.scale, ends, lora_grouped).to(y.dtype)
-    y = y * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    return combine(y, order, weights).to(x.dtype)
 
 
 def expert_outputs(

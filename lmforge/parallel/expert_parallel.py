@@ -34,7 +34,7 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lmforge.errors import ConfigError
-from lmforge.models.moe import Experts, expert_outputs
+from lmforge.models.moe import Experts, combine, expert_outputs
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -88,8 +88,7 @@ def dispatch_combine(
     if received.shape[0] == 0:  # no rows: still a (zero) gradient, as the other ranks have one
         y = y + 0 * (w13.sum() + w2.sum())
     back = all_to_all_single(rows.new_empty(rows.shape), y, send, receive, group=group)
-    back = back * weights.reshape(-1)[order, None]  # [tokens * k, dim]
-    return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+    return combine(back, order, weights).to(x.dtype)
 
 
 class ExpertParallel:

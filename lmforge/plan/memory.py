@@ -608,24 +608,75 @@ def layer_activations(setup: Setup) -> dict[str, float]:
             setup, width=qd, x_bytes=c, consumers=consumers("wo"), already_saved=True
         )
         / tp,
-        "MLP inputs": _inputs_saved(
-            setup, width=d, x_bytes=rb, consumers=consumers("w1", "w3"), already_saved=False
-        ),
-        # silu saves its input (gate), the product saves silu(gate) and up.
-        "MLP": 3 * c * f / tp,
-        "MLP down input": _inputs_saved(
-            setup, width=f, x_bytes=c, consumers=consumers("w2"), already_saved=False
-        )
-        / tp,
     }
+    sparse = sparse_share(a)
+    if sparse < 1:
+        dense = {
+            "MLP inputs": _inputs_saved(
+                setup, width=d, x_bytes=rb, consumers=consumers("w1", "w3"), already_saved=False
+            ),
+            # silu saves its input (gate), the product saves silu(gate) and up.
+            "MLP": 3 * c * f / tp,
+            "MLP down input": _inputs_saved(
+                setup, width=f, x_bytes=c, consumers=consumers("w2"), already_saved=False
+            )
+            / tp,
+        }
+        parts |= {name: (1 - sparse) * size for name, size in dense.items()}
+    if sparse > 0:
+        parts |= {name: sparse * size for name, size in _moe_activations(setup).items()}
     head_norms = _head_norm_activations(setup)
     if head_norms:
         parts["q/k head norms"] = head_norms
-    lora_outputs = sum(
-        c * r for attr in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") if attr in adapted
-    )
+    lora_outputs = sum(c * r for attr in ("wq", "wk", "wv", "wo") if attr in adapted)
+    lora_outputs += (1 - sparse) * sum(c * r for attr in ("w1", "w2", "w3") if attr in adapted)
     if lora_outputs:
         parts["LoRA A outputs"] = lora_outputs
+    return parts
+
+
+def sparse_share(args) -> float:
+    """The share of the blocks whose MLP is a Mixture of Experts (0 for dense families)."""
+    return len(getattr(args, "moe_layers", ())) / args.num_layers
+
+
+def _moe_activations(setup: Setup) -> dict[str, float]:
+    """Bytes per token that a sparse block's MLP (models/moe.py's grouped path) saves for
+    backward: the router's input, fp32 softmax and top-k; each token's k rows sorted by expert
+    (the products' inputs), the SwiGLU's gate / up and output, the rows back in token order for
+    the weighted sum (one batched product), and the indices of both permutations. The loss step
+    adds the router logits the layer keeps and the aux loss's own fp32 softmax."""
+    a = setup.args
+    d, k, e, i = a.dim, a.num_experts_per_tok, a.num_experts, a.moe_ffn_dim
+    c, rb = setup.compute_bytes, setup.residual_bytes
+    full = not setup.uses_lora
+    adapted = "experts" in setup.adapted
+    rows_saved = full or adapted  # the grouped products' inputs (weight gradient, adapters' A)
+    parts = {
+        "MLP inputs": _inputs_saved(
+            setup,
+            width=d,
+            x_bytes=rb,
+            consumers=[(full, "router" in setup.adapted)],
+            already_saved=False,
+        ),
+        # softmax's fp32 output, top-k's indices, the renormalization's division (its input
+        # and the sum)
+        "router": 4 * e + 8 * k + (4 * k + 4 if a.norm_topk_prob else 0),
+        # the logits [E] the layer keeps for the loss step's aux loss, whose softmax saves its
+        # fp32 probabilities and its top-k the indices
+        "aux loss": c * e + 4 * e + 8 * k,
+        "expert rows": c * k * d if rows_saved else 0,
+        # silu saves gate (a view of gate_up), the product silu(gate) and up
+        "experts": 3 * c * k * i,
+        "experts down input": c * k * i if rows_saved else 0,
+        # the weighted sum's rows [k, dim] and weights [k]; the two gathers' int64 indices
+        "experts combine": c * k * d + c * k + 2 * 8 * k,
+    }
+    if adapted:
+        parts["experts LoRA A outputs"] = 2 * c * k * setup.lora_rank
+    if "router" in setup.adapted:
+        parts["router LoRA A output"] = c * setup.lora_rank
     return parts
 
 
