@@ -152,15 +152,17 @@ fbgemm)
   ;;
 moe)
   # one Mixture-of-Experts feed-forward at qwen3-30b-a3b's shapes (PRESET: another), bf16: the
-  # grouped path (torch._grouped_mm) against the per-expert loop, forward and backward; then
-  # batch-1 decode of the preset shortened to 24 blocks (random weights, bf16), its limit
-  # counted on the bytes a token reads (attention, the chosen experts, the output projection)
-  step 120 moe python3 benchmarks/moe_layer.py --preset "${PRESET:-qwen3-30b-a3b}" \
-    --tokens 16 512 16384
+  # grouped path (torch._grouped_mm) against the per-expert loop, forward and backward, and at
+  # 1-16 tokens the engine's fused small-batch path (forward without autograd); then batch-1
+  # decode of the preset shortened to 24 blocks (random weights, bf16; the fused path on), its
+  # limit counted on the bytes a token reads (attention, the chosen experts, the output
+  # projection)
+  step 180 moe python3 benchmarks/moe_layer.py --preset "${PRESET:-qwen3-30b-a3b}" \
+    --tokens 1 8 16 512 16384
   TRITON_CACHE_DIR=/tmp/triton-moe step 240 decode-moe python3 benchmarks/decode.py \
     --presets "${PRESET:-qwen3-30b-a3b}" --num-layers 24 --variants lmforge --schemes bf16 \
     --new-tokens 128 --repeats 2 --out "$OUT/moe"
-  tail -n 12 "$OUT/moe.log"
+  tail -n 24 "$OUT/moe.log"
   grep -h '^{' "$OUT/decode-moe.log" | cut -c1-250
   ;;
 fp8)

@@ -38,7 +38,9 @@ fp16 arithmetic; tinygemm's layout converted at load), each block as four GEMVs
 around attention with its norms, SiLU·up and residual adds inside them; such a quantized weight
 meets 2-128 rows in `quantized_gemm` (dequantized tile by tile into tensor-core products), more
 expanded to bf16, then cuBLAS. On Hopper and later those kernels launch while
-the kernel before them finishes (lmforge/generate/early_launch.py).
+the kernel before them finishes (lmforge/generate/early_launch.py). A Mixture-of-Experts
+block's experts meet a few tokens in two Triton kernels that read only the chosen experts'
+weights (lmforge/generate/kernels/moe.py), more in the grouped path.
 
 The last token and position of every row live on the device, so a decode step needs nothing
 from the host. On CUDA the engine collects step t's tokens only after it launched step t+1, so
@@ -375,14 +377,19 @@ class Engine:
             the CPU, and tinygemm's int4, made on CUDA, converted once here) through lmforge's
             Triton kernels instead of torchao's: one row in the GEMV, 2-128 rows in
             `quantized_gemm` (dequantized tile by tile), more expanded to bf16 for cuBLAS.
-            Off (with fuse, gemv and fuse_blocks off too), the model's modules and weights stay
-            as they are: an engine over weights being trained (GRPO's rollouts).
+            Off (with fuse, gemv, fuse_blocks and fused_experts off too), the model's modules
+            and weights stay as they are: an engine over weights being trained (GRPO's
+            rollouts).
         gemv: on CUDA, multiply plain floating-point weights by one row of activations (the
             batch-1 decode step) with lmforge's Triton GEMV instead of inductor's reductions.
         fuse_blocks: on CUDA, where a block's projections are fused and in lmforge's kernels,
             its batch-1 forward is four GEMV launches, the norms, SiLU·up and residual adds
             inside them, around one attention kernel that also applies RoPE and writes the
             cache (`FusedDecodeBlock`, lmforge/generate/decode_attention.py).
+        fused_experts: on CUDA, a Mixture-of-Experts block's experts (plain weights, no LoRA)
+            run a few tokens (at most `kernels.moe.FUSED_PAIRS` token-expert pairs) in two
+            Triton kernels that read only the chosen experts' weights (`FusedExperts`); more
+            take the grouped path.
         cache_dtype: the KV cache's (default: the embedding table's). GRPO's rollouts over fp32
             weights under bf16 autocast keep bf16 keys and values, as they are computed.
     """
@@ -402,6 +409,7 @@ class Engine:
         quantized_kernels: bool = True,
         gemv: bool = True,
         fuse_blocks: bool = True,
+        fused_experts: bool = True,
         cache_dtype: torch.dtype | None = None,
     ) -> None:
         args = model.args
@@ -429,6 +437,8 @@ class Engine:
             kernels.use_gemv(model)
         if kernels and fuse_blocks:
             kernels.use_fused_blocks(model)
+        if kernels and fused_experts:
+            kernels.use_fused_experts(model)
         self.tokenizer = tokenizer
         self.args = args
         self.device = device

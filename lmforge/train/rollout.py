@@ -356,9 +356,10 @@ class Rollouts:
             device=self.device,
             compile=None if self.grpo.compile_rollouts and not self.eager else False,
             fuse=False,  # fused projections would be copies of the trained weights
-            quantized_kernels=False,  # (these three swap the model's modules for inference's)
+            quantized_kernels=False,  # (these four swap the model's modules for inference's)
             gemv=False,
             fuse_blocks=False,
+            fused_experts=False,
             cache_dtype=torch.bfloat16 if self.bf16 else None,  # what autocast computes
         )
         return self.engine

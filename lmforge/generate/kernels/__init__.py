@@ -33,7 +33,9 @@ Modules: `gemv_kernel` (`_gemv`: plain, int8 and int4-byte weights, and its laun
 (the inline PTX strings, explained where built), `shared` (what both kernels share), `tiles`
 (tile shapes, autotuning, the pinned-tile table gemv_tiles.json), `ops` (the torch.library ops),
 `layers` (`GemvLinear`, `QuantizedLinear` and the swaps), `fused_block` (`FusedDecodeBlock`),
-`quantized_gemm` (products of 2-128 rows with int8/int4 weights).
+`quantized_gemm` (products of 2-128 rows with int8/int4 weights), `moe` (a Mixture-of-Experts
+block's experts for a few tokens in two kernels that read only the chosen experts:
+`fused_experts`, `FusedExperts`, `use_fused_experts`).
 A switch (`INT8_BIASED`, `SPLIT_K`, ...) lives in the module that reads it, and is set there
 (benchmarks/decode.py's variants, the tests): this package re-exports functions and classes,
 and `INTERPRETED` (a fact of the process, never set), but no switch.
@@ -49,20 +51,24 @@ from lmforge.generate.kernels.layers import (
     use_gemv,
     use_quantized_kernels,
 )
+from lmforge.generate.kernels.moe import FusedExperts, fused_experts, use_fused_experts
 from lmforge.generate.kernels.ops import dequantize, gemv, one_row, quantized_matmul
 
 __all__ = [
     "INTERPRETED",
     "Float8Linear",
     "FusedDecodeBlock",
+    "FusedExperts",
     "GemvLinear",
     "QuantizedLinear",
     "dequantize",
+    "fused_experts",
     "gemv",
     "one_row",
     "quantized_matmul",
     "quantized_values",
     "use_fused_blocks",
+    "use_fused_experts",
     "use_gemv",
     "use_quantized_kernels",
 ]

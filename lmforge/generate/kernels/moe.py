@@ -1,0 +1,229 @@
+"""A Mixture-of-Experts feed-forward's experts for a few tokens in two Triton kernels that read
+only the chosen experts' weights (`fused_experts`), and the module that runs them in the engine
+(`FusedExperts`, installed by `use_fused_experts`).
+
+At decode a step runs a few tokens, each through k of E experts (Qwen3-30B-A3B: 8 of 128), so
+the experts' work is reading k·tokens experts' weights, a few multiply-adds a byte. The grouped
+path (lmforge/models/moe.py) gets there through a dozen kernels (argsort, scatter-add, cumsum,
+gathers, two grouped GEMMs whose row tiles hold a row or two each, the weighted sum back);
+here the (token, choice) pairs index the stacked weights directly:
+
+1. `_gate_up`, a program per pair p = (t, s) and block of the expert's I rows: with e =
+   experts[t, s] read on the device, gate = x[t]·w13[e, :I]ᵀ and up = x[t]·w13[e, I:]ᵀ in fp32,
+   h[p] = silu(gate)·up stored in x's dtype ([tokens·k, I]).
+2. `_down`, a program per token and block of dim: out[t] = Σ_s weights[t, s] · h[(t, s)]·
+   w2[experts[t, s]]ᵀ, one fp32 sum over the k choices and one store (no atomics).
+
+Sums are fp32 throughout, rounded to x's dtype twice (h, out), where the loop and the grouped
+path round each projection's output, SiLU·up, each weighted term and the running sum: in bf16
+the results differ by that rounding (tests/test_moe_kernels.py).
+
+Nothing is read on the host, so the engine's CUDA graphs record it. A pair reads its expert
+whatever the other pairs chose, so a repeated expert is read again (from L2 if it is still
+there): past `FUSED_PAIRS` pairs the grouped path, which reads each chosen expert once, is the
+one taken (`routed_experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from lmforge.generate.early_launch import INTERPRETED
+from lmforge.models import moe
+
+# The most (token, choice) pairs the fused kernels take; more go the grouped path. Not measured
+# yet (benchmarks/moe_layer.py's fused rows, `bash benchmarks/device_calls.sh moe`, are there
+# to set it). Why 64: with k = 8 of 128 experts that is decode batches 1-8. Under uniform
+# routing 64 pairs hit ~50 distinct experts of 128 (E·(1 - (1 - 1/E)^pairs)), so reading a
+# pair's expert for each pair reads ~1.3x the bytes of reading each chosen expert once, where
+# the grouped path spends a dozen launches and GEMM row tiles padded around 1-2 rows an expert;
+# at 256 pairs it would be ~112 of 128, 2.3x.
+FUSED_PAIRS = 64
+
+# (BLOCK_N rows, BLOCK_K columns, num_warps) of each kernel on a GPU: first picks in the range
+# of the GEMV's tiles (tiles.py's `_ROW_WIDE`: 2-8 rows of up to 1024 columns, 4-8 warps), not
+# tuned. A gate/up program holds BLOCK_N gate and BLOCK_N up rows; BLOCK_K is cut to the
+# reduced length's power of two where that is shorter.
+GATE_UP_TILE = (4, 512, 4)
+DOWN_TILE = (4, 256, 4)
+# The interpreter's (the tests): narrow enough that their odd shapes take several row blocks,
+# several column steps and a masked last one of each.
+INTERPRETED_TILE = (16, 32, 1)
+
+
+@triton.jit
+def _gate_up(
+    x_ptr,  # [tokens, DIM]
+    w13_ptr,  # [E, 2 * FFN, DIM]: each expert's gate rows, then its up rows
+    experts_ptr,  # [tokens * TOP_K] int64: pair p = t * TOP_K + s chose expert experts[p]
+    h_ptr,  # [tokens * TOP_K, FFN] out, x's dtype: silu(gate) * up of each pair
+    DIM: tl.constexpr,
+    FFN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(experts_ptr + pair).to(tl.int64)  # (int64: E · 2I · dim may pass 2^31)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < FFN
+    gate_rows = w13_ptr + expert * (2 * FFN * DIM) + rows[:, None] * DIM  # [BLOCK_N, 1]
+    up_rows = gate_rows + FFN * DIM
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, DIM, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < DIM
+        x = tl.load(x_ptr + token * DIM + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        gate += tl.load(gate_rows + cols[None, :], mask=ok, other=0).to(tl.float32) * x
+        up += tl.load(up_rows + cols[None, :], mask=ok, other=0).to(tl.float32) * x
+    g = tl.sum(gate, axis=1)  # [BLOCK_N], reduced once, after the loop
+    h = g * tl.sigmoid(g) * tl.sum(up, axis=1)
+    tl.store(h_ptr + pair * FFN + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _down(
+    h_ptr,  # [tokens * TOP_K, FFN]
+    w2_ptr,  # [E, DIM, FFN]
+    weights_ptr,  # [tokens * TOP_K]: the router's weight of each pair
+    experts_ptr,  # [tokens * TOP_K] int64
+    out_ptr,  # [tokens, DIM]
+    DIM: tl.constexpr,
+    FFN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < DIM
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # every choice's, weighted
+    for choice in range(TOP_K):
+        pair = token * TOP_K + choice
+        expert = tl.load(experts_ptr + pair).to(tl.int64)
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        w_rows = w2_ptr + expert * (DIM * FFN) + rows[:, None] * FFN  # [BLOCK_N, 1]
+        for k0 in range(0, FFN, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < FFN
+            # the weight applied to h's BLOCK_K values, not to the BLOCK_N · BLOCK_K products
+            h = tl.load(h_ptr + pair * FFN + cols, mask=col_ok, other=0).to(tl.float32) * weight
+            ok = row_ok[:, None] & col_ok[None, :]
+            w = tl.load(w_rows + cols[None, :], mask=ok, other=0).to(tl.float32)
+            acc += w * h[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * DIM + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _tile(tile: tuple[int, int, int], length: int) -> tuple[int, int, int]:
+    """`tile` on a GPU with BLOCK_K cut to `length`'s power of two (at least 16); the
+    interpreter's own tile under the interpreter."""
+    if INTERPRETED:
+        return INTERPRETED_TILE
+    rows, cols, warps = tile
+    return rows, max(16, min(cols, triton.next_power_of_2(length))), warps
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+) -> torch.Tensor:
+    """`moe.experts_loop(x, w13, w2, weights, experts)` in two kernels that read only the
+    chosen experts' rows: x [tokens, dim], w13 [E, 2I, dim], w2 [E, dim, I], weights and
+    experts [tokens, k] -> [tokens, dim] in x's dtype (fp32 sums, h = silu(gate)·up rounded to
+    x's dtype between the two). Any number of tokens; `routed_experts` says when it is worth
+    it. CUDA, or Triton's interpreter."""
+    tokens, dim = x.shape
+    ffn = w13.shape[1] // 2
+    top_k = experts.shape[1]
+    assert w13.shape[2] == dim and w2.shape[1:] == (dim, ffn) and weights.shape == experts.shape
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    weights, experts = weights.contiguous(), experts.contiguous()
+    hidden = x.new_empty(tokens * top_k, ffn)  # [tokens * k, I]: pair p = t * k + s
+    block_n, block_k, warps = _tile(GATE_UP_TILE, dim)
+    _gate_up[(tokens * top_k, triton.cdiv(ffn, block_n))](
+        x, w13, experts, hidden,
+        DIM=dim, FFN=ffn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    block_n, block_k, warps = _tile(DOWN_TILE, ffn)
+    _down[(tokens, triton.cdiv(dim, block_n))](
+        hidden, w2, weights, experts, out,
+        DIM=dim, FFN=ffn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def fused_fits(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor) -> bool:
+    """Whether `routed_experts` takes the fused kernels: at most `FUSED_PAIRS` pairs, weights
+    of x's (floating) dtype. The token count is static in a CUDA graph, so each graph records
+    one path."""
+    return (
+        x.shape[0] * experts.shape[1] <= FUSED_PAIRS
+        and w13.dtype == x.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+
+
+@torch.library.custom_op("lmforge::routed_experts", mutates_args=())
+def routed_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """x [tokens, dim] through its chosen experts -> [tokens, dim]: `fused_experts` where
+    `fused_fits`, else `moe.expert_outputs` (`grouped` as there). An opaque op to
+    torch.compile: the engine compiles one decode step for every batch bucket above 1 (a
+    dynamic batch dimension), and a branch on the token count in the traced code would be a
+    guard that dimension's range refuses; here the count is an int, read at run time."""
+    if fused_fits(x, w13, experts):
+        return fused_experts(x, w13, w2, weights, experts)
+    return moe.expert_outputs(x, w13, w2, weights, experts, grouped=grouped)
+
+
+@routed_experts.register_fake
+def _(x, w13, w2, weights, experts, grouped=None):
+    return torch.empty_like(x)
+
+
+class FusedExperts(moe.Experts):
+    """A MoE block's stacked experts (`moe.Experts`, same parameters and names) whose forward
+    without autograd goes through `routed_experts` (the fused kernels for a few tokens), on
+    CUDA or under the interpreter; with autograd, or elsewhere, `moe.Experts`'s own. Installed
+    by `use_fused_experts`, which swaps the module's class, as `use_fused_blocks` does."""
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        if torch.is_grad_enabled() or not (x.is_cuda or INTERPRETED):
+            return super().forward(x, weights, experts)
+        return routed_experts(x, self.w13, self.w2, weights, experts, self.grouped)
+
+
+def use_fused_experts(model: nn.Module) -> int:
+    """Make every `moe.Experts` of `model` over plain weights a `FusedExperts`; returns how many.
+    Passed by: LoRA's experts (`LoRAExperts`, another class: their adapters run in the model's
+    paths), expert parallelism's (a class of its own, DTensor weights) and modules with hooks."""
+    swapped = 0
+    for module in model.modules():
+        plain = (
+            type(module) is moe.Experts
+            and not (module._forward_hooks or module._forward_pre_hooks)
+            and all(type(p.data) is torch.Tensor for p in (module.w13, module.w2))
+        )
+        if plain:
+            module.__class__ = FusedExperts
+            swapped += 1
+    return swapped

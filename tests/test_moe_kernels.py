@@ -1,0 +1,211 @@
+"""The engine's fused small-batch Mixture-of-Experts path (lmforge/generate/kernels/moe.py), run on
+the CPU by Triton's interpreter: `fused_experts` against the experts' loop (models/moe.py) on
+odd shapes, fp32 and bf16; which forwards `FusedExperts` sends to it; a dynamic batch
+dimension compiled without a guard; greedy tokens through the engine equal to the model's own
+paths; and both kernels compiled for an H100/H200 without a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # Linux only (pyproject's test extra)
+
+from lmforge.api import build_model
+from lmforge.generate.kernels import moe as moe_kernels
+from lmforge.models import moe
+from tests.train_utils import small_qwen3_moe_args
+
+
+def routed(tokens: int, dim: int, ffn: int, num_experts: int, top_k: int, *, seed: int = 0):
+    """x [tokens, dim], w13 [E, 2I, dim], w2 [E, dim, I] and a router's (weights, experts)
+    [tokens, k]; expert 0 chosen by nobody."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=g)
+    w13 = torch.randn(num_experts, 2 * ffn, dim, generator=g) / dim**0.5
+    w2 = torch.randn(num_experts, dim, ffn, generator=g) / ffn**0.5
+    logits = torch.randn(tokens, num_experts, generator=g)
+    logits[:, 0] = -1e4
+    weights, experts = moe.route(logits, top_k, norm_topk_prob=True)
+    return x, w13, w2, weights, experts
+
+
+# (E, k, dim, I): none a multiple of the interpreter's 16-row, 32-column tiles
+SHAPES = [(5, 2, 48, 40), (8, 3, 80, 24)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fused_experts_equal_the_loop(shape, tokens, dtype):
+    num_experts, top_k, dim, ffn = shape
+    x, w13, w2, weights, experts = routed(tokens, dim, ffn, num_experts, top_k, seed=tokens)
+    x, w13, w2, weights = (t.to(dtype) for t in (x, w13, w2, weights))
+    got = moe_kernels.fused_experts(x, w13, w2, weights, experts)
+    assert got.shape == x.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        want = moe.experts_loop(x, w13, w2, weights, experts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    # bf16: fp32 sums and one rounding of h, against the loop's arithmetic in fp32 on the same
+    # bf16 values and against the loop in bf16 (which rounds at every step).
+    # (The interpreter rounds fp32 to bf16 toward zero, a GPU to nearest: looser here.)
+    exact = moe.experts_loop(*(t.float() for t in (x, w13, w2, weights)), experts)
+    torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+    loop = moe.experts_loop(x, w13, w2, weights, experts)
+    torch.testing.assert_close(got.float(), loop.float(), rtol=4e-2, atol=4e-2)
+
+
+def test_repeated_experts_and_a_token_on_one_expert():
+    """Every token choosing the same experts (each read once a pair), and tokens whose weights
+    put everything, or nearly everything, on one of them."""
+    x, w13, w2, _, _ = routed(4, 48, 40, 5, 2, seed=7)
+    experts = torch.tensor([[3, 1]] * 4)
+    weights = torch.tensor([[0.6, 0.4], [1.0, 0.0], [0.999, 0.001], [0.0, 1.0]])
+    got = moe_kernels.fused_experts(x, w13, w2, weights, experts)
+    torch.testing.assert_close(got, moe.experts_loop(x, w13, w2, weights, experts))
+    alone = torch.nn.functional.linear(
+        moe._swiglu(torch.nn.functional.linear(x[1], w13[3])), w2[3]
+    )  # token 1: expert 3's output, whole
+    torch.testing.assert_close(got[1], alone, rtol=1e-5, atol=1e-5)
+
+
+def _moe_layer(top_k: int = 2) -> moe.MoEFeedForward:
+    layer = moe.MoEFeedForward(48, 40, 5, top_k, norm_topk_prob=True)
+    layer.init_weights(0.2, 0.2)
+    return layer
+
+
+def _counted(monkeypatch) -> list[int]:
+    """The token counts `fused_experts` is called with, from here on."""
+    calls = []
+    fused = moe_kernels.fused_experts
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return fused(x, *args)
+
+    monkeypatch.setattr(moe_kernels, "fused_experts", counted)
+    return calls
+
+
+def test_the_swapped_experts_take_the_fused_path_for_a_few_tokens_without_autograd(monkeypatch):
+    layer = _moe_layer()
+    reference = copy.deepcopy(layer)
+    names = sorted(layer.state_dict())
+    assert moe_kernels.use_fused_experts(layer) == 1
+    assert isinstance(layer.experts, moe.Experts) and sorted(layer.state_dict()) == names
+    assert moe_kernels.use_fused_experts(layer) == 0  # once
+    calls = _counted(monkeypatch)
+    x = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[:1, :3]), reference(x[:1, :3]))  # 6 pairs
+        torch.testing.assert_close(layer(x), reference(x))  # 30 pairs
+    assert calls == [3, 15]
+    monkeypatch.setattr(moe_kernels, "FUSED_PAIRS", 29)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference(x))  # 30 pairs: the model's own path
+    assert calls == [3, 15]
+    out = layer(x[:1, :3])  # with autograd: the model's own path, and its gradients
+    out.sum().backward()
+    assert calls == [3, 15] and layer.experts.w13.grad is not None
+
+
+def test_lora_experts_and_hooked_experts_stay():
+    from lmforge.modules import lora
+
+    model = build_model(small_qwen3_moe_args(), dtype=torch.float32, seed=0)
+    lora.apply_lora(model, targets=["experts"], rank=2, alpha=4)
+    assert moe_kernels.use_fused_experts(model) == 0
+    model = build_model(small_qwen3_moe_args(), dtype=torch.float32, seed=0)
+    model.layers["0"].feed_forward.experts.register_forward_hook(lambda m, i, o: o)
+    assert moe_kernels.use_fused_experts(model) == model.args.num_layers - 1
+
+
+def test_a_dynamic_batch_compiles_without_a_guard_on_the_token_count(monkeypatch):
+    """The engine compiles one step for every batch bucket above 1 (a dynamic batch dimension
+    with a range): the fused-or-not choice is made inside the opaque op, at run time, so the
+    trace holds no guard on the token count that the range would refuse."""
+    layer = _moe_layer()
+    reference = copy.deepcopy(layer)
+    moe_kernels.use_fused_experts(layer)
+    calls = _counted(monkeypatch)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for tokens in (2, 40):  # 4 pairs (fused), 80 (the loop)
+        x = torch.randn(tokens, 1, 48, generator=g)
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), reference(x))
+    assert calls == [2]
+
+
+def test_the_engine_decodes_the_same_greedy_tokens_on_the_fused_path(monkeypatch):
+    """A tiny Qwen3-MoE through the engine (its CUDA swap made here by hand, as on the
+    interpreter the engine makes none): the same greedy tokens as the model's own paths. The
+    first two prompts' prefill (80 padded tokens, 160 pairs, above `FUSED_PAIRS`) takes the
+    loop; their decode steps (2 rows), the third prompt's prefill (3 tokens, alone once a row
+    is free) and its decode steps (1 row) take the fused kernels."""
+    from lmforge.generate import Generator, SamplingParams
+
+    model = build_model(small_qwen3_moe_args(), dtype=torch.float32, seed=0)
+    with torch.no_grad():  # routers far from ties between their k-th and (k+1)-th choice
+        for block in model.layers.values():
+            block.feed_forward.router.weight.mul_(20.0)
+    reference = copy.deepcopy(model)
+    assert moe_kernels.use_fused_experts(model) == model.args.num_layers
+    calls = _counted(monkeypatch)
+    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
+    prompts = [[5, 17, 33, 2, 9], list(range(3, 43)), [7, 8, 9]]
+    outputs = [
+        [
+            r.token_ids
+            for r in Generator(m, max_batch=2, max_seq_len=64).generate(prompts, params).results
+        ]
+        for m in (reference, model)
+    ]
+    assert outputs[0] == outputs[1]
+    assert set(calls) == {1, 2, 3}  # (each times the model's sparse blocks)
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmforge.generate.kernels import moe
+
+target = GPUTarget("cuda", 90, 32)
+compiled = 0
+for dtype in ("bf16", "fp32"):
+    for kernel, (block_n, block_k, warps) in ((moe._gate_up, moe.GATE_UP_TILE),
+                                              (moe._down, moe.DOWN_TILE)):
+        signature = {name: "*" + dtype for name in kernel.arg_names if name.endswith("_ptr")}
+        signature |= {"experts_ptr": "*i64", "weights_ptr": "*" + dtype}
+        # Qwen3-30B-A3B's shapes
+        constants = {"DIM": 2048, "FFN": 768, "TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+        signature |= {name: "constexpr" for name in constants}
+        signature = {name: signature[name] for name in kernel.arg_names}
+        source = ASTSource(kernel, signature, constexprs=constants)
+        ptx = triton.compile(source, target=target, options={"num_warps": warps}).asm["ptx"]
+        assert "atom." not in ptx  # one store an output, no atomics
+        compiled += 1
+print("compiled", compiled)
+"""
+
+
+def test_the_kernels_compile_for_a_gpu():
+    """The interpreter runs code the GPU compiler refuses, so both kernels are also compiled,
+    without a GPU, for sm_90 with the ptxas Triton ships, in a process without
+    TRITON_INTERPRET (as tests/test_kernels.py does for the GEMVs)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 4" in done.stdout
