@@ -21,6 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -125,7 +126,29 @@ def bench_lmforge(preset: str, prompt: list[int], scheme: str, args) -> tuple[fl
     runs = [generator.generate([prompt], params) for _ in range(args.repeats)]
     assert len(runs[-1].results[0].token_ids) == args.new_tokens
     decode = statistics.median(r.stats.decode_tokens_per_s for r in runs)
+    if args.profile:
+        print_kernel_times(lambda: generator.generate([prompt], params), args.new_tokens,
+                           args.profile)  # fmt: skip
     return decode, statistics.median(r.stats.tokens_per_s for r in runs), num_bytes
+
+
+def print_kernel_times(run: Callable[[], object], tokens: int, top: int) -> None:
+    """The `top` kernels of one more `run` by GPU time, µs a decoded token (prefill included,
+    1 / `tokens` of it), and their share: where a decode step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = DEVICE == "cuda"  # (the CPU: its ops' own times)
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        run()
+        _sync()
+    time_of = attrgetter("self_device_time_total" if on_gpu else "self_cpu_time_total")
+    kernels = [e for e in prof.key_averages() if time_of(e) > 0]
+    total = sum(map(time_of, kernels))
+    print(f"kernels, µs a token (all: {total / tokens:.1f}):", flush=True)
+    for event in sorted(kernels, key=lambda e: -time_of(e))[:top]:
+        each = time_of(event) / tokens
+        share = 100 * time_of(event) / total
+        print(f"  {each:8.1f} {share:5.1f}% x{event.count / tokens:5.1f}  {event.key[:110]}")
 
 
 def bench_hf(preset: str, prompt: list[int], args) -> tuple[float, float, int]:
@@ -182,6 +205,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="where decode.json goes")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--num-layers", type=int, help="shorten the presets to this many blocks")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="print the TOP kernels of one more lmforge run by GPU time")  # fmt: skip
     args = parser.parse_args()
     global DEVICE, NUM_LAYERS
     DEVICE, NUM_LAYERS = args.device, args.num_layers

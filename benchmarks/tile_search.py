@@ -48,8 +48,11 @@ def named(key: tuple) -> dict:
     """The autotuner's arguments from its key: the key's values, then its tensors' dtypes (x's
     first), named as the autotuner that holds it names them (`_gemv_int4`'s or `_gemv`'s)."""
     names = (int4._gemv_int4_tuned if _is_int4(key) else gemv_kernel._gemv_tuned).keys
-    x = torch.empty(0, dtype=getattr(torch, key[len(names)].removeprefix("torch.")))
-    return dict(zip(names, key)) | {"x_ptr": x}
+    x, w = (
+        torch.empty(0, dtype=getattr(torch, d.removeprefix("torch.")))
+        for d in key[len(names) :][:2]
+    )
+    return dict(zip(names, key)) | {"x_ptr": x, "w_ptr": w}
 
 
 def _is_int4(key: tuple) -> bool:

@@ -346,6 +346,7 @@ def test_gemv_swap_keeps_parameters_names_and_the_tie():
         ("fp32", torch.float32),
         ("int8-wo", torch.float32),
         ("int4-wo", torch.float32),
+        ("fp8", torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("x_tile", [True, False], ids=["x-tile", "x-vector"])
@@ -357,11 +358,16 @@ def test_fused_blocks_decode_as_the_blocks_do(scheme, dtype, x_tile, monkeypatch
 
     from lmforge.generate import Generator, SamplingParams
     from lmforge.quantize.quantize import QuantSpec, quantize_model
+    from lmforge.quantize.stored import float8_weight
 
     monkeypatch.setattr(tiles, "INTERPRETED_X_TILE", x_tile)
     model = build_model(SMALL.replace(tie_embeddings=True), dtype=dtype, seed=0)
     if scheme.endswith("-wo"):
         quantize_model(model, QuantSpec(scheme, group_size=32 if scheme == "int4-wo" else None))
+    if scheme == "fp8":  # as `lmforge.load` reads `--scheme fp8` (torchao quantizes none on CPUs)
+        for linear in (m for m in model.layers.modules() if type(m) is torch.nn.Linear):
+            linear.weight = torch.nn.Parameter(float8_weight(linear.weight.data), False)
+    if scheme in ("int8-wo", "int4-wo", "fp8"):
         use_quantized_kernels(model)
     assert model.fuse_projections()
     use_gemv(model)
@@ -652,7 +658,9 @@ def _product(key: str) -> dict:
     packed fp16, `_gemv_int4`'s)."""
     n, k, bits, group, *fusions = key.split()
     named = {"N": int(n), "K": int(k), "GROUP": int(group)}
-    named |= {"BITS": int(bits)} if bits != "4h" else {}
+    named |= {"BITS": int(bits.removesuffix("f"))} if bits != "4h" else {}
+    weights = {"16": torch.bfloat16, "8": torch.int8, "8f": torch.float8_e4m3fn}
+    named["w_ptr"] = torch.empty(1, dtype=weights.get(bits, torch.uint8))
     named["x_ptr"] = torch.empty(1, dtype=torch.bfloat16)
     flags = {name: name.lower() in fusions for name in ("NORM", "GATED", "RESIDUAL", "SWIGLU")}
     max_splits = tiles._max_splits(True if flags["NORM"] else None, flags["SWIGLU"])

@@ -556,7 +556,8 @@ def test_fp8_is_compressed_tensors_fp8_dynamic_that_transformers_loads(source, t
 
 def test_fp8_in_the_engines_layer_fused_as_bf16_projections_are(source, tmp_path):
     """On a GPU the engine swaps each float8 linear for its `Float8Linear` (the same float8
-    values and scales, `torch._scaled_mm` on its input quantized a row at a time), which joins
+    values and scales, `torch._scaled_mm` on its input quantized a row at a time; one row the
+    GEMV, weight-only, as the interpreter runs it here), which joins
     q/k/v and gate/up into one product each. A product equals its definition computed in
     float64 (within the float8 rounding of a few inputs); the logits stay within a few percent
     of torchao's own product's, whose activation scales round otherwise (here on the CPU,
@@ -572,6 +573,9 @@ def test_fp8_in_the_engines_layer_fused_as_bf16_projections_are(source, tmp_path
     rows = (x.double() / scale).to(torch.float8_e4m3fn).double() * scale
     weight = linear.weight.qdata.double() * linear.weight.scale.double()
     assert _relative(Float8Linear.from_linear(linear)(x).double(), rows @ weight.t()) < 5e-3
+    one = x[:1]  # one row: the float8 weights read in the GEMV, the input as it is
+    got = Float8Linear.from_linear(linear)(one).double()
+    assert _relative(got, one.double() @ weight.t()) < 2**-8  # (bf16's rounding of the output)
     assert use_quantized_kernels(model) == 7 * model.args.num_layers
     assert model.fuse_projections()
     attention, ffn = model.layers["0"].attention, model.layers["0"].feed_forward

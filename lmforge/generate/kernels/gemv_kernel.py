@@ -1,5 +1,5 @@
 """`_gemv`: one row of activations times a weight as stored (bits 16: bf16, fp16 or fp32; 8: int8
-through int8.py's conversions; 4: int4 bytes through int4.py's), with the decode block's norm,
+through int8.py's conversions, or float8 e4m3 through the converter; 4: int4 bytes through int4.py's), with the decode block's norm,
 SiLU·up, residual add or SwiGLU inside, and its launch (`_launch_gemv`, which hands int4 to
 `_gemv_int4` where that kernel takes it). `_gemv` keeps a [BLOCK_N, BLOCK_K] fp32 accumulator
 over the whole row and reduces it once at the end, so its loop is loads, conversions and fused
@@ -53,7 +53,7 @@ INT4_FROM_BITS = True
 @triton.jit
 def _gemv(
     x_ptr,  # [K] activations; [2K] (gate, up) when GATED
-    w_ptr,  # [N, K] (bf16, int8) or [N, K/2] (int4 pairs)
+    w_ptr,  # [N, K] (bf16, int8, float8 e4m3) or [N, K/2] (int4 pairs)
     scale_ptr,  # [N, groups] (quantized)
     zero_ptr,  # [N, groups] (int4)
     norm_ptr,  # [K] RMSNorm weight (NORM)
@@ -88,7 +88,8 @@ def _gemv(
     run: tl.constexpr = 16 if FOLD else 1  # columns a sum covers (`_fold`)
     acc = tl.zeros([BLOCK_N, BLOCK_K // run], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # of x (NORM)
-    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K
+    float8: tl.constexpr = w_ptr.dtype.element_ty.is_fp8()  # (BITS 8) e4m3, not int8
+    biased: tl.constexpr = INT8_BIASED and BITS == 8 and GROUP == K and not float8
     sums = tl.zeros([BLOCK_K], dtype=tl.float32)  # of the product's input (biased)
     # No kernel of the step writes the weights: their first tiles may come before the wait.
     first: tl.constexpr = PRELOAD >= 1
@@ -133,7 +134,7 @@ def _weights(w_ptr, rows, row_ok, stored, k0, BLOCK_K: tl.constexpr):
     return tl.load(
         w_ptr + rows[:, None] * stored + cols[None, :],
         mask=row_ok[:, None],
-        other=0,
+        other=0.0,  # (a float: Triton casts no integer to float8)
         eviction_policy="evict_first",  # read once; x stays cached
     )
 
@@ -156,10 +157,10 @@ def _accumulate(
     elif BITS == 16:
         acc += _fold(w.to(tl.float32) * x, run)
     elif BITS == 8 and groups == 1:  # one scale a row: applied at the end
-        acc += _fold(_int8_values(w) * x, run)
+        acc += _fold(_byte_values(w) * x, run)
     elif BITS == 8:
         scale = tl.load(scale_ptr + rows * groups + k0 // GROUP, mask=row_ok, other=0)
-        acc += _fold(_int8_values(w) * scale.to(tl.float32)[:, None] * x, run)
+        acc += _fold(_byte_values(w) * scale.to(tl.float32)[:, None] * x, run)
     else:
         high_cols = stored + cols
         x_high, squares = _input(x_ptr, norm_ptr, high_cols, rows, K, squares, NORM, GATED, X_TILE)
@@ -174,6 +175,17 @@ def _accumulate(
             acc += _int4_times(low_values, 1.0, 8.0, x, scale_ptr, zero_ptr, low, row_ok)
             acc += _int4_times(high_values, 1.0, 8.0, x_high, scale_ptr, zero_ptr, high, row_ok)
     return acc, squares, sums
+
+
+@triton.jit
+def _byte_values(w):
+    """A tile of 8-bit weights as fp32: float8 e4m3 by the converter (sm_90 makes two a
+    `cvt`), int8 by `_int8_values`."""
+    if w.dtype.is_fp8():
+        values = w.to(tl.float32)
+    else:
+        values = _int8_values(w)
+    return values
 
 
 @triton.jit
@@ -245,6 +257,9 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
     y, grid = _output(x, n, swiglu)
     early = early_launch(x.device)
     max_splits = _max_splits(norm, swiglu)
+    interpreted = {}  # the interpreter's one tile, where the autotuner does not run
+    if INTERPRETED:
+        interpreted = _interpreted_tiles(k, group, bits, gated, x.dtype, w.dtype, max_splits)
     _gemv_tuned[grid](
         x.contiguous(),
         w,
@@ -268,6 +283,6 @@ def _launch_gemv(x, w, scale, zero, bits, norm, eps, gated, residual, swiglu):
         INT4_FROM_BITS=INT4_FROM_BITS and bits == 4,
         MAX_SPLITS=max_splits,
         launch_pdl=early,
-        **(_interpreted_tiles(k, group, bits, gated, x.dtype, max_splits) if INTERPRETED else {}),
+        **interpreted,
     )
     return y

@@ -86,9 +86,11 @@ def _permuted(q, OFFSET_ASM: tl.constexpr, SIGNED_ASM: tl.constexpr):
     )
 
 
-def int8_biased(bits: int, group: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether a product may take its int8 weights biased (`INT8_BIASED`)."""
-    return INT8_BIASED and bits == 8 and group == k and dtype != torch.float32
+def int8_biased(bits: int, group: int, k: int, dtype: torch.dtype, weights: torch.dtype) -> bool:
+    """Whether a product of x in `dtype` may take its int8 weights biased (`INT8_BIASED`; not
+    float8 `weights`)."""
+    eight_bit_integers = bits == 8 and not weights.is_floating_point
+    return INT8_BIASED and eight_bit_integers and group == k and dtype != torch.float32
 
 
 def stored_int8(q: torch.Tensor) -> torch.Tensor:

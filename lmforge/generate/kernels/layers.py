@@ -2,8 +2,8 @@
 `QuantizedLinear` (a torchao weight-only int8 or int4 weight in the kernels' layout, converted
 by `quantized_values`) and `Float8Linear` (W8A8: float8 weights a scale a row, the input
 quantized a row at run time), and the swaps that install them (`use_gemv`,
-`use_quantized_kernels`). One row of activations goes through `gemv`; more through `F.linear`
-or `quantized_matmul`; float8 always through `torch._scaled_mm`.
+`use_quantized_kernels`). One row of activations goes through `gemv`; more through `F.linear`,
+`quantized_matmul` or (float8) `torch._scaled_mm`.
 """
 
 from __future__ import annotations
@@ -199,11 +199,15 @@ def _tinygemm_values(weight: torch.Tensor):
     return 4, q, scale, zero
 
 
-class Float8Linear(nn.Module):
+class Float8Linear(_MatvecLayer):
     """A bias-free linear over float8 e4m3 `values` [N, K] with `scale` [N] (fp32), w = values *
-    scale a row (`lmforge quantize --scheme fp8`, compressed-tensors' FP8-dynamic): the input is
-    quantized a row at a time (amax / 448) and multiplied on the float8 tensor cores by
-    `torch._scaled_mm` with both scales applied to its fp32 sums. `from_linear` takes torchao's
+    scale a row (`lmforge quantize --scheme fp8`, compressed-tensors' FP8-dynamic). Several rows
+    of input are quantized a row at a time (amax / 448) and multiplied on the float8 tensor
+    cores by `torch._scaled_mm` with both scales applied to its fp32 sums. One row (batch-1
+    decode) reads the float8 weights in `_gemv` instead, its input unquantized (a weight-only
+    product): there the product is bound by the weight's bytes, and `_scaled_mm` with the
+    input's quantization took longer than bf16's GEMV (the 1B decoded at 695 tok/s against
+    985, H100, 2026-12-07); `FusedDecodeBlock` takes it as it takes int8. `from_linear` takes torchao's
     per-row `Float8Tensor` (as `lmforge.load` makes it); `concatenate` joins several along their
     outputs (fused q/k/v and gate/up: one product instead of three or two). Inference only."""
 
@@ -216,7 +220,12 @@ class Float8Linear(nn.Module):
     def out_features(self) -> int:
         return self.values.shape[0]
 
+    def weight_args(self) -> tuple:
+        return self.values, self.scale.view(-1, 1), None, 8  # (one scale a row: [N, 1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if one_row(x):
+            return self.matvec(x)
         # the input's float8 copy and [M, 1] fp32 scales (the compiled decode step fuses these)
         quantized, scale = float8_rows(x.reshape(-1, x.shape[-1]))
         y = torch._scaled_mm(

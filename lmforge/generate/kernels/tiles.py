@@ -104,7 +104,7 @@ def _candidates(configs, args: dict) -> list:
     tuned in benchmarks/gemv.py (1B and 3B; bf16, int8, int4) and as a vector for 12: both
     stay. int8 of one scale a row, also biased (`INT8_BIASED`)."""
     k, group = args["K"], args["GROUP"]
-    biased = {False, int8_biased(args["BITS"], group, k, args["x_ptr"].dtype)}
+    biased = {False, int8_biased(args["BITS"], group, k, args["x_ptr"].dtype, args["w_ptr"].dtype)}
     width = _tile_width(k, group, args["BITS"])
     if group < k:
         chosen = {(width, *shape) for shape in _GROUPED}
@@ -148,10 +148,12 @@ TILES = Path(__file__).parents[1] / "gemv_tiles.json"  # (lmforge/generate/, as 
 
 def tile_key(args: dict) -> str:
     """A product's name in the table: `N K bits group` and its fusions (bits `4h`: int4 in
-    packed fp16, `_gemv_int4`)."""
+    packed fp16, `_gemv_int4`; `8f`: float8 e4m3)."""
     names = ("NORM", "GATED", "RESIDUAL", "SWIGLU")
     fusions = [name.lower() for name in names if args.get(name)]
     bits = args.get("BITS", "4h")
+    if bits == 8 and args["w_ptr"].dtype.is_floating_point:
+        bits = "8f"  # float8 e4m3
     return " ".join(str(v) for v in (args["N"], args["K"], bits, args["GROUP"], *fusions))
 
 
@@ -276,10 +278,10 @@ def _interpreted_splits(length: int, step: int, max_splits: int) -> int:
     return INTERPRETED_SPLITS if fits else 1
 
 
-def _interpreted_tiles(k, group, bits, gated, dtype, max_splits) -> dict:
+def _interpreted_tiles(k, group, bits, gated, dtype, weights, max_splits) -> dict:
     """The one configuration the interpreter runs: wide tiles (it runs programs in turn)."""
     x_tile = INTERPRETED_X_TILE and not gated
-    biased = int8_biased(bits, group, k, dtype)
+    biased = int8_biased(bits, group, k, dtype, weights)
     stored = k // 2 if bits == 4 else k
     splits = _interpreted_splits(stored, MIN_TILE, max_splits)
     share = next(w for w in _WIDTHS if (stored // splits) % w == 0)  # the widest that divides it
