@@ -15,7 +15,13 @@ from types import SimpleNamespace
 
 import torch
 
-PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "tiny": "tiny"}
+PRESETS = {
+    "1b": "llama3.2-1b",
+    "3b": "llama3.2-3b",
+    "8b": "llama3.1-8b",
+    "tiny": "tiny",
+    "moe": "qwen3-30b-a3b",  # shortened with train_throughput.py --num-layers to fit one GPU
+}
 LORA_RANK = 16
 
 
@@ -69,13 +75,13 @@ def build_train_model(args, layout, parallel, *, lora: str | None = None, fsdp1:
     """Meta device → LoRA swap → parallelize() → materialize → initialize, as the trainer does.
     lora: None, "lora" (rank 16 on the blocks' seven linears) or "qlora" (its base in NF4);
     fsdp1: FSDP2 on a one-rank group (parallelize skips FSDP at dp size 1)."""
-    from lmforge.models.llama import Transformer
+    from lmforge.models import new_model
     from lmforge.modules import lora as lora_
     from lmforge.train.parallelize import apply_fsdp, parallelize
 
     device, offload = layout.device, parallel.cpu_offload
     with torch.device("meta"):
-        model = Transformer(args)
+        model = new_model(args)  # the family's model: Llama, Qwen3 or Qwen3-MoE
     if lora:  # as lmforge.train.stage in bf16 training: frozen linears stored in bf16
         base_dtype = torch.bfloat16 if device.type == "cuda" else None
         targets, rank = lora_.DEFAULT_TARGETS, LORA_RANK

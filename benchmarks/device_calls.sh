@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-train | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-train|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -161,15 +161,33 @@ moe)
     --tokens 1 8 16 512 16384
   TRITON_CACHE_DIR=/tmp/triton-moe step 240 decode-moe python3 benchmarks/decode.py \
     --presets "${PRESET:-qwen3-30b-a3b}" --num-layers 24 --variants lmforge --schemes bf16 \
-    --new-tokens 128 --repeats 2 --out "$OUT/moe"
+    --new-tokens 128 --repeats 2 --profile 16 --out "$OUT/moe"
   tail -n 24 "$OUT/moe.log"
+  grep -h -A16 '^kernels' "$OUT/decode-moe.log" | cut -c1-160
   grep -h '^{' "$OUT/decode-moe.log" | cut -c1-250
   ;;
+moe-train)
+  # one GPU (H100 or H200; ~50 GiB by the planner): training tokens/s at qwen3-30b-a3b's shapes
+  # cut to 4 blocks (3.11B parameters, 0.54B active matmul ones; batch 4 x 2048, random tokens,
+  # compile on, no AC), torchtitan 0.2.2's own Qwen3-MoE (benchmarks/titan_moe.py: fp32 weights
+  # under bf16 autocast, fused AdamW) beside lmforge's step with bf16 weights and fp32 masters
+  # (its one-GPU default) and with fp32 weights under autocast (titan's precision); MFU on the
+  # active parameters' FLOPs, counted alike on both sides (targets: >= 1.0x, >= 25% MFU)
+  step 200 titan-moe torchrun --nproc_per_node 1 benchmarks/titan_moe.py --num-layers 4 \
+    --batch 4 --seq 2048 --steps 10 --warmup 4 --out "$OUT"
+  step 250 ours-moe python3 benchmarks/train_throughput.py --shapes moe:4x2048 --num-layers 4 \
+    --variants ours-compile-bf16p ours-compile --steps 10 --warmup 4 --out "$OUT"
+  grep -h '^{' "$OUT/titan-moe.log" "$OUT/ours-moe.log"
+  python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['tokens_per_s']; \
+    [print(r['variant'], 'over torchtitan:', round(r['tokens_per_s'] / t, 3)) for r in \
+    json.load(open(sys.argv[2]))['rows'] if 'tokens_per_s' in r]" \
+    "$OUT/titan_moe.json" "$OUT/train_throughput.json"
+  ;;
 fp8)
-  # batch-1 decode of the 1B in bf16 and fp8 (W8A8, `lmforge quantize --scheme fp8`'s weights
-  # in the engine's Float8Linear), then the fp8 artifact served beside bf16: case quantized-serve
-  # with SCHEMES="bf16 fp8"
-  decode_rows 280 1b bf16 fp8
+  # batch-1 decode of the 1B in bf16, fp8 (W8A8, `lmforge quantize --scheme fp8`'s weights in
+  # the engine's Float8Linear: one row in the GEMV, weight-only) and int8-wo, then the fp8
+  # artifact served beside bf16: case quantized-serve with SCHEMES="bf16 fp8"
+  decode_rows 280 1b bf16 fp8 int8-wo
   grep -h '^{' "$OUT"/decode-*.log | cut -c1-250
   ;;
 quantized-serve)

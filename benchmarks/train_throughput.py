@@ -1,11 +1,14 @@
 """Training throughput on one GPU: lmforge's training step (`Trainer.train_step` after
-`parallelize()`, random tokens, bf16 compute) on a Llama shape and batch. Prints a table of
-tokens/s, MFU and peak memory.
+`parallelize()`, random tokens, bf16 compute) on a preset's shape and batch. Prints a table of
+tokens/s, MFU (on the active parameters' FLOPs, `ModelArgs.flops_per_token`) and peak memory.
 
-Fills docs/benchmarks.md's "Training, one GPU" table (`bash benchmarks/device_calls.sh train`)
-and its LoRA / QLoRA rows (`device_calls.sh lora`). A variant is ours-compile or ours-eager with
-any of -float8, -sac (selective activation checkpointing), -lora or -qlora (rank 16, QLoRA's base
-in NF4) and -bf16p (bf16 weights, fp32 masters; without it fp32 weights under autocast).
+Fills docs/benchmarks.md's "Training, one GPU" table (`bash benchmarks/device_calls.sh train`),
+its LoRA / QLoRA rows (`device_calls.sh lora`) and the MoE row beside torchtitan's Qwen3-MoE
+(`device_calls.sh moe-train`: shape moe, qwen3-30b-a3b, with --num-layers 4; its aux loss and
+expert-load counts on, as the training commands run it). A variant is ours-compile or ours-eager
+with any of -float8, -sac (selective activation checkpointing), -lora or -qlora (rank 16,
+QLoRA's base in NF4) and -bf16p (bf16 weights, fp32 masters; without it fp32 weights under
+autocast). --device cpu with --override (model fields, e.g. dim=64) checks a small shape runs.
 """
 
 from __future__ import annotations
@@ -21,16 +24,38 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from benchmarks import common
-from lmforge.models.llama import get_preset
+from lmforge.models import get_preset
 from lmforge.parallel.config import ParallelSection
 from lmforge.train.losses import CausalLMLoss
 
 PEAK_FLOPS = 989e12
 
 
+def model_overrides(args) -> dict:
+    """--num-layers and --override KEY=VALUE as ModelArgs fields (numbers where they parse)."""
+    changes = {"num_layers": args.num_layers} if args.num_layers else {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--override {item!r}: expected KEY=VALUE, e.g. dim=64")
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                pass
+        changes[key] = value
+    return changes
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench_ours(preset: str, batch: int, seq: int, args, variant: str):
-    """Seconds a step of `variant` and the preset's ModelArgs."""
-    margs = get_preset(preset)
+    """Seconds a step of `variant` and the preset's ModelArgs (with the overrides)."""
+    margs = get_preset(preset).replace(**model_overrides(args))
     compile = "eager" not in variant
     parallel = ParallelSection(
         compile=compile,
@@ -38,7 +63,7 @@ def bench_ours(preset: str, batch: int, seq: int, args, variant: str):
         activation_checkpointing="selective" if "sac" in variant else "none",
     )
     lora = "qlora" if "qlora" in variant else "lora" if "lora" in variant else None
-    layout = common.one_rank_layout(torch.device("cuda"))
+    layout = common.one_rank_layout(torch.device(args.device))
     model = common.build_train_model(margs, layout, parallel, lora=lora)
     trainer = common.bench_trainer(
         model,
@@ -51,11 +76,11 @@ def bench_ours(preset: str, batch: int, seq: int, args, variant: str):
     )
     for _ in range(args.warmup):
         trainer.train_step(False)
-    torch.cuda.synchronize()
+    sync(layout.device)
     start = time.perf_counter()
     for _ in range(args.steps):
         trainer.train_step(False)
-    torch.cuda.synchronize()
+    sync(layout.device)
     return (time.perf_counter() - start) / args.steps, margs
 
 
@@ -67,6 +92,9 @@ def main() -> None:
     parser.add_argument(
         "--variants", nargs="+", default=["ours-compile-bf16p", "ours-float8-bf16p"]
     )
+    parser.add_argument("--num-layers", type=int, help="shorten the presets to this many blocks")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu: a check that it runs")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -85,7 +113,7 @@ def main() -> None:
                 continue
             tokens = batch * seq / seconds
             mfu = tokens * margs.flops_per_token(seq) / PEAK_FLOPS
-            peak = torch.cuda.max_memory_allocated() / 1e9
+            peak = torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else 0.0
             row = {
                 "shape": shape,
                 "variant": variant,
@@ -94,9 +122,14 @@ def main() -> None:
                 "peak_mem_gb": round(peak, 1),
                 "step_s": round(seconds, 4),
             }
+            if margs.num_params(active=True) != margs.num_params():  # a MoE: what MFU counts
+                row |= {"num_layers": margs.num_layers, "params": margs.num_params(),
+                        "active_params": margs.num_params(include_embedding=False, active=True),
+                        "flops_per_token": margs.flops_per_token(seq)}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-    summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    summary = {"gpu": gpu, "torch": torch.__version__, "rows": rows}
     common.write_json(args.out, "train_throughput.json", summary)
     print(f"\n{'shape':12s} {'variant':16s} {'tok/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
     for row in rows:
