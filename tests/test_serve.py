@@ -37,6 +37,7 @@ from lmforge.api import build_model, save_state  # noqa: E402
 from lmforge.cli import main as cli_main  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
 from lmforge.generate import Generator, SamplingParams  # noqa: E402
+from lmforge.serve.protocol import MAX_SCHEMA_BYTES  # noqa: E402
 from tests.train_utils import small_args, small_qwen3_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -610,6 +611,23 @@ BAD_REQUESTS = [
     ("/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
      400, "tools"),
+    # structured output (tests/test_serve_structured.py has the messages): a schema xgrammar
+    # cannot follow, one past MAX_SCHEMA_BYTES, a format without its schema
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+     "schema": {"type": "objekt"}}}}, 400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {
+     "type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#/$defs/no"}}}},
+     400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {
+     "type": "json_schema", "json_schema": {"name": "s", "schema": {
+     "enum": ["x" * 1000] * (MAX_SCHEMA_BYTES // 1000 + 1)}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}},
+     400, "response_format.type"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 2,
+     "response_format": {"type": "json_object"}}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4},
@@ -670,6 +688,9 @@ def _field(plausible):
     return st.one_of(*[plausible] * 6, json_values())
 
 
+SCHEMA_KEYS = st.sampled_from(
+    ["type", "properties", "items", "enum", "const", "required", "$ref", "anyOf", "pattern"]
+) | st.text(max_size=8)
 SAMPLING_FIELDS = {
     "model": _field(st.just(MODEL)),
     "max_tokens": _field(st.integers(-2, 6)),
@@ -688,6 +709,17 @@ SAMPLING_FIELDS = {
     "min_p": _field(st.floats(-0.1, 1.1)),
     "min_tokens": _field(st.integers(-1, 6)),
     "stop_token_ids": _field(st.lists(st.integers(-1, 330), max_size=3)),
+    # any JSON as a schema: xgrammar compiles it or the server refuses it, never a 5xx
+    "response_format": _field(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+            optional={
+                "json_schema": st.fixed_dictionaries(
+                    {"name": st.just("s"), "schema": st.dictionaries(SCHEMA_KEYS, json_values())}
+                )
+            },
+        )
+    ),
 }
 # content is required (a message without it gets 400); _field still makes it any JSON value
 message = st.fixed_dictionaries(
@@ -733,7 +765,6 @@ CHAT_BODIES = request_bodies(
     max_completion_tokens=_field(st.integers(-1, 5)),
     logprobs=_field(st.booleans()),
     top_logprobs=_field(st.integers(-1, 22)),
-    response_format=_field(st.fixed_dictionaries({"type": st.sampled_from(["text", "x"])})),
 )
 ANY_BODY = st.one_of(
     json_values(12),

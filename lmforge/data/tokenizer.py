@@ -357,6 +357,12 @@ class Tokenizer:
         character is incomplete). None: use `decode` over a window (IncrementalText does)."""
         return None
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, in id order (`vocab_size` entries): what a grammar
+        matches generated text against (lmforge/generate/grammar.py). Special tokens, and ids
+        the vocabulary skips, are b"" (never text)."""
+        raise NotImplementedError
+
     @property
     def num_merges(self) -> int:
         """Number of BPE merges (for reports)."""
@@ -606,6 +612,17 @@ class HFTokenizer(Tokenizer):
     def token_to_id(self, token: str) -> int | None:
         return self._plain.token_to_id(token)
 
+    def token_bytes(self) -> list[bytes]:
+        data = json.loads(self._plain.to_str())
+        byte_level = _is_byte_level(data)
+        entries = [b""] * self.vocab_size
+        for token, i in self._plain.get_vocab(with_added_tokens=False).items():
+            raw = _bytelevel_to_bytes(token) if byte_level else _sentencepiece_bytes(token)
+            entries[i] = token.encode() if raw is None else raw
+        for i, added in self._plain.get_added_tokens_decoder().items():
+            entries[i] = b"" if added.special else added.content.encode()
+        return entries
+
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -637,6 +654,17 @@ class HFTokenizer(Tokenizer):
         yield "added"
         for i, content, special in added:
             yield f"{i} {content.encode().hex()} {int(special)}"
+
+
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_bytes(token: str) -> bytes:
+    """The bytes of a SentencePiece-style vocabulary entry: "▁" is a space, "<0x0A>" a byte."""
+    found = _BYTE_FALLBACK_TOKEN.fullmatch(token)
+    if found:
+        return bytes([int(found.group(1), 16)])
+    return token.replace("\u2581", " ").encode()
 
 
 def _is_byte_level(data: dict[str, Any]) -> bool:
@@ -734,6 +762,12 @@ class TiktokenTokenizer(Tokenizer):
         if token in self.special_tokens:
             return self.special_tokens[token]
         return self._ranks.get(token.encode())
+
+    def token_bytes(self) -> list[bytes]:
+        entries = [b""] * self.vocab_size  # the special tokens' ids follow the ranks
+        for token, rank in self._ranks.items():
+            entries[rank] = token
+        return entries
 
     def save(self, directory: str | Path) -> None:
         """Write `original/tokenizer.model` plus an equivalent tokenizer.json and configs."""

@@ -51,6 +51,13 @@ Sampling: greedy sequences take one argmax over the batch; sampled ones each dra
 `torch.Generator`, so a seeded sequence draws the same tokens whatever runs beside it. Orca (Yu
 et al., OSDI 2022) calls this iteration-level scheduling; Sarathi (Agrawal et al., 2023) the
 chunked prefill.
+
+Structured output: a sequence whose params carry a `json_format` holds a grammar matcher
+(lmforge/generate/grammar.py). Its row's logits get the grammar's mask (-inf where a token is not
+allowed) after the forward, before the argmax or the sampler (`_grammar_masks`); the forward and
+its CUDA graphs are the same for every row, and a batch without such a row skips the mask. Its
+tokens reach its matcher before they are pushed, and before the next mask is made: the one
+point where the host waits for the step before (see `_grammar_masks`).
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.errors import ConfigError
 from lmforge.generate.attention import shape_free_attention
-from lmforge.generate.sampling import Sampler, SamplingParams, to_device
+from lmforge.generate.grammar import Grammars
+from lmforge.generate.sampling import Sampler, SamplingParams, mask_disallowed, to_device
 from lmforge.generate.sequence import (
     IncrementalText,
     Prompt,
@@ -354,6 +362,8 @@ class _Launch:
     sequences: list[Sequence]
     tokens: torch.Tensor  # [n] on the host (pinned on CUDA), filled when `ready` fires
     ready: torch.cuda.Event | None
+    # it holds tokens of constrained sequences that their grammars have not taken yet
+    unfed: bool = False
 
 
 class Engine:
@@ -492,6 +502,7 @@ class Engine:
         self._pending: deque[_Launch] = deque()
         self.num_decode_steps = 0
         self.num_shared_prompt_tokens = 0  # prompt tokens copied in the cache, not prefilled
+        self._grammars: Grammars | None = None  # made for the first JSON format (`grammars`)
 
     def _compile_decode(self) -> None:
         """Two compiled steps: batch 1, and any other bucket (one dynamic-batch compile), both
@@ -538,6 +549,15 @@ class Engine:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (see `lmforge.generate.sequence.encode_prompt`)."""
         return encode_prompt(prompt, self.tokenizer, vocab_size=self.args.vocab_size)
+
+    def grammars(self) -> Grammars:
+        """The compiler of JSON formats over this engine's vocabulary, made on first use (a
+        server makes it at start: importing xgrammar takes ~1 s)."""
+        if self.tokenizer is None:
+            raise ConfigError("a json_format needs a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.args.vocab_size)
+        return self._grammars
 
     def default_stop_ids(self) -> frozenset[int]:
         if self.tokenizer is not None:
@@ -586,16 +606,21 @@ class Engine:
                 f"prompt {index} shares the prompt of prompt {shares_prompt_with.index}, "
                 "but their tokens differ"
             )
+        stop_ids = self.default_stop_ids() if stop_ids is None else frozenset(stop_ids)
+        grammar = None
+        if params.json_format is not None:
+            grammar = self.grammars().matcher(params.json_format, stop_ids)
         return Sequence(
             index=index,
             prompt_ids=ids,
             params=params,
             max_new_tokens=min(params.max_new_tokens, self.max_seq_len - len(ids)),
-            stop_ids=self.default_stop_ids() if stop_ids is None else frozenset(stop_ids),
+            stop_ids=stop_ids,
             text_decoder=IncrementalText(self.tokenizer) if self.tokenizer else None,
             num_logprobs=num_logprobs,
             prompt_source=shares_prompt_with,
             generator=generator,
+            grammar=grammar,
         )
 
     def add(self, sequences: Iterable[Sequence]) -> None:
@@ -1012,19 +1037,64 @@ class Engine:
         # rows whose stop ids min_tokens masks this step: the count goes to the device, where
         # the sampler compares it with its tensor of min_tokens (a row past it adds 0s)
         under = any(s.under_min_tokens for s in sequences)
+        masks = self._grammar_masks(sequences)
+        scores = logits if masks is None else mask_disallowed(logits, *masks)
         if all(s.params.greedy for s in sequences) and not under:
-            chosen = logits.argmax(dim=-1)
+            chosen = scores.argmax(dim=-1)
         else:
             num_generated = None
             if under:
                 num_generated = self._to_device([s.num_scheduled for s in sequences])
             sampler = self._batch_sampler(sequences)
             uniforms = None if sampler.all_greedy else self._uniforms_of(sequences)
-            chosen = sampler(logits, uniforms=uniforms, num_generated=num_generated)
+            chosen = sampler(scores, uniforms=uniforms, num_generated=num_generated)
         wanted = [i for i, s in enumerate(sequences) if s.num_logprobs is not None]
         if wanted:
             self._queue_logprobs([sequences[i] for i in wanted], logits, chosen, wanted)
         return chosen
+
+    def _grammar_masks(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The constrained rows among `sequences` [k] and the tokens each may take next
+        (`Grammars.masks`: [k, ceil(vocab / 32)] int32), on the device; None where no row is
+        constrained, so that unconstrained batches pay nothing.
+
+        A row's mask must follow from all its earlier tokens, but the engine launches step
+        t+1 before step t's tokens reach the host (the overlap of the module docstring). So
+        here, after this step's forward is launched and before its sampling, the host waits
+        for the tokens launched before (`_feed_grammars`: the event recorded after step t's
+        copy, not this step's forward, which runs on meanwhile) and feeds them to their
+        matchers: a constrained row is never sampled ahead of its grammar, and the other rows
+        and the forwards keep their overlap. A matcher that took its stop token (a row
+        launched once more before its end reached the host) asks nothing: that token is
+        dropped at collection."""
+        if not any(s.grammar is not None for s in sequences):
+            return None
+        for launch in self._pending:
+            self._feed_grammars(launch)
+        rows = [
+            i
+            for i, s in enumerate(sequences)
+            if s.grammar is not None and not s.done and not s.grammar.is_terminated()
+        ]
+        if not rows:
+            return None
+        bitmask = self._grammars.masks([sequences[i].grammar for i in rows])
+        return self._to_device(rows), self._to_device(bitmask)
+
+    def _feed_grammars(self, launch: _Launch) -> None:
+        """The tokens of `launch`'s constrained sequences to their matchers, once (waiting for
+        the tokens to reach the host)."""
+        if not launch.unfed:
+            return
+        launch.unfed = False
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        for sequence, token in zip(launch.sequences, launch.tokens.tolist()):
+            grammar = sequence.grammar
+            if grammar is None or sequence.done or grammar.is_terminated():
+                continue
+            if not grammar.accept_token(token):  # its mask allowed it: never happens
+                raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
 
     def _uniforms_of(self, sequences: list[Sequence]) -> torch.Tensor:
         """The uniform each row draws its token with [n]: a seeded sequence's own (drawn
@@ -1066,11 +1136,13 @@ class Engine:
         if self.on_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return _Launch(sequences, host, ready)
+        unfed = any(s.grammar is not None for s in sequences)
+        return _Launch(sequences, host, ready, unfed)
 
     def _collect(self, launch: _Launch) -> list[tuple[Sequence, TokenEvent]]:
         if launch.ready is not None:
             launch.ready.synchronize()
+        self._feed_grammars(launch)
         events = []
         for sequence, token in zip(launch.sequences, launch.tokens.tolist()):
             if sequence.done:  # stopped in an earlier step, or cancelled

@@ -1,10 +1,13 @@
 """Sampling the next token: greedy, temperature, min-p, top-k and nucleus (top-p), per row of a
 batch.
 
-`SamplingParams` is one request's settings (also its length limit and stop conditions);
+`SamplingParams` is one request's settings (also its length limit, stop conditions and the JSON
+its text must be);
 `Sampler` turns the settings of a batch's rows into tensors once and then draws one token per
-row from [b, vocab] logits per step, all rows at once. The order is vLLM's: the stop tokens of
-rows still under their `min_tokens` masked (greedy rows too), then temperature, min-p, top-k,
+row from [b, vocab] logits per step, all rows at once. The order is vLLM's: the tokens a
+constrained row's grammar does not allow masked (`mask_disallowed`, applied by the engine to the
+logits it passes, greedy rows too), the stop tokens of rows still under their `min_tokens`
+masked (greedy rows too), then temperature, min-p, top-k,
 and top-p on what those kept (min-p and top-k commute: both keep a row's best tokens). A row's
 draw is one
 uniform number u in [0, 1) turned into a token by the inverse of its distribution (the first
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.errors import ConfigError
+from lmforge.generate.grammar import JsonFormat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +48,9 @@ class SamplingParams:
             () for none.
         min_tokens: no stop token can be chosen, and no stop string ends the generation,
             before this many new tokens (vLLM's `min_tokens`; at most max_new_tokens).
+        json_format: the text must be JSON of this format (lmforge/generate/grammar.py); it
+            ends with a stop token once the JSON is complete (not with min_tokens, which could
+            leave no token allowed).
     """
 
     max_new_tokens: int = 128
@@ -54,6 +61,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None
     min_tokens: int = 0
+    json_format: JsonFormat | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop string, not its characters
@@ -79,6 +87,11 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty")
+        if self.json_format is not None and self.min_tokens:
+            raise ConfigError(
+                f"min_tokens={self.min_tokens} cannot go with a json_format: where the JSON is "
+                "complete only a stop token is allowed"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -186,6 +199,19 @@ class Sampler:
         else:
             sampled = inverse_cdf(logits.softmax(dim=-1), uniforms, generator)
         return torch.where(self.greedy, greedy_choice, sampled)
+
+
+def mask_disallowed(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """logits [b, vocab] with the tokens that `rows` [k] may not take at -inf: bitmask [k,
+    ceil(vocab / 32)] int32, bit j of word w set where token 32w + j is allowed (xgrammar's
+    layout); a new tensor, the other rows as they were."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = (bitmask[:, :, None] >> bits).bitwise_and_(1).bool()  # [k, words, 32]
+    allowed = allowed.flatten(1)[:, : logits.shape[-1]]  # [k, vocab]
+    constrained = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((rows,), constrained)
 
 
 def mask_stop_ids(

@@ -128,6 +128,9 @@ class Sequence:
     # prefilling it (several completions of one prompt: `Engine.sequence(shares_prompt_with=)`)
     prompt_source: Sequence | None = None
     generator: torch.Generator | None = None  # its own draws, from its seed (`_draw_ahead`)
+    # Its params' json_format as an xgrammar.GrammarMatcher: the tokens allowed next; the
+    # engine feeds it each token before the token is pushed (`Engine._feed_grammars`)
+    grammar: Any = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_emitted: int = 0  # characters of `text` already streamed
@@ -156,12 +159,13 @@ class Sequence:
     @property
     def plain_greedy(self) -> bool:
         """Whether its next token is its logits' argmax and nothing else reads them (no draws
-        of its own, no log-probabilities, no stop ids masked by min_tokens)."""
+        of its own, no log-probabilities, no stop ids masked by min_tokens, no grammar)."""
         return (
             self.params.greedy
             and self.generator is None
             and self.num_logprobs is None
             and not self.under_min_tokens
+            and self.grammar is None
         )
 
     @property
@@ -189,13 +193,15 @@ class Sequence:
         token_ids.append(token)
         is_stop_token = token in self.stop_ids
         at_length = len(token_ids) >= self.max_new_tokens
+        # a grammar without stop ids to await ends with the JSON's last token
+        json_done = self.grammar is not None and not is_stop_token and self.grammar.is_terminated()
         stops = self.params.stop
         text = self.text
         if self.text_decoder is not None:
             old_length = len(text)
             if not is_stop_token:
                 text += self.text_decoder.push(token)
-            if is_stop_token or at_length:
+            if is_stop_token or at_length or json_done:
                 text += self.text_decoder.flush()  # bytes of an incomplete character
             self.text = text
             if stops and len(token_ids) > self.params.min_tokens:  # (vLLM's rule)
@@ -204,6 +210,8 @@ class Sequence:
         if self.finish_reason is None:
             if is_stop_token:
                 self.finish_reason, self.stop = "stop", token
+            elif json_done:
+                self.finish_reason = "stop"
             elif at_length:
                 self.finish_reason = "length"
         finished = self.finish_reason is not None

@@ -42,6 +42,7 @@ from lmforge.serve.session import (
     EventStream,
     ServedModel,
     Session,
+    check_response_format,
     detokenize,
     plan_request,
     tokenize,
@@ -145,7 +146,9 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
 
     async def generate(request: Request, body: GenerationRequest) -> Response:
         check_model(body.model)
-        session = Session(app.state, request, body, plan_request(body, model, settings))
+        plan = plan_request(body, model, settings)
+        await check_response_format(plan)
+        session = Session(app.state, request, body, plan)
         if body.stream:
             return EventStream(session)
         return await session.respond()

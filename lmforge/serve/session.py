@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lmforge.errors import UserError
+from lmforge.errors import ConfigError, UserError
 from lmforge.generate import Generator, SamplingParams
+from lmforge.generate.grammar import JsonFormat, check_json_format
 from lmforge.generate.sequence import Prompt, encode_prompt
 from lmforge.serve.engine import EngineStopped, QueueFull, SequenceRequest, TokenOutput
 from lmforge.serve.protocol import (
+    MAX_SCHEMA_BYTES,
     ApiError,
     ChatCompletionRequest,
     ChatMessage,
@@ -215,6 +217,47 @@ def _stop_token_ids(body: GenerationRequest, model: ServedModel) -> tuple[int, .
     return tuple(sorted({*model.tokenizer.stop_ids, *extra}))
 
 
+def _json_format(body: GenerationRequest) -> JsonFormat | None:
+    """The JSON the request's `response_format` asks for (None: text), its schema within
+    MAX_SCHEMA_BYTES."""
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    json_format = JsonFormat()  # json_object
+    if response_format.json_schema is not None:
+        json_format = JsonFormat.of(response_format.json_schema.schema_)
+        size = len(json_format.schema.encode())
+        if size > MAX_SCHEMA_BYTES:
+            raise ApiError(
+                400,
+                f"the response_format's JSON schema has {size} bytes; at most {MAX_SCHEMA_BYTES}",
+                param="response_format",
+                code="invalid_value",
+            )
+    if body.min_tokens:
+        raise ApiError(
+            400,
+            "'min_tokens' cannot go with a JSON response_format: where the JSON is complete "
+            "only a stop token is allowed",
+            param="min_tokens",
+            code="invalid_value",
+        )
+    return json_format
+
+
+async def check_response_format(plan: _Plan) -> None:
+    """A 400 naming 'response_format' where the engine could not follow it (xgrammar's reason)
+    or xgrammar is missing (what to install); off the event loop: the first check imports
+    xgrammar (~1 s), and a large schema takes a while to read."""
+    json_format = plan.sequences[0].params.json_format
+    if json_format is None:
+        return
+    try:
+        await asyncio.to_thread(check_json_format, json_format)
+    except ConfigError as err:
+        raise ApiError(400, str(err), param="response_format", code="invalid_value") from None
+
+
 def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSettings) -> _Plan:
     """Check a validated request against the model and the limits; build its sequences."""
     _check_unsupported(body)
@@ -268,6 +311,7 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
         num_logprobs = body.logprobs
     top_k = body.top_k if body.top_k and body.top_k > 0 else None
     stop_token_ids = _stop_token_ids(body, model)
+    json_format = _json_format(body)
     min_tokens = body.min_tokens or 0
     sequences = []
     for ids in prompts:
@@ -298,6 +342,7 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
             stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
+            json_format=json_format,
         )
         for choice in range(n):
             seed = None if body.seed is None else body.seed + choice
