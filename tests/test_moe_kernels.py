@@ -191,12 +191,18 @@ for dtype in ("bf16", "fp32"):
         ptx = triton.compile(source, target=target, options={"num_warps": warps}).asm["ptx"]
         assert "atom." not in ptx  # one store an output, no atomics
         compiled += 1
+    signature = {"logits_ptr": "*" + dtype, "weights_ptr": "*" + dtype, "experts_ptr": "*i64"}
+    constants = {"E": 128, "BLOCK_E": 128, "TOP_K": 8, "BLOCK_TOP_K": 8, "NORM": True}
+    signature |= {name: "constexpr" for name in constants}
+    source = ASTSource(moe._route, signature, constexprs=constants)
+    triton.compile(source, target=target, options={"num_warps": 1})
+    compiled += 1
 print("compiled", compiled)
 """
 
 
 def test_the_kernels_compile_for_a_gpu():
-    """The interpreter runs code the GPU compiler refuses, so both kernels are also compiled,
+    """The interpreter runs code the GPU compiler refuses, so the three kernels are also compiled,
     without a GPU, for sm_90 with the ptxas Triton ships, in a process without
     TRITON_INTERPRET (as tests/test_kernels.py does for the GEMVs)."""
     import os
@@ -208,4 +214,42 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 4" in done.stdout
+    assert "compiled 6" in done.stdout
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["normalized", "softmax"])
+@pytest.mark.parametrize("num_experts,top_k,tokens", [(12, 3, 3), (128, 8, 8), (6, 2, 1)])
+def test_the_routing_kernel_chooses_as_the_model_does(norm, num_experts, top_k, tokens):
+    """`route`'s kernel (E and k not powers of two too) picks the experts torch's top-k picks, largest
+    first, with the model's weights; past FUSED_PAIRS pairs it is the model's own route."""
+    logits = torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(top_k))
+    logits = logits.bfloat16()
+    weights, experts = moe_kernels.route(logits, top_k, norm)
+    want_weights, want_experts = moe.route(logits, top_k, norm_topk_prob=norm)
+    assert (weights.diff(dim=-1) <= 0).all()  # largest first
+    ours, theirs = experts.argsort(dim=-1), want_experts.argsort(dim=-1)  # by expert
+    assert torch.equal(experts.gather(1, ours), want_experts.gather(1, theirs))
+    torch.testing.assert_close(weights.gather(1, ours), want_weights.gather(1, theirs))
+    assert weights.dtype == torch.bfloat16 and experts.dtype == torch.int64
+    many = torch.randn(moe_kernels.FUSED_PAIRS // top_k + 1, num_experts)
+    got, want = moe_kernels.route(many, top_k, norm), moe.route(many, top_k, norm_topk_prob=norm)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_swapped_sparse_mlp_routes_in_the_kernel_without_autograd(monkeypatch):
+    """`use_fused_experts` makes each sparse MLP a `FusedRouting`: without autograd its routing
+    is the kernel's, with autograd the model's, and the block's output is the same."""
+    model = build_model(small_qwen3_moe_args(), dtype=torch.float32, seed=0).eval()
+    reference = copy.deepcopy(model)
+    moe_kernels.use_fused_experts(model)
+    sparse = [m for m in model.modules() if isinstance(m, moe.MoEFeedForward)]
+    assert sparse and all(type(m) is moe_kernels.FusedRouting for m in sparse)
+    calls = []
+    kernel = moe_kernels.route
+    monkeypatch.setattr(moe_kernels, "route", lambda *a: calls.append(a) or kernel(*a))
+    tokens = torch.tensor([[3, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-4, atol=1e-4)
+    assert len(calls) == len(sparse)
+    model(tokens).sum().backward()
+    assert len(calls) == len(sparse)  # with autograd: the model's route

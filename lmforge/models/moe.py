@@ -42,9 +42,10 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, E] -> (weights [tokens, k] in the logits' dtype, experts [tokens,
     k] int64): softmax in fp32 over the experts, the k largest, renormalized to sum to one when
-    `norm_topk_prob` (else the softmax probabilities as they are)."""
+    `norm_topk_prob` (else the softmax probabilities as they are); the k in no given order."""
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    # unsorted: every use is a sum over the k or counts; on CUDA sorting them is a kernel more
+    weights, experts = torch.topk(probs, top_k, dim=-1, sorted=False)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
@@ -276,8 +277,12 @@ class MoEFeedForward(nn.Module):
         logits = self.router(tokens)  # [b * s, E]
         if self.training and torch.is_grad_enabled():
             self.router_logits = logits
-        weights, experts = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+        weights, experts = self.route(logits)
         return self.experts(tokens, weights, experts).view_as(x)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` with this block's k and normalization (the engine's subclass: one kernel)."""
+        return route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)

@@ -176,6 +176,68 @@ def fused_fits(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor) -> boo
     )
 
 
+@triton.jit
+def _route(
+    logits_ptr,  # [tokens, E]
+    weights_ptr,  # [tokens, TOP_K]: the chosen experts' softmax probabilities (NORM: / their sum)
+    experts_ptr,  # [tokens, TOP_K] int64
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # E's power of two
+    TOP_K: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,  # TOP_K's power of two
+    NORM: tl.constexpr,
+):
+    """A program per token: softmax over its E logits in fp32, then k times the largest and its
+    index (the first of equals), each taken out before the next."""
+    token = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * E + cols, mask=cols < E, other=-float("inf"))
+    exps = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
+    probs = tl.where(cols < E, exps / tl.sum(exps, axis=0), -1.0)  # padding: never chosen
+    slots = tl.arange(0, BLOCK_TOP_K)
+    chosen = tl.zeros([BLOCK_TOP_K], dtype=tl.float32)
+    indices = tl.zeros([BLOCK_TOP_K], dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        index = tl.argmax(probs, axis=0)
+        chosen = tl.where(slots == slot, best, chosen)
+        indices = tl.where(slots == slot, index.to(tl.int64), indices)
+        probs = tl.where(cols == index, -1.0, probs)
+    if NORM:
+        chosen = chosen / tl.sum(chosen, axis=0)
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, chosen.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(experts_ptr + out, indices, mask=slots < TOP_K)
+
+
+@torch.library.custom_op("lmforge::route", mutates_args=())
+def route(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` in one kernel for at most `FUSED_PAIRS` (token, choice) pairs (a decode
+    step's: there torch's softmax, top-k and its sort took 10.6 µs of a 30B-A3B layer's ~89 on
+    an H100, 2026-12-07, docs/benchmarks.md), else `moe.route` itself. The k come largest first. The
+    token count is read at run time, as in `routed_experts`."""
+    tokens, num_experts = logits.shape
+    if tokens * top_k > FUSED_PAIRS:
+        return moe.route(logits, top_k, norm_topk_prob=norm_topk_prob)
+    weights = logits.new_empty(tokens, top_k)
+    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    _route[(tokens,)](
+        logits.contiguous(), weights, experts, E=num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts), TOP_K=top_k,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, num_warps=1,
+    )  # fmt: skip
+    return weights, experts
+
+
+@route.register_fake
+def _(logits, top_k, norm_topk_prob):
+    tokens = logits.shape[0]
+    experts = logits.new_empty(tokens, top_k, dtype=torch.int64)
+    return logits.new_empty(tokens, top_k), experts
+
+
 @torch.library.custom_op("lmforge::routed_experts", mutates_args=())
 def routed_experts(
     x: torch.Tensor,
@@ -212,10 +274,21 @@ class FusedExperts(moe.Experts):
         return routed_experts(x, self.w13, self.w2, weights, experts, self.grouped)
 
 
+class FusedRouting(moe.MoEFeedForward):
+    """A sparse MLP whose routing without autograd, on CUDA or under the interpreter, is one
+    kernel for a few tokens (`route`); installed by `use_fused_experts`."""
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled() or not (logits.is_cuda or INTERPRETED):
+            return super().route(logits)
+        return route(logits, self.top_k, self.norm_topk_prob)
+
+
 def use_fused_experts(model: nn.Module) -> int:
-    """Make every `moe.Experts` of `model` over plain weights a `FusedExperts`; returns how many.
-    Passed by: LoRA's experts (`LoRAExperts`, another class: their adapters run in the model's
-    paths), expert parallelism's (a class of its own, DTensor weights) and modules with hooks."""
+    """Make every `moe.Experts` of `model` over plain weights a `FusedExperts`, and every sparse
+    MLP a `FusedRouting`; returns how many experts were swapped. Passed by: LoRA's experts
+    (`LoRAExperts`, another class: their adapters run in the model's paths), expert
+    parallelism's (a class of its own, DTensor weights) and modules with hooks."""
     swapped = 0
     for module in model.modules():
         plain = (
@@ -226,4 +299,7 @@ def use_fused_experts(model: nn.Module) -> int:
         if plain:
             module.__class__ = FusedExperts
             swapped += 1
+    for module in model.modules():
+        if type(module) is moe.MoEFeedForward and not module._forward_pre_hooks:
+            module.__class__ = FusedRouting
     return swapped
