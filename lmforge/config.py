@@ -53,8 +53,8 @@ class ModelSection(Section):
     chat_template: str | None = None
     """A chat template (jinja text, or a path to a .jinja file) replacing the tokenizer's; the
     output artifact carries it."""
-    overrides: dict[str, int | float | bool] = Field(default_factory=dict)
-    """Model-args overrides for tiny experiments, e.g. num_layers=2."""
+    overrides: dict[str, int | float | bool | list[int]] = Field(default_factory=dict)
+    """Model-args overrides for tiny experiments, e.g. num_layers=2 or mlp_only_layers=[0]."""
 
 
 # ----------------------------------------------------------------------------- public API
