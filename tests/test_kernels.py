@@ -461,29 +461,33 @@ def test_decode_attention_equals_sdpa(
     torch.testing.assert_close(got[decoding], want[decoding], **tolerance)
 
 
-def test_fused_blocks_attend_in_one_kernel_through_the_engine(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_fused_blocks_attend_in_one_kernel_through_the_engine(family, monkeypatch):
     """A batch-1 decode through the engine runs each fused block's attention in
-    `decode_attention` (its slots split over programs once the sequence passes 16) and decodes
-    the unfused model's greedy tokens."""
+    `decode_attention` (its slots split over programs once the sequence passes 16; Qwen3's
+    per-head q / k norms inside it; a MoE's sparse blocks fused in their attention half) and
+    decodes the unfused model's greedy tokens."""
     import copy
 
     from lmforge.generate import Generator, SamplingParams
     from lmforge.generate import decode_attention as da
+    from tests.train_utils import small_family_args
 
     monkeypatch.setattr(da, "SPLIT_SLOTS", 16)
     monkeypatch.setattr(da, "BLOCK_SLOTS", 16)
     kv_lengths = []
 
-    def counted(*args):
-        kv_lengths.append(args[-1])
-        return da.decode_attention(*args)
+    def counted(*args, **kwargs):
+        kv_lengths.append(args[7])
+        return da.decode_attention(*args, **kwargs)
 
     monkeypatch.setattr(fused_block, "decode_attention", counted)
-    model = build_model(SMALL, dtype=torch.float32, seed=0)
-    assert model.fuse_projections()
+    args = SMALL if family == "llama" else small_family_args(family, head_dim=32)
+    model = build_model(args, dtype=torch.float32, seed=0)
+    model.fuse_projections()
     reference = copy.deepcopy(model)  # nn.Linear and SDPA (quicker than the interpreter)
     use_gemv(model)
-    kernels.use_fused_blocks(model)
+    assert kernels.use_fused_blocks(model) == args.num_layers
     # a 14-token prompt (prefilled by the blocks' own forward), then decode steps past slot 16
     params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
     prompt = [5, 17, 33, 2, 9, 41, 7, 12, 88, 3, 60, 21, 4, 15]
@@ -492,7 +496,7 @@ def test_fused_blocks_attend_in_one_kernel_through_the_engine(monkeypatch):
         for m in (reference, model)
     ]
     assert outputs[0][0].token_ids == outputs[1][0].token_ids
-    assert len(kv_lengths) >= 5 * SMALL.num_layers and max(kv_lengths) > 16
+    assert len(kv_lengths) >= 5 * args.num_layers and max(kv_lengths) > 16
 
 
 @pytest.mark.skipif(kernels.INTERPRETED, reason="a GPU's compiled kernels (TRITON_INTERPRET=0)")
@@ -604,10 +608,12 @@ for dtype, head_dim, group in (("bf16", 64, 4), ("bf16", 128, 3), ("fp32", 64, 4
                                                 "v_cache_ptr", "out_ptr")}
     signature |= {"positions_ptr": "*i64", "partial_ptr": "*fp32", "stats_ptr": "*fp32"}
     signature |= {"qkv_row_stride": "i32", "cache_row_stride": "i32", "cache_head_stride": "i32",
-                  "split_slots": "i32", "splits": "i32", "scale": "fp32"}
+                  "split_slots": "i32", "splits": "i32", "scale": "fp32", "eps": "fp32",
+                  "q_norm_ptr": "*" + dtype, "k_norm_ptr": "*" + dtype}
     early = dtype == "bf16"
     constants = {"HEADS": 8 * group, "KV_HEADS": 8, "HEAD_DIM": head_dim, "GROUP_ROWS": 16,
-                 "BLOCK_SLOTS": da.BLOCK_SLOTS, "EXACT": dtype == "fp32", "EARLY": early}
+                 "BLOCK_SLOTS": da.BLOCK_SLOTS, "EXACT": dtype == "fp32", "EARLY": early,
+                 "QK_NORM": head_dim == 128}
     signature = {**signature, **{name: "constexpr" for name in constants}}
     source = ASTSource(da._decode_attention, {n: signature[n] for n in da._decode_attention.arg_names},
                        constexprs=constants)

@@ -39,11 +39,18 @@ FLOAT32_DOTS = INTERPRETED
 
 
 @triton.jit
-def _rope(ptr, at, rotated_at, cos, sin, sign):
-    """x * cos + rotate_half(x) * sin for x at `ptr + at` (rotate_half: the halves swapped, the
-    first negated: `rotated_at` indexes the swapped halves, `sign` is -1 over the first)."""
+def _rope(ptr, at, rotated_at, cos, sin, sign, norm_ptr, d, rotated, eps, NORM: tl.constexpr):
+    """x * cos + rotate_half(x) * sin for heads x at `ptr + at` ([..., HEAD_DIM]; rotate_half:
+    the halves swapped, the first negated: `rotated_at` indexes the swapped halves, `sign` is
+    -1 over the first). NORM: x is first each head's RMSNorm with weight `norm_ptr` (Qwen3's
+    q_norm / k_norm), in fp32."""
     x = tl.load(ptr + at).to(tl.float32)
-    return x * cos + sign * tl.load(ptr + rotated_at).to(tl.float32) * sin
+    x_rotated = tl.load(ptr + rotated_at).to(tl.float32)
+    if NORM:
+        inverse_rms = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / x.shape[-1] + eps)
+        x = x * inverse_rms * tl.load(norm_ptr + d).to(tl.float32)
+        x_rotated = x_rotated * inverse_rms * tl.load(norm_ptr + rotated).to(tl.float32)
+    return x * cos + sign * x_rotated * sin
 
 
 @triton.jit
@@ -65,6 +72,9 @@ def _decode_attention(
     out_ptr,  # [b, heads * head_dim]
     partial_ptr,  # [b, heads, splits, head_dim] float32 (several splits)
     stats_ptr,  # [b, heads, splits, 2] float32: running max (log2 units), sum
+    q_norm_ptr,  # [HEAD_DIM] (QK_NORM)
+    k_norm_ptr,
+    eps,  # the q / k norms' (QK_NORM)
     qkv_row_stride,
     cache_row_stride,
     cache_head_stride,
@@ -78,6 +88,7 @@ def _decode_attention(
     BLOCK_SLOTS: tl.constexpr,
     EXACT: tl.constexpr,  # float32 dots (a float32 cache; the interpreter)
     EARLY: tl.constexpr,  # launched early (early_launch.py): wait for the kernel before
+    QK_NORM: tl.constexpr = False,  # each q and k head RMSNormed before RoPE (Qwen3)
 ):
     wait_for_previous(EARLY)
     row_head, split = tl.program_id(0), tl.program_id(1)
@@ -92,7 +103,8 @@ def _decode_attention(
     g = tl.arange(0, GROUP_ROWS)
     heads_at = (kv_head * group + tl.minimum(g, group - 1))[:, None] * HEAD_DIM  # padded: repeats
     qkv = qkv_ptr + row * qkv_row_stride
-    q = _rope(qkv, heads_at + d[None, :], heads_at + rotated[None, :], cos, sin, sign)
+    q = _rope(qkv, heads_at + d[None, :], heads_at + rotated[None, :], cos, sin, sign,
+              q_norm_ptr, d, rotated, eps, QK_NORM)  # fmt: skip
     dtype = k_cache_ptr.dtype.element_ty
     q = q.to(dtype)  # [GROUP_ROWS, HEAD_DIM], as the cache's keys: the dots' inputs
     head_at = row.to(tl.int64) * cache_row_stride + kv_head * cache_head_stride  # (> 2^31)
@@ -122,7 +134,8 @@ def _decode_attention(
     # output the engine ignores, still writes its slot: the last split does).
     if tl.minimum(position // split_slots, splits - 1) == split:
         k_at = (HEADS + kv_head) * HEAD_DIM
-        k = _rope(qkv, k_at + d, k_at + rotated, cos, sin, sign).to(dtype)
+        k = _rope(qkv, k_at + d, k_at + rotated, cos, sin, sign, k_norm_ptr, d, rotated, eps,
+                  QK_NORM).to(dtype)  # fmt: skip
         v = tl.load(qkv + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + d).to(dtype)
         tl.store(k_cache + position * HEAD_DIM + d, k)
         tl.store(v_cache + position * HEAD_DIM + d, v)
@@ -189,12 +202,16 @@ def decode_attention(
     positions: torch.Tensor,
     heads: int,
     kv_len: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """Decoding rows' attention: qkv [b, (heads + 2 * kv_heads) * head_dim] (one new token a
     row, before RoPE), cos / sin [b, head_dim], the caches [max_b, kv_heads, max_seq_len,
     head_dim], positions [b] (each row's new slot, < kv_len) -> [b, heads * head_dim]. The new
     keys (after RoPE) and values are written into the caches; each row attends to its slots
-    0..position (the slots beyond may hold stale values: never read)."""
+    0..position (the slots beyond may hold stale values: never read). `q_norm` / `k_norm`
+    [head_dim] with `eps`: each query and key head RMSNormed before RoPE (Qwen3)."""
     batch = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     out = qkv.new_empty(batch, heads * head_dim)
@@ -219,6 +236,9 @@ def decode_attention(
         out,
         partial,
         stats,
+        q_norm if q_norm is not None else out,  # (any pointer where unused)
+        k_norm if k_norm is not None else out,
+        eps,
         qkv.shape[-1],
         k_cache.stride(0),
         k_cache.stride(1),
@@ -232,6 +252,7 @@ def decode_attention(
         BLOCK_SLOTS=BLOCK_SLOTS,
         EXACT=k_cache.dtype == torch.float32 or FLOAT32_DOTS,
         EARLY=early,
+        QK_NORM=q_norm is not None,
         num_warps=4,
         num_stages=2,
         launch_pdl=early,
@@ -252,5 +273,6 @@ def decode_attention(
 
 
 @decode_attention.register_fake
-def _(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_len):
+def _(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_len, q_norm=None, k_norm=None,
+      eps=0.0):  # fmt: skip
     return qkv.new_empty(qkv.shape[0], heads * k_cache.shape[3])

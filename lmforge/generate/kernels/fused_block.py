@@ -34,7 +34,9 @@ class FusedDecodeBlock:
     against a decode step's static cache, otherwise the model's own attention). Unfused, each
     of those is a kernel of its own: on an H200 the 1B step had 183 kernels and took 1.054 ms;
     fused with cuDNN's attention 136 and 0.983 ms; with the attention kernel 88 and 0.890 ms
-    (torch.profiler; docs/benchmarks.md). More rows take the block's own forward. A mixin:
+    (torch.profiler; docs/benchmarks.md). A sparse block (a Mixture-of-Experts' router and
+    experts) fuses its attention half, and its MLP runs its own forward (the fused experts of
+    kernels/moe.py). More rows take the block's own forward. A mixin:
     `use_fused_blocks` swaps a block's class for one deriving from this and the family's own
     block class, so names and the state dict stay."""
 
@@ -45,21 +47,26 @@ class FusedDecodeBlock:
         qkv = attention.wqkv.matvec(x, norm=self.attention_norm)
         heads = _attend_one_row(attention, qkv, cos, sin, attn_mask, kv_cache)
         h = attention.wo.matvec(heads, residual=x)
+        if not _dense(ffn):  # a sparse MLP (router and experts): its own forward
+            return h + ffn(self.ffn_norm(h))
         gated = ffn.w13.matvec(h, norm=self.ffn_norm, swiglu=SWIGLU_IN_W13)
         return ffn.w2.matvec(gated, gated=True, residual=h)
+
+
+def _dense(ffn: nn.Module) -> bool:
+    return hasattr(ffn, "w13")
 
 
 def _attend_one_row(attention: nn.Module, qkv, cos, sin, attn_mask, kv_cache) -> torch.Tensor:
     """A decoding row's attention of its fused projections qkv [1, 1, ...] -> [1, 1, heads *
     head_dim]: RoPE, the cache write and attention in one kernel (`decode_attention`) against
-    a decode step's static cache without per-head norms; otherwise (a prefill's view of the
+    a decode step's static cache (Qwen3's per-head norms of q and k in it too); otherwise (a prefill's view of the
     cache, no cache, shapes the kernel does not take) the model's own `attend`."""
     heads = attention.fused_sizes[0] // attention.head_dim
-    if (
-        isinstance(kv_cache, StaticKVCache)
-        and attention.q_norm is None
-        and supported(heads, kv_cache.k.shape[1], attention.head_dim)
+    if isinstance(kv_cache, StaticKVCache) and supported(
+        heads, kv_cache.k.shape[1], attention.head_dim
     ):
+        q_norm, k_norm = attention.q_norm, attention.k_norm  # (Qwen3's; None: Llama's)
         return decode_attention(
             qkv.view(1, -1),
             cos.view(1, -1),
@@ -69,6 +76,9 @@ def _attend_one_row(attention: nn.Module, qkv, cos, sin, attn_mask, kv_cache) ->
             kv_cache.positions.view(1),
             heads,
             kv_cache.kv_len,
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            eps=q_norm.eps if q_norm is not None else 0.0,
         ).view(1, 1, -1)
     q, k, v = qkv.split(attention.fused_sizes, dim=-1)
     return attention.attend(q, k, v, cos, sin, attn_mask, kv_cache)
@@ -86,13 +96,9 @@ def use_fused_blocks(model: nn.Module) -> int:
     fused = 0
     for block in model.layers.values():
         attention, ffn = block.attention, block.feed_forward
-        # A sparse MLP (router and stacked experts, no w13) keeps the block's own forward.
-        linears = (
-            attention.wqkv,
-            attention.wo,
-            getattr(ffn, "w13", None),
-            getattr(ffn, "w2", None),
-        )
+        # A sparse MLP (router and stacked experts, no w13): the attention half alone
+        linears = (attention.wqkv, attention.wo)
+        linears += (ffn.w13, ffn.w2) if _dense(ffn) else ()
         if not isinstance(block, FusedDecodeBlock) and all(
             isinstance(linear, _MatvecLayer) for linear in linears
         ):
