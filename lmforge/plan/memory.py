@@ -709,28 +709,45 @@ def compiled_layer_activations(setup: Setup) -> float:
     return (2 * rb * d + 8) / tp + 2 * c * d + (c * (2 * qd + 2 * kvd) + 4 * h + 3 * c * f) / tp
 
 
-def _mm_outputs(setup: Setup) -> list[float]:
+def _mm_outputs(setup: Setup, *, sparse: bool = False) -> list[float]:
     """Bytes per token of each aten.mm output of a block's forward, in execution order
-    (selective checkpointing counts them). LoRA adds A and B after each adapted base matmul."""
+    (selective checkpointing counts them). LoRA adds A and B after each adapted base matmul.
+    A sparse block's MLP has one: its router's logits (the experts' products are grouped,
+    not aten.mm, and recomputed)."""
     a = setup.args
     c = setup.compute_bytes
     _, _, tp = setup.mesh
     kvd = a.num_kv_heads * a.head_dim
     r = setup.lora_rank
+    mlp = (
+        [("router", a.num_experts, False)]  # replicated under TP: whole
+        if sparse
+        else [("w1", a.ffn_dim, True), ("w3", a.ffn_dim, True), ("w2", a.dim, False)]
+    )
     out = []
     for attr, width, column in (
         ("wq", a.num_heads * a.head_dim, True),
         ("wk", kvd, True),
         ("wv", kvd, True),
         ("wo", a.dim, False),
-        ("w1", a.ffn_dim, True),
-        ("w3", a.ffn_dim, True),
-        ("w2", a.dim, False),
+        *mlp,
     ):
         out.append(c * width / tp if column else c * width)  # row-parallel: partial sums, whole
         if attr in setup.adapted:
             out += [c * r, c * width]
     return out
+
+
+def _selective_kept(setup: Setup) -> float:
+    """Bytes per token of the mm outputs selective checkpointing keeps (every second), over
+    the dense and sparse blocks in their shares."""
+    share = sparse_share(setup.args)
+
+    def kept(sparse: bool) -> float:
+        outputs = _mm_outputs(setup, sparse=sparse)
+        return sum(size for i, size in enumerate(outputs, start=1) if i % 2 == 0)
+
+    return (1 - share) * kept(False) + (share * kept(True) if share else 0)
 
 
 def saved_per_layer(setup: Setup) -> float:
@@ -742,7 +759,7 @@ def saved_per_layer(setup: Setup) -> float:
     if mode == "full":
         return block_input  # checkpoint_wrapper keeps only the block's inputs
     if mode == "selective":
-        kept = sum(size for i, size in enumerate(_mm_outputs(setup), start=1) if i % 2 == 0)
+        kept = _selective_kept(setup)
         sdpa = (setup.compute_bytes * a.q_dim + 4 * a.num_heads) / tp
         return block_input + kept + sdpa
     if setup.compile:
@@ -980,8 +997,11 @@ def _step_activations(setup: Setup, specs: list[ParamSpec]) -> _StepActivations:
     d, f, qd, kvd = a.dim, a.ffn_dim, a.q_dim, a.kv_dim
     c, rb = setup.compute_bytes, setup.residual_bytes
     _, _, tp = setup.mesh
+    mlp = 3 * c * f if sparse_share(a) < 1 else 0  # gate, up and their product's gradients
+    if sparse_share(a):  # a sparse MLP's: those of its k rows, and the rows' own [k, dim]
+        mlp = max(mlp, c * a.num_experts_per_tok * (3 * a.moe_ffn_dim + 2 * d))
     workspace_per_token = (
-        max(3 * c * f, 4 * qd + c * (2 * qd + 2 * kvd)) + 2 * rb * d
+        max(mlp, 4 * qd + c * (2 * qd + 2 * kvd)) + 2 * rb * d
     ) / tp  # activation gradients of one block (MLP, or flash's fp32 dq accumulator)
     loss_fwd, loss_bwd = loss_bytes(setup)
     nf4_transient = 0
