@@ -16,21 +16,8 @@ pytest.importorskip("triton")  # Linux only (pyproject's test extra)
 from lmforge.api import build_model
 from lmforge.generate.kernels import moe as moe_kernels
 from lmforge.models import moe
+from tests.test_qwen3_moe import _routed as routed
 from tests.train_utils import small_qwen3_moe_args
-
-
-def routed(tokens: int, dim: int, ffn: int, num_experts: int, top_k: int, *, seed: int = 0):
-    """x [tokens, dim], w13 [E, 2I, dim], w2 [E, dim, I] and a router's (weights, experts)
-    [tokens, k]; expert 0 chosen by nobody."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, dim, generator=g)
-    w13 = torch.randn(num_experts, 2 * ffn, dim, generator=g) / dim**0.5
-    w2 = torch.randn(num_experts, dim, ffn, generator=g) / ffn**0.5
-    logits = torch.randn(tokens, num_experts, generator=g)
-    logits[:, 0] = -1e4
-    weights, experts = moe.route(logits, top_k, norm_topk_prob=True)
-    return x, w13, w2, weights, experts
-
 
 # (E, k, dim, I): none a multiple of the interpreter's 16-row, 32-column tiles
 SHAPES = [(5, 2, 48, 40), (8, 3, 80, 24)]

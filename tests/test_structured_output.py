@@ -18,6 +18,7 @@ from lmforge.generate import Engine, SamplingParams
 from lmforge.generate import grammar as grammar_module
 from lmforge.generate.grammar import Grammars, JsonFormat, check_json_format
 from lmforge.generate.sampling import mask_disallowed
+from tests.test_generate import one_thread  # noqa: F401 (its autouse fixture: one thread)
 from tests.train_utils import small_args
 
 xgrammar = pytest.importorskip("xgrammar")
@@ -44,14 +45,6 @@ SCHEMA = {
     "required": ["name", "age", "tags", "pet"],
 }
 CHAT = [{"role": "user", "content": "Your pet as JSON, please."}]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
