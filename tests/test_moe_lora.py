@@ -333,3 +333,17 @@ def test_dry_run_counts_the_expert_adapters_as_the_planner_does(method, targets)
     setup = Setup(args=args, gpus=2, method=method, lora_rank=4, lora_targets=targets)
     report = dry_run(setup)  # the meta-device model's tensors against param_specs
     assert report.mismatches == [] and report.matches
+
+
+def test_the_plan_names_the_frozen_linears_dtype():
+    """A LoRA plan's parameter row says the frozen linears are stored in lora.base_dtype (bf16
+    here) beside the fp32 rest, not "fp32" for all of them."""
+    from lmforge.models import get_preset
+    from lmforge.plan import Setup, plan_memory
+    from lmforge.plan.report import format_plan
+
+    args = get_preset("qwen3-30b-a3b")
+    lora_plan = format_plan(plan_memory(Setup(args=args, gpus=8, method="lora", lora_rank=4)))
+    assert "parameters (frozen linears bf16, rest fp32, sharded 1/8)" in lora_plan
+    full = format_plan(plan_memory(Setup(args=args, gpus=8, method="full")))
+    assert "parameters (fp32, sharded 1/8)" in full

@@ -14,6 +14,7 @@ from lmforge.plan.memory import (
     Suggestion,
     TiB,
     bytes_per_param,
+    dtype_name,
     model_state_bytes,
 )
 
@@ -170,6 +171,9 @@ def _storage_label(setup: Setup) -> str:
     label = setup.weight_dtype
     if setup.method == "qlora":
         label = f"NF4 adapted bases, rest {setup.param_dtype}"
+    elif setup.uses_lora and setup.frozen_linear_bytes != setup.param_bytes:
+        frozen = dtype_name(setup.frozen_linear_bytes)
+        label = f"frozen linears {frozen}, rest {setup.weight_dtype}"  # (lora.base_dtype)
     _, shard, _ = setup.mesh
     if setup.fsdp and shard > 1:
         label += f", sharded 1/{shard}"
