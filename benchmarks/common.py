@@ -73,7 +73,8 @@ def random_batches(vocab: int, batch: int, seq: int, device, *, pairs: bool = Fa
 
 def build_train_model(args, layout, parallel, *, lora: str | None = None, fsdp1: bool = False):
     """Meta device → LoRA swap → parallelize() → materialize → initialize, as the trainer does.
-    lora: None, "lora" (rank 16 on the blocks' seven linears) or "qlora" (its base in NF4);
+    lora: None, "lora" (rank 16 on the default targets: the blocks' seven linears; on a MoE
+    attention's four and the experts, `lora.targets_for`) or "qlora" (its base in NF4);
     fsdp1: FSDP2 on a one-rank group (parallelize skips FSDP at dp size 1)."""
     from lmforge.models import new_model
     from lmforge.modules import lora as lora_

@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-train | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-train|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|trl" >&2
   exit 2
   ;;
 esac
@@ -182,6 +182,25 @@ moe-train)
     [print(r['variant'], 'over torchtitan:', round(r['tokens_per_s'] / t, 3)) for r in \
     json.load(open(sys.argv[2]))['rows'] if 'tokens_per_s' in r]" \
     "$OUT/titan_moe.json" "$OUT/train_throughput.json"
+  ;;
+moe-lora)
+  # one GPU (H100 or H200): a LoRA training step at moe-train's shapes (qwen3-30b-a3b cut to 4
+  # blocks, batch 4 x 2048, random tokens, rank 16 on attention's q/k/v/o and the experts, the
+  # aux loss on), transformers 5 + PEFT (benchmarks/hf_peft_moe.py: grouped_mm experts, PEFT's
+  # target_parameters on the stacked experts, bf16 autocast, fused AdamW) eager and with each
+  # decoder layer compiled, beside lmforge's LoRA step, compiled (target: >= 2x the faster row)
+  step 100 hf-peft-moe python3 benchmarks/hf_peft_moe.py --num-layers 4 --batch 4 --seq 2048 \
+    --steps 10 --warmup 4 --out "$OUT"
+  step 150 hf-peft-moe-compile python3 benchmarks/hf_peft_moe.py --num-layers 4 --batch 4 \
+    --seq 2048 --steps 10 --warmup 4 --compile --out "$OUT"
+  step 200 ours-moe-lora python3 benchmarks/train_throughput.py --shapes moe:4x2048 \
+    --num-layers 4 --variants ours-lora-compile --steps 10 --warmup 4 --out "$OUT"
+  grep -h '^{' "$OUT"/hf-peft-moe*.log "$OUT/ours-moe-lora.log" | cut -c1-400
+  python3 -c "import json,os,sys; ours=[r for r in json.load(open(sys.argv[1]))['rows'] \
+    if 'tokens_per_s' in r]; [print(r['variant'], 'over', h['engine'], 'compile' if \
+    h['compile'] else 'eager', round(r['tokens_per_s'] / h['tokens_per_s'], 3)) for f in \
+    sys.argv[2:] if os.path.exists(f) for h in [json.load(open(f))] for r in ours]" \
+    "$OUT/train_throughput.json" "$OUT/hf_peft_moe.json" "$OUT/hf_peft_moe-compile.json"
   ;;
 fp8)
   # batch-1 decode of the 1B in bf16, fp8 (W8A8, `lmforge quantize --scheme fp8`'s weights in

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Python packages the GPU machine's image lacks (lmforge's own, torchtitan 0.2.2 and its
 # needs, ../shared/bench/titan_baseline.py, GemLite for benchmarks/quantized_gemm.py, TRL for
-# benchmarks/trl_grpo.py, compressed-tensors for `lmforge quantize --format
-# compressed-tensors`), as wheels for its Python 3.12 in .whl/ (ignored by git; carry it),
-# versions from constraints.txt; benchmarks/device_calls.sh installs them.
+# benchmarks/trl_grpo.py, PEFT for benchmarks/hf_peft_moe.py (the image's may predate its
+# target_parameters), compressed-tensors for `lmforge quantize --format compressed-tensors`), as
+# wheels for its Python 3.12 in .whl/ (ignored by git; carry it), versions from constraints.txt;
+# benchmarks/device_calls.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
@@ -22,7 +23,7 @@ packages=(
   tabledata tcolorpy typepy chardet word2number more-itertools zstandard rouge-score nltk
   jsonlines numexpr tqdm-multiprocess
   torchtitan tyro typeguard docstring-parser torchdata tomli
-  gemlite trl compressed-tensors loguru
+  gemlite trl peft compressed-tensors loguru
 )
 specs=()
 for name in "${packages[@]}"; do specs+=("$(pinned "$name")"); done

@@ -3,12 +3,14 @@
 tokens/s, MFU (on the active parameters' FLOPs, `ModelArgs.flops_per_token`) and peak memory.
 
 Fills docs/benchmarks.md's "Training, one GPU" table (`bash benchmarks/device_calls.sh train`),
-its LoRA / QLoRA rows (`device_calls.sh lora`) and the MoE row beside torchtitan's Qwen3-MoE
+its LoRA / QLoRA rows (`device_calls.sh lora`), the MoE row beside torchtitan's Qwen3-MoE
 (`device_calls.sh moe-train`: shape moe, qwen3-30b-a3b, with --num-layers 4; its aux loss and
-expert-load counts on, as the training commands run it). A variant is ours-compile or ours-eager
-with any of -float8, -sac (selective activation checkpointing), -lora or -qlora (rank 16,
-QLoRA's base in NF4) and -bf16p (bf16 weights, fp32 masters; without it fp32 weights under
-autocast). --device cpu with --override (model fields, e.g. dim=64) checks a small shape runs.
+expert-load counts on, as the training commands run it) and the MoE LoRA row beside
+transformers + PEFT (`device_calls.sh moe-lora`; on a MoE -lora adapts attention and the
+experts). A variant is ours-compile or ours-eager with any of -float8, -sac (selective
+activation checkpointing), -lora or -qlora (rank 16, QLoRA's base in NF4) and -bf16p (bf16
+weights, fp32 masters; without it fp32 weights under autocast). --device cpu with --override
+(model fields, e.g. dim=64) checks a small shape runs.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def sync(device: torch.device) -> None:
 
 
 def bench_ours(preset: str, batch: int, seq: int, args, variant: str):
-    """Seconds a step of `variant` and the preset's ModelArgs (with the overrides)."""
+    """Seconds a step of `variant`, the preset's ModelArgs (with the overrides) and the number
+    of trainable parameters."""
     margs = get_preset(preset).replace(**model_overrides(args))
     compile = "eager" not in variant
     parallel = ParallelSection(
@@ -81,7 +84,8 @@ def bench_ours(preset: str, batch: int, seq: int, args, variant: str):
     for _ in range(args.steps):
         trainer.train_step(False)
     sync(layout.device)
-    return (time.perf_counter() - start) / args.steps, margs
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (time.perf_counter() - start) / args.steps, margs, trainable
 
 
 def main() -> None:
@@ -106,7 +110,9 @@ def main() -> None:
         for variant in args.variants:
             common.cleanup()  # this variant's peak must not count the last one's state
             try:
-                seconds, margs = bench_ours(common.PRESETS[name], batch, seq, args, variant)
+                seconds, margs, trainable = bench_ours(
+                    common.PRESETS[name], batch, seq, args, variant
+                )
             except Exception as err:  # one failing variant must not lose the others' numbers
                 print(f"{shape} {variant}: FAILED {type(err).__name__}: {err}", flush=True)
                 rows.append({"shape": shape, "variant": variant, "error": str(err)[:200]})
@@ -122,6 +128,8 @@ def main() -> None:
                 "peak_mem_gb": round(peak, 1),
                 "step_s": round(seconds, 4),
             }
+            if "lora" in variant:  # the adapters' size, to set beside PEFT's (hf_peft_moe.py)
+                row["trainable_params"] = trainable
             if margs.num_params(active=True) != margs.num_params():  # a MoE: what MFU counts
                 row |= {"num_layers": margs.num_layers, "params": margs.num_params(),
                         "active_params": margs.num_params(include_embedding=False, active=True),

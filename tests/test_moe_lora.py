@@ -347,3 +347,16 @@ def test_the_plan_names_the_frozen_linears_dtype():
     assert "parameters (frozen linears bf16, rest fp32, sharded 1/8)" in lora_plan
     full = format_plan(plan_memory(Setup(args=args, gpus=8, method="full")))
     assert "parameters (fp32, sharded 1/8)" in full
+
+
+def test_a_lora_model_from_scratch_initializes_its_experts_and_adapters():
+    """LoRA on a MoE trained from scratch: init_weights draws the frozen experts as a plain
+    model's and fresh adapters (B zero, so the adapted model is the base at first)."""
+    model = build_model(small_qwen3_moe_args(), dtype=torch.float32, seed=0)
+    lora.apply_lora(model, targets=["experts"], rank=2, alpha=4)
+    torch.manual_seed(1)
+    model.init_weights()
+    experts = model.layers["0"].feed_forward.experts
+    assert isinstance(experts, lora.LoRAExperts)
+    assert experts.w13.std() > 0 and experts.lora_a["w13"].abs().sum() > 0
+    assert experts.lora_b["w13"].abs().sum() == 0

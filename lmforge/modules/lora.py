@@ -356,6 +356,12 @@ class LoRAExperts(nn.Module):
             nn.init.uniform_(a, -bound, bound)
             nn.init.zeros_(self.lora_b[name])
 
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Fresh base experts (as `moe.Experts` draws them: LoRA on a model trained from
+        scratch) and fresh adapters."""
+        moe.Experts.init_weights(self, std, out_std)
+        self.reset_lora_parameters()
+
     def base_weight(self, name: str) -> torch.Tensor:
         """The stacked base weight `name` (w13 / w2) [E, out, in], dequantized if NF4."""
         weight = getattr(self, name)
