@@ -222,6 +222,14 @@ quantized-serve)
     --max-tokens 128 --max-seq-len 4096 --out "$OUT/$preset"
   tail -n 30 "$OUT/qserve-$preset.log"
   ;;
+moe-serve)
+  # lmforge serve on qwen3-30b-a3b's shapes cut to 24 blocks (random bf16 weights, ~30 GB) at
+  # 1-64 streams, 128 greedy tokens a request: the MoE beside the dense rows of case serve
+  step 570 serve-moe python3 benchmarks/serve_load.py --preset qwen3-30b-a3b --num-layers 24 \
+    --device cuda --max-concurrency 64 --concurrency 1 8 32 64 --max-tokens 128 \
+    --max-seq-len 4096 --out "$OUT/moe-serve"
+  tail -n 12 "$OUT/serve-moe.log"
+  ;;
 quantized-8b)
   # the 8B (random weights) bf16 and as `lmforge quantize` makes it with its defaults: `lmforge
   # generate` at batch 1 (decode tokens/s, % of the copy-bandwidth limit, load time) and `lmforge

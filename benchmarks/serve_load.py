@@ -126,19 +126,21 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
     }
 
 
-def preset_artifact(preset: str, root: Path) -> Path:
-    """Random bf16 weights of `preset` with a BPE tokenizer of this script's words."""
+def preset_artifact(preset: str, root: Path, num_layers: int | None = None) -> Path:
+    """Random bf16 weights of `preset` (shortened to `num_layers` blocks: a large MoE on one
+    GPU) with a BPE tokenizer of this script's words."""
     import torch
 
     import lmforge
     from lmforge.api import LoadedModel, build_model
     from lmforge.data.tokenizer import train_bpe
-    from lmforge.models.llama import get_preset
+    from lmforge.models import get_preset
 
     corpus = root / "words.txt"
     corpus.write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
     tokenizer = train_bpe([corpus], vocab_size=300, out_dir=root / "tokenizer")
     args = get_preset(preset)
+    args = args.replace(num_layers=num_layers) if num_layers else args
     model = build_model(args, dtype=torch.bfloat16, seed=0)
     # Ids past the tokenizer's 300 decode to no text, and a stream sends no event for them: a
     # random model would then show its first token only at the end. With their embedding rows
@@ -194,6 +196,7 @@ def main() -> None:
     # The server:
     parser.add_argument("--max-concurrency", type=int, default=32, help="server rows (32)")
     parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, help="--preset shortened to this many blocks")
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
@@ -207,7 +210,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.preset is not None:
-        args.artifact = preset_artifact(args.preset, Path(tempfile.mkdtemp(prefix="serve_load_")))
+        root = Path(tempfile.mkdtemp(prefix="serve_load_"))
+        args.artifact = preset_artifact(args.preset, root, args.num_layers)
     results, source = {}, args.artifact
     for scheme in args.schemes:
         artifact = source if scheme == "bf16" else quantized(source, scheme, args)
