@@ -222,6 +222,17 @@ quantized-serve)
     --max-tokens 128 --max-seq-len 4096 --out "$OUT/$preset"
   tail -n 30 "$OUT/qserve-$preset.log"
   ;;
+structured-serve)
+  # the 1B served at 32 streams (128 tokens a request), then the same with every second
+  # request constrained by a JSON schema (response_format, xgrammar's masks in the engine's
+  # step). Target (issue 57): the constrained run's tokens/s >= 90% of the plain one's
+  for every in 0 2; do
+    step 280 "structured-$every" python3 benchmarks/serve_load.py --preset llama3.2-1b \
+      --device cuda --max-concurrency 32 --concurrency 32 --max-tokens 128 \
+      --max-seq-len 4096 --json-every "$every" --out "$OUT/structured-$every"
+    tail -n 4 "$OUT/structured-$every.log"
+  done
+  ;;
 moe-serve)
   # lmforge serve on qwen3-30b-a3b's shapes cut to 24 blocks (random bf16 weights, ~30 GB) at
   # 1-64 streams, 128 greedy tokens a request: the MoE beside the dense rows of case serve

@@ -8,6 +8,8 @@ script's words, and stopped at the end. Only the standard library on the client 
 
 Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh serve`) and its
 quantized rows (`--schemes bf16 int8-wo int4-wo`, `device_calls.sh quantized-serve`).
+`--json-every N`: every Nth request asks for structured output (`response_format` with
+`SCHEMA`; 2: half the streams constrained, `device_calls.sh structured-serve`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "models", "learn", "from", "text", "and",
          "tokens"]  # fmt: skip
+# --json-every's schema: an open-ended array, so a constrained request's tokens stay in the
+# grammar for most of --max-tokens (a random model closes it at random)
+SCHEMA = {
+    "type": "object",
+    "properties": {"words": {"type": "array", "items": {"type": "string"}}},
+    "required": ["words"],
+}
 
 
 class Client:
@@ -101,6 +110,11 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if args.json_every and index % args.json_every == 0:
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "words", "schema": SCHEMA},
+                }
             result = client.stream_completion(body)
             with lock:
                 results.append(result)
@@ -197,6 +211,8 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=32, help="server rows (32)")
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--num-layers", type=int, help="--preset shortened to this many blocks")
+    parser.add_argument("--json-every", type=int, default=0, metavar="N",
+                        help="every Nth request constrained by a JSON schema (0: none)")  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
