@@ -432,3 +432,10 @@ def test_quantization_covers_the_experts_or_says_it_cannot(tmp_path, capsys):
     assert cli.main(["quantize", str(tmp_path / "m"), str(tmp_path / "ao"), "--scheme",
                      "int8-wo"]) == 2  # fmt: skip
     assert "does not quantize its experts" in capsys.readouterr().err
+    # no --group-size: the largest of 128, 64, 32 that divides the experts' width (32) too
+    make_hf_qwen3_moe(tmp_path / "m32", hidden_size=64, moe_intermediate_size=32, head_dim=32)
+    out = tmp_path / "default-group"
+    assert cli.main(["quantize", str(tmp_path / "m32"), str(out), "--scheme", "int4-wo",
+                     "--format", "compressed-tensors"]) == 0  # fmt: skip
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert next(iter(config["config_groups"].values()))["weights"]["group_size"] == 32

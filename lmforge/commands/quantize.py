@@ -50,7 +50,9 @@ def register(subparsers) -> None:
         f"(default: {INT4_GROUP_SIZES[0]} for int4-wo, or where it does not divide them the "
         f"largest of {', '.join(map(str, INT4_GROUP_SIZES[1:]))} that does, said in a note; one "
         "scale per output row for int8-wo; Llama 3.1 8B on an "
-        "H200 decodes int4 9%% faster in groups of 256 than of 128; docs/benchmarks.md)",
+        "H200 decodes int4 9%% faster in groups of 256 than of 128; docs/benchmarks.md; "
+        "--format compressed-tensors: 128, or the largest of 64, 32 dividing every size, a "
+        "MoE's experts' width included)",
     )
     quantize.add_argument(
         "--quantize-output",
@@ -168,9 +170,9 @@ def _write_compressed(args: argparse.Namespace) -> int:
                 f"{flag} is a torchao option: not with --format compressed-tensors"
                 + (" (where --scheme fp8 is written)" if args.scheme == "fp8" else "")
             )
-    group = args.group_size or (128 if args.scheme == "int4-wo" else None)
-    start = time.perf_counter()
     source = local_source(args.source)
+    group = _compressed_group_size(args, source)
+    start = time.perf_counter()
     out, linears = write_compressed(
         source, args.out, scheme=args.scheme, group_size=group, dtype=args.dtype,
         max_shard_size=args.max_shard_size, overwrite=args.overwrite,
@@ -189,9 +191,27 @@ def _write_compressed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compressed_group_size(args: argparse.Namespace, source) -> int | None:
+    """--group-size; for int4 without one, 128 (compressed-tensors' and vLLM's usual) or the
+    largest smaller of INT4_GROUP_SIZES that divides every quantized input size, a MoE's
+    experts' width included (the writer names a size none divides)."""
+    if args.group_size or args.scheme != "int4-wo":
+        return args.group_size
+    from lmforge.api import read_args
+
+    model = read_args(source)
+    sparse = len(getattr(model, "moe_layers", ()))
+    sizes = {model.dim, model.num_heads * model.head_dim}
+    sizes |= {model.moe_ffn_dim} if sparse else set()
+    sizes |= {model.ffn_dim} if sparse < model.num_layers else set()  # dense MLPs
+    fits = [g for g in INT4_GROUP_SIZES if g <= 128 and all(size % g == 0 for size in sizes)]
+    return fits[0] if fits else 128
+
+
 def _write_calibrated(args: argparse.Namespace) -> int:
     import time
 
+    from lmforge.api import local_source
     from lmforge.errors import ConfigError
     from lmforge.quantize.calibrated import write_calibrated
 
@@ -212,7 +232,7 @@ def _write_calibrated(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be at least 1")
-    group = args.group_size or (128 if args.scheme == "int4-wo" else None)
+    group = _compressed_group_size(args, local_source(args.source))
     start = time.perf_counter()
     out, samples = write_calibrated(
         args.source, args.out, scheme=args.scheme, group_size=group, data=args.calibration,
