@@ -70,9 +70,14 @@ def check_json_format(json_format: JsonFormat) -> None:
     """Raise a ConfigError with xgrammar's reason where the schema is not one it can follow
     (not JSON, an unsupported type, a `$ref` to nothing, ...), or where xgrammar is missing.
     Tokenizer-free: the server's HTTP side checks what the engine will compile."""
-    xgrammar = import_xgrammar()
+    _followed(import_xgrammar().Grammar.from_json_schema, json_format)
+
+
+def _followed(compile_schema, json_format: JsonFormat):
+    """compile_schema(json_format's schema) with JSON_OPTIONS, or a ConfigError with
+    xgrammar's reason."""
     try:
-        xgrammar.Grammar.from_json_schema(json_format.schema_text, **JSON_OPTIONS)
+        return compile_schema(json_format.schema_text, **JSON_OPTIONS)
     except (RuntimeError, ValueError, TypeError) as error:  # its C++ checks raise RuntimeError
         raise ConfigError(f"the JSON schema cannot be followed: {_reason(error)}") from None
 
@@ -107,10 +112,7 @@ class Grammars:
         if json_format in self._compiled:
             self._compiled.move_to_end(json_format)
             return self._compiled[json_format]
-        try:
-            grammar = self._compiler.compile_json_schema(json_format.schema_text, **JSON_OPTIONS)
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise ConfigError(f"the JSON schema cannot be followed: {_reason(error)}") from None
+        grammar = _followed(self._compiler.compile_json_schema, json_format)
         self._compiled[json_format] = grammar
         if len(self._compiled) > GRAMMAR_CACHE_SIZE:
             self._compiled.popitem(last=False)

@@ -269,7 +269,7 @@ class FusedExperts(moe.Experts):
     by `use_fused_experts`, which swaps the module's class, as `use_fused_blocks` does."""
 
     def forward(self, x, weights, experts) -> torch.Tensor:
-        if torch.is_grad_enabled() or not (x.is_cuda or INTERPRETED):
+        if not _inference_kernels(x):
             return super().forward(x, weights, experts)
         return routed_experts(x, self.w13, self.w2, weights, experts, self.grouped)
 
@@ -279,9 +279,14 @@ class FusedRouting(moe.MoEFeedForward):
     kernel for a few tokens (`route`); installed by `use_fused_experts`."""
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.is_grad_enabled() or not (logits.is_cuda or INTERPRETED):
+        if not _inference_kernels(logits):
             return super().route(logits)
         return route(logits, self.top_k, self.norm_topk_prob)
+
+
+def _inference_kernels(x: torch.Tensor) -> bool:
+    """Whether these kernels take a forward on x: without autograd, on CUDA or the interpreter."""
+    return not torch.is_grad_enabled() and (x.is_cuda or INTERPRETED)
 
 
 def use_fused_experts(model: nn.Module) -> int:
@@ -299,7 +304,6 @@ def use_fused_experts(model: nn.Module) -> int:
         if plain:
             module.__class__ = FusedExperts
             swapped += 1
-    for module in model.modules():
-        if type(module) is moe.MoEFeedForward and not module._forward_pre_hooks:
+        elif type(module) is moe.MoEFeedForward and not module._forward_pre_hooks:
             module.__class__ = FusedRouting
     return swapped
