@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|trl" >&2
   exit 2
   ;;
 esac

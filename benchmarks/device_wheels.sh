@@ -23,7 +23,7 @@ packages=(
   tabledata tcolorpy typepy chardet word2number more-itertools zstandard rouge-score nltk
   jsonlines numexpr tqdm-multiprocess
   torchtitan tyro typeguard docstring-parser torchdata tomli
-  gemlite trl peft compressed-tensors loguru
+  gemlite trl peft compressed-tensors loguru xgrammar apache-tvm-ffi
 )
 specs=()
 for name in "${packages[@]}"; do specs+=("$(pinned "$name")"); done
