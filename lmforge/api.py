@@ -17,6 +17,7 @@ import torch
 from lmforge import artifact, hub, models
 from lmforge.errors import ConfigError, HubError, ModelFormatError
 from lmforge.models import PRESETS, ModelArgs, Transformer, get_preset
+from lmforge.models.moe import keeps_fp32
 from lmforge.quantize import stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,6 +170,27 @@ def build_model(
     return model.to(dtype)
 
 
+def _stored_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """A tensor's dtype once the weights are cast to `dtype` (None: kept): fp32 for the state a
+    family keeps in fp32 (a MoE's selection bias), else `dtype`."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor.dtype
+    return torch.float32 if keeps_fp32(name) else dtype
+
+
+def with_new_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """`state` (a checkpoint's weights) plus, at zero, the non-parameter state `args` asks for
+    and the checkpoint was saved without: DeepSeek-V3's selection bias turned on
+    (`model.overrides.router_bias_update`) for a hub model that never had one."""
+    with torch.device("meta"):
+        model = models.new_model(args)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name, tensor in model.state_dict().items():
+        if name not in params and name not in state:
+            state[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    return state
+
+
 def load_weights(
     model: Transformer, state: dict[str, torch.Tensor], *, source, device, dtype
 ) -> None:
@@ -190,7 +212,7 @@ def load_weights(
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
                 f"{tuple(current[name].shape)}"
             )
-    state = {n: t.to(device=device, dtype=dtype or t.dtype) for n, t in state.items()}
+    state = {n: t.to(device=device, dtype=_stored_dtype(n, t, dtype)) for n, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.init_buffers(device)
@@ -302,7 +324,7 @@ def save_state(
     `parent`, nor over an artifact unless `overwrite`)."""
     artifact.check_output(directory, inputs=[parent] if parent else [], overwrite=overwrite)
     dtype = parse_dtype(dtype)
-    state = {n: t.to(dtype or t.dtype) for n, t in state.items()}
+    state = {n: t.to(_stored_dtype(n, t, dtype)) for n, t in state.items()}
     hf_state = models.ours_state_dict_to_hf(state, args)
     stored_dtype = next(iter(hf_state.values())).dtype
     directory = Path(directory)

@@ -178,8 +178,10 @@ for dtype in ("bf16", "fp32"):
         ptx = triton.compile(source, target=target, options={"num_warps": warps}).asm["ptx"]
         assert "atom." not in ptx  # one store an output, no atomics
         compiled += 1
-    signature = {"logits_ptr": "*" + dtype, "weights_ptr": "*" + dtype, "experts_ptr": "*i64"}
-    constants = {"E": 128, "BLOCK_E": 128, "TOP_K": 8, "BLOCK_TOP_K": 8, "NORM": True}
+    signature = {"logits_ptr": "*" + dtype, "weights_ptr": "*" + dtype, "experts_ptr": "*i64",
+                 "bias_ptr": "*fp32"}
+    constants = {"E": 128, "BLOCK_E": 128, "TOP_K": 8, "BLOCK_TOP_K": 8, "NORM": True,
+                 "HAS_BIAS": True}
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(moe._route, signature, constexprs=constants)
     triton.compile(source, target=target, options={"num_warps": 1})
@@ -206,20 +208,25 @@ def test_the_kernels_compile_for_a_gpu():
 
 @pytest.mark.parametrize("norm", [True, False], ids=["normalized", "softmax"])
 @pytest.mark.parametrize("num_experts,top_k,tokens", [(12, 3, 3), (128, 8, 8), (6, 2, 1)])
-def test_the_routing_kernel_chooses_as_the_model_does(norm, num_experts, top_k, tokens):
-    """`route`'s kernel (E and k not powers of two too) picks the experts torch's top-k picks, largest
-    first, with the model's weights; past FUSED_PAIRS pairs it is the model's own route."""
-    logits = torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(top_k))
-    logits = logits.bfloat16()
-    weights, experts = moe_kernels.route(logits, top_k, norm)
-    want_weights, want_experts = moe.route(logits, top_k, norm_topk_prob=norm)
-    assert (weights.diff(dim=-1) <= 0).all()  # largest first
+@pytest.mark.parametrize("biased", [False, True], ids=["", "bias"])
+def test_the_routing_kernel_chooses_as_the_model_does(norm, num_experts, top_k, tokens, biased):
+    """`route`'s kernel (E and k not powers of two too) picks the experts torch's top-k picks
+    (with DeepSeek-V3's selection bias: of the probabilities plus the bias), largest first,
+    with the model's weights; past FUSED_PAIRS pairs it is the model's own route."""
+    generator = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(tokens, num_experts, generator=generator).bfloat16()
+    bias = 0.3 * torch.randn(num_experts, generator=generator) if biased else None
+    weights, experts = moe_kernels.route(logits, top_k, norm, bias)
+    want_weights, want_experts = moe.route(logits, top_k, norm_topk_prob=norm, expert_bias=bias)
+    if not biased:
+        assert (weights.diff(dim=-1) <= 0).all()  # largest first
     ours, theirs = experts.argsort(dim=-1), want_experts.argsort(dim=-1)  # by expert
     assert torch.equal(experts.gather(1, ours), want_experts.gather(1, theirs))
     torch.testing.assert_close(weights.gather(1, ours), want_weights.gather(1, theirs))
     assert weights.dtype == torch.bfloat16 and experts.dtype == torch.int64
     many = torch.randn(moe_kernels.FUSED_PAIRS // top_k + 1, num_experts)
-    got, want = moe_kernels.route(many, top_k, norm), moe.route(many, top_k, norm_topk_prob=norm)
+    got = moe_kernels.route(many, top_k, norm, bias)
+    want = moe.route(many, top_k, norm_topk_prob=norm, expert_bias=bias)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

@@ -159,6 +159,59 @@ def test_no_grad_forwards_keep_the_trained_forwards_router_logits():
     assert all(c.sum().item() == 2 * 9 * 2 for c in model.expert_counts().values())
 
 
+# ---- DeepSeek-V3's auxiliary-loss-free balancing ------------------------------------------------
+
+
+def test_the_selection_bias_chooses_and_the_probabilities_weigh():
+    """route: the k largest of probabilities + bias are chosen, each weighted by its own
+    probability (renormalized when norm_topk_prob); the bias is fp32 state that `.to(bf16)`
+    and saving in bf16 leave fp32, and a step moves it by the rate against each expert's load."""
+    from lmforge.models import moe
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits, -1)
+    bias = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    weights, experts = moe.route(logits, 2, norm_topk_prob=False, expert_bias=bias)
+    assert sorted(experts[0].tolist()) == [0, 3]
+    torch.testing.assert_close(weights[0][experts[0].argsort()], probs[0, [0, 3]])
+    weights, _ = moe.route(logits, 2, norm_topk_prob=True, expert_bias=bias)
+    assert weights.sum().item() == pytest.approx(1.0)
+    assert moe.expert_counts(logits, 2, bias).tolist() == [1, 0, 0, 1]
+
+    model = build_model(small_qwen3_moe_args(router_bias_update=0.25), seed=0)
+    model = model.to(torch.bfloat16)
+    mlp = model.layers["0"].feed_forward
+    assert mlp.expert_bias.dtype == torch.float32 and not mlp.expert_bias.any()
+    mlp.update_expert_bias(torch.tensor([5.0, 1.0, 3.0, 3.0]), 0.25)  # mean 3
+    assert mlp.expert_bias.tolist() == [-0.25, 0.25, 0.0, 0.0]
+    assert "layers.0.feed_forward.expert_bias" in model.state_dict()
+    assert "expert_bias" not in dict(build_model(small_qwen3_moe_args()).named_buffers())
+
+
+def test_pretrain_moves_the_bias_and_the_artifact_keeps_it(tmp_path, data):
+    """model.overrides.router_bias_update: each step every sparse layer's bias moves by the
+    rate against its load (so the biases are multiples of it, some nonzero), the artifact
+    saves them in fp32 under DeepSeek-V3's key with the rate in config.json, and lmforge loads
+    them back; with no auxiliary loss the run still trains."""
+    from safetensors.torch import load_file
+
+    rate = 0.01
+    args = ["model.overrides.router_bias_update=0.01", "model.overrides.router_aux_loss_coef=0"]
+    assert run_inprocess("pretrain", moe_pretrain_args(tmp_path / "run", data, *args)) == 0
+    records = _records(tmp_path / "run")
+    assert records[5]["loss"] < records[1]["loss"] and records[1]["aux_loss"] == 0
+    artifact = tmp_path / "run" / "artifact"
+    config = json.loads((artifact / "config.json").read_text())
+    assert config["router_bias_update"] == rate
+    saved = load_file(artifact / "model.safetensors")
+    bias = saved["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().max() <= 5 * rate + 1e-6
+    steps = bias / rate
+    assert bias.any() and torch.allclose(steps, steps.round(), atol=1e-4)
+    loaded = lmforge.load(artifact, dtype=torch.bfloat16).model
+    torch.testing.assert_close(loaded.layers["0"].feed_forward.expert_bias, bias)
+
+
 # ---- pretraining: two FSDP2 processes, kill and resume ----------------------------------------
 
 
@@ -219,8 +272,10 @@ def test_tensor_parallel_attention_matches_one_process(tmp_path, data):
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path, data):
     """Two FSDP2 processes killed mid-run resume from the last committed checkpoint: every
-    step's loss, aux loss and expert loads equal the uninterrupted run's."""
+    step's loss, aux loss and expert loads equal the uninterrupted run's (DeepSeek-V3's
+    selection bias on: the checkpoint carries it)."""
     args = ["train.steps=12", "checkpoint.every=4", "train.micro_batch_size=2"]
+    args += ["model.overrides.router_bias_update=0.02"]
     run_torchrun(2, "pretrain", moe_pretrain_args(tmp_path / "reference", data, *args))
     reference = _records(tmp_path / "reference")
     run_dir = tmp_path / "killed"
@@ -271,6 +326,26 @@ def test_full_sft_logs_the_experts_load_everywhere(tmp_path, moe_base, capsys):
     )
     config = json.loads((run_dir / "artifact" / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 4
+
+
+def test_sft_turns_the_bias_on_for_a_model_saved_without_one(tmp_path, moe_base, capsys):
+    """A loaded model takes model.overrides.router_bias_update (its biases start at zero and
+    move); an override of its shape is refused naming what a loaded model takes, and LoRA
+    refuses the bias (an adapter cannot carry it): one line each, exit code 2."""
+    from safetensors.torch import load_file
+
+    on = "model.overrides.router_bias_update=0.02"
+    assert run_inprocess("sft", full_sft_args(tmp_path / "run", moe_base, on)) == 0
+    saved = load_file(tmp_path / "run" / "artifact" / "model.safetensors")
+    bias = saved["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert bias.any() and bias.abs().max() <= 0.02 * 10
+    capsys.readouterr()
+    shape = full_sft_args(tmp_path / "shape", moe_base, "model.overrides.num_experts=8")
+    assert run_inprocess("sft", shape) == 2
+    assert "router_aux_loss_coef, router_bias_update" in capsys.readouterr().err
+    lora = full_sft_args(tmp_path / "lora", moe_base, on, "lora.enabled=true")
+    assert run_inprocess("sft", lora) == 2
+    assert "router_bias_update" in capsys.readouterr().err
 
 
 def test_full_dpo_scores_against_a_frozen_moe_reference(tmp_path, moe_base):

@@ -137,7 +137,8 @@ def test_sparse_layers_follow_transformers_rule():
         (dict(mlp_only_layers=(3,)), "mlp_only_layers=\\(3,\\) must list layer indices"),
         (dict(moe_ffn_dim=0), "moe_ffn_dim=0 must be > 0"),
         (dict(decoder_sparse_step=1.5), "decoder_sparse_step=1.5 must be an integer"),
-        (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef=-1.0 must be >= 0"),
+        (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef=-1.0 must be a number >= 0"),
+        (dict(router_bias_update="fast"), "router_bias_update='fast' must be a number >= 0"),
     ],
 )
 def test_bad_fields_are_config_errors_naming_the_field(change, field):

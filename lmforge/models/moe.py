@@ -37,15 +37,31 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def keeps_fp32(name: str) -> bool:
+    """Whether a state-dict tensor stays fp32 when the weights are cast (saved in bf16, loaded
+    in bf16): a sparse MLP's selection bias."""
+    return name.endswith("feed_forward.expert_bias")
+
+
 def route(
-    logits: torch.Tensor, top_k: int, *, norm_topk_prob: bool
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    norm_topk_prob: bool,
+    expert_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, E] -> (weights [tokens, k] in the logits' dtype, experts [tokens,
     k] int64): softmax in fp32 over the experts, the k largest, renormalized to sum to one when
-    `norm_topk_prob` (else the softmax probabilities as they are); the k in no given order."""
+    `norm_topk_prob` (else the softmax probabilities as they are); the k in no given order.
+    `expert_bias` [E] fp32 (DeepSeek-V3's auxiliary-loss-free balancing): the k are those of
+    the probabilities plus the bias, their weights still the probabilities alone."""
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     # unsorted: every use is a sum over the k or counts; on CUDA sorting them is a kernel more
-    weights, experts = torch.topk(probs, top_k, dim=-1, sorted=False)
+    if expert_bias is None:
+        weights, experts = torch.topk(probs, top_k, dim=-1, sorted=False)
+    else:
+        experts = torch.topk(probs + expert_bias, top_k, dim=-1, sorted=False).indices
+        weights = probs.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
@@ -263,7 +279,14 @@ class MoEFeedForward(nn.Module):
     """
 
     def __init__(
-        self, dim: int, ffn_dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool
+        self,
+        dim: int,
+        ffn_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool,
+        expert_bias: bool = False,
     ) -> None:
         super().__init__()
         self.top_k = top_k
@@ -271,6 +294,18 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(dim, ffn_dim, num_experts)
         self.router_logits: torch.Tensor | None = None
+        # DeepSeek-V3's selection bias [E], fp32 whatever the weights' dtype (steps of ~1e-3
+        # would vanish in bf16), saved with the weights; moved by `update_expert_bias`
+        self.register_buffer(
+            "expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None
+        )
+
+    def _apply(self, fn, recurse=True):
+        # `.to(bf16)` and the like cast buffers too: the bias stays fp32 (a device move applies)
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [b * s, dim]
@@ -281,19 +316,43 @@ class MoEFeedForward(nn.Module):
         return self.experts(tokens, weights, experts).view_as(x)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`route` with this block's k and normalization (the engine's subclass: one kernel)."""
-        return route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+        """`route` with this block's k, normalization and bias (the engine's subclass: one
+        kernel)."""
+        return route(
+            logits, self.top_k, norm_topk_prob=self.norm_topk_prob, expert_bias=self.expert_bias
+        )
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
         self.experts.init_weights(std, out_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free step (Wang et al., 2024): each expert's bias down
+        by `rate` if it got more than the mean of the step's top-k choices `counts` [E], up by
+        `rate` if fewer; an expert at the mean keeps its bias."""
+        counts = counts.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
+
+
+def _chosen(logits: torch.Tensor, top_k: int, expert_bias: torch.Tensor | None) -> torch.Tensor:
+    """The experts `route` chooses from router logits [tokens, E] -> [tokens, k] (without a
+    bias the top-k of the logits are those of the softmax)."""
+    if expert_bias is None:
+        return torch.topk(logits, top_k, dim=-1).indices
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.topk(probs + expert_bias.to(probs.device), top_k, dim=-1).indices
 
 
 @torch.no_grad()
-def expert_counts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Router logits [tokens, E] -> [E] fp32: how many of the tokens' top-k choices went to each
-    expert (the top-k of the logits are those of the softmax). Fixed shapes: no host sync."""
-    chosen = torch.topk(logits, top_k, dim=-1).indices.reshape(-1)  # [tokens * k]
+def expert_counts(
+    logits: torch.Tensor, top_k: int, expert_bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Router logits [tokens, E] -> [E] fp32: how many of the tokens' top-k choices (`route`'s,
+    with `expert_bias` when given) went to each expert. Fixed shapes: no host sync."""
+    chosen = _chosen(logits, top_k, expert_bias).reshape(-1)  # [tokens * k]
     counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
     return counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
 
@@ -303,12 +362,16 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     attention_mask: torch.Tensor | None = None,
+    expert_biases: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Switch Transformer's auxiliary loss (Fedus et al., 2022, eqs. 4-6), pooled over layers:
     E · Σ_e f_e · P_e, f_e the fraction of top-k assignments that went to expert e and P_e its
     mean router probability, both over every layer's tokens (rows where `attention_mask`
     [b, s] is 0 left out). Each layer's logits are [b·s, E]. Like transformers'
-    `load_balancing_loss_func`, f sums the k choices, so a uniform router scores k."""
+    `load_balancing_loss_func`, f sums the k choices, so a uniform router scores k.
+    `expert_biases`: each layer's selection bias (None: none), so f counts `route`'s choices."""
+    if expert_biases is None:
+        expert_biases = [None] * len(router_logits_per_layer)
     device = router_logits_per_layer[0].device
     assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
     prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -316,9 +379,9 @@ def load_balancing_loss(
     if attention_mask is not None:
         mask = attention_mask.reshape(-1, 1).to(device=device, dtype=torch.float32)  # [b*s, 1]
     rows = 0.0
-    for logits in router_logits_per_layer:
+    for logits, bias in zip(router_logits_per_layer, expert_biases, strict=True):
         probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)  # [b*s, E]
-        chosen = torch.topk(probs, top_k, dim=-1).indices  # [b*s, k]
+        chosen = _chosen(logits.to(device), top_k, bias)  # [b*s, k]
         weight = (
             torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.expand_as(chosen)
         )

@@ -20,7 +20,9 @@ method's own (comparable with a dense model's); `aux_loss` is logged beside it, 
 experts' load (`expert_counts()`) per sparse layer: `expert_load_min/L`, `expert_load_max/L`
 (fractions of the layer's top-k choices), `expert_load_max_mean/L` (max over mean: 1 when
 balanced, E / k when every token picks the same k) and, over layers, the worst
-`expert_load_max_mean`.
+`expert_load_max_mean`. After each update the model's `update_expert_bias` gets the step's
+counts (all ranks and micro-batches summed): DeepSeek-V3's auxiliary-loss-free balancing, on
+when the model's `router_bias_update` is.
 """
 
 from __future__ import annotations
@@ -186,6 +188,9 @@ class Trainer:
         # top-k counts per sparse layer (None for dense models; see the module docstring)
         self.aux_loss = getattr(model, "aux_loss", None)
         self.expert_counts = getattr(model, "expert_counts", None)
+        # DeepSeek-V3's selection-bias step after each update (a no-op unless the model's
+        # router_bias_update is on)
+        self.update_expert_bias = getattr(model, "update_expert_bias", None)
 
     # ---- one optimizer step -------------------------------------------------------------
     def _micro_batches(self) -> list[dict]:
@@ -264,7 +269,7 @@ class Trainer:
             # Also before the sync: dropping the gradients took the host 0.6-1 ms with the
             # device idle (1B, 3B on an H200); their memory is reused in stream order.
             self.optimizer.zero_grad(set_to_none=True)
-        stats = stats.tolist()
+        reduced, stats = stats, stats.tolist()
         grad_norm_value = stats.pop()
         if moe is not None:
             moe_values = stats[3 + len(keys) :]
@@ -280,6 +285,9 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if moe is not None and self.update_expert_bias is not None:
+            # the step's counts, all-reduced: every rank moves its biases alike (no host copy)
+            self.update_expert_bias(moe.layer_counts(reduced[3 + len(keys) : -1]))
         self.step += 1
         # Tokens fed to the model this step over all data-parallel ranks (equal per rank).
         input_tokens = self.layout.dp_size * sum(
@@ -451,6 +459,12 @@ class _RoutingSums:
         """[1 + layers · E]: the aux sum, then each layer's counts (in layer order)."""
         parts = [self.aux.reshape(1)] + [self.counts[layer] for layer in sorted(self.counts)]
         return torch.cat([part.float().to(self.aux.device) for part in parts])
+
+    def layer_counts(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Sparse layer index -> its [E] counts, from `flat()`'s layout (all-reduced)."""
+        layers = sorted(self.counts)
+        per_layer = flat[1:].view(len(layers), -1) if layers else flat[1:]
+        return dict(zip(layers, per_layer, strict=True))
 
     def metrics(self, values: list[float], micro_batch_count: int) -> dict[str, float]:
         """The logged values from `flat()`'s all-reduced numbers (module docstring)."""

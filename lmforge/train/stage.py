@@ -100,10 +100,13 @@ def resolve_model(section: ModelSection) -> ModelSpec:
             raise ConfigError("model.chat_template needs a tokenizer (model.tokenizer)")
         tokenizer.use_chat_template(_template_text(section.chat_template))
     if section.overrides:
-        if not from_scratch:
+        shaping = sorted(set(section.overrides) - set(args.training_fields))
+        if shaping and not from_scratch:
+            allowed = ", ".join(args.training_fields) or "none for this family"
             raise ConfigError(
-                "model.overrides only applies to presets (a loaded model's shape is fixed by its "
-                f"weights); model.source = {section.source!r}"
+                f"model.overrides.{shaping[0]} only applies to presets (a loaded model's shape "
+                f"is fixed by its weights; a loaded model takes: {allowed}); model.source = "
+                f"{section.source!r}"
             )
         args = args.replace(**section.overrides)
     if from_scratch and tokenizer is not None and "vocab_size" not in section.overrides:
@@ -146,7 +149,7 @@ def _base_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """The starting weights, full and on the CPU (fresh init for a preset)."""
     if spec.from_scratch:
         return api.build_model(spec.args, seed=seed).state_dict()
-    return api.read_state_dict(spec.source, spec.args)
+    return api.with_new_state(api.read_state_dict(spec.source, spec.args), spec.args)
 
 
 def _cpu_lora_model(args: ModelArgs, lora: LoRASection, seed: int) -> Transformer:
@@ -205,6 +208,11 @@ def build_and_load_model(
     sharded_init = spec.from_scratch and spec.args.num_params() > FULL_INIT_MAX_PARAMS
     if lora is not None:
         _check_lora_layout(lora, layout, job)
+        if getattr(spec.args, "router_bias_update", 0):
+            raise ConfigError(
+                "model router_bias_update (DeepSeek-V3's selection bias) trains the routing; "
+                "a LoRA adapter cannot carry it: set it to 0 with lora.enabled, or train fully"
+            )
         apply_lora(
             model,
             targets=lora.targets,

@@ -181,28 +181,35 @@ def _route(
     logits_ptr,  # [tokens, E]
     weights_ptr,  # [tokens, TOP_K]: the chosen experts' softmax probabilities (NORM: / their sum)
     experts_ptr,  # [tokens, TOP_K] int64
+    bias_ptr,  # [E] fp32: added to the probabilities to choose, not to weigh (HAS_BIAS)
     E: tl.constexpr,
     BLOCK_E: tl.constexpr,  # E's power of two
     TOP_K: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,  # TOP_K's power of two
     NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """A program per token: softmax over its E logits in fp32, then k times the largest and its
-    index (the first of equals), each taken out before the next."""
+    """A program per token: softmax over its E logits in fp32, then k times the largest score
+    (probability, plus the bias) and its index (the first of equals), each taken out before the
+    next; a choice weighs its probability."""
     token = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * E + cols, mask=cols < E, other=-float("inf"))
     exps = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
-    probs = tl.where(cols < E, exps / tl.sum(exps, axis=0), -1.0)  # padding: never chosen
+    probs = exps / tl.sum(exps, axis=0)
+    scores = probs
+    if HAS_BIAS:
+        scores += tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+    scores = tl.where(cols < E, scores, -float("inf"))  # padding: never chosen
     slots = tl.arange(0, BLOCK_TOP_K)
     chosen = tl.zeros([BLOCK_TOP_K], dtype=tl.float32)
     indices = tl.zeros([BLOCK_TOP_K], dtype=tl.int64)
     for slot in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        index = tl.argmax(probs, axis=0)
-        chosen = tl.where(slots == slot, best, chosen)
+        index = tl.argmax(scores, axis=0)
+        prob = tl.sum(tl.where(cols == index, probs, 0.0), axis=0)
+        chosen = tl.where(slots == slot, prob, chosen)
         indices = tl.where(slots == slot, index.to(tl.int64), indices)
-        probs = tl.where(cols == index, -1.0, probs)
+        scores = tl.where(cols == index, -float("inf"), scores)
     if NORM:
         chosen = chosen / tl.sum(chosen, axis=0)
     out = token * TOP_K + slots
@@ -212,7 +219,10 @@ def _route(
 
 @torch.library.custom_op("lmforge::route", mutates_args=())
 def route(
-    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    expert_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.route` in one kernel for at most `FUSED_PAIRS` (token, choice) pairs (a decode
     step's: there torch's softmax, top-k and its sort took 10.6 µs of a 30B-A3B layer's ~89 on
@@ -220,19 +230,21 @@ def route(
     token count is read at run time, as in `routed_experts`."""
     tokens, num_experts = logits.shape
     if tokens * top_k > FUSED_PAIRS:
-        return moe.route(logits, top_k, norm_topk_prob=norm_topk_prob)
+        return moe.route(logits, top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
     weights = logits.new_empty(tokens, top_k)
     experts = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    has_bias = expert_bias is not None
     _route[(tokens,)](
-        logits.contiguous(), weights, experts, E=num_experts,
-        BLOCK_E=triton.next_power_of_2(num_experts), TOP_K=top_k,
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, num_warps=1,
+        logits.contiguous(), weights, experts, expert_bias if has_bias else logits,
+        E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts), TOP_K=top_k,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, HAS_BIAS=has_bias,
+        num_warps=1,
     )  # fmt: skip
     return weights, experts
 
 
 @route.register_fake
-def _(logits, top_k, norm_topk_prob):
+def _(logits, top_k, norm_topk_prob, expert_bias=None):
     tokens = logits.shape[0]
     experts = logits.new_empty(tokens, top_k, dtype=torch.int64)
     return logits.new_empty(tokens, top_k), experts
@@ -281,7 +293,7 @@ class FusedRouting(moe.MoEFeedForward):
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not _inference_kernels(logits):
             return super().route(logits)
-        return route(logits, self.top_k, self.norm_topk_prob)
+        return route(logits, self.top_k, self.norm_topk_prob, self.expert_bias)
 
 
 def _inference_kernels(x: torch.Tensor) -> bool:

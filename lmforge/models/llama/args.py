@@ -31,6 +31,8 @@ class ModelArgs:
     """A Llama model's shape. Other families subclass it (see lmforge/models/qwen3/args.py)."""
 
     family: ClassVar[str] = "llama"  # the registry's name for the family (lmforge.models)
+    # fields `model.overrides` may change on a loaded model (how it trains, not its shapes)
+    training_fields: ClassVar[tuple[str, ...]] = ()
 
     dim: int
     num_layers: int

@@ -2,7 +2,9 @@
 
 Qwen3's dense fields (head_dim, q/k head norms, RoPE theta 1e6, vocab 151936) plus the sparse
 MLP's: `num_experts` SwiGLU experts of width `moe_ffn_dim` (HF `moe_intermediate_size`), the
-top `num_experts_per_tok` of them per token, their weights renormalized when `norm_topk_prob`.
+top `num_experts_per_tok` of them per token, their weights renormalized when `norm_topk_prob`;
+balanced by the auxiliary loss (`router_aux_loss_coef`) and/or DeepSeek-V3's selection bias
+(`router_bias_update`).
 A block is sparse when its index is not in `mlp_only_layers` and (index + 1) is a multiple of
 `decoder_sparse_step` (transformers' rule); the others are dense with `ffn_dim`
 (`intermediate_size`). The presets match the published config.json of Qwen3-30B-A3B and
@@ -31,6 +33,12 @@ class ModelArgs(Qwen3Args):
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    # DeepSeek-V3's auxiliary-loss-free balancing: each step, every expert's selection bias
+    # moves by this much against its load (0: off, no bias; DeepSeek-V3 used 0.001)
+    router_bias_update: float = 0.0
+
+    # fields a loaded model may change (`model.overrides`): how it trains, not its shapes
+    training_fields: ClassVar[tuple[str, ...]] = ("router_aux_loss_coef", "router_bias_update")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,10 +64,10 @@ class ModelArgs(Qwen3Args):
                 f"model mlp_only_layers={self.mlp_only_layers!r} must list layer indices in "
                 f"0..{self.num_layers - 1}"
             )
-        if not self.router_aux_loss_coef >= 0:
-            raise ConfigError(
-                f"model router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0"
-            )
+        for name in ("router_aux_loss_coef", "router_bias_update"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ConfigError(f"model {name}={value!r} must be a number >= 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` is sparse (transformers' Qwen3MoeDecoderLayer rule)."""

@@ -6,6 +6,10 @@ transformers 5 holds them stacked in memory (`mlp.experts.gate_up_proj` [E, 2I, 
 `mlp.experts.down_proj` [E, H, I]), which is our layout: `stack_experts` turns the hub's keys
 into the stacked ones before the key map (files with either layout load), `split_experts` the
 stacked ones back into the hub's on save (what transformers 4 and 5 and vLLM read).
+
+A model trained with DeepSeek-V3's selection bias (`router_bias_update` > 0) saves it as
+`mlp.gate.e_score_correction_bias` and its rate in config.json: lmforge routes with it on
+load; transformers' and vLLM's Qwen3-MoE have no such field and drop the tensor.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ KEY_MAP = llama_hf.KeyMap(
         ("model.layers.{i}.mlp.gate.weight", "layers.{i}.feed_forward.router.weight"),
         ("model.layers.{i}.mlp.experts.gate_up_proj", "layers.{i}.feed_forward.experts.w13"),
         ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.feed_forward.experts.w2"),
+        # DeepSeek-V3's name for the selection bias (`router_bias_update`; not Qwen3-MoE's)
+        (
+            "model.layers.{i}.mlp.gate.e_score_correction_bias",
+            "layers.{i}.feed_forward.expert_bias",
+        ),
     ]
 )
 hf_to_ours = KEY_MAP.hf_to_ours
@@ -113,20 +122,25 @@ def args_from_hf_config(cfg: dict, path: Path) -> ModelArgs:
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+            router_bias_update=float(cfg.get("router_bias_update", 0.0)),
         )
 
 
 def args_to_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     """A config.json dict that transformers and vLLM load as Qwen3MoeForCausalLM."""
-    return qwen3_hf.args_to_hf_config(args, dtype) | {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_experts": args.num_experts,
-        "num_experts_per_tok": args.num_experts_per_tok,
-        "moe_intermediate_size": args.moe_ffn_dim,
-        "norm_topk_prob": args.norm_topk_prob,
-        "decoder_sparse_step": args.decoder_sparse_step,
-        "mlp_only_layers": list(args.mlp_only_layers),
-        "router_aux_loss_coef": args.router_aux_loss_coef,
-        "output_router_logits": False,
-    }
+    return (
+        qwen3_hf.args_to_hf_config(args, dtype)
+        | {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": args.num_experts,
+            "num_experts_per_tok": args.num_experts_per_tok,
+            "moe_intermediate_size": args.moe_ffn_dim,
+            "norm_topk_prob": args.norm_topk_prob,
+            "decoder_sparse_step": args.decoder_sparse_step,
+            "mlp_only_layers": list(args.mlp_only_layers),
+            "router_aux_loss_coef": args.router_aux_loss_coef,
+            "output_router_logits": False,
+        }
+        | ({"router_bias_update": args.router_bias_update} if args.router_bias_update else {})
+    )

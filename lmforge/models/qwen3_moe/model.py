@@ -33,6 +33,7 @@ class Transformer(Qwen3Transformer):
             a.num_experts,
             a.num_experts_per_tok,
             norm_topk_prob=a.norm_topk_prob,
+            expert_bias=a.router_bias_update > 0,
         )
 
     def _moe_blocks(self) -> dict[int, MoEFeedForward]:
@@ -57,8 +58,20 @@ class Transformer(Qwen3Transformer):
             if mlp.router_logits is None:
                 counts[layer] = torch.zeros(a.num_experts, device=mlp.router.weight.device)
             else:
-                counts[layer] = expert_counts(mlp.router_logits, a.num_experts_per_tok)
+                counts[layer] = expert_counts(
+                    mlp.router_logits, a.num_experts_per_tok, mlp.expert_bias
+                )
         return counts
+
+    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        """DeepSeek-V3's bias step on every sparse layer from the step's top-k counts (sparse
+        layer index -> [E], every micro-batch and rank summed; `expert_counts`' keys); nothing
+        when `router_bias_update` is 0. The training loop calls it once a step, after the
+        update, with the same all-reduced counts on every rank."""
+        rate = self.args.router_bias_update
+        if rate > 0:
+            for layer, mlp in self._moe_blocks().items():
+                mlp.update_expert_bias(counts[layer], rate)
 
     def aux_loss(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """router_aux_loss_coef × the load-balancing loss of the last training-mode forward
@@ -69,5 +82,8 @@ class Transformer(Qwen3Transformer):
             return torch.zeros((), device=self.tok_embeddings.weight.device)
         if any(layer is None for layer in logits):
             raise RuntimeError("aux_loss needs a forward in training mode first")
-        loss = load_balancing_loss(logits, a.num_experts, a.num_experts_per_tok, attention_mask)
+        biases = [mlp.expert_bias for mlp in self._moe_blocks().values()]
+        loss = load_balancing_loss(
+            logits, a.num_experts, a.num_experts_per_tok, attention_mask, biases
+        )
         return a.router_aux_loss_coef * loss
