@@ -17,7 +17,7 @@ import torch
 from lmforge import artifact, hub, models
 from lmforge.errors import ConfigError, HubError, ModelFormatError
 from lmforge.models import PRESETS, ModelArgs, Transformer, get_preset
-from lmforge.models.moe import keeps_fp32
+from lmforge.models.moe import keeps_fp32, use_quantized_experts
 from lmforge.quantize import stored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -398,6 +398,7 @@ def _load_quantized(
             )
     with torch.device("meta"):
         model = models.new_model(args)
+    use_quantized_experts(model, state)  # a MoE's experts kept quantized (compressed-tensors)
     load_weights(model, state, source=path, device=device, dtype=None)  # checks names, shapes
     for name in quantized:
         model.get_parameter(name).requires_grad_(False)  # torchao weights are not trained

@@ -45,6 +45,52 @@ def test_fused_experts_equal_the_loop(shape, tokens, dtype):
     torch.testing.assert_close(got.float(), loop.float(), rtol=4e-2, atol=4e-2)
 
 
+def _quantized(weight: torch.Tensor, kind: str, group: int):
+    """A stack [E, rows, cols] as `QuantizedExperts` holds it: (values, scale [E, rows,
+    cols / group]), symmetric, int8 / int4 (packed two a byte) / float8 e4m3."""
+    from lmforge.quantize.stored import pack_int4
+
+    grouped = weight.unflatten(-1, (-1, group))  # [E, rows, groups, group]
+    top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
+    scale = grouped.abs().amax(-1, keepdim=True).clamp(min=1e-8) / top
+    values = (grouped / scale).flatten(-2)
+    if kind == "fp8":
+        return values.to(torch.float8_e4m3fn), scale.squeeze(-1)
+    values = values.round().clamp(-top - 1, top).to(torch.int8)
+    return (pack_int4(values) if kind == "int4" else values), scale.squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "kind, group13, group2", [("int8", 48, 40), ("int4", 16, 8), ("fp8", 48, 40)]
+)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_quantized_experts_read_in_the_kernels_equal_their_dequantized_loop(
+    kind, group13, group2, tokens
+):
+    """int8 and float8 with a scale a row, int4 two a byte with groups of columns: the kernels
+    scale what they read as `moe.dequantize` does, and the engine's `FusedQuantizedExperts`
+    takes them for a few tokens (dequantizing for the grouped path past FUSED_PAIRS)."""
+    x, w13, w2, weights, experts = routed(tokens, 48, 40, 5, 2, seed=tokens)
+    q13, s13 = _quantized(w13, kind, group13)
+    q2, s2 = _quantized(w2, kind, group2)
+    got = moe_kernels.fused_experts(x, q13, q2, weights, experts, s13, s2)
+    dequantized = moe.dequantize(q13, s13), moe.dequantize(q2, s2)
+    want = moe.experts_loop(x, *dequantized, weights, experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    close = moe.experts_loop(x, w13, w2, weights, experts)  # the weights before quantization
+    assert ((got - close).norm() / close.norm()).item() < {"int4": 0.2}.get(kind, 0.05)
+    module = moe.QuantizedExperts(q13, s13, q2, s2)
+    moe_kernels.use_fused_experts(module)
+    assert type(module) is moe_kernels.FusedQuantizedExperts
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-5, atol=1e-5)
+        many = torch.cat([x] * 40)  # past FUSED_PAIRS: dequantized, the loop or grouped path
+        repeated = [torch.cat([t] * 40) for t in (weights, experts)]
+        torch.testing.assert_close(
+            module(many, *repeated), torch.cat([want] * 40), rtol=1e-5, atol=1e-5
+        )
+
+
 def test_repeated_experts_and_a_token_on_one_expert():
     """Every token choosing the same experts (each read once a pair), and tokens whose weights
     put everything, or nearly everything, on one of them."""
@@ -157,6 +203,37 @@ def test_the_engine_decodes_the_same_greedy_tokens_on_the_fused_path(monkeypatch
     assert set(calls) == {1, 2, 3}  # (each times the model's sparse blocks)
 
 
+@pytest.mark.parametrize("scheme", ["int4-wo", "int8-wo"])
+def test_the_engine_decodes_a_quantized_moe_on_its_integers(tmp_path, monkeypatch, scheme):
+    """A compressed-tensors artifact (`lmforge quantize --format compressed-tensors`): its
+    experts stay quantized in the model and the engine's fused kernels read them at decode,
+    giving the greedy tokens of the model's own (dequantizing) path."""
+    import lmforge
+    from lmforge import cli
+    from lmforge.generate import Generator, SamplingParams
+    from tests.test_qwen3_moe import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "m", seed=4, hidden_size=64, moe_intermediate_size=32)
+    out = tmp_path / scheme
+    quantize = ["quantize", str(tmp_path / "m"), str(out), "--scheme", scheme]
+    assert cli.main([*quantize, "--format", "compressed-tensors", "--group-size", "8"]) == 0
+    model = lmforge.load(out, dtype="float32").model
+    reference = copy.deepcopy(model)
+    assert moe_kernels.use_fused_experts(model) == 2  # the sparse layers (one is dense)
+    calls = _counted(monkeypatch)
+    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
+    prompts = [[5, 17, 33, 2, 9], [7, 8, 9]]
+    outputs = [
+        [
+            r.token_ids
+            for r in Generator(m, max_batch=2, max_seq_len=64).generate(prompts, params).results
+        ]
+        for m in (reference, model)
+    ]
+    assert outputs[0] == outputs[1]
+    assert calls
+
+
 COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -165,19 +242,25 @@ from lmforge.generate.kernels import moe
 
 target = GPUTarget("cuda", 90, 32)
 compiled = 0
-for dtype in ("bf16", "fp32"):
-    for kernel, (block_n, block_k, warps) in ((moe._gate_up, moe.GATE_UP_TILE),
-                                              (moe._down, moe.DOWN_TILE)):
+# (activations, weights, int4 two a byte, columns a scale covers: 0 none, -1 a row)
+KINDS = (("bf16", "bf16", False, 0), ("fp32", "fp32", False, 0), ("bf16", "i8", False, -1),
+         ("bf16", "u8", True, 128), ("bf16", "fp8e4nv", False, -1))
+for dtype, weights, packed, group in KINDS:
+    for kernel, (block_n, block_k, warps), cols in ((moe._gate_up, moe.GATE_UP_TILE, 2048),
+                                                    (moe._down, moe.DOWN_TILE, 768)):
         signature = {name: "*" + dtype for name in kernel.arg_names if name.endswith("_ptr")}
         signature |= {"experts_ptr": "*i64", "weights_ptr": "*" + dtype}
+        signature |= {name: "*" + weights for name in ("w13_ptr", "w2_ptr")}
         # Qwen3-30B-A3B's shapes
-        constants = {"DIM": 2048, "FFN": 768, "TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+        constants = {"DIM": 2048, "FFN": 768, "TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                     "PACKED": packed, "GROUP": cols if group == -1 else group}
         signature |= {name: "constexpr" for name in constants}
         signature = {name: signature[name] for name in kernel.arg_names}
         source = ASTSource(kernel, signature, constexprs=constants)
         ptx = triton.compile(source, target=target, options={"num_warps": warps}).asm["ptx"]
         assert "atom." not in ptx  # one store an output, no atomics
         compiled += 1
+for dtype in ("bf16", "fp32"):
     signature = {"logits_ptr": "*" + dtype, "weights_ptr": "*" + dtype, "experts_ptr": "*i64",
                  "bias_ptr": "*fp32"}
     constants = {"E": 128, "BLOCK_E": 128, "TOP_K": 8, "BLOCK_TOP_K": 8, "NORM": True,
@@ -203,7 +286,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 6" in done.stdout
+    assert "compiled 12" in done.stdout
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["normalized", "softmax"])

@@ -405,17 +405,20 @@ def test_fuse_projections_joins_attention_and_dense_mlps_only(tmp_path):
 
 
 def test_quantization_covers_the_experts_or_says_it_cannot(tmp_path, capsys):
-    """compressed-tensors (W4A16, fp8) quantizes every expert's projections under the hub's
-    per-expert names and leaves the router: transformers loads both with lmforge's logits
-    (W4A16: the same dequantized weights; fp8: lmforge also quantizes attention's inputs).
-    torchao's layouts do not cover stacked experts: refused, naming what does, not skipped."""
+    """compressed-tensors (W4A16, W8A16, fp8) quantizes every expert's projections under the
+    hub's per-expert names and leaves the router: transformers loads each with lmforge's logits
+    (W4A16 / W8A16: the same dequantized weights; fp8: lmforge also quantizes attention's
+    inputs), and lmforge keeps the experts quantized (int4 two a byte, int8, float8). torchao's
+    layouts do not cover stacked experts: refused, naming what does, not skipped."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     make_hf_qwen3_moe(tmp_path / "m", seed=4, hidden_size=64, moe_intermediate_size=32)
     tokens = torch.tensor([[1, 5, 9, 20, 33, 7]])
-    for scheme, extra, tolerance in (("int4-wo", ["--format", "compressed-tensors", "--group-size",
-                                                  "8"], 1e-4), ("fp8", [], 0.1)):  # fmt: skip
+    kept = {"int4-wo": torch.uint8, "int8-wo": torch.int8, "fp8": torch.float8_e4m3fn}
+    compressed = ["--format", "compressed-tensors"]
+    for scheme, extra, tolerance in (("int4-wo", [*compressed, "--group-size", "8"], 1e-4),
+                                     ("int8-wo", compressed, 1e-4), ("fp8", [], 0.1)):  # fmt: skip
         out = tmp_path / scheme
         assert (
             cli.main(["quantize", str(tmp_path / "m"), str(out), "--scheme", scheme, *extra]) == 0
@@ -430,6 +433,10 @@ def test_quantization_covers_the_experts_or_says_it_cannot(tmp_path, capsys):
         with torch.no_grad():
             want, got = theirs(tokens).logits, ours(tokens)
         assert ((got - want).norm() / want.norm()).item() < tolerance
+        experts = ours.layers["0"].feed_forward.experts
+        assert type(experts) is moe.QuantizedExperts and experts.w2.dtype == kept[scheme]
+        rows = (ours.args.num_experts, 2 * 32)  # [E, 2·moe_intermediate_size]
+        assert experts.w13.shape[:2] == rows and experts.w13_scale.shape[:2] == rows
     assert cli.main(["quantize", str(tmp_path / "m"), str(tmp_path / "ao"), "--scheme",
                      "int8-wo"]) == 2  # fmt: skip
     assert "does not quantize its experts" in capsys.readouterr().err

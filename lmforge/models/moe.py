@@ -268,6 +268,58 @@ class Experts(nn.Module):
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
 
 
+def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantized stacked weights -> [E, rows, cols] in the scale's dtype: values [E, rows, cols]
+    int8 or float8 e4m3, or int4 two a byte ([E, rows, cols / 2] uint8, the low nibble the even
+    column), times scale [E, rows, groups] repeated over each group of columns (computed in fp32,
+    rounded once)."""
+    if values.dtype == torch.uint8:
+        low = (values & 0xF).to(torch.int8)
+        high = (values >> 4).to(torch.int8)
+        values = (torch.stack((low, high), dim=-1).flatten(-2) ^ 8) - 8  # sign-extended
+    group = values.shape[-1] // scale.shape[-1]
+    weight = values.float() * scale.float().repeat_interleave(group, dim=-1)
+    return weight.to(scale.dtype)
+
+
+QUANTIZED_EXPERTS = ("w13", "w13_scale", "w2", "w2_scale")  # a `QuantizedExperts`' tensors
+
+
+class QuantizedExperts(nn.Module):
+    """`Experts` over weights kept as a compressed-tensors artifact stores them (`lmforge quantize
+    --format compressed-tensors`, llm-compressor): w13 [E, 2·ffn_dim, dim] and w2 [E, dim,
+    ffn_dim] in int8 or float8 e4m3, or int4 two a byte (uint8, last dimension halved), with
+    scales w13_scale [E, 2·ffn_dim, groups] and w2_scale [E, dim, groups] (a row's groups of
+    columns; one group: a scale a row) in the dtype that computes. The forward dequantizes both
+    stacks (`dequantize`) and runs `expert_outputs`: the memory a model holds is the quantized
+    one; the engine's subclass reads the integers directly at decode
+    (lmforge/generate/kernels/moe.py)."""
+
+    def __init__(self, w13, w13_scale, w2, w2_scale) -> None:
+        super().__init__()
+        for name, tensor in zip(QUANTIZED_EXPERTS, (w13, w13_scale, w2, w2_scale), strict=True):
+            self.register_buffer(name, tensor)
+        self.grouped: bool | None = None  # `expert_outputs`'s choice; None: by device
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        w13, w2 = dequantize(self.w13, self.w13_scale), dequantize(self.w2, self.w2_scale)
+        return expert_outputs(x, w13, w2, weights, experts, grouped=self.grouped)
+
+
+def use_quantized_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Make the experts of each sparse MLP whose weights `state` (our names) holds quantized (a
+    `w13_scale` beside them) a `QuantizedExperts` of those tensors' shapes and dtypes, on the
+    meta device, for `load_state_dict(assign=True)` to fill; returns how many."""
+    swapped = 0
+    for name, module in model.named_modules():
+        prefix = f"{name}.experts."
+        if isinstance(module, MoEFeedForward) and f"{prefix}w13_scale" in state:
+            meta = [state[prefix + key].to("meta") for key in QUANTIZED_EXPERTS]
+            module.experts = QuantizedExperts(*meta)
+            swapped += 1
+    return swapped
+
+
 class MoEFeedForward(nn.Module):
     """A block's sparse MLP: x [b, s, dim] -> [b, s, dim], each token through its top-k experts.
 

@@ -164,12 +164,13 @@ def compressed_as_torchao(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     """A compressed-tensors HF state dict with each linear's weight as torchao's: int4
     (`IntxUnpackedToInt8Tensor`, groups) or int8 (`Int8Tensor`) weight-only, zero points 0, in
     its scale's dtype (the same values w = q * scale); float8 (FP8-dynamic) as `Float8Tensor`
-    with a scale a row and its activations quantized a row at run time."""
+    with a scale a row and its activations quantized a row at run time. A Mixture-of-Experts'
+    experts are stacked a layer at a time and stay quantized (`_experts_stacked`)."""
     require_torchao()
     from torchao.quantization import Int8Tensor, IntxUnpackedToInt8Tensor
 
     out, rest = {}, {}
-    state = _experts_dequantized(state)
+    state = _experts_stacked(state, out)
     for prefix, values, scale in _float8_linears(state, rest):
         out[f"{prefix}.weight"] = _float8_tensor(values, scale)
     for prefix, q, scale, bits in _packed_linears(rest, out):
@@ -184,21 +185,39 @@ def compressed_as_torchao(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def _experts_dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Mixture-of-Experts' per-expert linears dequantized (the rest as it is): lmforge stacks
-    the experts [E, ...] and its engine has no quantized expert kernels yet, so they compute in
-    the scales' dtype (said once)."""
+def _experts_stacked(
+    state: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A Mixture-of-Experts' per-expert quantized linears stacked a layer at a time into `out`,
+    in transformers 5's stacked names (`mlp.experts.gate_up_proj`: each expert's gate rows then
+    its up rows; `mlp.experts.down_proj`) with their scales beside them (`..._scale`, [E, rows,
+    groups]), the values kept quantized (int8, float8, int4 packed two a byte: the layout of
+    `lmforge.models.moe.QuantizedExperts`); returns the other tensors."""
     experts = {n: t for n, t in state.items() if _EXPERT.search(n)}
     if not experts:
         return state
-    log.warning(
-        "the Mixture-of-Experts' experts are dequantized at load (lmforge has no quantized "
-        "expert kernels yet); attention and dense layers stay quantized"
-    )
-    others = {n: t for n, t in state.items() if n not in experts}
-    return {**others, **dequantized_state(experts)}
+    linears = {}  # (block prefix, expert, projection) -> (values [rows, cols], scale, bits)
+    leftover: dict[str, torch.Tensor] = {}
+    found = [(p, v, scale, 8) for p, v, scale in _float8_linears(experts, leftover)]
+    found += list(_packed_linears(leftover, {}))
+    for prefix, values, scale, bits in found:
+        block, expert, projection = _EXPERT_LINEAR.match(prefix).groups()
+        linears[block, int(expert), projection] = values, scale.reshape(len(values), -1), bits
+    for block in sorted({block for block, _, _ in linears}):
+        count = 1 + max(e for b, e, _ in linears if b == block)
+        for name, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            per_expert = [[linears[block, e, part] for part in parts] for e in range(count)]
+            values = torch.stack([torch.cat([v for v, _, _ in e]) for e in per_expert])
+            if per_expert[0][0][2] == 4:
+                values = pack_int4(values)  # [E, rows, cols / 2]
+            out[f"{block}.experts.{name}"] = values
+            out[f"{block}.experts.{name}_scale"] = torch.stack(
+                [torch.cat([s for _, s, _ in e]) for e in per_expert]
+            )  # [E, rows, groups]
+    return {n: t for n, t in state.items() if n not in experts}
 
 
+_EXPERT_LINEAR = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj$")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
 

@@ -55,14 +55,36 @@ INTERPRETED_TILE = (16, 32, 1)
 
 
 @triton.jit
+def _weights(rows_ptr, scales_ptr, cols, ok, PACKED: tl.constexpr, GROUP: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of weights in fp32, columns `cols` [BLOCK_K] of the rows that
+    start at rows_ptr [BLOCK_N, 1]: floats as they are; integers or float8 times the scale of
+    their row's group of GROUP columns (scales_ptr [BLOCK_N, 1]: each row's first scale; GROUP
+    0: no scales); PACKED: int4 two a byte, the low nibble the even column."""
+    if PACKED:
+        byte = tl.load(rows_ptr + cols[None, :] // 2, mask=ok, other=0).to(tl.int32)
+        nibble = (byte >> ((cols[None, :] % 2) * 4)) & 0xF
+        w = ((nibble ^ 8) - 8).to(tl.float32)  # sign-extended
+    elif GROUP > 0:  # (no `other`: the interpreter cannot cast one to float8)
+        w = tl.where(ok, tl.load(rows_ptr + cols[None, :], mask=ok).to(tl.float32), 0.0)
+    else:
+        w = tl.load(rows_ptr + cols[None, :], mask=ok, other=0).to(tl.float32)
+    if GROUP > 0:
+        w *= tl.load(scales_ptr + cols[None, :] // GROUP, mask=ok, other=0).to(tl.float32)
+    return w
+
+
+@triton.jit
 def _gate_up(
     x_ptr,  # [tokens, DIM]
-    w13_ptr,  # [E, 2 * FFN, DIM]: each expert's gate rows, then its up rows
+    w13_ptr,  # [E, 2 * FFN, DIM]: each expert's gate rows, then its up rows (PACKED: DIM / 2)
+    scale_ptr,  # [E, 2 * FFN, DIM / GROUP]: the weights' scales (GROUP 0: none, unread)
     experts_ptr,  # [tokens * TOP_K] int64: pair p = t * TOP_K + s chose expert experts[p]
     h_ptr,  # [tokens * TOP_K, FFN] out, x's dtype: silu(gate) * up of each pair
     DIM: tl.constexpr,
     FFN: tl.constexpr,
     TOP_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -71,8 +93,12 @@ def _gate_up(
     expert = tl.load(experts_ptr + pair).to(tl.int64)  # (int64: E · 2I · dim may pass 2^31)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < FFN
-    gate_rows = w13_ptr + expert * (2 * FFN * DIM) + rows[:, None] * DIM  # [BLOCK_N, 1]
-    up_rows = gate_rows + FFN * DIM
+    row_len: tl.constexpr = DIM // 2 if PACKED else DIM
+    gate_rows = w13_ptr + expert * (2 * FFN * row_len) + rows[:, None] * row_len  # [BLOCK_N, 1]
+    up_rows = gate_rows + FFN * row_len
+    groups: tl.constexpr = DIM // GROUP if GROUP > 0 else 1
+    gate_scales = scale_ptr + expert * (2 * FFN * groups) + rows[:, None] * groups
+    up_scales = gate_scales + FFN * groups
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, DIM, BLOCK_K):
@@ -80,8 +106,8 @@ def _gate_up(
         col_ok = cols < DIM
         x = tl.load(x_ptr + token * DIM + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        gate += tl.load(gate_rows + cols[None, :], mask=ok, other=0).to(tl.float32) * x
-        up += tl.load(up_rows + cols[None, :], mask=ok, other=0).to(tl.float32) * x
+        gate += _weights(gate_rows, gate_scales, cols, ok, PACKED, GROUP) * x
+        up += _weights(up_rows, up_scales, cols, ok, PACKED, GROUP) * x
     g = tl.sum(gate, axis=1)  # [BLOCK_N], reduced once, after the loop
     h = g * tl.sigmoid(g) * tl.sum(up, axis=1)
     tl.store(h_ptr + pair * FFN + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
@@ -90,33 +116,38 @@ def _gate_up(
 @triton.jit
 def _down(
     h_ptr,  # [tokens * TOP_K, FFN]
-    w2_ptr,  # [E, DIM, FFN]
+    w2_ptr,  # [E, DIM, FFN] (PACKED: FFN / 2)
+    scale_ptr,  # [E, DIM, FFN / GROUP] (GROUP 0: none, unread)
     weights_ptr,  # [tokens * TOP_K]: the router's weight of each pair
     experts_ptr,  # [tokens * TOP_K] int64
     out_ptr,  # [tokens, DIM]
     DIM: tl.constexpr,
     FFN: tl.constexpr,
     TOP_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < DIM
+    row_len: tl.constexpr = FFN // 2 if PACKED else FFN
+    groups: tl.constexpr = FFN // GROUP if GROUP > 0 else 1
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # every choice's, weighted
     for choice in range(TOP_K):
         pair = token * TOP_K + choice
         expert = tl.load(experts_ptr + pair).to(tl.int64)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
-        w_rows = w2_ptr + expert * (DIM * FFN) + rows[:, None] * FFN  # [BLOCK_N, 1]
+        w_rows = w2_ptr + expert * (DIM * row_len) + rows[:, None] * row_len  # [BLOCK_N, 1]
+        w_scales = scale_ptr + expert * (DIM * groups) + rows[:, None] * groups
         for k0 in range(0, FFN, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < FFN
             # the weight applied to h's BLOCK_K values, not to the BLOCK_N · BLOCK_K products
             h = tl.load(h_ptr + pair * FFN + cols, mask=col_ok, other=0).to(tl.float32) * weight
             ok = row_ok[:, None] & col_ok[None, :]
-            w = tl.load(w_rows + cols[None, :], mask=ok, other=0).to(tl.float32)
-            acc += w * h[None, :]
+            acc += _weights(w_rows, w_scales, cols, ok, PACKED, GROUP) * h[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * DIM + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -136,42 +167,57 @@ def fused_experts(
     w2: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`moe.experts_loop(x, w13, w2, weights, experts)` in two kernels that read only the
     chosen experts' rows: x [tokens, dim], w13 [E, 2I, dim], w2 [E, dim, I], weights and
     experts [tokens, k] -> [tokens, dim] in x's dtype (fp32 sums, h = silu(gate)·up rounded to
-    x's dtype between the two). Any number of tokens; `routed_experts` says when it is worth
-    it. CUDA, or Triton's interpreter."""
+    x's dtype between the two). With scales (`moe.QuantizedExperts`' layout: int8, float8 or
+    int4 two a byte, w13_scale [E, 2I, groups], w2_scale [E, dim, groups]) the weights are
+    read quantized and scaled in the kernels. Any number of tokens; `routed_experts` says when
+    it is worth it. CUDA, or Triton's interpreter."""
     tokens, dim = x.shape
-    ffn = w13.shape[1] // 2
+    packed = w13.dtype == torch.uint8  # int4, two a byte: the last dimension halved
+    ffn = w2.shape[2] * (2 if packed else 1)
     top_k = experts.shape[1]
-    assert w13.shape[2] == dim and w2.shape[1:] == (dim, ffn) and weights.shape == experts.shape
+    assert w13.shape[1:] == (2 * ffn, dim // (2 if packed else 1)) and w2.shape[1] == dim
+    assert weights.shape == experts.shape
     out = torch.empty_like(x)
     if tokens == 0:
         return out
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights, experts = weights.contiguous(), experts.contiguous()
+    scales13, group13 = _scales(w13_scale, dim, w13)
+    scales2, group2 = _scales(w2_scale, ffn, w2)
     hidden = x.new_empty(tokens * top_k, ffn)  # [tokens * k, I]: pair p = t * k + s
     block_n, block_k, warps = _tile(GATE_UP_TILE, dim)
     _gate_up[(tokens * top_k, triton.cdiv(ffn, block_n))](
-        x, w13, experts, hidden,
-        DIM=dim, FFN=ffn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        x, w13, scales13, experts, hidden, DIM=dim, FFN=ffn, TOP_K=top_k, PACKED=packed,
+        GROUP=group13, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     block_n, block_k, warps = _tile(DOWN_TILE, ffn)
     _down[(tokens, triton.cdiv(dim, block_n))](
-        hidden, w2, weights, experts, out,
-        DIM=dim, FFN=ffn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        hidden, w2, scales2, weights, experts, out, DIM=dim, FFN=ffn, TOP_K=top_k,
+        PACKED=packed, GROUP=group2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return out
 
 
-def fused_fits(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor) -> bool:
-    """Whether `routed_experts` takes the fused kernels: at most `FUSED_PAIRS` pairs, weights
-    of x's (floating) dtype. The token count is static in a CUDA graph, so each graph records
-    one path."""
+def _scales(scale: torch.Tensor | None, cols: int, weight: torch.Tensor):
+    """(a kernel's scale operand, its GROUP): columns a scale covers, 0 without scales."""
+    if scale is None:
+        return weight, 0
+    return scale.contiguous(), cols // scale.shape[-1]
+
+
+def fused_fits(x: torch.Tensor, dtype: torch.dtype, experts: torch.Tensor) -> bool:
+    """Whether `routed_experts` takes the fused kernels: at most `FUSED_PAIRS` pairs, experts
+    computing in x's (floating) dtype (`dtype`: their weights', or quantized, their scales').
+    The token count is static in a CUDA graph, so each graph records one path."""
     return (
         x.shape[0] * experts.shape[1] <= FUSED_PAIRS
-        and w13.dtype == x.dtype
+        and dtype == x.dtype
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
 
@@ -258,19 +304,25 @@ def routed_experts(
     weights: torch.Tensor,
     experts: torch.Tensor,
     grouped: bool | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [tokens, dim] through its chosen experts -> [tokens, dim]: `fused_experts` where
-    `fused_fits`, else `moe.expert_outputs` (`grouped` as there). An opaque op to
-    torch.compile: the engine compiles one decode step for every batch bucket above 1 (a
-    dynamic batch dimension), and a branch on the token count in the traced code would be a
-    guard that dimension's range refuses; here the count is an int, read at run time."""
-    if fused_fits(x, w13, experts):
-        return fused_experts(x, w13, w2, weights, experts)
+    `fused_fits`, else `moe.expert_outputs` (`grouped` as there; quantized experts, with their
+    scales, dequantized first). An opaque op to torch.compile: the engine compiles one decode
+    step for every batch bucket above 1 (a dynamic batch dimension), and a branch on the token
+    count in the traced code would be a guard that dimension's range refuses; here the count
+    is an int, read at run time."""
+    dtype = w13.dtype if w13_scale is None else w13_scale.dtype
+    if fused_fits(x, dtype, experts):
+        return fused_experts(x, w13, w2, weights, experts, w13_scale, w2_scale)
+    if w13_scale is not None:
+        w13, w2 = moe.dequantize(w13, w13_scale), moe.dequantize(w2, w2_scale)
     return moe.expert_outputs(x, w13, w2, weights, experts, grouped=grouped)
 
 
 @routed_experts.register_fake
-def _(x, w13, w2, weights, experts, grouped=None):
+def _(x, w13, w2, weights, experts, grouped=None, w13_scale=None, w2_scale=None):
     return torch.empty_like(x)
 
 
@@ -284,6 +336,19 @@ class FusedExperts(moe.Experts):
         if not _inference_kernels(x):
             return super().forward(x, weights, experts)
         return routed_experts(x, self.w13, self.w2, weights, experts, self.grouped)
+
+
+class FusedQuantizedExperts(moe.QuantizedExperts):
+    """`moe.QuantizedExperts` whose forward without autograd goes through `routed_experts`
+    with the scales: for a few tokens the fused kernels read the quantized weights (a quarter
+    or half of bf16's bytes), for more the stacks are dequantized for the grouped path."""
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        if not _inference_kernels(x):
+            return super().forward(x, weights, experts)
+        return routed_experts(
+            x, self.w13, self.w2, weights, experts, self.grouped, self.w13_scale, self.w2_scale
+        )
 
 
 class FusedRouting(moe.MoEFeedForward):
@@ -308,13 +373,14 @@ def use_fused_experts(model: nn.Module) -> int:
     parallelism's (a class of its own, DTensor weights) and modules with hooks."""
     swapped = 0
     for module in model.modules():
+        hooked = bool(module._forward_hooks or module._forward_pre_hooks)
         plain = (
             type(module) is moe.Experts
-            and not (module._forward_hooks or module._forward_pre_hooks)
+            and not hooked
             and all(type(p.data) is torch.Tensor for p in (module.w13, module.w2))
         )
-        if plain:
-            module.__class__ = FusedExperts
+        if plain or (type(module) is moe.QuantizedExperts and not hooked):
+            module.__class__ = FusedExperts if plain else FusedQuantizedExperts
             swapped += 1
         elif type(module) is moe.MoEFeedForward and not module._forward_pre_hooks:
             module.__class__ = FusedRouting

@@ -32,6 +32,15 @@ KEY_MAP = llama_hf.KeyMap(
         ("model.layers.{i}.mlp.gate.weight", "layers.{i}.feed_forward.router.weight"),
         ("model.layers.{i}.mlp.experts.gate_up_proj", "layers.{i}.feed_forward.experts.w13"),
         ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.feed_forward.experts.w2"),
+        # a quantized artifact's experts as the engine keeps them (lmforge.quantize.stored)
+        (
+            "model.layers.{i}.mlp.experts.gate_up_proj_scale",
+            "layers.{i}.feed_forward.experts.w13_scale",
+        ),
+        (
+            "model.layers.{i}.mlp.experts.down_proj_scale",
+            "layers.{i}.feed_forward.experts.w2_scale",
+        ),
         # DeepSeek-V3's name for the selection bias (`router_bias_update`; not Qwen3-MoE's)
         (
             "model.layers.{i}.mlp.gate.e_score_correction_bias",
