@@ -34,6 +34,8 @@ from lmforge.api import build_model, save_state
 from lmforge.generate import Generator, SamplingParams
 from lmforge.generate.generate import weight_bytes
 from lmforge.models import get_preset
+from lmforge.models.moe import MoEFeedForward, QuantizedExperts
+from lmforge.quantize.stored import pack_int4
 
 
 # Weight schemes for lmforge rows: the bf16 model with its linears quantized as `lmforge
@@ -59,6 +61,32 @@ def _fp8(model: nn.Module) -> nn.Module:
     return model
 
 
+def _quantized_experts(bits: int, group: int | None):
+    """A MoE's experts as lmforge loads a compressed-tensors artifact's (`QuantizedExperts`):
+    symmetric, int8 with a scale a row (group None) or int4 two a byte with a scale per `group`
+    columns; attention, router and the rest stay bf16."""
+
+    def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = stack.shape[-1]
+        grouped = stack.float().unflatten(-1, (-1, group or cols))  # [E, rows, groups, group]
+        top = 2 ** (bits - 1) - 1
+        scale = grouped.abs().amax(-1, keepdim=True).clamp(min=1e-8) / top
+        values = (grouped / scale).round().clamp(-top - 1, top).to(torch.int8).flatten(-2)
+        values = pack_int4(values) if bits == 4 else values
+        return values, scale.squeeze(-1).to(stack.dtype)
+
+    def apply(model: nn.Module) -> nn.Module:
+        for mlp in model.modules():
+            if isinstance(mlp, MoEFeedForward):
+                w13, w2 = mlp.experts.w13.data, mlp.experts.w2.data
+                mlp.experts = QuantizedExperts(*quantized(w13), *quantized(w2))
+                del w13, w2
+        cleanup()
+        return model
+
+    return apply
+
+
 SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "fp8": _fp8,
     "bf16": lambda model: model,
@@ -71,6 +99,9 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "int4-wo": _quantized("int4-wo", None),
     "int4-wo-output": _quantized("int4-wo", None, output=True),
     "int4-wo-g128": _quantized("int4-wo", 128),
+    # a MoE's experts only (compressed-tensors W8A16 / W4A16 as lmforge holds them)
+    "int8-experts": _quantized_experts(8, None),
+    "int4-experts": _quantized_experts(4, 128),
 }
 
 VARIANTS = ("lmforge", "hf-static")

@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|trl" >&2
   exit 2
   ;;
 esac
@@ -165,6 +165,17 @@ moe)
   tail -n 24 "$OUT/moe.log"
   grep -h -A16 '^kernels' "$OUT/decode-moe.log" | cut -c1-160
   grep -h '^{' "$OUT/decode-moe.log" | cut -c1-250
+  ;;
+moe-quantized)
+  # batch-1 decode of case moe's model with its experts int8 (a scale a row) and int4 (two a
+  # byte, a scale per 128 columns) as lmforge holds a compressed-tensors artifact's
+  # (QuantizedExperts; attention bf16), read by the fused kernels; bf16 is case moe's row
+  for scheme in int8-experts int4-experts; do
+    TRITON_CACHE_DIR=/tmp/triton-moe step 270 "decode-moe-$scheme" python3 benchmarks/decode.py \
+      --presets "${PRESET:-qwen3-30b-a3b}" --num-layers 24 --variants lmforge --schemes "$scheme" \
+      --new-tokens 128 --repeats 2 --out "$OUT/moe-$scheme"
+  done
+  grep -h '^{' "$OUT"/decode-moe-*.log | cut -c1-250
   ;;
 moe-train)
   # one GPU (H100 or H200; ~50 GiB by the planner): training tokens/s at qwen3-30b-a3b's shapes

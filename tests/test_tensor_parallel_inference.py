@@ -1,6 +1,6 @@
 """Tensor-parallel inference on 2 gloo processes (`lmforge launch --nproc 2 generate|eval`):
 the same greedy tokens as one process, tied and untied embeddings, Qwen3 and Qwen3-MoE (its
-attention split, its experts replicated), and the same per-request
+attention split, its experts split by expert), and the same per-request
 log-likelihoods under lm-eval (within 1e-4)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def world(tmp_path_factory):
     artifacts = {}
     shapes = {False: args, True: args.replace(tie_embeddings=True)}
     shapes["qwen3"] = small_qwen3_args(tokenizer.vocab_size)  # tied, q/k head norms
-    # Mixture-of-Experts: attention split over the processes, the experts replicated
+    # Mixture-of-Experts: attention split over the processes, the experts 2 of 4 a process
     shapes["qwen3_moe"] = small_qwen3_moe_args(tokenizer.vocab_size)
     for tied, model_args in shapes.items():
         model = build_model(model_args, seed=5).eval()

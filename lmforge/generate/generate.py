@@ -119,8 +119,8 @@ def weight_bytes(model: nn.Module) -> int:
         for tensor in owned:
             _, lookup_only = tensors.get(id(tensor), (tensor, True))
             tensors[id(tensor)] = (tensor, lookup_only and isinstance(module, nn.Embedding))
-        if isinstance(module, MoEFeedForward):
-            for tensor in module.experts.parameters():
+        if isinstance(module, MoEFeedForward):  # (quantized experts: buffers, scales too)
+            for tensor in (*module.experts.parameters(), *module.experts.buffers()):
                 chosen[id(tensor)] = module.top_k / tensor.shape[0]
     return sum(
         int(tensor_bytes(t) * chosen.get(id(t), 1.0))

@@ -5,7 +5,9 @@ the meta device, applies the tensor-parallel plan training uses (lmforge.paralle
 sequence parallelism (`apply_tensor_parallel(..., sequence_parallel=False)`: a decode step has
 one token),
 materializes each process's shards and fills them from rank 0's copy of the weights
-(broadcast). Attention heads, KV-cache heads and MLP columns are split N ways; the output
+(broadcast). Attention heads, KV-cache heads and MLP columns are split N ways, and a
+Mixture-of-Experts' experts by expert (`split_experts`: expert parallelism over the same
+processes, each running its experts' share of every token, summed); the output
 projection all-gathers the logits, so every process holds the same logits and makes the same
 greedy choice. The model then runs on its local shards as plain tensors, with one all-reduce
 after each row-parallel linear and after the embedding lookup, and an all-gather of the logits
@@ -46,6 +48,7 @@ from lmforge.api import (
     read_state_dict,
 )
 from lmforge.errors import ConfigError
+from lmforge.models import moe
 from lmforge.quantize import stored
 
 
@@ -85,6 +88,7 @@ def load_model(
     with torch.device("meta"):
         model = models.new_model(args).to(dtype)
     apply_tensor_parallel(model, layout.mesh["tp"], sequence_parallel=False)
+    split_experts(model, layout.mesh["tp"], source)
     model.to_empty(device=layout.device)
     model.tie_weights()
     model.init_buffers(layout.device)
@@ -94,10 +98,68 @@ def load_model(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, state, options=options)
     group = layout.mesh["tp"].get_group()
+    run_experts_on_local_shards(model, group)
     run_blocks_on_local_shards(model, group)
     run_vocabulary_on_local_shards(model, group)
     tokenizer = load_tokenizer_for(path, args)
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=args, source=str(source))
+
+
+def _sparse_mlps(model: nn.Module) -> list[moe.MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, moe.MoEFeedForward)]
+
+
+def split_experts(model: nn.Module, tp_mesh, source) -> None:
+    """A Mixture-of-Experts' stacked experts split over the tensor-parallel processes along the
+    expert dimension (expert parallelism over the tp group: each process holds E / N experts,
+    so a model larger than one GPU fits), as meta DTensors the rank-0 broadcast fills."""
+    from torch.distributed.tensor import distribute_tensor
+
+    size = tp_mesh.size()
+    for mlp in _sparse_mlps(model):
+        experts = mlp.experts
+        if experts.w13.shape[0] % size:
+            raise ConfigError(
+                f"{source}: {size} processes must divide the model's {experts.w13.shape[0]} "
+                "experts (each process holds an equal share); launch with --nproc dividing it"
+            )
+        for name in ("w13", "w2"):
+            weight = getattr(experts, name)
+            shard = distribute_tensor(weight, tp_mesh, [Shard(0)])
+            setattr(experts, name, nn.Parameter(shard, requires_grad=False))
+
+
+def run_experts_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Each sparse MLP's experts (`split_experts`) as an `ExpertShard` over this process's
+    plain tensors."""
+    rank = dist.get_rank(group)
+    for mlp in _sparse_mlps(model):
+        experts = mlp.experts
+        count = experts.w13.to_local().shape[0]
+        for name in ("w13", "w2"):
+            local = getattr(experts, name).to_local()
+            setattr(experts, name, nn.Parameter(local, requires_grad=False))
+        mlp.experts = ExpertShard(experts, rank * count, group)
+
+
+class ExpertShard(nn.Module):
+    """This process's experts [start, start + n) of a sparse MLP split over `group`: the pairs
+    (token, choice) routed to them run through `local` (an `moe.Experts` of n experts, which
+    the engine's fused kernels take as any other), every other pair with weight 0 on local
+    expert 0 (fixed shapes: no host sync, one CUDA graph), and the partial outputs are summed
+    over the group (every process routes every token alike: the router is replicated)."""
+
+    def __init__(self, local: moe.Experts, start: int, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.local = local
+        self.start = start
+        self.group = group
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        index = experts - self.start
+        elsewhere = (index < 0) | (index >= self.local.w13.shape[0])
+        out = self.local(x, weights.masked_fill(elsewhere, 0), index.masked_fill(elsewhere, 0))
+        return funcol.all_reduce(out, "sum", self.group)
 
 
 def run_blocks_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> None:
