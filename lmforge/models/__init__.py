@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from lmforge.errors import ConfigError, ModelFormatError
-from lmforge.models import llama, qwen3, qwen3_moe
+from lmforge.models import gpt_oss, llama, qwen3, qwen3_moe
 from lmforge.models.family import Family, ParamShape
 from lmforge.models.llama import torchtitan
 from lmforge.models.llama.args import ModelArgs
 from lmforge.models.llama.hf import args_from_meta_params, merge_meta_shards
 from lmforge.models.llama.model import Transformer
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)  # one per family
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)
 
 PRESETS: dict[str, ModelArgs] = {
     name: args for family in FAMILIES for name, args in family.presets.items()

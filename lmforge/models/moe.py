@@ -30,6 +30,7 @@ on LoRA's experts; training and everything else run the two above.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -89,6 +90,31 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation: [n, 2I] gate then up -> (up + 1) · gate · σ(alpha · gate)
+    [n, I], gate clamped above at `limit`, up to [-limit, limit]."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """Per-expert biases of both projections (gpt-oss): b13 [E, 2·ffn_dim] (gate then up),
+    b2 [E, dim]; with the experts' activation."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
+    activation: Callable[[torch.Tensor], torch.Tensor] = _swiglu
+
+
 def experts_loop(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -96,22 +122,25 @@ def experts_loop(
     weights: torch.Tensor,
     experts: torch.Tensor,
     lora: ExpertAdapters | None = None,
+    biases: ExpertBiases | None = None,
 ) -> torch.Tensor:
     """The reference: x [tokens, dim] through each token's experts, weighted and summed ->
     [tokens, dim]. One small matmul pair per expert that got tokens (two more per projection
-    with `lora`)."""
+    with `lora`); `biases`: each projection's bias and the activation (else SwiGLU)."""
     out = torch.zeros_like(x)
+    activation = biases.activation if biases is not None else _swiglu
     for expert in range(w13.shape[0]):
         token, slot = torch.where(experts == expert)  # [n] each: who chose it, as which choice
         if token.numel() == 0:
             continue
         rows = x[token]  # [n, dim]
-        gate_up = F.linear(rows, w13[expert])  # [n, 2I]
+        b13, b2 = (None, None) if biases is None else (biases.b13[expert], biases.b2[expert])
+        gate_up = F.linear(rows, w13[expert], b13)  # [n, 2I]
         if lora is not None:
             low = F.linear(rows.to(lora.a13.dtype), lora.a13[expert])  # [n, rank]
             gate_up = gate_up + lora.scale * F.linear(low, lora.b13[expert]).to(gate_up.dtype)
-        hidden = _swiglu(gate_up)  # [n, I]
-        y = F.linear(hidden, w2[expert])  # [n, dim]
+        hidden = activation(gate_up)  # [n, I]
+        y = F.linear(hidden, w2[expert], b2)  # [n, dim]
         if lora is not None:
             low = F.linear(hidden.to(lora.a2.dtype), lora.a2[expert])  # [n, rank]
             y = y + lora.scale * F.linear(low, lora.b2[expert]).to(y.dtype)
@@ -194,6 +223,7 @@ def experts_grouped(
     weights: torch.Tensor,
     experts: torch.Tensor,
     lora: ExpertAdapters | None = None,
+    biases: ExpertBiases | None = None,
     *,
     use_grouped_mm: bool | None = None,
 ) -> torch.Tensor:
@@ -224,10 +254,15 @@ def experts_grouped(
         gate_up = gate_up + _grouped_lora(
             rows, lora.a13, lora.b13, lora.scale, ends, lora_grouped
         ).to(gate_up.dtype)
-    hidden = _swiglu(gate_up)  # [tokens * k, I]
+    if biases is not None:
+        sorted_experts = flat[order]  # [tokens * k]: the expert of each sorted row
+        gate_up = gate_up + biases.b13[sorted_experts].to(gate_up.dtype)
+    hidden = (biases.activation if biases is not None else _swiglu)(gate_up)  # [tokens * k, I]
     y = _grouped_linear(hidden, w2, ends, use_grouped_mm)  # [tokens * k, dim]
     if lora is not None:
         y = y + _grouped_lora(hidden, lora.a2, lora.b2, lora.scale, ends, lora_grouped).to(y.dtype)
+    if biases is not None:
+        y = y + biases.b2[sorted_experts].to(y.dtype)
     return combine(y, order, weights).to(x.dtype)
 
 
@@ -240,15 +275,17 @@ def expert_outputs(
     *,
     grouped: bool | None = None,
     lora: ExpertAdapters | None = None,
+    biases: ExpertBiases | None = None,
 ) -> torch.Tensor:
     """x [tokens, dim] through the experts its router chose: `experts` [tokens, k] indices,
     `weights` [tokens, k] -> [tokens, dim]. `grouped` None: grouped on CUDA, the loop elsewhere.
-    `lora`: per-expert low-rank updates added to both projections."""
+    `lora`: per-expert low-rank updates added to both projections; `biases`: the projections'
+    biases and the experts' activation (gpt-oss)."""
     if grouped is None:
         grouped = x.device.type == "cuda"
     if grouped:
-        return experts_grouped(x, w13, w2, weights, experts, lora)
-    return experts_loop(x, w13, w2, weights, experts, lora)
+        return experts_grouped(x, w13, w2, weights, experts, lora, biases)
+    return experts_loop(x, w13, w2, weights, experts, lora, biases)
 
 
 class Experts(nn.Module):
@@ -266,6 +303,33 @@ class Experts(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.w13, std=std, a=-3 * std, b=3 * std)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class BiasedExperts(nn.Module):
+    """`Experts` with a bias on each projection and their own activation (gpt-oss): w13 [E,
+    2·ffn_dim, dim] (gate rows then up rows), b13 [E, 2·ffn_dim], w2 [E, dim, ffn_dim], b2 [E,
+    dim]. A class of its own, not an `Experts`: LoRA's expert adapters, expert parallelism and
+    the engine's fused kernels take plain SwiGLU experts only."""
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, activation: Callable) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+        self.activation = activation
+        self.grouped: bool | None = None  # `expert_outputs`'s choice; None: by device
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        biases = ExpertBiases(self.b13, self.b2, self.activation)
+        return expert_outputs(
+            x, self.w13, self.w2, weights, experts, grouped=self.grouped, biases=biases
+        )
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        Experts.init_weights(self, std, out_std)
+        nn.init.zeros_(self.b13)
+        nn.init.zeros_(self.b2)
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -339,12 +403,14 @@ class MoEFeedForward(nn.Module):
         *,
         norm_topk_prob: bool,
         expert_bias: bool = False,
+        router_bias: bool = False,
+        experts: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = Experts(dim, ffn_dim, num_experts)
+        self.router = nn.Linear(dim, num_experts, bias=router_bias)
+        self.experts = experts if experts is not None else Experts(dim, ffn_dim, num_experts)
         self.router_logits: torch.Tensor | None = None
         # DeepSeek-V3's selection bias [E], fp32 whatever the weights' dtype (steps of ~1e-3
         # would vanish in bf16), saved with the weights; moved by `update_expert_bias`
@@ -376,6 +442,8 @@ class MoEFeedForward(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=std, a=-3 * std, b=3 * std)
+        if self.router.bias is not None:
+            nn.init.zeros_(self.router.bias)
         self.experts.init_weights(std, out_std)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
@@ -445,3 +513,64 @@ def load_balancing_loss(
             prob_sum = prob_sum + (probs * mask).sum(dim=0)
             rows = rows + mask.sum()
     return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+
+
+class SparseModel:
+    """What a Mixture-of-Experts family's Transformer adds (a mixin before the dense base): in
+    training mode each sparse MLP keeps its last router logits, from which `aux_loss` makes the
+    load-balancing loss that the training loop adds to every method's loss, and
+    `expert_counts` the experts' load it logs; `update_expert_bias` moves DeepSeek-V3's
+    selection bias (train/loop.py asks any model for these by name). The args carry
+    num_experts, num_experts_per_tok and router_aux_loss_coef."""
+
+    def _moe_blocks(self) -> dict[int, MoEFeedForward]:
+        # (a block may be wrapped for activation checkpointing: modules() sees through it)
+        found = {}
+        for index, block in self.layers.items():
+            for module in block.modules():
+                if isinstance(module, MoEFeedForward):
+                    found[int(index)] = module
+        return found
+
+    def router_logits(self) -> tuple[torch.Tensor, ...]:
+        """The last training-mode forward's router logits, one [b·s, E] a sparse layer."""
+        return tuple(mlp.router_logits for mlp in self._moe_blocks().values())
+
+    def expert_counts(self) -> dict[int, torch.Tensor]:
+        """Sparse layer index -> [E] fp32: the top-k choices each expert got in the last
+        training-mode forward (all zeros before one)."""
+        a = self.args
+        counts = {}
+        for layer, mlp in self._moe_blocks().items():
+            if mlp.router_logits is None:
+                counts[layer] = torch.zeros(a.num_experts, device=mlp.router.weight.device)
+            else:
+                counts[layer] = expert_counts(
+                    mlp.router_logits, a.num_experts_per_tok, mlp.expert_bias
+                )
+        return counts
+
+    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        """DeepSeek-V3's bias step on every sparse layer from the step's top-k counts (sparse
+        layer index -> [E], every micro-batch and rank summed; `expert_counts`' keys); nothing
+        when `router_bias_update` is 0. The training loop calls it once a step, after the
+        update, with the same all-reduced counts on every rank."""
+        rate = getattr(self.args, "router_bias_update", 0.0)
+        if rate > 0:
+            for layer, mlp in self._moe_blocks().items():
+                mlp.update_expert_bias(counts[layer], rate)
+
+    def aux_loss(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """router_aux_loss_coef × the load-balancing loss of the last training-mode forward
+        (`attention_mask` [b, s]: 0 for padding rows)."""
+        a = self.args
+        logits = self.router_logits()
+        if not logits:  # every layer dense (mlp_only_layers): nothing to balance
+            return torch.zeros((), device=self.tok_embeddings.weight.device)
+        if any(layer is None for layer in logits):
+            raise RuntimeError("aux_loss needs a forward in training mode first")
+        biases = [mlp.expert_bias for mlp in self._moe_blocks().values()]
+        loss = load_balancing_loss(
+            logits, a.num_experts, a.num_experts_per_tok, attention_mask, biases
+        )
+        return a.router_aux_loss_coef * loss

@@ -517,6 +517,12 @@ def apply_lora(
     problem = _targets_problem(targets)
     if problem:
         raise ConfigError(problem)
+    mlp = sorted(set(targets) & {"experts", *MLP_TARGETS})
+    if mlp and any(isinstance(m, moe.BiasedExperts) for m in model.modules()):
+        raise ConfigError(
+            f"LoRA target(s) {', '.join(mlp)}: gpt-oss's experts (biased, clamped SwiGLU) take no "
+            'adapters yet; adapt attention (and the router): lora.targets = ["q", "k", "v", "o"]'
+        )
     targets = targets_for(
         targets, moe_model=any(isinstance(m, moe.Experts) for m in model.modules())
     )

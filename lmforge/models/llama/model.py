@@ -149,16 +149,17 @@ class Attention(nn.Module):
     """Grouped-query attention: num_kv_heads key/value heads shared by num_heads query heads.
 
     qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3); Llama has none.
+    bias: the four projections add a bias (gpt-oss); Llama's and Qwen3's have none.
     """
 
-    def __init__(self, args: ModelArgs, *, qk_norm: bool = False) -> None:
+    def __init__(self, args: ModelArgs, *, qk_norm: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.num_groups = args.num_heads // args.num_kv_heads  # query heads per kv head
-        self.wq = nn.Linear(args.dim, args.q_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_dim, bias=False)
-        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_dim, bias=bias)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=bias)
         self.wqkv: nn.Linear | None = None  # wq, wk, wv as one (fuse_projections)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if qk_norm else None
@@ -203,6 +204,9 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
         nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
         if self.q_norm is not None:
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
@@ -232,15 +236,16 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """feed_forward: the block's MLP (default Llama's `FeedForward`; a MoE family passes its
+    """attention: the block's attention (an `Attention`, or a family's subclass of it).
+    feed_forward: the block's MLP (default Llama's `FeedForward`; a MoE family passes its
     sparse one: any module x [b, s, dim] -> [b, s, dim] with `init_weights(std, out_std)`)."""
 
     def __init__(
-        self, args: ModelArgs, *, qk_norm: bool = False, feed_forward: nn.Module | None = None
+        self, args: ModelArgs, *, attention: Attention, feed_forward: nn.Module | None = None
     ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, qk_norm=qk_norm)
+        self.attention = attention
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args)
 
@@ -267,7 +272,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerBlock(
-                    args, qk_norm=self.qk_norm, feed_forward=self.block_feed_forward(i)
+                    args, attention=self.block_attention(i), feed_forward=self.block_feed_forward(i)
                 )
                 for i in range(args.num_layers)
             }
@@ -275,7 +280,23 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """RoPE's inverse frequencies [head_dim // 2] (a family with another scaling overrides
+        it, and `rope_cos_sin`)."""
+        return rope_inv_freq(self.args)
+
+    def rope_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [b or 1, s, head_dim] of `positions` [b or 1, s]."""
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    def block_attention(self, layer: int) -> Attention:
+        """Block `layer`'s attention: Llama's (with q/k head norms where the family sets
+        `qk_norm`) in every block."""
+        return Attention(self.args, qk_norm=self.qk_norm)
 
     def block_feed_forward(self, layer: int) -> nn.Module:
         """Block `layer`'s MLP: Llama's SwiGLU in every block (a MoE family overrides it)."""
@@ -311,7 +332,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute non-persistent buffers (needed after `to_empty` from the meta device)."""
-        self.inv_freq = rope_inv_freq(self.args).to(device or self.inv_freq.device)
+        self.inv_freq = self.rope_frequencies().to(device or self.inv_freq.device)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -355,7 +376,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
         h = self.tok_embeddings(tokens)  # [b, s, dim]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        cos, sin = self.rope_cos_sin(positions, h.dtype)
         for index, block in self.layers.items():
             cache = kv_caches[int(index)] if kv_caches is not None else None
             h = block(h, cos, sin, attn_mask, cache)

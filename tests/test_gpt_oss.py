@@ -1,0 +1,228 @@
+"""The gpt-oss family against transformers' `GptOssForCausalLM` on odd shapes: logits (biased,
+sink-carrying attention, a sliding window shorter than the prompt, the top-k-then-softmax router,
+biased experts with the clamped SwiGLU, YaRN), the hub's MXFP4 experts dequantized as
+transformers does, the export transformers loads back, greedy tokens through the one engine
+(prompts past the window), and a training step's gradients (the auxiliary loss included); then
+pretraining through the CLI and the planner's counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lmforge
+from lmforge import models
+from lmforge.generate import Generator, SamplingParams
+from lmforge.models.gpt_oss import hf as gpt_oss_hf
+from lmforge.models.gpt_oss.model import yarn_attention_factor, yarn_frequencies
+
+transformers = pytest.importorskip("transformers")
+
+# Odd on purpose: head_dim 24 (not hidden / heads), 5 experts of width 40, top-2, a window of
+# 5 tokens in blocks 0 and 2, YaRN with a small original context.
+SHAPE = dict(
+    vocab_size=211, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
+    num_attention_heads=3, num_key_value_heads=1, head_dim=24, num_local_experts=5,
+    num_experts_per_tok=2, sliding_window=5, max_position_embeddings=512,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                     "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False},
+    router_aux_loss_coef=0.01, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def make_hf_gpt_oss(directory, seed: int = 0, **changes):
+    """A random GptOssForCausalLM saved to `directory`, its biases and sinks away from zero
+    and its routers scaled so that each token's top-k is far from a tie."""
+    torch.manual_seed(seed)
+    config = transformers.GptOssConfig(**(SHAPE | changes))
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0, 0.5)
+            elif name.endswith("router.weight"):
+                param.mul_(20.0)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_gpt_oss(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt-oss")
+    return directory, make_hf_gpt_oss(directory)
+
+
+def _tokens(seed: int = 0, shape=(2, 13)) -> torch.Tensor:
+    return torch.randint(0, 211, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_match_transformers(hf_gpt_oss):
+    directory, hf_model = hf_gpt_oss
+    loaded = lmforge.load(directory)
+    assert loaded.config.family == "gpt_oss" and loaded.config.window(1) is None
+    tokens = _tokens()
+    with torch.no_grad():
+        ours, theirs = loaded.model(tokens), hf_model(tokens).logits
+        assert (ours - theirs).abs().max().item() <= 1e-5
+        for block in loaded.model.layers.values():  # the grouped experts path alike
+            block.feed_forward.experts.grouped = True
+        assert (loaded.model(tokens) - theirs).abs().max().item() <= 1e-5
+
+
+def test_yarn_equals_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.GptOssConfig(**SHAPE)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    args = models.args_from_hf_config(config.to_dict(), "config.json")
+    torch.testing.assert_close(yarn_frequencies(args), inv_freq.float())
+    assert yarn_attention_factor(args) == pytest.approx(factor)
+
+
+def test_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
+    """The hub's files: experts as MXFP4 blocks and scales beside the other tensors, a
+    quantization_config transformers reads; lmforge dequantizes them at load to transformers'
+    own values (`convert_moe_packed_tensors`). MXFP4 blocks are 32 wide: widths of 64 and 32."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    directory = tmp_path / "bf16"
+    make_hf_gpt_oss(directory, hidden_size=64, intermediate_size=32, head_dim=16)
+    state = lmforge.artifact.read_safetensors(directory)
+    generator = torch.Generator().manual_seed(0)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = state.pop(name).shape  # transformers: [E, in, out]
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=generator)
+        scales = torch.randint(120, 130, (experts, rows, cols // 32), generator=generator)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks.byte(), scales.byte()
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    save_file(state, out / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    ours = lmforge.load(out, dtype="float32").model.state_dict()
+    for layer in range(3):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        theirs = {
+            name: convert_moe_packed_tensors(
+                state[f"{prefix}.{name}_blocks"],
+                state[f"{prefix}.{name}_scales"],
+                dtype=torch.float32,
+            )  # [E, in, out]
+            for name in ("gate_up_proj", "down_proj")
+        }
+        ours_hf = gpt_oss_hf.to_hf_layout(
+            {f"{prefix}.gate_up_proj": ours[f"layers.{layer}.feed_forward.experts.w13"],
+             f"{prefix}.down_proj": ours[f"layers.{layer}.feed_forward.experts.w2"]}
+        )  # fmt: skip
+        for name, want in theirs.items():
+            torch.testing.assert_close(ours_hf[f"{prefix}.{name}"], want, rtol=0, atol=0)
+    assert cols % 32 == 0 and rows > 0
+
+
+def test_export_loads_in_transformers_with_the_same_logits(hf_gpt_oss, tmp_path):
+    directory, hf_model = hf_gpt_oss
+    out = lmforge.save(lmforge.load(directory), tmp_path / "exported")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["GptOssForCausalLM"]
+    assert config["layer_types"] == SHAPE["layer_types"]
+    original, exported = (lmforge.artifact.read_safetensors(d) for d in (directory, out))
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(exported[n], t) for n, t in original.items())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = _tokens(seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+def test_greedy_tokens_equal_transformers_generate(hf_gpt_oss):
+    """Prompts shorter and longer than the window, decoded past it against the engine's cache."""
+    directory, hf_model = hf_gpt_oss
+    hf_model.generation_config.eos_token_id = None  # exactly max_new_tokens
+    loaded = lmforge.load(directory)
+    prompts = [_tokens(seed=n, shape=(n,)).tolist() for n in (3, 11, 1)]
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=())
+    results = Generator(loaded.model, max_batch=2, max_seq_len=64).generate(prompts, params)
+    for prompt, result in zip(prompts, results.results, strict=True):
+        expected = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert result.token_ids == expected
+
+
+def test_a_training_steps_gradients_equal_transformers(hf_gpt_oss):
+    """Mean cross entropy + router_aux_loss_coef × the load-balancing loss: the sinks', the
+    router's, the experts' biases' and the embedding's gradients."""
+    directory, _ = hf_gpt_oss
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
+    tokens = _tokens(seed=5, shape=(2, 9))
+    out = hf_model(tokens, labels=tokens, output_router_logits=True)
+    out.loss.backward()
+    model = lmforge.load(directory).model.train()
+    logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    (loss + model.aux_loss()).backward()
+    hf_layer, ours = hf_model.model.layers[2], model.layers["2"]
+    pairs = [
+        (ours.attention.sinks, hf_layer.self_attn.sinks),
+        (ours.attention.wq.bias, hf_layer.self_attn.q_proj.bias),
+        (ours.feed_forward.router.weight, hf_layer.mlp.router.weight),
+        (ours.feed_forward.router.bias, hf_layer.mlp.router.bias),
+        (ours.feed_forward.experts.b2, hf_layer.mlp.experts.down_proj_bias),
+        (model.tok_embeddings.weight, hf_model.model.embed_tokens.weight),
+    ]
+    for param, theirs in pairs:
+        torch.testing.assert_close(param.grad, theirs.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_pretrain_from_the_preset_and_plan_it(tmp_path):
+    """`lmforge pretrain` on gpt-oss-20b cut down (model.overrides), its loss falling and the
+    experts' load logged; `lmforge model info` counts total and active parameters as the
+    model has them; tensor parallelism is refused in one line."""
+    import lmforge.errors
+    from tests.train_utils import make_shards, pretrain_args, run_inprocess
+
+    tokenizer, shards = make_shards(tmp_path / "data")
+    shape = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
+                 num_experts=4, num_experts_per_tok=2, sliding_window=8)  # fmt: skip
+    model = ["model.source=gpt-oss-20b", f"model.tokenizer={tokenizer}"]
+    model += [f"model.overrides.{k}={v}" for k, v in shape.items()]
+    run_dir = tmp_path / "run"
+    dense = pretrain_args(run_dir, tokenizer, shards)
+    argv = [a for a in dense if not a.startswith("model.")] + model
+    assert run_inprocess("pretrain", argv) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] and "expert_load_max/1" in records[0]
+    loaded = lmforge.load(run_dir / "artifact")
+    actual = sum(p.numel() for p in loaded.model.parameters())
+    assert loaded.config.num_params() == actual
+    with pytest.raises(lmforge.errors.ConfigError, match="not supported for gpt-oss"):
+        models.family_of(loaded.config).tp_plan(sequence_parallel=False)
+
+
+def test_lora_adapts_attention_and_refuses_the_experts():
+    """LoRA on gpt-oss: attention's biased projections and the router take adapters; the
+    experts (biases, clamped SwiGLU) are refused in one line naming the targets to use."""
+    from lmforge.api import build_model
+    from lmforge.errors import ConfigError
+    from lmforge.modules.lora import apply_lora
+
+    args = models.get_preset("gpt-oss-20b").replace(
+        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
+        num_experts=4, num_experts_per_tok=2, vocab_size=97,
+    )  # fmt: skip
+    model = build_model(args)
+    with pytest.raises(ConfigError, match=r'gpt-oss.s experts .* lora.targets = \["q"'):
+        apply_lora(model, targets=["q", "v", "gate", "up", "down"], rank=4, alpha=8)
+    apply_lora(model, targets=["q", "k", "v", "o", "router"], rank=4, alpha=8)
+    model(torch.randint(0, 97, (2, 7))).sum().backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(".lora_" in n for n in trained)
+    assert any("router" in n for n in trained) and any("attention.wo" in n for n in trained)
