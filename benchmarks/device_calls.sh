@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|trl" >&2
   exit 2
   ;;
 esac
@@ -242,6 +242,20 @@ structured-serve)
       --device cuda --max-concurrency 32 --concurrency 32 --max-tokens 128 \
       --max-seq-len 4096 --json-every "$every" --out "$OUT/structured-$every"
     tail -n 4 "$OUT/structured-$every.log"
+  done
+  ;;
+prefix-serve)
+  # the 1B served at 32 streams, every prompt a shared ~1,000-token system prompt (700 words
+  # of the benchmark's BPE) and its own 16 words, 64 new tokens: prefix caching on (default)
+  # and off (--prefix-cache-tokens 0). Target (issue 57): p50 TTFT >= 3x lower, tokens/s
+  # >= 1.5x higher with it on
+  for cache in default 0; do
+    extra=()
+    [ "$cache" = default ] || extra=(--prefix-cache-tokens "$cache")
+    step 280 "prefix-$cache" python3 benchmarks/serve_load.py --preset llama3.2-1b \
+      --device cuda --max-concurrency 32 --concurrency 32 --max-tokens 64 \
+      --max-seq-len 2048 --shared-prefix-words 700 "${extra[@]}" --out "$OUT/prefix-$cache"
+    tail -n 4 "$OUT/prefix-$cache.log"
   done
   ;;
 moe-serve)

@@ -10,6 +10,9 @@ Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh ser
 quantized rows (`--schemes bf16 int8-wo int4-wo`, `device_calls.sh quantized-serve`).
 `--json-every N`: every Nth request asks for structured output (`response_format` with
 `SCHEMA`; 2: half the streams constrained, `device_calls.sh structured-serve`).
+`--shared-prefix-words N`: every prompt starts with the same N words (a system prompt), then
+its own; with `--prefix-cache-tokens 0` the server keeps no prompt blocks
+(`device_calls.sh prefix-serve` runs both).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Client:
         connection = http.client.HTTPConnection(self.host, self.port, timeout=600)
         start = time.perf_counter()
         first = None
-        tokens = 0
+        tokens = prompt = cached = 0
         try:
             connection.request("POST", "/v1/completions", json.dumps(body), self.headers)
             response = connection.getresponse()
@@ -73,12 +76,17 @@ class Client:
                     continue
                 event = json.loads(line[len(b"data: ") :])
                 if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
+                    usage = event["usage"]
+                    tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    prompt, cached = usage["prompt_tokens"], details.get("cached_tokens") or 0
                 elif first is None and event.get("choices"):
                     first = time.perf_counter() - start
         finally:
             connection.close()
-        return {"latency": time.perf_counter() - start, "ttft": first or 0.0, "tokens": tokens}
+        latency = time.perf_counter() - start
+        return {"latency": latency, "ttft": first or 0.0, "tokens": tokens, "prompt": prompt,
+                "cached": cached}  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,9 +107,10 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
             if index is None:
                 return
             words = " ".join(WORDS[(index + i) % len(WORDS)] for i in range(args.prompt_words))
+            shared = " ".join(WORDS[i % len(WORDS)] for i in range(args.shared_prefix_words))
             body = {
                 "model": model,
-                "prompt": f"{index}: {words}",
+                "prompt": f"{shared} {index}: {words}" if shared else f"{index}: {words}",
                 "max_tokens": args.max_tokens,
                 "temperature": args.temperature,
                 "top_p": args.top_p,
@@ -137,6 +146,8 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
         "p99_latency_s": percentile(latencies, 99),
         "p50_ttft_s": statistics.median(ttfts),
         "p99_ttft_s": percentile(ttfts, 99),
+        "prompt_tokens": statistics.mean(r["prompt"] for r in results),
+        "cached_tokens": statistics.mean(r["cached"] for r in results),
     }
 
 
@@ -175,6 +186,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         command += ["--max-seq-len", str(args.max_seq_len)]
     if args.num_threads:
         command += ["--num-threads", str(args.num_threads)]
+    if args.prefix_cache_tokens is not None:
+        command += ["--prefix-cache-tokens", str(args.prefix_cache_tokens)]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -214,6 +227,15 @@ def main() -> None:
     parser.add_argument("--json-every", type=int, default=0, metavar="N",
                         help="every Nth request constrained by a JSON schema (0: none)")  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
+    parser.add_argument("--shared-prefix-words", type=int, default=0, metavar="N",
+                        help="every prompt starts with the same N words")  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the server's --prefix-cache-tokens (0: off; default: its own)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument(
         "--schemes",
@@ -284,7 +306,7 @@ def print_table(name: str, rows: list[dict], args) -> None:
     print(f"\nlmforge serve load: model {name}, {args.max_tokens} new tokens per request")
     header = (
         f"{'concurrency':>11} {'requests':>8} {'tokens/s':>9} {'p50 lat s':>9} "
-        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10}"
+        f"{'p99 lat s':>9} {'p50 TTFT s':>10} {'p99 TTFT s':>10} {'prompt':>7} {'cached':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -292,7 +314,8 @@ def print_table(name: str, rows: list[dict], args) -> None:
         print(
             f"{row['concurrency']:>11} {row['requests']:>8} {row['tokens_per_s']:>9.1f} "
             f"{row['p50_latency_s']:>9.3f} {row['p99_latency_s']:>9.3f} "
-            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f}"
+            f"{row['p50_ttft_s']:>10.3f} {row['p99_ttft_s']:>10.3f} "
+            f"{row['prompt_tokens']:>7.0f} {row['cached_tokens']:>7.0f}"
         )
 
 

@@ -91,6 +91,15 @@ def register(subparsers) -> None:
         help="context: prompt plus new tokens (default: the model's, at most 4096)",
     )
     parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens kept after their requests, in blocks of 64, so that a later prompt "
+        "starting with the same tokens (a system prompt, a chat's earlier turns) copies their "
+        "keys and values instead of prefilling them (default: 4 x the context length; 0: off)",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -188,6 +197,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--body-timeout {args.body_timeout} must be > 0 seconds")
     if args.max_request_bytes < 1024:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} must be >= 1024")
+    if args.prefix_cache_tokens is not None and args.prefix_cache_tokens < 0:
+        raise ConfigError(f"--prefix-cache-tokens {args.prefix_cache_tokens} must be >= 0")
     if args.num_threads is not None and args.num_threads < 1:
         raise ConfigError(f"--num-threads {args.num_threads} must be >= 1")
     if not Path(args.artifact).is_dir():
@@ -347,6 +358,9 @@ def main(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         device=device,
         compile=args.compile,
+        prefix_cache_tokens=(
+            4 * max_seq_len if args.prefix_cache_tokens is None else args.prefix_cache_tokens
+        ),
     )
     notes = []
     if (Path(args.artifact) / "adapter").is_dir():

@@ -311,8 +311,13 @@ class LmforgeLM(LM):
         size = min(self.max_length, self.loaded.config.max_seq_len, 1 << (length - 1).bit_length())
         if self._generator is None or self._generator.max_seq_len < size:
             self._generator = None  # the old cache goes before the new one is made
+            # few-shot prompts share their examples: keep two contexts' worth of blocks
             self._generator = Generator(
-                self.model, self.tokenizer, max_batch=self.batch_size, max_seq_len=size
+                self.model,
+                self.tokenizer,
+                max_batch=self.batch_size,
+                max_seq_len=size,
+                prefix_cache_tokens=2 * size,
             )
         return self._generator
 

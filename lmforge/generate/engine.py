@@ -52,6 +52,10 @@ Sampling: greedy sequences take one argmax over the batch; sampled ones each dra
 et al., OSDI 2022) calls this iteration-level scheduling; Sarathi (Agrawal et al., 2023) the
 chunked prefill.
 
+Prefix caching (`prefix_cache_tokens`): at admission a sequence copies the cached blocks of its
+prompt's longest cached prefix into its row and prefills from there; once its prompt is in the
+cache, its whole blocks are kept (lmforge/generate/prefix_cache.py).
+
 Structured output: a sequence whose params carry a `json_format` holds a grammar matcher
 (lmforge/generate/grammar.py). Its row's logits get the grammar's mask (-inf where a token is not
 allowed) after the forward, before the argmax or the sampler (`_grammar_masks`); the forward and
@@ -77,6 +81,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.errors import ConfigError
 from lmforge.generate.attention import shape_free_attention
 from lmforge.generate.grammar import Grammars
+from lmforge.generate.prefix_cache import PrefixCache
 from lmforge.generate.sampling import Sampler, SamplingParams, mask_disallowed, to_device
 from lmforge.generate.sequence import (
     IncrementalText,
@@ -402,6 +407,9 @@ class Engine:
             take the grouped path.
         cache_dtype: the KV cache's (default: the embedding table's). GRPO's rollouts over fp32
             weights under bf16 autocast keep bf16 keys and values, as they are computed.
+        prefix_cache_tokens: prompt tokens kept after their sequences ran, in blocks of
+            `prefix_block_tokens`, for later prompts that start with them
+            (lmforge/generate/prefix_cache.py); 0: none.
     """
 
     def __init__(
@@ -421,6 +429,8 @@ class Engine:
         fuse_blocks: bool = True,
         fused_experts: bool = True,
         cache_dtype: torch.dtype | None = None,
+        prefix_cache_tokens: int = 0,
+        prefix_block_tokens: int = 64,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -467,6 +477,13 @@ class Engine:
             device=device,
             num_kv_heads=local_kv_heads(model),
         )
+        self.prefix_cache = None
+        if prefix_cache_tokens >= prefix_block_tokens > 0:
+            self.prefix_cache = PrefixCache(
+                self.caches,
+                num_blocks=prefix_cache_tokens // prefix_block_tokens,
+                block_tokens=prefix_block_tokens,
+            )
         self.compiled = self.on_cuda if compile is None else compile
         self.tune_decode = tune_decode
         self.graphs = StepGraphs() if self.compiled and self.on_cuda else None
@@ -675,7 +692,9 @@ class Engine:
         rollout engine compiles once a run and holds its cache only while it samples."""
         if self.has_work:
             raise RuntimeError("release_cache: the engine still has sequences")
-        for tensor in self.caches.tensors():
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        for tensor in self._cache_tensors():
             tensor.untyped_storage().resize_(0)
         if self.graphs is not None:  # they read and write the old buffers
             self.graphs.clear()
@@ -684,11 +703,15 @@ class Engine:
     def reserve_cache(self) -> None:
         """Take the KV cache's memory again after `release_cache` (zeroed, as when made; the
         same tensors, so the compiled steps keep them; the graphs record anew)."""
-        for tensor in self.caches.tensors():
+        for tensor in self._cache_tensors():
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(tensor.numel() * tensor.element_size())
                 tensor.zero_()
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        pool = self.prefix_cache.tensors() if self.prefix_cache is not None else []
+        return [*self.caches.tensors(), *pool]
 
     def warmup(self) -> None:
         """Compile the decode steps now, and record the CUDA graphs (plain and `greedy`) of
@@ -752,6 +775,10 @@ class Engine:
                 sequence.admitted_at = self.num_decode_steps
                 self._rows[slot] = sequence
                 self._prefilling.append(sequence)
+                if self.prefix_cache is not None and sequence.prompt_source is None:
+                    blocks = self.prefix_cache.match(sequence.prompt_ids)
+                    sequence.num_cached = self.prefix_cache.load(slot, blocks)
+                    sequence.cached_tokens = sequence.num_cached
 
     def _draw_ahead(self, sequence: Sequence) -> None:
         """A seeded sampled sequence's uniforms for all its tokens, from its own generator,
@@ -910,6 +937,8 @@ class Engine:
                     self._prefilling.remove(sequence)
                     completed.append(sequence)
                     last.append((row, length - 1))
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.store(sequence.slot, sequence.prompt_ids)
             if last:  # read now: the next replay of this shape's graph overwrites `hidden`
                 index = self._to_device(last)  # [n, 2]: (row, last position)
                 last_hidden.append(hidden[index[:, 0], index[:, 1]])

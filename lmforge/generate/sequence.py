@@ -141,6 +141,7 @@ class Sequence:
     slot: int | None = None
     admitted_at: int = 0  # the engine's decode step count when it got its row
     num_cached: int = 0
+    cached_tokens: int = 0  # prompt tokens copied from the prefix cache, not prefilled
     num_scheduled: int = 0
     cancelled: bool = False
     # per launched token: (HostValues, its index there, top or None): the chosen token's
