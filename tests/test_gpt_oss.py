@@ -226,3 +226,13 @@ def test_lora_adapts_attention_and_refuses_the_experts():
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     assert trained and all(".lora_" in n for n in trained)
     assert any("router" in n for n in trained) and any("attention.wo" in n for n in trained)
+
+
+def test_quantize_refuses_the_stacked_experts_rather_than_skip_them(hf_gpt_oss, tmp_path, capsys):
+    """compressed-tensors would take attention alone: refused in one line, exit code 2."""
+    from lmforge import cli
+
+    directory, _ = hf_gpt_oss
+    for scheme in (["--scheme", "int4-wo", "--format", "compressed-tensors"], ["--scheme", "fp8"]):
+        assert cli.main(["quantize", str(directory), str(tmp_path / "q"), *scheme]) == 2
+        assert "experts are stored stacked" in capsys.readouterr().err

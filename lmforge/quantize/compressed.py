@@ -40,6 +40,8 @@ from lmforge.quantize.stored import quiet_torchao
 FORMAT = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
 # The linears of a block in Hugging Face's names (both families).
+# a MoE's experts kept stacked in the file (gpt-oss), not one linear an expert (Qwen3-MoE)
+STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up|down)_proj(_bias)?$")
 BLOCK_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.\w+_proj\.weight$")
 BITS = {"int4-wo": 4, "int8-wo": 8}
 
@@ -151,6 +153,13 @@ def write_compressed(
     if streamed and (is_quantized(Path(source)) or is_compressed(Path(source))):
         raise ConfigError(f"{source}: is already quantized; quantize the original")
     shapes, read, model_args, tokenizer = (_streamed if streamed else _whole)(source, dtype)
+    stacked = [name for name in shapes if STACKED_EXPERTS.search(name)]
+    if stacked:  # rather than quantize attention alone and leave the experts, unsaid
+        raise ConfigError(
+            f"{source}: its experts are stored stacked ({stacked[0]}), which lmforge's "
+            "compressed-tensors writer does not quantize (it takes one linear an expert, the "
+            "hub's Qwen3-MoE files, which `lmforge convert` writes; gpt-oss's experts not yet)"
+        )
     sizes, produce, linears = _compressed_tensors(shapes, read, args)
     stored_dtype = next(t.dtype for t in shapes.values() if t.is_floating_point())
     config = models.args_to_hf_config(model_args, stored_dtype)
