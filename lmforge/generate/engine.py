@@ -79,6 +79,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.errors import ConfigError
+from lmforge.generate.adapters import AdapterSlots, load_adapter, unload_adapter, use_adapters
 from lmforge.generate.attention import shape_free_attention
 from lmforge.generate.grammar import Grammars
 from lmforge.generate.prefix_cache import PrefixCache
@@ -410,6 +411,10 @@ class Engine:
         prefix_cache_tokens: prompt tokens kept after their sequences ran, in blocks of
             `prefix_block_tokens`, for later prompts that start with them
             (lmforge/generate/prefix_cache.py); 0: none.
+        max_adapters: LoRA adapters that can be loaded at once (`load_adapter`), each
+            sequence running with its own or none, mixed in a batch
+            (lmforge/generate/adapters.py); 0: none (the linears stay as they are).
+        max_adapter_rank: the largest rank such an adapter may have.
     """
 
     def __init__(
@@ -431,6 +436,8 @@ class Engine:
         cache_dtype: torch.dtype | None = None,
         prefix_cache_tokens: int = 0,
         prefix_block_tokens: int = 64,
+        max_adapters: int = 0,
+        max_adapter_rank: int = 16,
     ) -> None:
         args = model.args
         if max_batch < 1:
@@ -451,6 +458,12 @@ class Engine:
                 log.info(
                     "quantized weights in the kernels' layout: %.1f s", time.perf_counter() - start
                 )
+        self.adapters = None
+        if max_adapters > 0:  # before fusing: wrapped linears do not fuse
+            self.adapters = AdapterSlots(
+                capacity=max_adapters, max_batch=max_batch, rank=max_adapter_rank, device=device
+            )
+            use_adapters(model, self.adapters)
         self.fused = fuse and model.fuse_projections()
         kernels = _kernels(device)
         if kernels and gemv:
@@ -591,8 +604,11 @@ class Engine:
         seed: int | None = None,
         num_logprobs: int | None = None,
         shares_prompt_with: Sequence | None = None,
+        adapter: str | None = None,
     ) -> Sequence:
         """A checked, not yet added sequence (a ConfigError names what is wrong).
+
+        adapter: a loaded LoRA adapter's name (`load_adapter`) to run with; None: the base.
 
         shares_prompt_with: a sequence with the same prompt, added before this one: once its
         prompt is in the cache, this sequence's row gets a copy of all but the prompt's last
@@ -624,6 +640,11 @@ class Engine:
                 "but their tokens differ"
             )
         stop_ids = self.default_stop_ids() if stop_ids is None else frozenset(stop_ids)
+        adapter_slot = 0
+        if adapter is not None:
+            if self.adapters is None:
+                raise ConfigError(f"adapter {adapter!r}: this engine takes no adapters")
+            adapter_slot = self.adapters.slot(adapter)
         grammar = None
         if params.json_format is not None:
             grammar = self.grammars().matcher(params.json_format, stop_ids)
@@ -638,7 +659,26 @@ class Engine:
             prompt_source=shares_prompt_with,
             generator=generator,
             grammar=grammar,
+            adapter_slot=adapter_slot,
         )
+
+    def load_adapter(self, name: str, path) -> None:
+        """Load the PEFT LoRA adapter at `path` as `name` (sequences then ask for it by name:
+        `sequence(adapter=)`); a ConfigError or ModelFormatError says what is wrong, and
+        nothing changes."""
+        if self.adapters is None:
+            raise ConfigError("this engine takes no adapters (max_adapters=0)")
+        load_adapter(self.model, self.adapters, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`; refused while a sequence waiting or running uses it."""
+        if self.adapters is None:
+            raise ConfigError("this engine takes no adapters (max_adapters=0)")
+        slot = self.adapters.slot(name)
+        held = [*self._waiting, *(s for s in self._rows if s is not None)]
+        if any(s.adapter_slot == slot for s in held):
+            raise ConfigError(f"adapter {name!r} is in use by a running or waiting sequence")
+        unload_adapter(self.adapters, name)
 
     def add(self, sequences: Iterable[Sequence]) -> None:
         """Queue sequences; they start as cache rows free up."""
@@ -775,10 +815,17 @@ class Engine:
                 sequence.admitted_at = self.num_decode_steps
                 self._rows[slot] = sequence
                 self._prefilling.append(sequence)
+                if self.adapters is not None:
+                    self.adapters.admit(slot, sequence.adapter_slot)
                 if self.prefix_cache is not None and sequence.prompt_source is None:
-                    blocks = self.prefix_cache.match(sequence.prompt_ids)
+                    root = self._cache_root(sequence)
+                    blocks = self.prefix_cache.match(sequence.prompt_ids, root)
                     sequence.num_cached = self.prefix_cache.load(slot, blocks)
                     sequence.cached_tokens = sequence.num_cached
+
+    def _cache_root(self, sequence: Sequence) -> int:
+        """Its prompt's chain root in the prefix cache: its adapter's (keys differ)."""
+        return 0 if self.adapters is None else self.adapters.cache_root(sequence.adapter_slot)
 
     def _draw_ahead(self, sequence: Sequence) -> None:
         """A seeded sampled sequence's uniforms for all its tokens, from its own generator,
@@ -938,7 +985,8 @@ class Engine:
                     completed.append(sequence)
                     last.append((row, length - 1))
                     if self.prefix_cache is not None:
-                        self.prefix_cache.store(sequence.slot, sequence.prompt_ids)
+                        root = self._cache_root(sequence)
+                        self.prefix_cache.store(sequence.slot, sequence.prompt_ids, root)
             if last:  # read now: the next replay of this shape's graph overwrites `hidden`
                 index = self._to_device(last)  # [n, 2]: (row, last position)
                 last_hidden.append(hidden[index[:, 0], index[:, 1]])
@@ -1029,14 +1077,19 @@ class Engine:
     def _run_prefill(self, tokens, positions, rows, mask=None) -> torch.Tensor:
         """The prefill forward itself: tokens and positions [b, width], cache rows [b]."""
         kv_len = tokens.shape[1] if mask is None else mask.shape[-1]
+        if self.adapters is not None:
+            self.adapters.for_rows(rows)
         with shape_free_attention(self.device):
-            return self.model(
+            hidden = self.model(
                 tokens,
                 positions=positions,
                 attn_mask=mask,
                 kv_caches=self.caches.rows(rows, positions, kv_len),
                 return_hidden=True,
             )
+        if self.adapters is not None:
+            self.adapters.restore()
+        return hidden
 
     def _to_device(self, values) -> torch.Tensor:
         return to_device(values, self.device)

@@ -46,7 +46,8 @@ class PrefixCache:
 
         self.k = [pool() for _ in range(len(caches))]
         self.v = [pool() for _ in range(len(caches))]
-        # (parent entry id, the block's tokens) -> (entry id, pool block), least recent first
+        # (parent entry id or a chain's root, the block's tokens) -> (entry id, pool block),
+        # least recent first; entry ids count up from 1, roots are 0 or negative
         self.entries: OrderedDict[tuple[int, tuple[int, ...]], tuple[int, int]] = OrderedDict()
         self.free = list(range(num_blocks))
         self.next_id = 1  # 0: the chain's root, before the first block
@@ -57,11 +58,12 @@ class PrefixCache:
         b = self.block_tokens
         return [tuple(tokens[i : i + b]) for i in range(0, len(tokens) - b + 1, b)]
 
-    def match(self, prompt: list[int]) -> list[int]:
+    def match(self, prompt: list[int], root: int = 0) -> list[int]:
         """The pool blocks holding `prompt`'s longest cached prefix of whole blocks, all but
-        its last token at most (counted in `queries` and `hits`)."""
+        its last token at most (counted in `queries` and `hits`). `root`: what else the keys
+        and values depend on (a LoRA adapter's: chains of different roots never meet)."""
         self.queries += len(prompt)
-        found, parent = [], 0
+        found, parent = [], root
         for block in self._blocks(prompt[:-1]):
             entry = self.entries.get((parent, block))
             if entry is None:
@@ -84,9 +86,10 @@ class PrefixCache:
             layer.v[row, :, :length] = pool_v[index].transpose(0, 1).flatten(1, 2)
         return length
 
-    def store(self, row: int, prompt: list[int]) -> None:
-        """Keep the whole blocks of `prompt`, in cache row `row`, that the pool lacks."""
-        parent, new = 0, []  # new: (position of the block in the prompt, pool block)
+    def store(self, row: int, prompt: list[int], root: int = 0) -> None:
+        """Keep the whole blocks of `prompt`, in cache row `row`, that the pool lacks (`root`
+        as for `match`)."""
+        parent, new = root, []  # new: (position of the block in the prompt, pool block)
         for position, block in enumerate(self._blocks(prompt)):
             key = (parent, block)
             entry = self.entries.get(key)

@@ -131,6 +131,7 @@ class Sequence:
     # Its params' json_format as an xgrammar.GrammarMatcher: the tokens allowed next; the
     # engine feeds it each token before the token is pushed (`Engine._feed_grammars`)
     grammar: Any = None
+    adapter_slot: int = 0  # its LoRA adapter's slot in the engine (0: the base model)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_emitted: int = 0  # characters of `text` already streamed
