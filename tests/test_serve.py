@@ -611,6 +611,17 @@ BAD_REQUESTS = [
     ("/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
      400, "tools"),
+    # tool calls (tests/test_serve_tools.py has the messages and the rest)
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+     "type": "string"}}}]}, 400, "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+     "type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+     400, "messages[0]"),
     # structured output (tests/test_serve_structured.py has the messages): a schema xgrammar
     # cannot follow, one past MAX_SCHEMA_BYTES, a format without its schema
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -730,7 +741,49 @@ message = st.fixed_dictionaries(
             | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text()}))
         ),
     },
-    optional={"name": _field(st.text(max_size=4))},
+    optional={
+        "name": _field(st.text(max_size=4)),
+        "tool_call_id": _field(st.text(max_size=4)),
+        "tool_calls": _field(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "id": st.just("call_1"),
+                        "type": st.just("function"),
+                        "function": st.fixed_dictionaries(
+                            {
+                                "name": st.sampled_from(["f", "g"]),
+                                "arguments": st.sampled_from(["{}", '{"a": 1}', "[", "1"]),
+                            }
+                        ),
+                    }
+                ),
+                max_size=2,
+            )
+        ),
+    },
+)
+# tools with plausible or any-JSON schemas, a choice among them or not (xgrammar compiles the
+# schemas or the server refuses them, never a 5xx)
+TOOL_NAMES = st.sampled_from(["f", "g", "a b"])
+TOOLS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["function", "function", "x"]),
+            "function": st.fixed_dictionaries(
+                {"name": TOOL_NAMES},
+                optional={
+                    "parameters": st.just({"type": "object", "properties": {"a": {"enum": [1, 2]}}})
+                    | st.dictionaries(SCHEMA_KEYS, json_values()),
+                    "description": st.text(max_size=5),
+                },
+            ),
+        }
+    ),
+    max_size=3,
+)
+TOOL_CHOICES = st.sampled_from(["none", "auto", "required", "x"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TOOL_NAMES})}
 )
 
 
@@ -765,6 +818,9 @@ CHAT_BODIES = request_bodies(
     max_completion_tokens=_field(st.integers(-1, 5)),
     logprobs=_field(st.booleans()),
     top_logprobs=_field(st.integers(-1, 22)),
+    tools=_field(TOOLS),
+    tool_choice=_field(TOOL_CHOICES),
+    parallel_tool_calls=_field(st.booleans()),
 )
 ANY_BODY = st.one_of(
     json_values(12),
@@ -1160,3 +1216,23 @@ def test_qwen3_is_served_like_generate_prints(tmp_path, capsys):
         assert chat.choices[0].message.content == expected
     finally:
         server.stop()
+
+
+def test_a_repeated_prompt_prefix_comes_from_the_prefix_cache(main_server, reference):
+    """A prompt past one 64-token block, sent twice: the second time its first block is
+    copied from the prefix cache (usage.prompt_tokens_details.cached_tokens, /metrics), and
+    the answer is the same (the Generator's, without a cache)."""
+    client = openai.OpenAI(base_url=main_server.base_url, api_key=KEY, max_retries=0)
+    prompt = " ".join(["the cat sat on the mat"] * 10)
+    ids = reference.encode_prompt(prompt)
+    assert 65 <= len(ids) <= MAIN_CONTEXT - 8, len(ids)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = metric(main_server, "lmforge_prefix_cache_hits_total", headers)
+    answers = [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        for _ in range(2)
+    ]
+    assert [a.usage.prompt_tokens_details.cached_tokens for a in answers] == [0, 64]
+    expected = reference.generate([ids], SamplingParams(max_new_tokens=6, temperature=0))
+    assert answers[0].choices[0].text == answers[1].choices[0].text == expected.results[0].text
+    assert metric(main_server, "lmforge_prefix_cache_hits_total", headers) == before + 64

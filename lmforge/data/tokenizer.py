@@ -22,12 +22,13 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 import tiktoken
@@ -244,7 +245,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
+def _chat_template_env() -> jinja2.Environment:
     # The same environment settings as transformers, so templates render identically there.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True,
@@ -254,7 +255,20 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    return _chat_template_env().from_string(source)
+
+
+@lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str]:
+    try:
+        parsed = _chat_template_env().parse(source)
+    except jinja2.TemplateError:
+        return frozenset()
+    return frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,14 +474,29 @@ class Tokenizer:
         self.chat_template, self._compiled_template = template, compiled
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        **template_vars: Any,
     ) -> list[int]:
         """Ids of the rendered chat, with its special-token text parsed as special tokens.
 
-        The template writes BOS itself, so none is added here.
+        The template writes BOS itself, so none is added here. `template_vars` (e.g.
+        `tools=[...]`) are passed to the template.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_vars
+        )
         return self._encode_with_specials(text)
+
+    def chat_template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (jinja's own analysis), e.g.
+        "tools" where it renders a tool list itself; empty without a template or where it does
+        not parse."""
+        return (
+            frozenset() if self.chat_template is None else _template_variables(self.chat_template)
+        )
 
     def fingerprint(self) -> str:
         """sha256 hex of vocabulary, merges and special tokens, the same for every backend."""

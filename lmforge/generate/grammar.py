@@ -1,6 +1,7 @@
 """Structured output: decoding constrained so that a sequence's text is JSON, any object or one
-that a JSON schema allows (OpenAI's `response_format`), with xgrammar (Dong et al. 2024,
-https://arxiv.org/abs/2411.15100).
+that a JSON schema allows (OpenAI's `response_format`), or JSON values inside fixed text (tool
+calls in a model's format, e.g. `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`:
+`TaggedJson`), with xgrammar (Dong et al. 2024, https://arxiv.org/abs/2411.15100).
 
 `JsonFormat` is what a sequence asks for (`SamplingParams.json_format`); `check_json_format`
 refuses a schema xgrammar cannot follow, before anything is queued (the server's 400).
@@ -38,12 +39,27 @@ JSON_OPTIONS = {"any_whitespace": False}
 
 
 @dataclass(frozen=True)
+class TaggedJson:
+    """Fixed text `begin`, a JSON value that the JSON schema `schema` (its JSON text) allows,
+    fixed text `end`: one tool call, e.g. begin `<tool_call>\n{"name": "f", "arguments": `, the
+    arguments, end `}\n</tool_call>`."""
+
+    begin: str
+    schema: str
+    end: str
+
+
+@dataclass(frozen=True)
 class JsonFormat:
     """The text a sequence must write: one JSON value that the JSON schema `schema` (its JSON
-    text) allows; None: any JSON object (OpenAI's `json_object`). Hashable: the cache key of
-    its compiled grammar."""
+    text) allows; None: any JSON object (OpenAI's `json_object`). With `tagged`, instead one or
+    more of those (any of them each time), `separator` between them; only one where `single`.
+    Hashable: the cache key of its compiled grammar."""
 
     schema: str | None = None
+    tagged: tuple[TaggedJson, ...] = ()
+    separator: str = ""
+    single: bool = False
 
     @property
     def schema_text(self) -> str:
@@ -70,16 +86,47 @@ def check_json_format(json_format: JsonFormat) -> None:
     """Raise a ConfigError with xgrammar's reason where the schema is not one it can follow
     (not JSON, an unsupported type, a `$ref` to nothing, ...), or where xgrammar is missing.
     Tokenizer-free: the server's HTTP side checks what the engine will compile."""
-    _followed(import_xgrammar().Grammar.from_json_schema, json_format)
+    grammar = import_xgrammar().Grammar
+    _followed(json_format, grammar.from_json_schema, grammar.from_structural_tag)
 
 
-def _followed(compile_schema, json_format: JsonFormat):
-    """compile_schema(json_format's schema) with JSON_OPTIONS, or a ConfigError with
-    xgrammar's reason."""
+def _followed(json_format: JsonFormat, compile_schema, compile_structural_tag):
+    """json_format's grammar: compile_schema(its schema, JSON_OPTIONS), or where it is tagged
+    compile_structural_tag(its structural tag); a ConfigError with xgrammar's reason where it
+    cannot be followed."""
     try:
+        if json_format.tagged:
+            return compile_structural_tag(_structural_tag(json_format))
         return compile_schema(json_format.schema_text, **JSON_OPTIONS)
     except (RuntimeError, ValueError, TypeError) as error:  # its C++ checks raise RuntimeError
         raise ConfigError(f"the JSON schema cannot be followed: {_reason(error)}") from None
+
+
+def _structural_tag(json_format: JsonFormat) -> str:
+    """xgrammar's structural tag (its JSON text) of a tagged format. Each value goes in as the
+    grammar of its schema compiled with JSON_OPTIONS: the tag's own JSON content allows any
+    whitespace, which a random or weak model writes for ever (see JSON_OPTIONS)."""
+    from_schema = import_xgrammar().Grammar.from_json_schema
+    tags = [
+        {
+            "type": "tag",
+            "begin": tagged.begin,
+            "content": {
+                "type": "grammar",
+                "grammar": str(from_schema(tagged.schema, **JSON_OPTIONS)),
+            },
+            "end": tagged.end,
+        }
+        for tagged in json_format.tagged
+    ]
+    tags_format = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": json_format.separator,
+        "at_least_one": True,
+        "stop_after_first": json_format.single,
+    }
+    return json.dumps({"type": "structural_tag", "format": tags_format})
 
 
 def _reason(error: Exception) -> str:
@@ -112,7 +159,10 @@ class Grammars:
         if json_format in self._compiled:
             self._compiled.move_to_end(json_format)
             return self._compiled[json_format]
-        grammar = _followed(self._compiler.compile_json_schema, json_format)
+        compiler = self._compiler
+        grammar = _followed(
+            json_format, compiler.compile_json_schema, compiler.compile_structural_tag
+        )
         self._compiled[json_format] = grammar
         if len(self._compiled) > GRAMMAR_CACHE_SIZE:
             self._compiled.popitem(last=False)

@@ -2,9 +2,11 @@
 the `Generator`'s prefill and decode steps for all active sequences.
 
 By layer: protocol.py (limits, request bodies, the error envelope), middleware.py (metrics, API
-key, body limit), session.py (a request's run through the engine, JSON and server-sent events),
-app.py (the FastAPI app and its routes), server.py (uvicorn with a SIGTERM drain), frontend.py
-(HTTP in a process of its own, the engine loop in the main process: `lmforge serve`'s way)."""
+key, body limit), tools.py (tool calls: the tools in the chat template, the grammar of a forced
+call, calls read out of the text), session.py (a request's run through the engine, JSON and
+server-sent events), app.py (the FastAPI app and its routes), server.py (uvicorn with a SIGTERM
+drain), frontend.py (HTTP in a process of its own, the engine loop in the main process:
+`lmforge serve`'s way)."""
 
 from lmforge.serve.app import create_app
 from lmforge.serve.engine import (

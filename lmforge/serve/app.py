@@ -42,7 +42,7 @@ from lmforge.serve.session import (
     EventStream,
     ServedModel,
     Session,
-    check_response_format,
+    check_formats,
     detokenize,
     plan_request,
     tokenize,
@@ -64,6 +64,7 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
         max_queue=settings.max_queue,
         on_finish=metrics.on_finish,
         on_step=metrics.on_step,
+        on_first_token=metrics.prefix_cache_hits.inc,
         stream_interval=settings.stream_interval,
     )
 
@@ -147,7 +148,7 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
     async def generate(request: Request, body: GenerationRequest) -> Response:
         check_model(body.model)
         plan = plan_request(body, model, settings)
-        await check_response_format(plan)
+        await check_formats(plan)
         session = Session(app.state, request, body, plan)
         if body.stream:
             return EventStream(session)

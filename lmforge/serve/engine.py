@@ -94,6 +94,7 @@ class Stream:
     choice: int
     submission: Submission
     num_tokens: int = 0  # received so far (a final stop token included)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (known at the first token)
     finish_reason: str | None = None
     cancelled: bool = False
 
@@ -118,6 +119,11 @@ class Submission:
     @property
     def num_tokens(self) -> int:
         return sum(stream.num_tokens for stream in self.sequences)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens its sequences took from the prefix cache rather than prefilling."""
+        return sum(stream.cached_tokens for stream in self.sequences)
 
     async def events(self, *, deadline: float | None = None) -> AsyncIterator[list[TokenOutput]]:
         """Every sequence's outputs as they come, in batches, until each has finished (the
@@ -166,6 +172,8 @@ class Engine:
             sequence leaves ("stop", "length", "error" or a cancel reason), for metrics.
         on_step: called on the event loop as `on_step(num_advanced, seconds)` after each step:
             the sequences it advanced and the seconds the engine loop spent in it.
+        on_first_token: called on the event loop as `on_first_token(cached_tokens)` when a
+            sequence's first token arrives: its prompt tokens the prefix cache served.
         stream_interval: steps between deliveries of a running sequence's tokens to its
             request (a sequence's first and last tokens go at once). None: one step per
             RUNNING_PER_STREAM_INTERVAL running sequences (every step below 16, every 8th at
@@ -181,6 +189,7 @@ class Engine:
         max_queue: int,
         on_finish: Callable[[str, int], None] | None = None,
         on_step: Callable[[int, float], None] | None = None,
+        on_first_token: Callable[[int], None] | None = None,
         stream_interval: int | None = None,
     ) -> None:
         self.channel = channel
@@ -188,6 +197,7 @@ class Engine:
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.on_step = on_step
+        self.on_first_token = on_first_token
         self.stream_interval = stream_interval
         self._streams: dict[int, Stream] = {}  # every sequence not done, by key
         self._num_waiting = 0  # of those, the ones without a token yet
@@ -276,12 +286,15 @@ class Engine:
         if self.on_step is not None:
             self.on_step(len(tokens), seconds)
         touched: dict[int, Submission] = {}
-        for key, token_id, text, finish_reason, logprob, top, is_stop_token in tokens:
+        for key, token_id, text, finish_reason, logprob, top, is_stop_token, cached in tokens:
             stream = self._streams.get(key)
             if stream is None:  # cancelled (its cancel crossed this step)
                 continue
             if not stream.num_tokens:
                 self._num_waiting -= 1
+                stream.cached_tokens = cached
+                if self.on_first_token is not None:
+                    self.on_first_token(cached)
             stream.num_tokens += 1
             submission = stream.submission
             submission.pending.append(
@@ -381,7 +394,8 @@ def run_engine(core, channel, mirror: Callable[[list[tuple], str], None] | None 
 def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> list[tuple]:
     """Apply a step's ops to `core` and run the step; `sequences` holds this process's
     sequences by key. Returns the step's tokens as (key, token id, text, finish reason,
-    logprob, top logprobs, is stop token) tuples."""
+    logprob, top logprobs, is stop token, prompt tokens the prefix cache served: on a
+    sequence's first token, else 0) tuples."""
     for op in ops:
         if op[0] == "add":
             key, ids, params, seed, num_logprobs = op[1:]
@@ -405,6 +419,7 @@ def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> l
                     event.logprob,
                     event.top_logprobs,
                     event.is_stop_token,
+                    sequence.cached_tokens if len(sequence.token_ids) == 1 else 0,
                 )
             )
     for key in [key for key, sequence in sequences.items() if sequence.done]:

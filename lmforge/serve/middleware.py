@@ -51,6 +51,12 @@ class Metrics:
         self.prompt_tokens = Counter(
             "lmforge_prompt_tokens", "Prompt tokens of admitted sequences", registry=r
         )
+        self.prefix_cache_hits = Counter(
+            "lmforge_prefix_cache_hits",
+            "Prompt tokens taken from the prefix cache instead of prefilled (the hit rate: over "
+            "lmforge_prompt_tokens)",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "lmforge_generation_tokens", "Tokens generated", registry=r
         )

@@ -25,6 +25,9 @@ MAX_CHAT_TOP_LOGPROBS = 20  # and for /v1/chat/completions
 # new schema while every stream waits (0.2 s for 30 properties over a 50k vocabulary on one
 # CPU core), and xgrammar's time and memory grow with the schema.
 MAX_SCHEMA_BYTES = 64 * 1024
+# The most tools a request may list (OpenAI's limit); their JSON text counts against
+# MAX_SCHEMA_BYTES too: "required" compiles every tool's parameters into one grammar.
+MAX_TOOLS = 128
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,11 +261,29 @@ class TextPart(_Strict):
     text: Text
 
 
+# OpenAI's rule for function names; it also keeps them plain inside a call's JSON text.
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # a JSON object's text, as OpenAI's responses carry it
+
+
+class ToolCall(_Strict):
+    """A call an assistant's message made earlier in the chat."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
     content: Text | list[TextPart] | None  # required; null only for an assistant's turn
     name: Text | None = None
-    tool_call_id: Text | None = None
+    tool_call_id: Text | None = None  # a tool's message: the call it answers
+    tool_calls: list[ToolCall] | None = None  # an assistant's message only
 
     @field_validator("content")
     @classmethod
@@ -271,12 +292,47 @@ class ChatMessage(_Strict):
             raise ValueError("content is null; only an assistant's message may have none")
         return content
 
+    @model_validator(mode="after")
+    def _tool_fields_go_with_their_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant's message may have 'tool_calls'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool's message needs the 'tool_call_id' of the call it answers")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    # A JSON schema of the arguments object (None: any object); see session.py's checks
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # taken as true: forced calls always follow `parameters`
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    """`{"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -287,6 +343,7 @@ class TokenizeRequest(_Strict):
     model: Text | None = None  # optional, as in vLLM; a wrong one is a 404
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool | None = None  # messages only; default true
 

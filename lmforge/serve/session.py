@@ -36,7 +36,18 @@ from lmforge.serve.protocol import (
     GenerationRequest,
     ServeSettings,
     TokenizeRequest,
+    Tool,
     error_body,
+)
+from lmforge.serve.tools import (
+    GENERIC,
+    ToolCallParser,
+    ToolUse,
+    deltas_of,
+    message_of,
+    template_messages,
+    tool_call_style,
+    tool_use,
 )
 
 # ---- turning requests into sequences --------------------------------------------------------
@@ -71,6 +82,8 @@ class _Plan:
 
     sequences: list[SequenceRequest]
     prompt_lengths: list[int]  # per distinct prompt
+    tools: ToolUse  # (a chat's; ToolUse() for none)
+    format_param: str = "response_format"  # what asked for the sequences' json_format
 
 
 def _check_unsupported(body: GenerationRequest) -> None:
@@ -108,18 +121,16 @@ def _check_unsupported(body: GenerationRequest) -> None:
 
 
 def encode_chat(
-    model: ServedModel, messages: list[ChatMessage], *, add_generation_prompt: bool = True
+    model: ServedModel,
+    messages: list[ChatMessage],
+    *,
+    tools: list[Tool] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of a request's chat: text parts joined, a developer's message a system one,
-    rendered with the chat template (a 400 naming 'messages' where it cannot be)."""
+    """Token ids of a request's chat (with `tools` listed, lmforge.serve.protocol's `Tool`s),
+    rendered with the chat template as tools.py's `template_messages` lays it out (a 400
+    naming 'messages' where it cannot be)."""
     tokenizer = model.tokenizer
-    rendered = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if message.role == "developer" else message.role
-        rendered.append({"role": role, "content": content or ""})
     if tokenizer.chat_template is None:
         raise ApiError(
             400,
@@ -127,16 +138,26 @@ def encode_chat(
             param="messages",
             code="no_chat_template",
         )
+    style = tool_call_style(tokenizer) if tools or _has_tool_turns(messages) else GENERIC
+    rendered, template_vars = template_messages(messages, tools, style)
     try:
-        return tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(
+            rendered, add_generation_prompt=add_generation_prompt, **template_vars
+        )
     except UserError as err:
         raise ApiError(400, str(err), param="messages", code="invalid_value") from None
 
 
-def _encode_prompts(body: GenerationRequest, model: ServedModel) -> tuple[list, str]:
+def _has_tool_turns(messages: list[ChatMessage]) -> bool:
+    return any(message.tool_calls or message.role == "tool" for message in messages)
+
+
+def _encode_prompts(
+    body: GenerationRequest, model: ServedModel, tools: ToolUse
+) -> tuple[list, str]:
     """The prompts' token ids and the parameter that holds them."""
     if isinstance(body, ChatCompletionRequest):
-        return [encode_chat(model, body.messages)], "messages"
+        return [encode_chat(model, body.messages, tools=tools.listed)], "messages"
     prompt = body.prompt
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     ids = []
@@ -161,7 +182,9 @@ def tokenize(body: TokenizeRequest, model: ServedModel) -> list[int]:
         )
     if body.messages is not None:
         add_generation_prompt = body.add_generation_prompt is not False
-        ids = encode_chat(model, body.messages, add_generation_prompt=add_generation_prompt)
+        ids = encode_chat(
+            model, body.messages, tools=body.tools, add_generation_prompt=add_generation_prompt
+        )
         if body.add_special_tokens and tokenizer.bos_id is not None:
             ids = [tokenizer.bos_id, *ids]
         return ids
@@ -217,45 +240,75 @@ def _stop_token_ids(body: GenerationRequest, model: ServedModel) -> tuple[int, .
     return tuple(sorted({*model.tokenizer.stop_ids, *extra}))
 
 
-def _json_format(body: GenerationRequest) -> JsonFormat | None:
-    """The JSON the request's `response_format` asks for (None: text), its schema within
-    MAX_SCHEMA_BYTES."""
+def _json_format(body: GenerationRequest, tools: ToolUse) -> tuple[JsonFormat | None, str]:
+    """The JSON the request asks for (None: text) and the parameter that asks: a forced tool
+    call's grammar ("tools"), or the `response_format`'s, its schema within MAX_SCHEMA_BYTES."""
     response_format = body.response_format
-    if response_format is None or response_format.type == "text":
-        return None
-    json_format = JsonFormat()  # json_object
-    if response_format.json_schema is not None:
-        json_format = JsonFormat.of(response_format.json_schema.schema_)
-        size = len(json_format.schema.encode())
-        if size > MAX_SCHEMA_BYTES:
+    wants_json = response_format is not None and response_format.type != "text"
+    if tools.forced is not None:
+        if wants_json:
             raise ApiError(
                 400,
-                f"the response_format's JSON schema has {size} bytes; at most {MAX_SCHEMA_BYTES}",
+                "'response_format' cannot go with tool_choice 'required' or a named function: "
+                "the answer is then tool calls",
                 param="response_format",
                 code="invalid_value",
             )
+        json_format, param = tools.forced, "tools"
+    elif not wants_json:
+        return None, "response_format"
+    else:
+        json_format, param = _response_json(response_format), "response_format"
     if body.min_tokens:
+        what = "a forced tool call" if tools.forced else "a JSON response_format"
         raise ApiError(
             400,
-            "'min_tokens' cannot go with a JSON response_format: where the JSON is complete "
-            "only a stop token is allowed",
+            f"'min_tokens' cannot go with {what}: where the JSON is complete only a stop token "
+            "is allowed",
             param="min_tokens",
+            code="invalid_value",
+        )
+    return json_format, param
+
+
+def _response_json(response_format) -> JsonFormat:
+    if response_format.json_schema is None:
+        return JsonFormat()  # json_object
+    json_format = JsonFormat.of(response_format.json_schema.schema_)
+    size = len(json_format.schema.encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(
+            400,
+            f"the response_format's JSON schema has {size} bytes; at most {MAX_SCHEMA_BYTES}",
+            param="response_format",
             code="invalid_value",
         )
     return json_format
 
 
-async def check_response_format(plan: _Plan) -> None:
-    """A 400 naming 'response_format' where the engine could not follow it (xgrammar's reason)
-    or xgrammar is missing (what to install); off the event loop: the first check imports
-    xgrammar (~1 s), and a large schema takes a while to read."""
+async def check_formats(plan: _Plan) -> None:
+    """A 400 naming the parameter where the engine could not follow a schema the request
+    gives (a tool's parameters, the response_format; xgrammar's reason) or xgrammar is missing
+    (what to install); off the event loop: the first check imports xgrammar (~1 s), and a
+    large schema takes a while to read."""
     json_format = plan.sequences[0].params.json_format
-    if json_format is None:
+    if json_format is None and not plan.tools.schemas:
         return
-    try:
-        await asyncio.to_thread(check_json_format, json_format)
-    except ConfigError as err:
-        raise ApiError(400, str(err), param="response_format", code="invalid_value") from None
+    await asyncio.to_thread(_check_formats, plan.tools.schemas, json_format, plan.format_param)
+
+
+def _check_formats(
+    tool_schemas: tuple[JsonFormat, ...], json_format: JsonFormat | None, param: str
+) -> None:
+    checks = [(f"tools[{i}].function.parameters", schema) for i, schema in enumerate(tool_schemas)]
+    if json_format is not None:
+        checks.append((param, json_format))
+    for name, checked in checks:
+        try:
+            check_json_format(checked)
+        except ConfigError as err:
+            message = f"{name}: {err}" if name.startswith("tools[") else str(err)
+            raise ApiError(400, message, param=name, code="invalid_value") from None
 
 
 def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSettings) -> _Plan:
@@ -275,7 +328,10 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
             param="n",
             code="invalid_value",
         )
-    prompts, prompt_param = _encode_prompts(body, model)
+    tools = ToolUse()
+    if isinstance(body, ChatCompletionRequest):
+        tools = tool_use(body, model.tokenizer)
+    prompts, prompt_param = _encode_prompts(body, model, tools)
     context = model.max_seq_len
     max_tokens = body.max_tokens
     max_tokens_param = "max_tokens"
@@ -311,7 +367,7 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
         num_logprobs = body.logprobs
     top_k = body.top_k if body.top_k and body.top_k > 0 else None
     stop_token_ids = _stop_token_ids(body, model)
-    json_format = _json_format(body)
+    json_format, format_param = _json_format(body, tools)
     min_tokens = body.min_tokens or 0
     sequences = []
     for ids in prompts:
@@ -347,7 +403,7 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
         for choice in range(n):
             seed = None if body.seed is None else body.seed + choice
             sequences.append(SequenceRequest(ids, params, seed, num_logprobs))
-    return _Plan(sequences, [len(ids) for ids in prompts])
+    return _Plan(sequences, [len(ids) for ids in prompts], tools, format_param)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -423,6 +479,10 @@ class Session:
         self.created = int(time.time())
         self.arrival = time.perf_counter()
         self.want_logprobs = plan.sequences[0].num_logprobs is not None
+        # a stream's calls are read as its text comes, one parser a choice
+        self.parsers = None
+        if plan.tools.style is not None:
+            self.parsers = [self._tool_call_parser() for _ in plan.sequences]
         timeout = state.settings.request_timeout
         self.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         try:
@@ -449,10 +509,12 @@ class Session:
     def usage(self) -> dict:
         prompt_tokens = sum(self.plan.prompt_lengths)
         completion_tokens = self.submission.num_tokens
+        cached = min(self.submission.cached_tokens, prompt_tokens)  # from the prefix cache
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     async def events(self) -> AsyncIterator[list[TokenOutput]]:
@@ -547,15 +609,25 @@ class Session:
             body["system_fingerprint"] = None
         return JSONResponse(body)
 
+    def _tool_call_parser(self) -> ToolCallParser:
+        return ToolCallParser(self.plan.tools.style, max_calls=self.plan.tools.max_calls)
+
     def _choice_body(self, index: int, choice: _Choice) -> dict:
         logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs)
         if self.chat:
-            message = {"role": "assistant", "content": choice.text}
+            message: dict = {"role": "assistant", "content": choice.text}
+            finish_reason = choice.finish_reason
+            if self.plan.tools.style is not None:
+                parser = self._tool_call_parser()
+                message["content"], calls = message_of(parser.feed(choice.text) + parser.finish())
+                if calls:
+                    message["tool_calls"] = calls
+                finish_reason = _finish_reason(finish_reason, parser)
             return {
                 "index": index,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
+                "finish_reason": finish_reason,
             }
         return {
             "index": index,
@@ -566,25 +638,40 @@ class Session:
 
     # -- a stream of server-sent events --
 
-    def _chunk(self, index: int, outputs: list[TokenOutput]) -> dict | None:
-        """One streamed choice object for consecutive outputs of choice `index` (their text
-        joined); None when they carry nothing to send."""
+    def _chunks(self, index: int, outputs: list[TokenOutput]) -> list[dict]:
+        """The streamed choice objects for consecutive outputs of choice `index` (their text
+        joined): one, or for a chat one a delta (content, a call's name, its arguments), the
+        last with the log-probabilities and finish reason; none where nothing is to be sent."""
         text = "".join(output.text for output in outputs)
         finish_reason = outputs[-1].finish_reason
         logprobs = None
         if self.want_logprobs:
             scored = [o for o in outputs if o.token_id >= 0 and not o.is_stop_token]
             logprobs = self._logprobs(scored) if scored else None
-        if not text and finish_reason is None and logprobs is None:
-            return None
-        chunk: dict = {"index": index}
-        if self.chat:
-            chunk["delta"] = {"content": text} if text else {}
+        if not self.chat:
+            if not text and finish_reason is None and logprobs is None:
+                return []
+            return [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            ]
+        if self.parsers is None:
+            deltas = [{"content": text}] if text else []
         else:
-            chunk["text"] = text
-        chunk["logprobs"] = logprobs
-        chunk["finish_reason"] = finish_reason
-        return chunk
+            parser = self.parsers[index]
+            events = parser.feed(text)
+            if finish_reason is not None:
+                events += parser.finish()
+                finish_reason = _finish_reason(finish_reason, parser)
+            deltas = deltas_of(events)
+        if not deltas and (finish_reason is not None or logprobs is not None):
+            deltas = [{}]
+        chunks = [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas
+        ]
+        if chunks:
+            chunks[-1].update(logprobs=logprobs, finish_reason=finish_reason)
+        return chunks
 
     async def stream(self) -> AsyncIterator[str]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
@@ -598,8 +685,7 @@ class Session:
                     yield _sse({**header, "choices": [{**choice, "finish_reason": None}], **extra})
             async for batch in self.events():
                 for index, outputs in _by_choice(batch):
-                    chunk = self._chunk(index, outputs)
-                    if chunk is not None:
+                    for chunk in self._chunks(index, outputs):
                         yield _sse({**header, "choices": [chunk], **extra})
             if include_usage:
                 yield _sse({**header, "choices": [], "usage": self.usage})
@@ -613,6 +699,11 @@ class Session:
         except RuntimeError as err:
             yield _sse(error_body(str(err), type="server_error", param=None, code=None))
         yield "data: [DONE]\n\n"
+
+
+def _finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
+    """OpenAI's "tool_calls" for an answer that ended with calls, not cut short."""
+    return "tool_calls" if finish_reason == "stop" and parser.num_calls else finish_reason
 
 
 def _by_choice(batch: list[TokenOutput]) -> list[tuple[int, list[TokenOutput]]]:
