@@ -100,6 +100,31 @@ def register(subparsers) -> None:
         "keys and values instead of prefilling them (default: 4 x the context length; 0: off)",
     )
     parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter at PATH as the model NAME (repeatable): requests "
+        'name it as their "model"; adapters and the base run together in one batch, nothing '
+        "merged (an adapter of q/k/v/o and dense MLP linears; more load at run time with POST "
+        "/v1/load_lora_adapter)",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapters the engine holds at once (default: the --lora count; 0 and no --lora: "
+        "none, the linears stay as they are)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        metavar="R",
+        help="the largest adapter rank the engine takes (16); lower ranks are padded to it",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -197,6 +222,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--body-timeout {args.body_timeout} must be > 0 seconds")
     if args.max_request_bytes < 1024:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} must be >= 1024")
+    for item in args.lora:
+        name, _, path = item.partition("=")
+        if not name or not path:
+            raise ConfigError(f"--lora {item!r}: expected NAME=PATH")
+    if args.max_loras is not None and args.max_loras < len(args.lora):
+        raise ConfigError(f"--max-loras {args.max_loras} is below the {len(args.lora)} --lora")
+    if args.max_lora_rank < 1:
+        raise ConfigError(f"--max-lora-rank {args.max_lora_rank} must be >= 1")
     if args.prefix_cache_tokens is not None and args.prefix_cache_tokens < 0:
         raise ConfigError(f"--prefix-cache-tokens {args.prefix_cache_tokens} must be >= 0")
     if args.num_threads is not None and args.num_threads < 1:
@@ -270,6 +303,10 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
         command += ["--uvicorn-log-level", args.log_level]
     if not args.access_log:
         command += ["--disable-uvicorn-access-log"]
+    if args.lora or args.max_loras:
+        command += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank)]
+        command += ["--max-loras", str(args.max_loras or len(args.lora))]
+        command += ["--lora-modules", *args.lora] if args.lora else []
     return command + shlex.split(args.vllm_args)
 
 
@@ -340,6 +377,8 @@ def main(args: argparse.Namespace) -> int:
     # fail early on a taken port, before loading (tensor parallel: rank 0 serves HTTP)
     sock = bind(args.host, args.port) if parallel.is_main() else None
     start = time.perf_counter()
+    if parallel.world_size() > 1 and (args.lora or args.max_loras):
+        raise ConfigError("--lora with tensor parallelism is not supported yet; merge the adapter")
     loaded = parallel.load_model(args.artifact, device=args.device, dtype=args.dtype)
     device = loaded.model.tok_embeddings.weight.device
     if loaded.tokenizer is None:
@@ -361,7 +400,12 @@ def main(args: argparse.Namespace) -> int:
         prefix_cache_tokens=(
             4 * max_seq_len if args.prefix_cache_tokens is None else args.prefix_cache_tokens
         ),
+        max_adapters=len(args.lora) if args.max_loras is None else args.max_loras,
+        max_adapter_rank=args.max_lora_rank,
     )
+    adapters = tuple(tuple(item.split("=", 1)) for item in args.lora)
+    for name, path in adapters:  # bad files: one line, exit code 2
+        generator.engine.load_adapter(name, path)
     notes = []
     if (Path(args.artifact) / "adapter").is_dir():
         notes.append("LoRA adapter merged into the weights")
@@ -401,6 +445,7 @@ def main(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         body_timeout=args.body_timeout,
         stream_interval=args.stream_interval,
+        adapters=adapters,
     )
     mirror = parallel.send_to_others if parallel.world_size() > 1 else None
     host, port = sock.getsockname()[:2]

@@ -6,8 +6,9 @@ own: frontend.py) and starts and stops with the app's lifespan.
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both also as
 server-sent events with `"stream": true`, ending with `data: [DONE]`), vLLM's `POST /tokenize`
 (a prompt or a chat's messages -> {count, max_model_len, tokens}) and `POST /detokenize`
-(tokens -> {prompt}), `GET /health` (never behind the API key) and `GET /metrics` (Prometheus
-text). The wire format and the error envelope are protocol.py's; a request's run through the
+(tokens -> {prompt}), vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (LoRA
+adapters a request names as its "model"), `GET /health` (never behind the API key) and `GET
+/metrics` (Prometheus text). The wire format and the error envelope are protocol.py's; a request's run through the
 engine is session.py's; running the app under uvicorn is server.py's. An unknown model is a
 404; a missing or wrong `Authorization: Bearer` key a 401 (compared in constant time).
 """
@@ -20,12 +21,12 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmforge.errors import UserError
-from lmforge.serve.engine import Engine
+from lmforge.errors import ConfigError, UserError
+from lmforge.serve.engine import Engine, EngineStopped
 from lmforge.serve.middleware import AuthMiddleware, BodyLimitMiddleware, Metrics, MetricsMiddleware
 from lmforge.serve.protocol import (
     ApiError,
@@ -33,8 +34,10 @@ from lmforge.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerationRequest,
+    LoadAdapterRequest,
     ServeSettings,
     TokenizeRequest,
+    UnloadAdapterRequest,
     error_response,
     validation_error,
 )
@@ -89,6 +92,7 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
+    adapters = dict(settings.adapters)  # name -> path: the LoRA adapters the engine holds
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -118,36 +122,78 @@ def create_app(model: ServedModel, settings: ServeSettings, channel) -> FastAPI:
         logger.error("internal error on %s", request.url.path, exc_info=err)
         return error_response(ApiError(500, "internal server error", type="server_error"))
 
-    def model_card() -> dict:
-        return {
-            "id": settings.model_name,
+    def model_card(name: str | None = None) -> dict:
+        """The base model's card, or adapter `name`'s (vLLM's fields: parent and root)."""
+        card = {
+            "id": name or settings.model_name,
             "object": "model",
             "created": created,
             "owned_by": "lmforge",
             "max_model_len": model.max_seq_len,
         }
+        if name is not None:
+            card |= {"parent": settings.model_name, "root": adapters[name]}
+        return card
 
-    def check_model(name: str) -> None:
-        if name != settings.model_name:
-            raise ApiError(
-                404,
-                f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(name: str) -> str | None:
+        """None for the base model, the adapter's name for an adapter; else a 404."""
+        if name == settings.model_name:
+            return None
+        if name in adapters:
+            return name
+        served = ", ".join(repr(n) for n in [settings.model_name, *adapters])
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
-        check_model(model)
-        return model_card()
+        return model_card(check_model(model))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterRequest) -> Response:
+        name = body.lora_name
+        if name == settings.model_name or name in adapters:
+            raise ApiError(400, f"a model named {name!r} is already served", param="lora_name")
+        await change_adapter("lora_path", "load_adapter", name, body.lora_path)
+        adapters[name] = body.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterRequest) -> Response:
+        name = body.lora_name
+        if name not in adapters:
+            raise ApiError(
+                404, f"no LoRA adapter named {name!r} is loaded", param="lora_name",
+                code="model_not_found",
+            )  # fmt: skip
+        await change_adapter("lora_name", "unload_adapter", name)
+        del adapters[name]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def change_adapter(param: str, *op) -> None:
+        """The engine loop's load or unload; what it refuses (bad files, a full table, an
+        adapter in use) is a 400 naming `param`, and the server goes on."""
+        try:
+            await engine.change_adapter(*op)
+        except ConfigError as err:
+            raise ApiError(400, str(err), param=param) from None
+        except EngineStopped:
+            raise ApiError(
+                503, "the server's engine is not running (see the server log)",
+                type="server_error", code="engine_stopped",
+            ) from None  # fmt: skip
 
     async def generate(request: Request, body: GenerationRequest) -> Response:
-        check_model(body.model)
-        plan = plan_request(body, model, settings)
+        adapter = check_model(body.model)
+        plan = plan_request(body, model, settings, adapter)
         await check_formats(plan)
         session = Session(app.state, request, body, plan)
         if body.stream:

@@ -41,6 +41,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from lmforge.errors import ConfigError, ModelFormatError
 from lmforge.generate import SamplingParams
 from lmforge.generate import Sequence as EngineSequence
 
@@ -71,6 +72,7 @@ class SequenceRequest:
     params: SamplingParams
     seed: int | None = None
     num_logprobs: int | None = None
+    adapter: str | None = None  # a loaded LoRA adapter's name (None: the base model)
 
 
 @dataclass
@@ -204,6 +206,7 @@ class Engine:
         self._next_key = 0
         self._started = False
         self.num_steps = 0
+        self._adapter_ops: dict[int, asyncio.Future] = {}  # op id -> its answer, awaited
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -243,6 +246,9 @@ class Engine:
         if it has not cleared them already)."""
         for stream in list(self._streams.values()):
             self._finish(stream, "error", notify=True)
+        for answer in self._adapter_ops.values():
+            answer.set_result("the engine stopped")
+        self._adapter_ops.clear()
 
     # ---- submitting -----------------------------------------------------------------------
 
@@ -265,10 +271,26 @@ class Engine:
             submission.sequences.append(stream)
             self._streams[key] = stream
             ids = list(request.prompt_ids)
-            ops.append(("add", key, ids, request.params, request.seed, request.num_logprobs))
+            ops.append(
+                ("add", key, ids, request.params, request.seed, request.num_logprobs,
+                 request.adapter)
+            )  # fmt: skip
         self._num_waiting += len(ops)
         self.channel.send(ops)
         return submission
+
+    async def change_adapter(self, action: str, name: str, path: str | None = None) -> None:
+        """Load ("load_adapter", `name` from `path`) or unload ("unload_adapter") a LoRA adapter
+        in the engine loop, between steps; raises ConfigError with what was wrong."""
+        if not self.running:
+            raise EngineStopped("the engine is not running")
+        op_id, self._next_key = self._next_key, self._next_key + 1
+        answer = asyncio.get_running_loop().create_future()
+        self._adapter_ops[op_id] = answer
+        self.channel.send([(action, op_id, name) + ((path,) if action == "load_adapter" else ())])
+        error = await answer
+        if error is not None:
+            raise ConfigError(error)
 
     # ---- messages from the engine loop ----------------------------------------------------
 
@@ -286,7 +308,12 @@ class Engine:
         if self.on_step is not None:
             self.on_step(len(tokens), seconds)
         touched: dict[int, Submission] = {}
-        for key, token_id, text, finish_reason, logprob, top, is_stop_token, cached in tokens:
+        for token in tokens:
+            if token[0] == "adapter":  # a load or unload's answer
+                _, op_id, error = token
+                self._adapter_ops.pop(op_id).set_result(error)
+                continue
+            key, token_id, text, finish_reason, logprob, top, is_stop_token, cached = token
             stream = self._streams.get(key)
             if stream is None:  # cancelled (its cancel crossed this step)
                 continue
@@ -396,17 +423,25 @@ def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> l
     sequences by key. Returns the step's tokens as (key, token id, text, finish reason,
     logprob, top logprobs, is stop token, prompt tokens the prefix cache served: on a
     sequence's first token, else 0) tuples."""
+    tokens = []
     for op in ops:
         if op[0] == "add":
-            key, ids, params, seed, num_logprobs = op[1:]
-            sequence = core.sequence(ids, params, seed=seed, num_logprobs=num_logprobs)
+            key, ids, params, seed, num_logprobs, adapter = op[1:]
+            try:
+                sequence = core.sequence(
+                    ids, params, seed=seed, num_logprobs=num_logprobs, adapter=adapter
+                )
+            except ConfigError:  # its adapter was unloaded after the request was checked
+                tokens.append((key, -1, "", "error", None, None, False, 0))
+                continue
             sequences[key] = sequence
             core.add([sequence])
         elif op[0] == "cancel" and op[1] in sequences:
             core.cancel(sequences.pop(op[1]))
+        elif op[0] in ("load_adapter", "unload_adapter"):
+            tokens.append(_adapter_op(core, op))
     events = core.step()
     keys = {id(sequence): key for key, sequence in sequences.items()}
-    tokens = []
     for sequence, event in events:
         key = keys.get(id(sequence))
         if key is not None:  # (not one cancelled before its last launch came back)
@@ -425,6 +460,19 @@ def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> l
     for key in [key for key, sequence in sequences.items() if sequence.done]:
         del sequences[key]
     return tokens
+
+
+def _adapter_op(core, op: tuple) -> tuple:
+    """("load_adapter", op id, name, path) or ("unload_adapter", op id, name) on `core` ->
+    ("adapter", op id, None or what was wrong), posted among the step's tokens."""
+    try:
+        if op[0] == "load_adapter":
+            core.load_adapter(op[2], op[3])
+        else:
+            core.unload_adapter(op[2])
+    except (ConfigError, ModelFormatError) as err:
+        return ("adapter", op[1], str(err))
+    return ("adapter", op[1], None)
 
 
 def follow(core, receive: Callable[[], tuple[list[tuple], str]]) -> None:

@@ -49,6 +49,8 @@ class ServeSettings:
             declares a length and sends less would hold its connection for ever).
         stream_interval: engine steps between a decoding sequence's deliveries to its request
             (None: the engine's load-dependent default; see `lmforge.serve.engine.Engine`).
+        adapters: the LoRA adapters the engine loaded at start, (name, path) each: requests
+            name one as their "model" (more load and unload at run time).
     """
 
     model_name: str
@@ -60,6 +62,8 @@ class ServeSettings:
     max_request_bytes: int = 8 << 20
     body_timeout: float = 30.0
     stream_interval: int | None = None
+    # LoRA adapters loaded at start (`lmforge serve --lora NAME=PATH`): (name, path) each
+    adapters: tuple[tuple[str, str], ...] = ()
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -346,6 +350,20 @@ class TokenizeRequest(_Strict):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool | None = None  # messages only; default true
+
+
+class LoadAdapterRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter: a PEFT LoRA directory on the server's disk, served as
+    the model `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadAdapterRequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class DetokenizeRequest(_Strict):

@@ -311,8 +311,14 @@ def _check_formats(
             raise ApiError(400, message, param=name, code="invalid_value") from None
 
 
-def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSettings) -> _Plan:
-    """Check a validated request against the model and the limits; build its sequences."""
+def plan_request(
+    body: GenerationRequest,
+    model: ServedModel,
+    settings: ServeSettings,
+    adapter: str | None = None,
+) -> _Plan:
+    """Check a validated request against the model and the limits; build its sequences (with
+    LoRA adapter `adapter`: the request's "model" named one)."""
     _check_unsupported(body)
     n = body.n or 1
     num_prompts = 1
@@ -402,7 +408,7 @@ def plan_request(body: GenerationRequest, model: ServedModel, settings: ServeSet
         )
         for choice in range(n):
             seed = None if body.seed is None else body.seed + choice
-            sequences.append(SequenceRequest(ids, params, seed, num_logprobs))
+            sequences.append(SequenceRequest(ids, params, seed, num_logprobs, adapter))
     return _Plan(sequences, [len(ids) for ids in prompts], tools, format_param)
 
 
