@@ -59,9 +59,12 @@ CORPUS = (
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("serve"))
+
+
+def make_artifact(root: Path) -> Path:
     """A random tiny model with a BPE tokenizer (and the adapter/ folder a LoRA run leaves:
     its weights are already merged into the artifact's)."""
-    root = tmp_path_factory.mktemp("serve")
     (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     tokenizer = train_bpe([root / "corpus.txt"], vocab_size=320, out_dir=root / "tok")
     args = small_args(320, max_seq_len=LONG_CONTEXT)

@@ -15,8 +15,7 @@ openai = pytest.importorskip("openai")
 import lmforge  # noqa: E402
 from lmforge.generate import Generator, SamplingParams  # noqa: E402
 from lmforge.modules.lora import LoRASection, apply_lora, merge_lora, save_peft_adapter  # noqa: E402
-from tests.test_serve import Server, request  # noqa: E402
-from tests.test_serve import artifact as serve_artifact  # noqa: E402, F401 (the fixture "artifact")
+from tests.test_serve import Server, make_artifact, request  # noqa: E402
 
 GREEDY = dict(max_tokens=8, temperature=0)
 
@@ -43,7 +42,9 @@ def _texts(model, tokenizer, prompt: str) -> str:
     return generator.generate([ids], params).results[0].text
 
 
-def test_adapters_by_model_name_loaded_and_unloaded_at_run_time(artifact, tmp_path):
+def test_adapters_by_model_name_loaded_and_unloaded_at_run_time(tmp_path):
+    (tmp_path / "model").mkdir()
+    artifact = make_artifact(tmp_path / "model")
     torch.set_num_threads(1)
     loaded = lmforge.load(artifact)
     merged = {
