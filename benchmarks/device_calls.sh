@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | adapters-serve | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|adapters-serve|trl" >&2
   exit 2
   ;;
 esac
@@ -256,6 +256,17 @@ prefix-serve)
       --device cuda --max-concurrency 32 --concurrency 32 --max-tokens 64 \
       --max-seq-len 2048 --shared-prefix-words 700 "${extra[@]}" --out "$OUT/prefix-$cache"
     tail -n 4 "$OUT/prefix-$cache.log"
+  done
+  ;;
+adapters-serve)
+  # the 1B served at 32 streams (128 tokens a request), then with 8 random rank-16 LoRA
+  # adapters on every q/k/v/o and MLP linear (--lora), request i naming adapter i mod 8.
+  # Target (issue 57): the adapters' tokens/s >= 70% of the base model's
+  for adapters in 0 8; do
+    step 280 "adapters-$adapters" python3 benchmarks/serve_load.py --preset llama3.2-1b \
+      --device cuda --max-concurrency 32 --concurrency 32 --max-tokens 128 \
+      --max-seq-len 4096 --adapters "$adapters" --out "$OUT/adapters-$adapters"
+    tail -n 4 "$OUT/adapters-$adapters.log"
   done
   ;;
 moe-serve)

@@ -10,6 +10,9 @@ Fills docs/benchmarks.md's "Serving" table (`bash benchmarks/device_calls.sh ser
 quantized rows (`--schemes bf16 int8-wo int4-wo`, `device_calls.sh quantized-serve`).
 `--json-every N`: every Nth request asks for structured output (`response_format` with
 `SCHEMA`; 2: half the streams constrained, `device_calls.sh structured-serve`).
+`--adapters N`: N random rank-`--adapter-rank` LoRA adapters on every q/k/v/o and MLP linear,
+served with `--lora`, request i naming adapter i mod N (`device_calls.sh adapters-serve` runs
+0 and 8).
 `--shared-prefix-words N`: every prompt starts with the same N words (a system prompt), then
 its own; with `--prefix-cache-tokens 0` the server keeps no prompt blocks
 (`device_calls.sh prefix-serve` runs both).
@@ -108,6 +111,8 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
                 return
             words = " ".join(WORDS[(index + i) % len(WORDS)] for i in range(args.prompt_words))
             shared = " ".join(WORDS[i % len(WORDS)] for i in range(args.shared_prefix_words))
+            if args.adapters:
+                model = f"adapter-{index % args.adapters}"
             body = {
                 "model": model,
                 "prompt": f"{shared} {index}: {words}" if shared else f"{index}: {words}",
@@ -188,6 +193,10 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         command += ["--num-threads", str(args.num_threads)]
     if args.prefix_cache_tokens is not None:
         command += ["--prefix-cache-tokens", str(args.prefix_cache_tokens)]
+    for index in range(args.adapters):
+        command += ["--lora", f"adapter-{index}={args.artifact.parent / f'adapter-{index}'}"]
+    if args.adapters:
+        command += ["--max-lora-rank", str(args.adapter_rank)]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -227,6 +236,14 @@ def main() -> None:
     parser.add_argument("--json-every", type=int, default=0, metavar="N",
                         help="every Nth request constrained by a JSON schema (0: none)")  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None, help="server CPU threads")
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N random LoRA adapters, requests naming them in turn",
+    )
+    parser.add_argument("--adapter-rank", type=int, default=16)
     parser.add_argument("--shared-prefix-words", type=int, default=0, metavar="N",
                         help="every prompt starts with the same N words")  # fmt: skip
     parser.add_argument(
@@ -251,6 +268,8 @@ def main() -> None:
         root = Path(tempfile.mkdtemp(prefix="serve_load_"))
         args.artifact = preset_artifact(args.preset, root, args.num_layers)
     results, source = {}, args.artifact
+    for index in range(args.adapters):
+        random_adapter(source, source.parent / f"adapter-{index}", args.adapter_rank, index)
     for scheme in args.schemes:
         artifact = source if scheme == "bf16" else quantized(source, scheme, args)
         model, rows = serve_and_load(artifact, args)
@@ -260,6 +279,39 @@ def main() -> None:
         print_ratios(results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_load.json").write_text(json.dumps(results, indent=2))
+
+
+def random_adapter(artifact: Path, out: Path, rank: int, seed: int) -> None:
+    """A PEFT LoRA adapter of `rank` with random A and B (bf16, small) on every q/k/v/o and
+    MLP linear of `artifact`'s model, as `lmforge sft` with LoRA writes one."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lmforge import models
+    from lmforge.api import read_args
+
+    args = read_args(artifact)
+    targets = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+               "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # fmt: skip
+    shapes = {"wq": (args.q_dim, args.dim), "wk": (args.kv_dim, args.dim),
+              "wv": (args.kv_dim, args.dim), "wo": (args.dim, args.q_dim),
+              "w1": (args.ffn_dim, args.dim), "w3": (args.ffn_dim, args.dim),
+              "w2": (args.dim, args.ffn_dim)}  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(args.num_layers):
+        for ours, (rows, cols) in shapes.items():
+            part = "attention" if ours in ("wq", "wk", "wv", "wo") else "feed_forward"
+            hf = models.ours_to_hf(f"layers.{layer}.{part}.{ours}.weight", args)
+            prefix = "base_model.model." + hf.removesuffix(".weight")
+            for name, shape in (("A", (rank, cols)), ("B", (rows, rank))):
+                values = torch.randn(shape, generator=generator) * 0.01
+                tensors[f"{prefix}.lora_{name}.weight"] = values.bfloat16()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+              "target_modules": sorted(targets.values()), "bias": "none"}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
 
 
 def quantized(source: Path, scheme: str, args) -> Path:
