@@ -111,10 +111,9 @@ def run_level(client: Client, model: str, concurrency: int, num_requests: int, a
                 return
             words = " ".join(WORDS[(index + i) % len(WORDS)] for i in range(args.prompt_words))
             shared = " ".join(WORDS[i % len(WORDS)] for i in range(args.shared_prefix_words))
-            if args.adapters:
-                model = f"adapter-{index % args.adapters}"
+            name = f"adapter-{index % args.adapters}" if args.adapters else model
             body = {
-                "model": model,
+                "model": name,
                 "prompt": f"{shared} {index}: {words}" if shared else f"{index}: {words}",
                 "max_tokens": args.max_tokens,
                 "temperature": args.temperature,
