@@ -185,7 +185,7 @@ def test_a_training_steps_gradients_equal_transformers(hf_gpt_oss):
 def test_pretrain_from_the_preset_and_plan_it(tmp_path):
     """`lmforge pretrain` on gpt-oss-20b cut down (model.overrides), its loss falling and the
     experts' load logged; `lmforge model info` counts total and active parameters as the
-    model has them; tensor parallelism is refused in one line."""
+    model has them; tensor parallelism in training is refused in one line."""
     import lmforge.errors
     from tests.train_utils import make_shards, pretrain_args, run_inprocess
 
@@ -204,7 +204,7 @@ def test_pretrain_from_the_preset_and_plan_it(tmp_path):
     actual = sum(p.numel() for p in loaded.model.parameters())
     assert loaded.config.num_params() == actual
     with pytest.raises(lmforge.errors.ConfigError, match="not supported for gpt-oss"):
-        models.family_of(loaded.config).tp_plan(sequence_parallel=False)
+        models.family_of(loaded.config).tp_plan(sequence_parallel=True)  # training's
 
 
 def test_lora_adapts_attention_and_refuses_the_experts():

@@ -1,6 +1,6 @@
 """Tensor-parallel inference on 2 gloo processes (`lmforge launch --nproc 2 generate|eval`):
-the same greedy tokens as one process, tied and untied embeddings, Qwen3 and Qwen3-MoE (its
-attention split, its experts split by expert), and the same per-request
+the same greedy tokens as one process, tied and untied embeddings, Qwen3, Qwen3-MoE (its
+attention split, its experts split by expert) and gpt-oss (its sinks and biases too), and the same per-request
 log-likelihoods under lm-eval (within 1e-4)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import lmforge
 from lmforge.api import LoadedModel, build_model
 from lmforge.eval import run_eval, write_demo_task
+from lmforge.models import get_preset
 from tests.train_utils import demo_world, small_qwen3_args, small_qwen3_moe_args
 
 PROMPTS = ["the cat sat", "a b c d e f g h", "x"]
@@ -31,6 +32,12 @@ def world(tmp_path_factory):
     shapes["qwen3"] = small_qwen3_args(tokenizer.vocab_size)  # tied, q/k head norms
     # Mixture-of-Experts: attention split over the processes, the experts 2 of 4 a process
     shapes["qwen3_moe"] = small_qwen3_moe_args(tokenizer.vocab_size)
+    # gpt-oss: biased projections (wo's bias added once), sinks split by head, a window of 4
+    shapes["gpt_oss"] = get_preset("gpt-oss-20b").replace(
+        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
+        num_experts=4, num_experts_per_tok=2, sliding_window=4, vocab_size=tokenizer.vocab_size,
+        bos_id=None, eos_id=None,
+    )  # fmt: skip
     for tied, model_args in shapes.items():
         model = build_model(model_args, seed=5).eval()
         with torch.no_grad():  # peakier distributions: greedy choices far from ties
@@ -57,7 +64,9 @@ def _texts_and_counts(stdout: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "tied", [False, True, "qwen3", "qwen3_moe"], ids=["untied", "tied", "qwen3", "qwen3_moe"]
+    "tied",
+    [False, True, "qwen3", "qwen3_moe", "gpt_oss"],
+    ids=["untied", "tied", "qwen3", "qwen3_moe", "gpt_oss"],
 )
 def test_generate_tp2_equals_one_process(world, tied):
     argv = ["generate", str(world["artifacts"][tied]), "--prompt", *PROMPTS]

@@ -109,6 +109,9 @@ def _sparse_mlps(model: nn.Module) -> list[moe.MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, moe.MoEFeedForward)]
 
 
+_EXPERT_TENSORS = ("w13", "w2", "b13", "b2")  # stacked [E, ...]: split along the experts
+
+
 def split_experts(model: nn.Module, tp_mesh, source) -> None:
     """A Mixture-of-Experts' stacked experts split over the tensor-parallel processes along the
     expert dimension (expert parallelism over the tp group: each process holds E / N experts,
@@ -123,9 +126,10 @@ def split_experts(model: nn.Module, tp_mesh, source) -> None:
                 f"{source}: {size} processes must divide the model's {experts.w13.shape[0]} "
                 "experts (each process holds an equal share); launch with --nproc dividing it"
             )
-        for name in ("w13", "w2"):
-            weight = getattr(experts, name)
-            shard = distribute_tensor(weight, tp_mesh, [Shard(0)])
+        for name in _EXPERT_TENSORS:
+            if getattr(experts, name, None) is None:
+                continue  # (biases: gpt-oss's only)
+            shard = distribute_tensor(getattr(experts, name), tp_mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(shard, requires_grad=False))
 
 
@@ -136,20 +140,21 @@ def run_experts_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> N
     for mlp in _sparse_mlps(model):
         experts = mlp.experts
         count = experts.w13.to_local().shape[0]
-        for name in ("w13", "w2"):
-            local = getattr(experts, name).to_local()
-            setattr(experts, name, nn.Parameter(local, requires_grad=False))
+        for name in _EXPERT_TENSORS:
+            if getattr(experts, name, None) is not None:
+                local = getattr(experts, name).to_local()
+                setattr(experts, name, nn.Parameter(local, requires_grad=False))
         mlp.experts = ExpertShard(experts, rank * count, group)
 
 
 class ExpertShard(nn.Module):
     """This process's experts [start, start + n) of a sparse MLP split over `group`: the pairs
-    (token, choice) routed to them run through `local` (an `moe.Experts` of n experts, which
+    (token, choice) routed to them run through `local` (n experts, an `moe.Experts`, which
     the engine's fused kernels take as any other), every other pair with weight 0 on local
     expert 0 (fixed shapes: no host sync, one CUDA graph), and the partial outputs are summed
     over the group (every process routes every token alike: the router is replicated)."""
 
-    def __init__(self, local: moe.Experts, start: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, local: nn.Module, start: int, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.local = local
         self.start = start
@@ -184,6 +189,8 @@ def run_blocks_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> No
                 setattr(module, name, local)
             if row_parallel:
                 module.register_forward_hook(_sum_outputs(group))
+                if getattr(module, "bias", None) is not None and dist.get_rank(group):
+                    module.bias.data.zero_()  # (replicated: added once by the sum)
 
 
 def run_vocabulary_on_local_shards(model: nn.Module, group: dist.ProcessGroup) -> None:

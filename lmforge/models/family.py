@@ -89,7 +89,9 @@ class Family:
                 raise ModelFormatError(
                     f"{path}: unexpected tensor {name!r} for a {self.title} model"
                 )
-            ours[our_name] = tensor
+            # contiguous: set_model_state_dict's broadcast from rank 0 sends a view's storage
+            # in storage order (a transposed layout arrived scrambled on the other ranks)
+            ours[our_name] = tensor.contiguous()
         return ours
 
     def ours_state_dict_to_hf(

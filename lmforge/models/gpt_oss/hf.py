@@ -109,7 +109,9 @@ def to_our_layout(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, to
         elif name.endswith("experts.gate_up_proj_bias"):
             out[name] = _deinterleave(tensor, 1)
         elif name.endswith("experts.down_proj"):
-            out[name] = tensor.transpose(1, 2)
+            # contiguous: a transposed view broadcast from rank 0 (set_model_state_dict)
+            # arrived elsewhere in its storage's order
+            out[name] = tensor.transpose(1, 2).contiguous()
         else:
             out[name] = tensor
     return out

@@ -2,8 +2,8 @@
 
 The planner's shapes: Llama's attention projections plus their biases and the sinks (small
 vectors, counted with the norms), the router with its bias, and the stacked experts with
-theirs. Tensor parallelism is not planned for gpt-oss yet (the sinks and biases would split by
-head): `tp_plan` refuses it with a clear error.
+theirs. Tensor parallelism is planned for inference (attention split by head, sinks
+included); in training it is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -39,7 +39,34 @@ def block_params(args: ModelArgs, layer: int | None = None) -> list[ParamShape]:
 
 
 def tp_plan(*, sequence_parallel: bool = True) -> dict:
-    raise ConfigError(
-        "tensor parallelism (parallel.tp > 1, or `lmforge launch --nproc N generate`) is not "
-        "supported for gpt-oss yet; run it on one process, with FSDP (parallel.dp_shard) to train"
-    )
+    """Inference (no sequence parallelism): Llama's attention plan (the projections' biases
+    split with their columns, wo's replicated) with each rank's heads' sinks, the sparse MLP
+    replicated (`lmforge launch --nproc N generate` then splits the experts by expert).
+    Training under tensor parallelism is refused: not planned for gpt-oss yet."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    if sequence_parallel:
+        raise ConfigError(
+            "tensor parallelism in training (parallel.tp > 1) is not supported for gpt-oss yet; "
+            "train with FSDP (parallel.dp_shard)"
+        )
+
+    class HeadSinks(ParallelStyle):
+        """An attention module's `sinks` [heads] split by head over the tp ranks."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def partition(name: str, child: nn.Module, mesh) -> None:
+                if name == "":
+                    shard = distribute_tensor(child.sinks, mesh, [Shard(0)])
+                    child.sinks = nn.Parameter(shard, requires_grad=child.sinks.requires_grad)
+
+            return distribute_module(module, device_mesh, partition)
+
+    attention = {
+        name: style
+        for name, style in llama_plan.tp_plan(sequence_parallel=False).items()
+        if name.startswith("attention.")
+    }
+    return attention | {"attention": HeadSinks()}
