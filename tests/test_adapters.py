@@ -29,15 +29,16 @@ def _base():
     return model
 
 
-def _adapter(base, directory, *, targets, rank, seed):
-    """A PEFT adapter of random (nonzero) matrices on `targets`, and `base` with it merged."""
+def make_adapter(base, directory, *, targets, rank, seed, std=0.3):
+    """A PEFT adapter of random (nonzero) matrices on `targets`, and `base` with it merged
+    (a copy)."""
     model = copy.deepcopy(base)
     apply_lora(model, targets=targets, rank=rank, alpha=2.0 * rank)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
     config = LoRASection(enabled=True, rank=rank, alpha=2.0 * rank, targets=targets)
     save_peft_adapter(model, model.args, directory, base_model="base", lora_cfg=config)
     return merge_lora(model).eval()
@@ -55,8 +56,8 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     base = _base()
     merged = {
-        "attn": _adapter(base, root / "attn", targets=["q", "k", "v", "o"], rank=4, seed=1),
-        "all": _adapter(
+        "attn": make_adapter(base, root / "attn", targets=["q", "k", "v", "o"], rank=4, seed=1),
+        "all": make_adapter(
             base, root / "all", targets=["q", "v", "gate", "up", "down"], rank=8, seed=2
         ),
     }

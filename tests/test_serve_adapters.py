@@ -14,25 +14,10 @@ openai = pytest.importorskip("openai")
 
 import lmforge  # noqa: E402
 from lmforge.generate import Generator, SamplingParams  # noqa: E402
-from lmforge.modules.lora import LoRASection, apply_lora, merge_lora, save_peft_adapter  # noqa: E402
+from tests.test_adapters import make_adapter  # noqa: E402
 from tests.test_serve import Server, make_artifact, request  # noqa: E402
 
 GREEDY = dict(max_tokens=8, temperature=0)
-
-
-def _adapter(model, directory, *, targets, rank, seed):
-    """A PEFT adapter of random matrices on `targets` for `model`; returns `model` with it
-    merged (a copy)."""
-    adapted = copy.deepcopy(model)
-    apply_lora(adapted, targets=targets, rank=rank, alpha=2.0 * rank)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    config = LoRASection(enabled=True, rank=rank, alpha=2.0 * rank, targets=targets)
-    save_peft_adapter(adapted, adapted.args, directory, base_model="base", lora_cfg=config)
-    return merge_lora(adapted).eval()
 
 
 def _texts(model, tokenizer, prompt: str) -> str:
@@ -48,9 +33,16 @@ def test_adapters_by_model_name_loaded_and_unloaded_at_run_time(tmp_path):
     torch.set_num_threads(1)
     loaded = lmforge.load(artifact)
     merged = {
-        "tone": _adapter(loaded.model, tmp_path / "tone", targets=["q", "v", "o"], rank=4, seed=1),
-        "style": _adapter(
-            loaded.model, tmp_path / "style", targets=["k", "gate", "up", "down"], rank=8, seed=2
+        "tone": make_adapter(
+            loaded.model, tmp_path / "tone", targets=["q", "v", "o"], rank=4, seed=1, std=0.5
+        ),
+        "style": make_adapter(
+            loaded.model,
+            tmp_path / "style",
+            targets=["k", "gate", "up", "down"],
+            rank=8,
+            seed=2,
+            std=0.5,
         ),
     }
     prompt = "The cat sat"
