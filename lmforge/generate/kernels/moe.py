@@ -55,16 +55,19 @@ INTERPRETED_TILE = (16, 32, 1)
 
 
 @triton.jit
-def _weights(rows_ptr, scales_ptr, cols, ok, PACKED: tl.constexpr, GROUP: tl.constexpr):
+def _weights(
+    rows_ptr, scales_ptr, cols, ok, PACKED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr
+):
     """A [BLOCK_N, BLOCK_K] tile of weights in fp32, columns `cols` [BLOCK_K] of the rows that
-    start at rows_ptr [BLOCK_N, 1]: floats as they are; integers or float8 times the scale of
-    their row's group of GROUP columns (scales_ptr [BLOCK_N, 1]: each row's first scale; GROUP
-    0: no scales); PACKED: int4 two a byte, the low nibble the even column."""
+    start at rows_ptr [BLOCK_N, 1]: floats as they are; QUANT: integers or float8, times the
+    scale of their row's group of GROUP columns (scales_ptr [BLOCK_N, 1]: each row's first
+    scale; GROUP 0: scaled by the caller, a row at a time); PACKED: int4 two a byte, the low
+    nibble the even column."""
     if PACKED:
         byte = tl.load(rows_ptr + cols[None, :] // 2, mask=ok, other=0).to(tl.int32)
         nibble = (byte >> ((cols[None, :] % 2) * 4)) & 0xF
         w = ((nibble ^ 8) - 8).to(tl.float32)  # sign-extended
-    elif GROUP > 0:  # (no `other`: the interpreter cannot cast one to float8)
+    elif QUANT:  # (no `other`: the interpreter cannot cast one to float8)
         w = tl.where(ok, tl.load(rows_ptr + cols[None, :], mask=ok).to(tl.float32), 0.0)
     else:
         w = tl.load(rows_ptr + cols[None, :], mask=ok, other=0).to(tl.float32)
@@ -99,6 +102,8 @@ def _gate_up(
     groups: tl.constexpr = DIM // GROUP if GROUP > 0 else 1
     gate_scales = scale_ptr + expert * (2 * FFN * groups) + rows[:, None] * groups
     up_scales = gate_scales + FFN * groups
+    # a scale a row (GROUP = DIM: int8, float8) multiplies the row's sum, not every weight
+    tile_group: tl.constexpr = 0 if GROUP == DIM else GROUP
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, DIM, BLOCK_K):
@@ -106,10 +111,15 @@ def _gate_up(
         col_ok = cols < DIM
         x = tl.load(x_ptr + token * DIM + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        gate += _weights(gate_rows, gate_scales, cols, ok, PACKED, GROUP) * x
-        up += _weights(up_rows, up_scales, cols, ok, PACKED, GROUP) * x
+        gate += _weights(gate_rows, gate_scales, cols, ok, PACKED, GROUP > 0, tile_group) * x
+        up += _weights(up_rows, up_scales, cols, ok, PACKED, GROUP > 0, tile_group) * x
     g = tl.sum(gate, axis=1)  # [BLOCK_N], reduced once, after the loop
-    h = g * tl.sigmoid(g) * tl.sum(up, axis=1)
+    u = tl.sum(up, axis=1)
+    if GROUP == DIM:
+        row_scales = scale_ptr + expert * (2 * FFN) + rows  # [BLOCK_N]: one a row
+        g *= tl.load(row_scales, mask=row_ok, other=0).to(tl.float32)
+        u *= tl.load(row_scales + FFN, mask=row_ok, other=0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + pair * FFN + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -134,7 +144,9 @@ def _down(
     row_ok = rows < DIM
     row_len: tl.constexpr = FFN // 2 if PACKED else FFN
     groups: tl.constexpr = FFN // GROUP if GROUP > 0 else 1
+    tile_group: tl.constexpr = 0 if GROUP == FFN else GROUP  # (as in `_gate_up`)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # every choice's, weighted
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)  # a scale a row: each choice's sum, scaled
     for choice in range(TOP_K):
         pair = token * TOP_K + choice
         expert = tl.load(experts_ptr + pair).to(tl.int64)
@@ -147,8 +159,13 @@ def _down(
             # the weight applied to h's BLOCK_K values, not to the BLOCK_N · BLOCK_K products
             h = tl.load(h_ptr + pair * FFN + cols, mask=col_ok, other=0).to(tl.float32) * weight
             ok = row_ok[:, None] & col_ok[None, :]
-            acc += _weights(w_rows, w_scales, cols, ok, PACKED, GROUP) * h[None, :]
-    out = tl.sum(acc, axis=1)
+            acc += _weights(w_rows, w_scales, cols, ok, PACKED, GROUP > 0, tile_group) * h[None, :]
+        if GROUP == FFN:
+            scale = tl.load(scale_ptr + expert * DIM + rows, mask=row_ok, other=0)
+            out += tl.sum(acc, axis=1) * scale.to(tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GROUP != FFN:
+        out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * DIM + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
