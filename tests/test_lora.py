@@ -374,3 +374,11 @@ def test_nf4_bases_shard_only_in_whole_scale_groups():
         ConfigError, match=r"layers\.0\.attention\.wq\.weight \(64, 64\) does not split"
     ):
         lora.nf4_placeholders(narrow, num_shards=2)
+
+
+def test_a_target_that_names_no_module_is_refused_not_skipped():
+    """A dense model has no router: "router" beside real targets is an error naming it."""
+    model = build_model(small_args(), seed=0)
+    with pytest.raises(ConfigError, match=r"LoRA target\(s\) router name no module .* q, v\)"):
+        lora.apply_lora(model, targets=["q", "v", "router"], rank=4, alpha=8.0)
+    assert not lora.lora_modules(model)  # nothing was swapped

@@ -556,6 +556,14 @@ def apply_lora(
         swaps.append((parent, attribute))
     if not swaps:
         raise ConfigError(f"no linear layer of the model matches the LoRA targets {list(targets)}")
+    matched = {attribute for _, attribute in swaps}
+    unmatched = [t for t in targets if TARGET_MODULES[t] not in matched]
+    if unmatched:  # rather than adapt the others and leave these unsaid
+        found = ", ".join(t for t in targets if t not in unmatched)
+        raise ConfigError(
+            f"LoRA target(s) {', '.join(unmatched)} name no module of this model (of the "
+            f"targets, it has {found}); drop them from lora.targets"
+        )
     for parent, attribute in swaps:
         base = getattr(parent, attribute)
         if isinstance(base, moe.Experts):
