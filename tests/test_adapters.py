@@ -124,3 +124,31 @@ def test_loading_and_unloading_and_what_is_refused(world, tmp_path):
         fused.engine.load_adapter("x", root / "attn")
     with pytest.raises(ConfigError, match="already fused"):
         Generator(fused.engine.model, max_batch=1, max_seq_len=32, max_adapters=1)
+
+
+def test_generate_runs_an_adapter_unmerged_as_merged(tmp_path, capsys):
+    """`lmforge generate ART --lora DIR` (a pipeline's generate stage: lora = ...) prints
+    what the adapter merged into the artifact prints."""
+    import lmforge
+    from lmforge import cli
+    from lmforge.api import LoadedModel
+    from tests.test_serve import make_artifact
+
+    (tmp_path / "model").mkdir()
+    artifact = make_artifact(tmp_path / "model")
+    loaded = lmforge.load(artifact)
+    merged = make_adapter(loaded.model, tmp_path / "adapter", targets=["q", "v", "up"], rank=4,
+                          seed=3, std=0.5)  # fmt: skip
+    merged_dir = lmforge.save(
+        LoadedModel(model=merged, tokenizer=loaded.tokenizer, config=loaded.config, source="m"),
+        tmp_path / "merged",
+    )
+    argv = ["--prompt", "The cat sat", "--temperature", "0", "--max-new-tokens", "8"]
+    outputs = []
+    for command in (["generate", str(merged_dir)], ["generate", str(artifact), "--lora",
+                                                     str(tmp_path / "adapter")]):  # fmt: skip
+        assert cli.main([*command, *argv]) == 0
+        outputs.append(capsys.readouterr().out.split("\n[1]")[0])
+    assert outputs[0] == outputs[1] and "=== The cat sat" in outputs[0]
+    assert cli.main(["generate", str(artifact), *argv]) == 0
+    assert capsys.readouterr().out.split("\n[1]")[0] != outputs[0]  # the adapter mattered

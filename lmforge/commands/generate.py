@@ -96,6 +96,14 @@ def register(subparsers) -> None:
         parser, compile_help="torch.compile the decode step (default: on CUDA only)"
     )
     parser.add_argument(
+        "--lora",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run with this PEFT LoRA adapter (lmforge's LoRA output or PEFT's) beside the "
+        "artifact's weights, not merged into them",
+    )
+    parser.add_argument(
         "--max-batch", type=int, default=8, metavar="N", help="prompts decoded together (8)"
     )
     parser.add_argument(
@@ -123,6 +131,7 @@ _CONFIG_ARGUMENTS = {
     "seed": "--seed",
     "device": "--device",
     "dtype": "--dtype",
+    "lora": "--lora",
 }
 
 
@@ -189,6 +198,7 @@ def main(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from lmforge.generate import Generator, SamplingParams, parallel
     from lmforge.generate.sequence import encode_prompt
+    from lmforge.modules.lora import read_peft_config
     from lmforge.pipeline.kinds import GenerateStageSection
 
     apply_config_file(args, GenerateStageSection)
@@ -252,6 +262,11 @@ def _generate(args: argparse.Namespace) -> int:
             f"the longest prompt has {longest} tokens; --max-seq-len {max_seq_len} leaves no room "
             f"for new tokens (the model allows up to {model_args.max_seq_len})"
         )
+    adapter_rank = 0
+    if args.lora is not None:
+        if parallel.world_size() > 1:
+            raise ConfigError("--lora with tensor parallelism is not supported yet; merge it")
+        adapter_rank = read_peft_config(args.lora).rank  # (a bad directory: its error)
     generator = Generator(
         loaded.model,
         loaded.tokenizer,
@@ -259,7 +274,13 @@ def _generate(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         device=device,
         compile=args.compile,
+        max_adapters=int(args.lora is not None),
+        max_adapter_rank=max(adapter_rank, 1),
     )
+    adapter = None
+    if args.lora is not None:
+        adapter = "lora"
+        generator.engine.load_adapter(adapter, args.lora)
     print(
         f"loaded {args.artifact} on {device} ({generator.dtype}) in "
         f"{time.perf_counter() - start:.1f}s",
@@ -267,7 +288,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     warm_up(generator)
 
-    stream = generator.stream(prompt_ids, params, seed=parallel.shared_seed(args.seed))
+    seed = parallel.shared_seed(args.seed)
+    stream = generator.stream(prompt_ids, params, seed=seed, adapter=adapter)
     if len(prompts) == 1:  # print as it comes
         print(f"=== {_label(prompts[0])}")
         for events in stream:

@@ -197,12 +197,14 @@ class Generator:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         seed: int | None = None,
+        adapter: str | None = None,
     ) -> GenerationStream:
         """Generate for `prompts`, yielding one list of `TokenEvent`s per step.
 
         `params` is one `SamplingParams` for all prompts or one per prompt (default:
         `SamplingParams()`). `seed` makes sampling reproducible: prompt i draws from seed + i,
-        whatever else runs beside it.
+        whatever else runs beside it. `adapter`: a LoRA adapter the engine loaded
+        (`engine.load_adapter`) that every prompt runs with.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Mapping)
@@ -220,7 +222,13 @@ class Generator:
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
         sequences = [
-            self.engine.sequence(prompt, settings, index=i, seed=None if seed is None else seed + i)
+            self.engine.sequence(
+                prompt,
+                settings,
+                index=i,
+                seed=None if seed is None else seed + i,
+                adapter=adapter,
+            )
             for i, (prompt, settings) in enumerate(zip(prompts, params))
         ]
         stats = GenerationStats(
@@ -234,10 +242,11 @@ class Generator:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         seed: int | None = None,
+        adapter: str | None = None,
     ) -> GenerationOutput:
         """Generate for `prompts` to the end; returns the results (in prompt order) and the
         speed report."""
-        return self.stream(prompts, params, seed=seed).output()
+        return self.stream(prompts, params, seed=seed, adapter=adapter).output()
 
     def _run(
         self, sequences: list[EngineSequence], stats: GenerationStats

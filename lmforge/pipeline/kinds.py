@@ -151,6 +151,8 @@ class GenerateStageSection(Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Dtype | None = None
+    lora: str | None = None
+    """A PEFT LoRA adapter directory to run with, unmerged (`lmforge generate --lora`)."""
 
 
 class ExportStageSection(Section):
