@@ -91,6 +91,30 @@ def test_quantized_experts_read_in_the_kernels_equal_their_dequantized_loop(
         )
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_biased_experts_with_the_clamped_swiglu_equal_the_loop(tokens):
+    """gpt-oss's experts: each projection's bias and (up + 1)·gate·σ(1.702·gate), clamped at
+    7, in the kernels as in the loop (inputs scaled up so that the clamps bite)."""
+    x, w13, w2, weights, experts = routed(tokens, 48, 40, 5, 2, seed=tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    x = x * 8
+    biases = moe.ExpertBiases(
+        torch.randn(5, 80, generator=generator), torch.randn(5, 48, generator=generator),
+        moe.ClampedSwiGLU(alpha=1.702, limit=7.0),
+    )  # fmt: skip
+    got = moe_kernels.fused_experts(x, w13, w2, weights, experts, biases=biases)
+    want = moe.experts_loop(x, w13, w2, weights, experts, biases=biases)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    module = moe.BiasedExperts(48, 40, 5, biases.activation)
+    with torch.no_grad():
+        for name, value in (("w13", w13), ("w2", w2), ("b13", biases.b13), ("b2", biases.b2)):
+            getattr(module, name).copy_(value)
+    assert moe_kernels.use_fused_experts(module) == 1
+    assert type(module) is moe_kernels.FusedBiasedExperts
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-5, atol=1e-4)
+
+
 def test_repeated_experts_and_a_token_on_one_expert():
     """Every token choosing the same experts (each read once a pair), and tokens whose weights
     put everything, or nearly everything, on one of them."""
@@ -203,6 +227,38 @@ def test_the_engine_decodes_the_same_greedy_tokens_on_the_fused_path(monkeypatch
     assert set(calls) == {1, 2, 3}  # (each times the model's sparse blocks)
 
 
+def test_the_engine_decodes_gpt_oss_on_the_fused_path(monkeypatch):
+    """gpt-oss's biased experts in the fused kernels through the engine: the model's own
+    greedy tokens."""
+    from lmforge.generate import Generator, SamplingParams
+    from lmforge.models import get_preset
+
+    args = get_preset("gpt-oss-20b").replace(
+        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
+        num_experts=4, num_experts_per_tok=2, vocab_size=256, sliding_window=4, bos_id=None,
+        eos_id=None, max_seq_len=256,
+    )  # fmt: skip
+    model = build_model(args, dtype=torch.float32, seed=0)
+    with torch.no_grad():  # routers far from ties, biases away from zero
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * 0.3)
+            if name.endswith("router.weight"):
+                param.mul_(20.0)
+    reference = copy.deepcopy(model)
+    assert moe_kernels.use_fused_experts(model) == 2
+    calls = _counted(monkeypatch)
+    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
+    prompts = [[5, 17, 33, 2, 9], [7, 8, 9]]
+    outputs = [
+        [
+            r.token_ids
+            for r in Generator(m, max_batch=2, max_seq_len=64).generate(prompts, params).results
+        ]
+        for m in (reference, model)
+    ]
+    assert outputs[0] == outputs[1] and calls
+
+
 @pytest.mark.parametrize("scheme", ["int4-wo", "int8-wo"])
 def test_the_engine_decodes_a_quantized_moe_on_its_integers(tmp_path, monkeypatch, scheme):
     """A compressed-tensors artifact (`lmforge quantize --format compressed-tensors`): its
@@ -243,9 +299,10 @@ from lmforge.generate.kernels import moe
 target = GPUTarget("cuda", 90, 32)
 compiled = 0
 # (activations, weights, int4 two a byte, columns a scale covers: 0 none, -1 a row)
-KINDS = (("bf16", "bf16", False, 0), ("fp32", "fp32", False, 0), ("bf16", "i8", False, -1),
-         ("bf16", "u8", True, 128), ("bf16", "fp8e4nv", False, -1))
-for dtype, weights, packed, group in KINDS:
+KINDS = (("bf16", "bf16", False, 0, False), ("fp32", "fp32", False, 0, False),
+         ("bf16", "i8", False, -1, False), ("bf16", "u8", True, 128, False),
+         ("bf16", "fp8e4nv", False, -1, False), ("bf16", "bf16", False, 0, True))  # last: gpt-oss
+for dtype, weights, packed, group, biased in KINDS:
     for kernel, (block_n, block_k, warps), cols in ((moe._gate_up, moe.GATE_UP_TILE, 2048),
                                                     (moe._down, moe.DOWN_TILE, 768)):
         signature = {name: "*" + dtype for name in kernel.arg_names if name.endswith("_ptr")}
@@ -253,7 +310,10 @@ for dtype, weights, packed, group in KINDS:
         signature |= {name: "*" + weights for name in ("w13_ptr", "w2_ptr")}
         # Qwen3-30B-A3B's shapes
         constants = {"DIM": 2048, "FFN": 768, "TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                     "PACKED": packed, "GROUP": cols if group == -1 else group}
+                     "PACKED": packed, "GROUP": cols if group == -1 else group,
+                     "HAS_BIAS": biased}
+        if kernel is moe._gate_up:
+            constants |= {"LIMIT": 7.0 if biased else 0.0, "ALPHA": 1.702 if biased else 0.0}
         signature |= {name: "constexpr" for name in constants}
         signature = {name: signature[name] for name in kernel.arg_names}
         source = ASTSource(kernel, signature, constexprs=constants)
@@ -286,7 +346,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 12" in done.stdout
+    assert "compiled 14" in done.stdout
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["normalized", "softmax"])

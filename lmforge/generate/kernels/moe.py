@@ -81,6 +81,7 @@ def _gate_up(
     x_ptr,  # [tokens, DIM]
     w13_ptr,  # [E, 2 * FFN, DIM]: each expert's gate rows, then its up rows (PACKED: DIM / 2)
     scale_ptr,  # [E, 2 * FFN, DIM / GROUP]: the weights' scales (GROUP 0: none, unread)
+    bias_ptr,  # [E, 2 * FFN]: gate then up biases (HAS_BIAS; else unread)
     experts_ptr,  # [tokens * TOP_K] int64: pair p = t * TOP_K + s chose expert experts[p]
     h_ptr,  # [tokens * TOP_K, FFN] out, x's dtype: silu(gate) * up of each pair
     DIM: tl.constexpr,
@@ -88,6 +89,9 @@ def _gate_up(
     TOP_K: tl.constexpr,
     PACKED: tl.constexpr,
     GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,  # > 0: gpt-oss's clamped SwiGLU, (up + 1)·gate·σ(ALPHA·gate)
+    ALPHA: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -119,7 +123,16 @@ def _gate_up(
         row_scales = scale_ptr + expert * (2 * FFN) + rows  # [BLOCK_N]: one a row
         g *= tl.load(row_scales, mask=row_ok, other=0).to(tl.float32)
         u *= tl.load(row_scales + FFN, mask=row_ok, other=0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u
+    if HAS_BIAS:
+        biases = bias_ptr + expert * (2 * FFN) + rows
+        g += tl.load(biases, mask=row_ok, other=0).to(tl.float32)
+        u += tl.load(biases + FFN, mask=row_ok, other=0).to(tl.float32)
+    if LIMIT > 0:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        h = (u + 1) * g * tl.sigmoid(g * ALPHA)
+    else:
+        h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + pair * FFN + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -128,6 +141,7 @@ def _down(
     h_ptr,  # [tokens * TOP_K, FFN]
     w2_ptr,  # [E, DIM, FFN] (PACKED: FFN / 2)
     scale_ptr,  # [E, DIM, FFN / GROUP] (GROUP 0: none, unread)
+    bias_ptr,  # [E, DIM] (HAS_BIAS; else unread)
     weights_ptr,  # [tokens * TOP_K]: the router's weight of each pair
     experts_ptr,  # [tokens * TOP_K] int64
     out_ptr,  # [tokens, DIM]
@@ -136,6 +150,7 @@ def _down(
     TOP_K: tl.constexpr,
     PACKED: tl.constexpr,
     GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -147,10 +162,14 @@ def _down(
     tile_group: tl.constexpr = 0 if GROUP == FFN else GROUP  # (as in `_gate_up`)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # every choice's, weighted
     out = tl.zeros([BLOCK_N], dtype=tl.float32)  # a scale a row: each choice's sum, scaled
+    biased = tl.zeros([BLOCK_N], dtype=tl.float32)  # HAS_BIAS: the choices' biases, weighted
     for choice in range(TOP_K):
         pair = token * TOP_K + choice
         expert = tl.load(experts_ptr + pair).to(tl.int64)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * DIM + rows, mask=row_ok, other=0)
+            biased += weight * bias.to(tl.float32)
         w_rows = w2_ptr + expert * (DIM * row_len) + rows[:, None] * row_len  # [BLOCK_N, 1]
         w_scales = scale_ptr + expert * (DIM * groups) + rows[:, None] * groups
         for k0 in range(0, FFN, BLOCK_K):
@@ -166,6 +185,8 @@ def _down(
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if GROUP != FFN:
         out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += biased
     tl.store(out_ptr + token * DIM + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -186,14 +207,16 @@ def fused_experts(
     experts: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    biases: moe.ExpertBiases | None = None,
 ) -> torch.Tensor:
     """`moe.experts_loop(x, w13, w2, weights, experts)` in two kernels that read only the
     chosen experts' rows: x [tokens, dim], w13 [E, 2I, dim], w2 [E, dim, I], weights and
     experts [tokens, k] -> [tokens, dim] in x's dtype (fp32 sums, h = silu(gate)·up rounded to
     x's dtype between the two). With scales (`moe.QuantizedExperts`' layout: int8, float8 or
     int4 two a byte, w13_scale [E, 2I, groups], w2_scale [E, dim, groups]) the weights are
-    read quantized and scaled in the kernels. Any number of tokens; `routed_experts` says when
-    it is worth it. CUDA, or Triton's interpreter."""
+    read quantized and scaled in the kernels. `biases` (gpt-oss): each projection's bias and
+    the clamped SwiGLU (`moe.ClampedSwiGLU`) in the kernels too. Any number of tokens;
+    `routed_experts` says when it is worth it. CUDA, or Triton's interpreter."""
     tokens, dim = x.shape
     packed = w13.dtype == torch.uint8  # int4, two a byte: the last dimension halved
     ffn = w2.shape[2] * (2 if packed else 1)
@@ -208,17 +231,30 @@ def fused_experts(
     scales13, group13 = _scales(w13_scale, dim, w13)
     scales2, group2 = _scales(w2_scale, ffn, w2)
     hidden = x.new_empty(tokens * top_k, ffn)  # [tokens * k, I]: pair p = t * k + s
+    b13, b2 = (x, x) if biases is None else (biases.b13.contiguous(), biases.b2.contiguous())
+    limit, alpha = _activation(biases)
     block_n, block_k, warps = _tile(GATE_UP_TILE, dim)
     _gate_up[(tokens * top_k, triton.cdiv(ffn, block_n))](
-        x, w13, scales13, experts, hidden, DIM=dim, FFN=ffn, TOP_K=top_k, PACKED=packed,
-        GROUP=group13, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        x, w13, scales13, b13, experts, hidden, DIM=dim, FFN=ffn, TOP_K=top_k, PACKED=packed,
+        GROUP=group13, HAS_BIAS=biases is not None, LIMIT=limit, ALPHA=alpha, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     block_n, block_k, warps = _tile(DOWN_TILE, ffn)
     _down[(tokens, triton.cdiv(dim, block_n))](
-        hidden, w2, scales2, weights, experts, out, DIM=dim, FFN=ffn, TOP_K=top_k,
-        PACKED=packed, GROUP=group2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        hidden, w2, scales2, b2, weights, experts, out, DIM=dim, FFN=ffn, TOP_K=top_k,
+        PACKED=packed, GROUP=group2, HAS_BIAS=biases is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return out
+
+
+def _activation(biases: moe.ExpertBiases | None) -> tuple[float, float]:
+    """The kernels' (LIMIT, ALPHA): gpt-oss's clamped SwiGLU's, (0, 0) for plain SwiGLU."""
+    activation = None if biases is None else biases.activation
+    if isinstance(activation, moe.ClampedSwiGLU):
+        return float(activation.limit), float(activation.alpha)
+    assert activation in (None, moe._swiglu), activation
+    return 0.0, 0.0
 
 
 def _scales(scale: torch.Tensor | None, cols: int, weight: torch.Tensor):
@@ -323,23 +359,33 @@ def routed_experts(
     grouped: bool | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 0.0,
 ) -> torch.Tensor:
     """x [tokens, dim] through its chosen experts -> [tokens, dim]: `fused_experts` where
     `fused_fits`, else `moe.expert_outputs` (`grouped` as there; quantized experts, with their
-    scales, dequantized first). An opaque op to torch.compile: the engine compiles one decode
+    scales, dequantized first; with biases `b13`, `b2`, and `limit` > 0 gpt-oss's clamped
+    SwiGLU of `alpha`). An opaque op to torch.compile: the engine compiles one decode
     step for every batch bucket above 1 (a dynamic batch dimension), and a branch on the token
     count in the traced code would be a guard that dimension's range refuses; here the count
     is an int, read at run time."""
+    biases = None
+    if b13 is not None:
+        activation = moe.ClampedSwiGLU(alpha, limit) if limit > 0 else moe._swiglu
+        biases = moe.ExpertBiases(b13, b2, activation)
     dtype = w13.dtype if w13_scale is None else w13_scale.dtype
     if fused_fits(x, dtype, experts):
-        return fused_experts(x, w13, w2, weights, experts, w13_scale, w2_scale)
+        return fused_experts(x, w13, w2, weights, experts, w13_scale, w2_scale, biases)
     if w13_scale is not None:
         w13, w2 = moe.dequantize(w13, w13_scale), moe.dequantize(w2, w2_scale)
-    return moe.expert_outputs(x, w13, w2, weights, experts, grouped=grouped)
+    return moe.expert_outputs(x, w13, w2, weights, experts, grouped=grouped, biases=biases)
 
 
 @routed_experts.register_fake
-def _(x, w13, w2, weights, experts, grouped=None, w13_scale=None, w2_scale=None):
+def _(x, w13, w2, weights, experts, grouped=None, w13_scale=None, w2_scale=None, b13=None,
+      b2=None, limit=0.0, alpha=0.0):  # fmt: skip
     return torch.empty_like(x)
 
 
@@ -368,6 +414,21 @@ class FusedQuantizedExperts(moe.QuantizedExperts):
         )
 
 
+class FusedBiasedExperts(moe.BiasedExperts):
+    """`moe.BiasedExperts` (gpt-oss's) whose forward without autograd goes through
+    `routed_experts` with the biases and the clamped SwiGLU: the fused kernels for a few
+    tokens, as for `FusedExperts`."""
+
+    def forward(self, x, weights, experts) -> torch.Tensor:
+        if not _inference_kernels(x):
+            return super().forward(x, weights, experts)
+        limit, alpha = _activation(moe.ExpertBiases(self.b13, self.b2, self.activation))
+        return routed_experts(
+            x, self.w13, self.w2, weights, experts, self.grouped, None, None, self.b13, self.b2,
+            limit, alpha,
+        )  # fmt: skip
+
+
 class FusedRouting(moe.MoEFeedForward):
     """A sparse MLP whose routing without autograd, on CUDA or under the interpreter, is one
     kernel for a few tokens (`route`); installed by `use_fused_experts`."""
@@ -384,8 +445,10 @@ def _inference_kernels(x: torch.Tensor) -> bool:
 
 
 def use_fused_experts(model: nn.Module) -> int:
-    """Make every `moe.Experts` of `model` over plain weights a `FusedExperts`, and every sparse
-    MLP a `FusedRouting`; returns how many experts were swapped. Passed by: LoRA's experts
+    """Make every `moe.Experts` of `model` over plain weights a `FusedExperts` (gpt-oss's
+    `moe.BiasedExperts` a `FusedBiasedExperts`, a quantized artifact's `moe.QuantizedExperts` a
+    `FusedQuantizedExperts`), and every softmax-top-k sparse MLP a `FusedRouting`; returns how
+    many experts were swapped. Passed by: LoRA's experts
     (`LoRAExperts`, another class: their adapters run in the model's paths), expert
     parallelism's (a class of its own, DTensor weights) and modules with hooks."""
     swapped = 0
@@ -396,8 +459,15 @@ def use_fused_experts(model: nn.Module) -> int:
             and not hooked
             and all(type(p.data) is torch.Tensor for p in (module.w13, module.w2))
         )
-        if plain or (type(module) is moe.QuantizedExperts and not hooked):
-            module.__class__ = FusedExperts if plain else FusedQuantizedExperts
+        biased = (
+            type(module) is moe.BiasedExperts
+            and not hooked
+            and all(type(p.data) is torch.Tensor for p in module.parameters())
+        )
+        if plain or biased or (type(module) is moe.QuantizedExperts and not hooked):
+            module.__class__ = (
+                FusedExperts if plain else FusedBiasedExperts if biased else FusedQuantizedExperts
+            )
             swapped += 1
         elif type(module) is moe.MoEFeedForward and not module._forward_pre_hooks:
             module.__class__ = FusedRouting
