@@ -219,13 +219,18 @@ def test_lora_adapts_attention_and_refuses_the_experts():
         num_experts=4, num_experts_per_tok=2, vocab_size=97,
     )  # fmt: skip
     model = build_model(args)
-    with pytest.raises(ConfigError, match=r'gpt-oss.s experts .* lora.targets = \["q"'):
+    with pytest.raises(ConfigError, match=r'experts \(gpt-oss.s.* lora.targets = \["q"'):
         apply_lora(model, targets=["q", "v", "gate", "up", "down"], rank=4, alpha=8)
     apply_lora(model, targets=["q", "k", "v", "o", "router"], rank=4, alpha=8)
     model(torch.randint(0, 97, (2, 7))).sum().backward()
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     assert trained and all(".lora_" in n for n in trained)
     assert any("router" in n for n in trained) and any("attention.wo" in n for n in trained)
+    from lmforge import cli
+
+    plan = ["plan", "--model", "gpt-oss-20b", "--method", "lora", "--gpus", "1"]
+    assert cli.main(plan) == 2  # the planner refuses what the trainer would
+    assert cli.main([*plan, "--lora-targets", "q,k,v,o"]) == 0
 
 
 def test_quantize_refuses_the_stacked_experts_rather_than_skip_them(hf_gpt_oss, tmp_path, capsys):

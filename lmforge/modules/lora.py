@@ -160,6 +160,18 @@ def targets_for(targets, *, moe_model: bool) -> list[str]:
     return sorted(chosen, key=list(TARGET_MODULES).index)
 
 
+def refuse_expert_targets(args, targets) -> None:
+    """A ConfigError for MLP targets on a model whose experts take no adapters (gpt-oss's:
+    biased, the clamped SwiGLU; `ModelArgs.lora_on_experts`)."""
+    mlp = sorted(set(targets) & {"experts", *MLP_TARGETS})
+    if mlp and not getattr(args, "lora_on_experts", True):
+        raise ConfigError(
+            f"LoRA target(s) {', '.join(mlp)}: this model's experts (gpt-oss's: biased, the "
+            "clamped SwiGLU) take no adapters yet; adapt attention (and the router): "
+            'lora.targets = ["q", "k", "v", "o"]'
+        )
+
+
 def _nf4_tensor_type():
     """torchao's NF4Tensor class, or None when torchao was never imported (then no tensor can
     be one)."""
@@ -517,12 +529,7 @@ def apply_lora(
     problem = _targets_problem(targets)
     if problem:
         raise ConfigError(problem)
-    mlp = sorted(set(targets) & {"experts", *MLP_TARGETS})
-    if mlp and any(isinstance(m, moe.BiasedExperts) for m in model.modules()):
-        raise ConfigError(
-            f"LoRA target(s) {', '.join(mlp)}: gpt-oss's experts (biased, clamped SwiGLU) take no "
-            'adapters yet; adapt attention (and the router): lora.targets = ["q", "k", "v", "o"]'
-        )
+    refuse_expert_targets(getattr(model, "args", None), targets)
     targets = targets_for(
         targets, moe_model=any(isinstance(m, moe.Experts) for m in model.modules())
     )

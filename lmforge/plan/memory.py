@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 
 from lmforge.errors import ConfigError
 from lmforge.models import ModelArgs, family_of
-from lmforge.modules.lora import DEFAULT_TARGETS, TARGET_MODULES, targets_for
+from lmforge.modules.lora import (
+    DEFAULT_TARGETS,
+    TARGET_MODULES,
+    refuse_expert_targets,
+    targets_for,
+)
 
 GiB = 2**30
 TiB = 2**40
@@ -320,6 +325,7 @@ def check_setup(setup: Setup) -> None:
             f"LoRA targets {list(setup.lora_targets)}: allowed: {', '.join(TARGET_MODULES)}"
         )
     if setup.uses_lora:
+        refuse_expert_targets(setup.args, setup.lora_targets)
         setup.applied_targets  # noqa: B018 (raises ConfigError for a MoE's partial MLP targets)
     if setup.uses_lora and "output" in setup.lora_targets and setup.args.tie_embeddings:
         raise ConfigError(
