@@ -135,6 +135,15 @@ def _moe_layer(top_k: int = 2) -> moe.MoEFeedForward:
     return layer
 
 
+def _greedy_tokens(model, prompts) -> list[list[int]]:
+    """5 greedy tokens of each prompt through the engine (2 rows, 64 slots)."""
+    from lmforge.generate import Generator, SamplingParams
+
+    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
+    results = Generator(model, max_batch=2, max_seq_len=64).generate(prompts, params).results
+    return [r.token_ids for r in results]
+
+
 def _counted(monkeypatch) -> list[int]:
     """The token counts `fused_experts` is called with, from here on."""
     calls = []
@@ -205,7 +214,6 @@ def test_the_engine_decodes_the_same_greedy_tokens_on_the_fused_path(monkeypatch
     first two prompts' prefill (80 padded tokens, 160 pairs, above `FUSED_PAIRS`) takes the
     loop; their decode steps (2 rows), the third prompt's prefill (3 tokens, alone once a row
     is free) and its decode steps (1 row) take the fused kernels."""
-    from lmforge.generate import Generator, SamplingParams
 
     model = build_model(small_qwen3_moe_args(), dtype=torch.float32, seed=0)
     with torch.no_grad():  # routers far from ties between their k-th and (k+1)-th choice
@@ -214,15 +222,8 @@ def test_the_engine_decodes_the_same_greedy_tokens_on_the_fused_path(monkeypatch
     reference = copy.deepcopy(model)
     assert moe_kernels.use_fused_experts(model) == model.args.num_layers
     calls = _counted(monkeypatch)
-    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
     prompts = [[5, 17, 33, 2, 9], list(range(3, 43)), [7, 8, 9]]
-    outputs = [
-        [
-            r.token_ids
-            for r in Generator(m, max_batch=2, max_seq_len=64).generate(prompts, params).results
-        ]
-        for m in (reference, model)
-    ]
+    outputs = [_greedy_tokens(m, prompts) for m in (reference, model)]
     assert outputs[0] == outputs[1]
     assert set(calls) == {1, 2, 3}  # (each times the model's sparse blocks)
 
@@ -230,7 +231,6 @@ def test_the_engine_decodes_the_same_greedy_tokens_on_the_fused_path(monkeypatch
 def test_the_engine_decodes_gpt_oss_on_the_fused_path(monkeypatch):
     """gpt-oss's biased experts in the fused kernels through the engine: the model's own
     greedy tokens."""
-    from lmforge.generate import Generator, SamplingParams
     from lmforge.models import get_preset
 
     args = get_preset("gpt-oss-20b").replace(
@@ -247,15 +247,7 @@ def test_the_engine_decodes_gpt_oss_on_the_fused_path(monkeypatch):
     reference = copy.deepcopy(model)
     assert moe_kernels.use_fused_experts(model) == 2
     calls = _counted(monkeypatch)
-    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
-    prompts = [[5, 17, 33, 2, 9], [7, 8, 9]]
-    outputs = [
-        [
-            r.token_ids
-            for r in Generator(m, max_batch=2, max_seq_len=64).generate(prompts, params).results
-        ]
-        for m in (reference, model)
-    ]
+    outputs = [_greedy_tokens(m, [[5, 17, 33, 2, 9], [7, 8, 9]]) for m in (reference, model)]
     assert outputs[0] == outputs[1] and calls
 
 
@@ -266,7 +258,6 @@ def test_the_engine_decodes_a_quantized_moe_on_its_integers(tmp_path, monkeypatc
     giving the greedy tokens of the model's own (dequantizing) path."""
     import lmforge
     from lmforge import cli
-    from lmforge.generate import Generator, SamplingParams
     from tests.test_qwen3_moe import make_hf_qwen3_moe
 
     make_hf_qwen3_moe(tmp_path / "m", seed=4, hidden_size=64, moe_intermediate_size=32)
@@ -277,15 +268,7 @@ def test_the_engine_decodes_a_quantized_moe_on_its_integers(tmp_path, monkeypatc
     reference = copy.deepcopy(model)
     assert moe_kernels.use_fused_experts(model) == 2  # the sparse layers (one is dense)
     calls = _counted(monkeypatch)
-    params = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
-    prompts = [[5, 17, 33, 2, 9], [7, 8, 9]]
-    outputs = [
-        [
-            r.token_ids
-            for r in Generator(m, max_batch=2, max_seq_len=64).generate(prompts, params).results
-        ]
-        for m in (reference, model)
-    ]
+    outputs = [_greedy_tokens(m, [[5, 17, 33, 2, 9], [7, 8, 9]]) for m in (reference, model)]
     assert outputs[0] == outputs[1]
     assert calls
 

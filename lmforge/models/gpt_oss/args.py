@@ -87,12 +87,9 @@ class ModelArgs(LlamaArgs):
             )
 
     def _check_head_dim(self) -> None:
-        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool):
-            raise ConfigError(f"model head_dim={self.head_dim!r} must be an integer")
-        if self.head_dim <= 0:
-            raise ConfigError(f"model head_dim={self.head_dim} must be > 0")
-        if self.rope_scaling is not None:
-            raise ConfigError("gpt-oss takes YaRN scaling (yarn), not Llama 3's rope_scaling")
+        self._check_head_dim_field(
+            scaling="gpt-oss takes YaRN scaling (yarn), not Llama 3's rope_scaling"
+        )
 
     @property
     def attention_types(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.gpt_oss.args import ModelArgs
-from lmforge.models.llama.model import Attention, apply_rope, rope_cos_sin
+from lmforge.models.llama.model import Attention, rope_cos_sin
 from lmforge.models.llama.model import Transformer as LlamaTransformer
 from lmforge.models.moe import BiasedExperts, ClampedSwiGLU, MoEFeedForward, SparseModel
 
@@ -73,32 +73,25 @@ class SinkAttention(Attention):
         self.window = window
         self.sinks = nn.Parameter(torch.empty(args.num_heads))
 
-    def attend(self, q, k, v, cos, sin, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        batch, seq, _ = q.shape
-        q = q.view(batch, seq, -1, self.head_dim)  # [b, s, heads, hd]
-        k = k.view(batch, seq, -1, self.head_dim)
-        v = v.view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)  # [b, kv_heads, cache_len, hd]
+    def scores(self, q, k, v, attn_mask=None) -> torch.Tensor:
+        """Llama's `scores` with the window and the sinks (q [b, heads, s, hd], k and v [b,
+        kv_heads, keys, hd])."""
+        batch, heads, seq, _ = q.shape
         allowed = attn_mask
         if allowed is None:  # causal; the queries are the last `seq` of the keys
             keys = k.shape[2]
             allowed = torch.ones(seq, keys, dtype=torch.bool, device=q.device).tril(keys - seq)
         if self.window is not None:
             allowed = within_window(allowed, self.window)
-        heads = q.shape[1]
         sink_key = k.new_zeros(*k.shape[:2], 1, self.head_dim)  # [b, kv_heads, 1, hd]
         k, v = torch.cat([k, sink_key], dim=2), torch.cat([v, sink_key], dim=2)
         scores = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
         scores = scores.masked_fill(~allowed, float("-inf")).expand(batch, heads, seq, -1)
         sink = self.sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
         mask = torch.cat([scores, sink], dim=-1)  # [b, heads, s, keys + 1]
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.num_groups > 1
         )
-        return out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
 
     def init_weights(self, std: float, out_std: float) -> None:
         super().init_weights(std, out_std)

@@ -67,6 +67,16 @@ class ModelArgs:
             if not getattr(self, name) > 0:  # 0 or less: NaN at the first step
                 raise ConfigError(f"model {name}={getattr(self, name)} must be > 0")
 
+    def _check_head_dim_field(self, *, scaling: str) -> None:
+        """For a family whose head_dim is a field (Qwen3, gpt-oss): an integer > 0, and no
+        Llama 3 rope_scaling (`scaling`: what the family takes instead, for the message)."""
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool):
+            raise ConfigError(f"model head_dim={self.head_dim!r} must be an integer")
+        if self.head_dim <= 0:
+            raise ConfigError(f"model head_dim={self.head_dim} must be > 0")
+        if self.rope_scaling is not None:
+            raise ConfigError(scaling)
+
     def _check_head_dim(self) -> None:
         if self.dim % self.num_heads:
             raise ConfigError(

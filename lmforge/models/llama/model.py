@@ -192,13 +192,17 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # [b, kv_heads, cache_len, hd]
+        out = self.scores(q, k, v, attn_mask)
+        return out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
+
+    def scores(self, q, k, v, attn_mask=None) -> torch.Tensor:
+        """q [b, heads, s, hd], k and v [b, kv_heads, keys, hd] -> [b, heads, s, hd]: causal,
+        or as `attn_mask` allows (a family with other attention overrides this)."""
         # enable_gqa: each kv head serves its group of query heads without being copied.
         gqa = self.num_groups > 1
         if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(batch, seq, -1)  # [b, s, heads * hd]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lmforge.errors import ConfigError
 from lmforge.models.llama.args import ModelArgs as LlamaArgs
 
 QWEN3_VOCAB_SIZE = 151936
@@ -34,12 +33,7 @@ class ModelArgs(LlamaArgs):
     eos_id: int | list[int] | None = 151645  # <|im_end|>
 
     def _check_head_dim(self) -> None:
-        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool):
-            raise ConfigError(f"model head_dim={self.head_dim!r} must be an integer")
-        if self.head_dim <= 0:
-            raise ConfigError(f"model head_dim={self.head_dim} must be > 0")
-        if self.rope_scaling is not None:
-            raise ConfigError("Qwen3 takes no rope_scaling (only the default RoPE)")
+        self._check_head_dim_field(scaling="Qwen3 takes no rope_scaling (only the default RoPE)")
 
     def layer_norm_params(self) -> int:
         """The attention and MLP norms plus the query and key head norms."""
