@@ -207,30 +207,64 @@ def test_pretrain_from_the_preset_and_plan_it(tmp_path):
         models.family_of(loaded.config).tp_plan(sequence_parallel=True)  # training's
 
 
-def test_lora_adapts_attention_and_refuses_the_experts():
-    """LoRA on gpt-oss: attention's biased projections and the router take adapters; the
-    experts (biases, clamped SwiGLU) are refused in one line naming the targets to use."""
-    from lmforge.api import build_model
-    from lmforge.errors import ConfigError
-    from lmforge.modules.lora import apply_lora
+def test_lora_on_the_experts_equals_peft_both_ways(hf_gpt_oss, tmp_path):
+    """LoRA on gpt-oss's biased experts (and attention and the router): our adapter loads in
+    PEFT onto transformers' model (target_parameters on its transposed, interleaved stacks)
+    with equal logits, merged too; PEFT's own loads into ours; gradients reach every adapter,
+    none the frozen biases; the planner takes the default targets."""
+    from safetensors.torch import load_file
 
-    args = models.get_preset("gpt-oss-20b").replace(
-        dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
-        num_experts=4, num_experts_per_tok=2, vocab_size=97,
-    )  # fmt: skip
-    model = build_model(args)
-    with pytest.raises(ConfigError, match=r'experts \(gpt-oss.s.* lora.targets = \["q"'):
-        apply_lora(model, targets=["q", "v", "gate", "up", "down"], rank=4, alpha=8)
-    apply_lora(model, targets=["q", "k", "v", "o", "router"], rank=4, alpha=8)
-    model(torch.randint(0, 97, (2, 7))).sum().backward()
-    trained = {n for n, p in model.named_parameters() if p.grad is not None}
-    assert trained and all(".lora_" in n for n in trained)
-    assert any("router" in n for n in trained) and any("attention.wo" in n for n in trained)
     from lmforge import cli
+    from lmforge.modules import lora
+    from tests.test_moe_lora import perturb_adapters
 
-    plan = ["plan", "--model", "gpt-oss-20b", "--method", "lora", "--gpus", "1"]
-    assert cli.main(plan) == 2  # the planner refuses what the trainer would
-    assert cli.main([*plan, "--lora-targets", "q,k,v,o"]) == 0
+    peft = pytest.importorskip("peft")
+    directory, hf_model = hf_gpt_oss
+    loaded = lmforge.load(directory)
+    cfg = lora.LoRASection(enabled=True, rank=3, alpha=6, targets=["q", "o", "experts", "router"])
+    lora.apply_lora(loaded.model, targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha)
+    perturb_adapters(loaded.model, std=0.05)
+    tokens = _tokens(seed=3)
+    loaded.model(tokens).square().mean().backward()
+    trained = {n for n, p in loaded.model.named_parameters() if p.grad is not None}
+    assert any("experts.lora_b.w13" in n for n in trained)
+    assert all(".lora_" in n for n in trained)  # the experts' biases stay frozen
+    adapter = lora.save_peft_adapter(
+        loaded.model, loaded.config, tmp_path / "ours", base_model=str(directory), lora_cfg=cfg
+    )
+    stored = load_file(adapter / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0.mlp.experts"
+    assert stored[f"{prefix}.base_layer.lora_B.weight"].shape == (2 * 40, 3 * 5)  # gate_up
+    with torch.no_grad():
+        ours = loaded.model(tokens)
+        assert (ours - hf_model(tokens).logits).abs().max() > 1e-3  # the adapters matter
+        peft_model = peft.PeftModel.from_pretrained(hf_model, adapter).eval()
+        torch.testing.assert_close(peft_model(tokens).logits, ours, atol=2e-5, rtol=0)
+        hf_model = peft_model.unload()  # the fixture's model, unadapted again
+        again = lmforge.load(directory)
+        lora.load_peft_adapter(again.model, adapter)
+        torch.testing.assert_close(again.model(tokens), ours, atol=1e-6, rtol=0)
+        lora.merge_lora(again.model)
+        experts = again.model.layers["1"].feed_forward.experts
+        assert type(experts).__name__ == "BiasedExperts" and not lora.lora_modules(again.model)
+        torch.testing.assert_close(again.model(tokens), ours, atol=1e-5, rtol=0)
+
+    theirs = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(directory),
+        peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["k_proj"], task_type="CAUSAL_LM",
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )  # fmt: skip
+    perturb_adapters(theirs, seed=4, std=0.1)
+    theirs.save_pretrained(tmp_path / "theirs")
+    mine = lmforge.load(directory)
+    assert lora.load_peft_adapter(mine.model, tmp_path / "theirs").targets == ["k", "experts"]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            mine.model(tokens), theirs.eval()(tokens).logits, atol=2e-5, rtol=0
+        )
+    assert cli.main(["plan", "--model", "gpt-oss-20b", "--method", "lora", "--gpus", "1"]) == 0
 
 
 def test_quantize_refuses_the_stacked_experts_rather_than_skip_them(hf_gpt_oss, tmp_path, capsys):

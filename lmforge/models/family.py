@@ -56,6 +56,9 @@ class Family:
     hf_merge(hf_state, path) / hf_split(hf_state): for formats that store one of our tensors
         as several (a MoE's per-expert weights): many HF tensors made one before the key map,
         and one split back after it on save. None (dense families): names map one to one.
+    hf_output_rows(name, rows, inverse=False): the rows of our weight `name`'s outputs (dim 0)
+        in the order transformers keeps them (gpt-oss interleaves its experts' gate and up),
+        for a LoRA factor B saved in PEFT's layout; `inverse`: back. None: the same order.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Family:
     tp_plan: Callable[..., dict]
     hf_merge: Callable[[dict, Path], dict] | None = None
     hf_split: Callable[[dict], dict] | None = None
+    hf_output_rows: Callable[..., torch.Tensor] | None = None
 
     def hf_state_dict_to_ours(
         self, hf_state: dict[str, torch.Tensor], path: Path

@@ -308,8 +308,8 @@ class Experts(nn.Module):
 class BiasedExperts(nn.Module):
     """`Experts` with a bias on each projection and their own activation (gpt-oss): w13 [E,
     2·ffn_dim, dim] (gate rows then up rows), b13 [E, 2·ffn_dim], w2 [E, dim, ffn_dim], b2 [E,
-    dim]. A class of its own, not an `Experts`: LoRA's expert adapters, expert parallelism and
-    the engine's fused kernels take plain SwiGLU experts only."""
+    dim]. A class of its own, not an `Experts`: expert parallelism and the engine's plain fused
+    kernels take SwiGLU experts only (LoRA's adapters take both: `is_experts`)."""
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, activation: Callable) -> None:
         super().__init__()
@@ -320,16 +320,23 @@ class BiasedExperts(nn.Module):
         self.activation = activation
         self.grouped: bool | None = None  # `expert_outputs`'s choice; None: by device
 
+    def biases(self) -> ExpertBiases:
+        return ExpertBiases(self.b13, self.b2, self.activation)
+
     def forward(self, x, weights, experts) -> torch.Tensor:
-        biases = ExpertBiases(self.b13, self.b2, self.activation)
         return expert_outputs(
-            x, self.w13, self.w2, weights, experts, grouped=self.grouped, biases=biases
+            x, self.w13, self.w2, weights, experts, grouped=self.grouped, biases=self.biases()
         )
 
     def init_weights(self, std: float, out_std: float) -> None:
         Experts.init_weights(self, std, out_std)
         nn.init.zeros_(self.b13)
         nn.init.zeros_(self.b2)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether `module` is a MoE's trainable stacked experts (plain or biased)."""
+    return isinstance(module, (Experts, BiasedExperts))
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

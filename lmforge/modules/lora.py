@@ -12,8 +12,8 @@ QLoRA (Dettmers et al., 2023, https://arxiv.org/abs/2305.14314) stores the froze
 4-bit NormalFloat with double-quantized scales (torchao's `NF4Tensor`; `quantize_base_nf4`)
 while the adapters train in bf16/fp32.
 
-Mixture-of-Experts models: target "experts" swaps each stacked `Experts` (models/moe.py) for a
-`LoRAExperts`, with per-expert adapters of both projections, A [E, rank, in] and B [E, out, rank],
+Mixture-of-Experts models: target "experts" swaps each stacked `Experts` (models/moe.py; gpt-oss's
+`BiasedExperts` with their frozen biases) for a `LoRAExperts`, with per-expert adapters of both projections, A [E, rank, in] and B [E, out, rank],
 run inside the expert computation (models/moe.py's `ExpertAdapters`: per expert in the loop path,
 as extra grouped products in the grouped one); target "router" makes the router a `LoRALinear`
 (frozen by default, like every base weight).
@@ -25,7 +25,9 @@ ours onto transformers' model and ours loads PEFT's LoRA adapters for Llama. Exp
 are not `nn.Linear`s in transformers: PEFT adapts them through `target_parameters`
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, `mlp.gate.weight`; its `ParamWrapper`):
 lora_A [rank·E, in] expert-major rows, lora_B [out, rank·E] rank-major columns, and two wrapped
-parameters of one module nested (the first one, gate_up_proj, under `base_layer.`). PEFT allows
+parameters of one module nested (the first one, gate_up_proj, under `base_layer.`); lora_B's
+rows follow transformers' output order (gpt-oss's gate and up alternate: the family's
+`hf_output_rows`), and PEFT reads gpt-oss's transposed stacks by their `is_transposed`. PEFT allows
 no dropout there, so neither does lmforge on those targets. What PEFT cannot load is refused when
 the adapters are applied: gate / up / down on the dense MLP layers of a MoE model (PEFT on
 transformers 5 rewrites those target_modules into the experts' parameters), and one expert
@@ -43,9 +45,10 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -89,6 +92,7 @@ HF_TARGET_PARAMETERS = {
     "experts": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     "router": ("mlp.gate.weight",),
 }
+HF_PARAMETER_ALIASES = {"mlp.router.weight": "mlp.gate.weight"}  # gpt-oss's router
 PARAMETER_TARGETS = tuple(HF_TARGET_PARAMETERS)
 DEFAULT_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -158,18 +162,6 @@ def targets_for(targets, *, moe_model: bool) -> list[str]:
         )
     chosen = {t for t in targets if t not in MLP_TARGETS} | {"experts"}
     return sorted(chosen, key=list(TARGET_MODULES).index)
-
-
-def refuse_expert_targets(args, targets) -> None:
-    """A ConfigError for MLP targets on a model whose experts take no adapters (gpt-oss's:
-    biased, the clamped SwiGLU; `ModelArgs.lora_on_experts`)."""
-    mlp = sorted(set(targets) & {"experts", *MLP_TARGETS})
-    if mlp and not getattr(args, "lora_on_experts", True):
-        raise ConfigError(
-            f"LoRA target(s) {', '.join(mlp)}: this model's experts (gpt-oss's: biased, the "
-            "clamped SwiGLU) take no adapters yet; adapt attention (and the router): "
-            'lora.targets = ["q", "k", "v", "o"]'
-        )
 
 
 def _nf4_tensor_type():
@@ -314,8 +306,9 @@ def _to_nf4(
 
 
 class LoRAExperts(nn.Module):
-    """A MoE's stacked experts (models/moe.py's `Experts`), frozen, plus a trainable low-rank
-    update per expert and projection (Hu et al., 2021):
+    """A MoE's stacked experts (models/moe.py's `Experts`, or `BiasedExperts` with their biases
+    and activation: gpt-oss), frozen, plus a trainable low-rank update per expert and projection
+    (Hu et al., 2021):
 
         W13_e + (alpha / rank) · lora_b.w13[e] @ lora_a.w13[e]   lora_a.w13 [E, rank, dim],
                                                                  lora_b.w13 [E, 2·ffn_dim, rank]
@@ -323,7 +316,8 @@ class LoRAExperts(nn.Module):
                                                                  lora_b.w2 [E, dim, rank]
 
     applied inside the expert computation (`moe.expert_outputs`'s `lora`), never by forming
-    W + ΔW. Adopts `w13` and `w2` under their names, so base state dicts load unchanged.
+    W + ΔW. Adopts `w13` and `w2` (and `b13`, `b2`) under their names, so base state dicts load
+    unchanged.
 
     QLoRA (`quantize_base`): each stacked weight is stored as NF4 over its [E·out, in] rows
     (torchao's NF4Tensor holds at most 2-D; a 64-weight block never straddles two experts when
@@ -336,7 +330,7 @@ class LoRAExperts(nn.Module):
 
     base_names = ("w13", "w2")
 
-    def __init__(self, base: moe.Experts, *, rank: int, alpha: float):
+    def __init__(self, base: moe.Experts | moe.BiasedExperts, *, rank: int, alpha: float):
         super().__init__()
         if rank <= 0:
             raise ConfigError(f"LoRA rank={rank} must be > 0")
@@ -345,9 +339,13 @@ class LoRAExperts(nn.Module):
         self.num_experts, self.dim, self.ffn_dim = num_experts, dim, two_ffn // 2
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
+        self.base_class = type(base)
         self.w13, self.w2 = base.w13, base.w2
-        self.w13.requires_grad_(False)
-        self.w2.requires_grad_(False)
+        self.biased = isinstance(base, moe.BiasedExperts)
+        if self.biased:
+            self.b13, self.b2, self.activation = base.b13, base.b2, base.activation
+        for param in self.parameters():
+            param.requires_grad_(False)
         self.grouped = base.grouped
         factory = {"device": self.w13.device, "dtype": self.w13.dtype}
 
@@ -371,7 +369,7 @@ class LoRAExperts(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         """Fresh base experts (as `moe.Experts` draws them: LoRA on a model trained from
         scratch) and fresh adapters."""
-        moe.Experts.init_weights(self, std, out_std)
+        self.base_class.init_weights(self, std, out_std)
         self.reset_lora_parameters()
 
     def base_weight(self, name: str) -> torch.Tensor:
@@ -389,8 +387,9 @@ class LoRAExperts(nn.Module):
 
     def _experts(self, x, weights, experts) -> torch.Tensor:
         w13, w2 = self.base_weight("w13"), self.base_weight("w2")
+        biases = moe.BiasedExperts.biases(self) if self.biased else None
         return moe.expert_outputs(
-            x, w13, w2, weights, experts, grouped=self.grouped, lora=self.adapters()
+            x, w13, w2, weights, experts, grouped=self.grouped, lora=self.adapters(), biases=biases
         )
 
     def forward(self, x, weights, experts) -> torch.Tensor:
@@ -408,10 +407,16 @@ class LoRAExperts(nn.Module):
         delta = torch.bmm(self.lora_b[name].float(), self.lora_a[name].float())  # [E, out, in]
         return (base.float() + self.scale * delta).to(base.dtype)
 
-    def merged_module(self) -> moe.Experts:
-        """A frozen `Experts` holding the merged stacks."""
+    def merged_module(self) -> moe.Experts | moe.BiasedExperts:
+        """A frozen `Experts` (or `BiasedExperts`) holding the merged stacks."""
         with torch.device("meta"):
-            merged = moe.Experts(self.dim, self.ffn_dim, self.num_experts)
+            if self.biased:
+                merged = moe.BiasedExperts(
+                    self.dim, self.ffn_dim, self.num_experts, self.activation
+                )
+                merged.b13, merged.b2 = self.b13, self.b2
+            else:
+                merged = moe.Experts(self.dim, self.ffn_dim, self.num_experts)
         for name in self.base_names:
             setattr(merged, name, nn.Parameter(self.merged_weight(name), requires_grad=False))
         merged.grouped = self.grouped
@@ -490,7 +495,7 @@ def nf4_summary(model: nn.Module) -> str:
     plain_experts = [
         f"{name.replace(WRAPPER_PREFIX, '')}.{p}"
         for name, m in model.named_modules()
-        if isinstance(m, moe.Experts)
+        if moe.is_experts(m)
         for p in ("w13", "w2")
     ]
     text = f"NF4: {', '.join(fold(quantized)) or 'nothing'}"
@@ -529,10 +534,7 @@ def apply_lora(
     problem = _targets_problem(targets)
     if problem:
         raise ConfigError(problem)
-    refuse_expert_targets(getattr(model, "args", None), targets)
-    targets = targets_for(
-        targets, moe_model=any(isinstance(m, moe.Experts) for m in model.modules())
-    )
+    targets = targets_for(targets, moe_model=any(moe.is_experts(m) for m in model.modules()))
     on_parameters = [t for t in targets if t in PARAMETER_TARGETS]
     if dropout > 0 and on_parameters:
         raise ConfigError(
@@ -552,7 +554,7 @@ def apply_lora(
     swaps = []
     for name, module in model.named_modules():
         attribute = name.rsplit(".", 1)[-1]
-        is_experts = isinstance(module, moe.Experts)
+        is_experts = moe.is_experts(module)
         if not (isinstance(module, nn.Linear) or is_experts) or attribute not in attributes:
             continue
         if is_experts != (attribute == TARGET_MODULES["experts"]):
@@ -573,7 +575,7 @@ def apply_lora(
         )
     for parent, attribute in swaps:
         base = getattr(parent, attribute)
-        if isinstance(base, moe.Experts):
+        if moe.is_experts(base):
             adapted = LoRAExperts(base, rank=rank, alpha=alpha)
         else:
             adapted = LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout)
@@ -608,7 +610,7 @@ def frozen_linears(model: nn.Module) -> list[nn.Module]:
     for m in model.modules():
         if (
             isinstance(m, LoRAExperts)
-            or (isinstance(m, moe.Experts) and not m.w13.requires_grad)
+            or (moe.is_experts(m) and not m.w13.requires_grad)
             or (
                 isinstance(m, (nn.Linear, LoRALinear))
                 and id(m) not in adapters
@@ -750,12 +752,23 @@ class _PeftTensors:
     base: str  # the adapted weight's attribute: 'weight', 'w13', 'w2'
     target_module: str | None  # its adapter_config.json target_modules entry, or
     target_parameter: str | None  # its target_parameters entry
+    output_rows: Callable[..., torch.Tensor] | None  # `Family.hf_output_rows` for this weight
 
     def ours_as_peft(self) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.module
         if isinstance(m, LoRAExperts):
-            return _stacked_to_peft(m.lora_a[self.base].detach(), m.lora_b[self.base].detach())
-        return m.lora_a.weight.detach(), m.lora_b.weight.detach()
+            a, b = _stacked_to_peft(m.lora_a[self.base].detach(), m.lora_b[self.base].detach())
+        else:
+            a, b = m.lora_a.weight.detach(), m.lora_b.weight.detach()
+        return a, b if self.output_rows is None else self.output_rows(b)
+
+    def peft_as_ours(self, peft_a, peft_b) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ours_as_peft`'s inverse: a PEFT file's lora_A and lora_B in our layout."""
+        if self.output_rows is not None:
+            peft_b = self.output_rows(peft_b, inverse=True)
+        if isinstance(self.module, LoRAExperts):
+            return _stacked_from_peft(peft_a, peft_b, self.module.num_experts)
+        return peft_a, peft_b
 
     def ours(self) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.module
@@ -772,6 +785,7 @@ def _peft_tensors(model: nn.Module, args) -> list[_PeftTensors]:
     nests the wrappers of one module's parameters in their order of registration, which is
     ours); the router -> '...mlp.gate' (target_parameters mlp.gate.weight)."""
     attribute_to_target = {attr: target for target, attr in TARGET_MODULES.items()}
+    reorder = models.family_of(args).hf_output_rows
     found = []
     for name, module in lora_modules(model).items():
         target = attribute_to_target[name.rsplit(".", 1)[-1]]
@@ -788,6 +802,7 @@ def _peft_tensors(model: nn.Module, args) -> list[_PeftTensors]:
                     base=base,
                     target_module=None if on_parameter else HF_TARGET_NAMES[target],
                     target_parameter=in_layer if on_parameter else None,
+                    output_rows=reorder and partial(reorder, f"{name}.{base}"),
                 )
             )
     return found
@@ -937,6 +952,7 @@ def _parameter_targets(entries, path: Path) -> set[str]:
     if not entries:
         return set()
     known = {hf: target for target, names in HF_TARGET_PARAMETERS.items() for hf in names}
+    known |= {alias: known[name] for alias, name in HF_PARAMETER_ALIASES.items()}
     allowed = ", ".join(known)
     if not isinstance(entries, list):
         raise ModelFormatError(f"{path}: target_parameters = {json.dumps(entries)}: not a list")
@@ -948,7 +964,7 @@ def _parameter_targets(entries, path: Path) -> set[str]:
                 f"{path}: target_parameters entry {entry!r} is not supported by lmforge's LoRA; "
                 f"allowed: {allowed}"
             )
-        matched[hits[0]] = known[hits[0]]
+        matched[HF_PARAMETER_ALIASES.get(hits[0], hits[0])] = known[hits[0]]
     targets = set(matched.values())
     for target in targets:
         missing = [hf for hf in HF_TARGET_PARAMETERS[target] if hf not in matched]
@@ -1004,10 +1020,9 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> LoRASection:
             )
     with torch.no_grad():
         for entry in {id(e): e for e, _, _ in expected.values()}.values():
-            peft_a = tensors[f"{entry.prefix}.lora_A.weight"]
-            peft_b = tensors[f"{entry.prefix}.lora_B.weight"]
-            if isinstance(entry.module, LoRAExperts):
-                peft_a, peft_b = _stacked_from_peft(peft_a, peft_b, entry.module.num_experts)
+            peft_a, peft_b = entry.peft_as_ours(
+                tensors[f"{entry.prefix}.lora_A.weight"], tensors[f"{entry.prefix}.lora_B.weight"]
+            )
             param_a, param_b = entry.ours()
             param_a.copy_(peft_a)
             param_b.copy_(peft_b)

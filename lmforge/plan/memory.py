@@ -30,7 +30,6 @@ from lmforge.models import ModelArgs, family_of
 from lmforge.modules.lora import (
     DEFAULT_TARGETS,
     TARGET_MODULES,
-    refuse_expert_targets,
     targets_for,
 )
 
@@ -325,7 +324,6 @@ def check_setup(setup: Setup) -> None:
             f"LoRA targets {list(setup.lora_targets)}: allowed: {', '.join(TARGET_MODULES)}"
         )
     if setup.uses_lora:
-        refuse_expert_targets(setup.args, setup.lora_targets)
         setup.applied_targets  # noqa: B018 (raises ConfigError for a MoE's partial MLP targets)
     if setup.uses_lora and "output" in setup.lora_targets and setup.args.tie_embeddings:
         raise ConfigError(

@@ -24,6 +24,7 @@ FAMILY = Family(
     tp_plan=plan.tp_plan,
     hf_merge=hf.to_our_layout,
     hf_split=hf.to_hf_layout,
+    hf_output_rows=hf.output_rows,
 )
 
 __all__ = ["FAMILY", "PRESETS", "ModelArgs", "Transformer"]

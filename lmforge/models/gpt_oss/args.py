@@ -37,7 +37,6 @@ class ModelArgs(LlamaArgs):
 
     family: ClassVar[str] = "gpt_oss"
     training_fields: ClassVar[tuple[str, ...]] = ("router_aux_loss_coef",)
-    lora_on_experts: ClassVar[bool] = False  # biased experts: LoRA adapts attention, router
     # the chosen k's weights sum to one (a softmax over them), as Qwen3-MoE's with this flag
     norm_topk_prob: ClassVar[bool] = True
 

@@ -89,6 +89,14 @@ def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
 
 
+def output_rows(name: str, rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`rows` [out, ...] of our weight `name` in transformers' order (`Family.hf_output_rows`):
+    the experts' w13 rows (gate then up) alternate there; every other weight's are ours."""
+    if not name.endswith("experts.w13"):
+        return rows
+    return _deinterleave(rows, 0) if inverse else _interleave(rows, 0)
+
+
 def to_our_layout(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
     """The experts of a transformers or hub state dict in our layout, under transformers'
     names (MXFP4 dequantized); other tensors pass through."""
