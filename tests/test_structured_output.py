@@ -169,3 +169,52 @@ def test_compiled_grammars_are_kept_least_recently_used_first_out(tokenizer, mon
     assert list(grammars._compiled) == [first, third]
     with pytest.raises(ConfigError, match="cannot be followed"):
         grammars.compiled(JsonFormat('{"type": "objekt"}'))
+
+
+def test_a_compiling_grammar_holds_its_request_back_and_the_others_keep_stepping(
+    model, tokenizer, monkeypatch
+):
+    """The server's engine loop (`ready_ops`): a request whose schema is new waits while its
+    grammar compiles on the grammar threads (a "grammar" op goes ahead, for the other
+    processes under tensor parallelism), the running sequence keeps getting tokens, and the
+    request joins once compiled; a cancel of a held request drops it."""
+    import threading
+
+    from lmforge.serve.engine import apply_ops, ready_ops
+
+    gate = threading.Event()
+    compile_grammar = Grammars._compile
+
+    def gated(self, json_format):
+        assert gate.wait(timeout=30)
+        return compile_grammar(self, json_format)
+
+    monkeypatch.setattr(Grammars, "_compile", gated)
+    engine = Engine(model, tokenizer, max_batch=2, max_seq_len=512)
+    ids = engine.encode_prompt(CHAT)
+    sequences = {}
+    apply_ops(
+        engine, [("add", 0, ids, SamplingParams(max_new_tokens=40), 1, None, None)], sequences
+    )
+    json_params = SamplingParams(
+        max_new_tokens=300, temperature=1.0, json_format=JsonFormat.of(SCHEMA)
+    )
+    add = ("add", 1, ids, json_params, 3, None, None)
+    now, held = ready_ops(engine, [], [add])
+    assert now == [("grammar", json_params.json_format)] and held == [add]
+    for _ in range(3):  # the plain sequence steps on; the held one stays held
+        tokens = apply_ops(engine, now, sequences)
+        assert [t[0] for t in tokens] == [0]
+        now, held = ready_ops(engine, held, [])
+        assert now == [] and held == [add]
+    cancelled = ("add", 2, ids, json_params, None, None, None)
+    assert ready_ops(engine, held, [cancelled, ("cancel", 2)]) == ([("cancel", 2)], [add])
+    gate.set()
+    engine.grammars().prepare(json_params.json_format).result(timeout=30)
+    now, held = ready_ops(engine, held, [])
+    assert now == [add] and held == []
+    texts = []
+    while now or engine.has_work:
+        texts += [t[2] for t in apply_ops(engine, now, sequences) if t[0] == 1]
+        now = []
+    jsonschema.validate(json.loads("".join(texts)), SCHEMA)

@@ -381,6 +381,7 @@ class Engine:
 RUNNING_PER_STREAM_INTERVAL = 8
 
 HEARTBEAT_S = 60.0  # idle rank 0 tells the other processes it is alive this often
+GRAMMAR_POLL_S = 0.002  # how often the idle loop looks at a compiling grammar
 
 
 # ---- the engine loop ------------------------------------------------------------------------
@@ -394,9 +395,11 @@ def run_engine(core, channel, mirror: Callable[[list[tuple], str], None] | None 
     seconds) after each step, ("failed", the traceback) after a step that raised. `mirror`:
     rank 0 under tensor parallelism (see the module docstring)."""
     sequences: dict[int, EngineSequence] = {}
+    held: list[tuple] = []  # "add" ops whose grammar is compiling (`ready_ops`)
     timeout = HEARTBEAT_S if mirror is not None else None
-    while (ops := channel.take(not core.has_work, timeout)) is not None:
-        if not ops and not core.has_work:  # idle past the heartbeat interval
+    while (ops := channel.take(not core.has_work, GRAMMAR_POLL_S if held else timeout)) is not None:
+        ops, held = ready_ops(core, held, ops)
+        if not ops and not core.has_work:  # idle past the heartbeat interval (or a compile's)
             if mirror is not None:
                 mirror([], "wait")
             continue
@@ -416,6 +419,35 @@ def run_engine(core, channel, mirror: Callable[[list[tuple], str], None] | None 
     core.clear()
     if mirror is not None:
         mirror([], "stop")
+
+
+def ready_ops(core, held: list[tuple], ops: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """(the ops to apply this step, those held back): the `held` ops and the new `ops`, but an
+    "add" whose JSON format's grammar is still compiling on the grammar threads waits, so that
+    a new schema does not stall the streams running (a held add and its cancel both go). The
+    first time an add waits, a ("grammar", format) op goes ahead: under tensor parallelism the
+    other processes start compiling it too."""
+    cancelled = {op[1] for op in ops if op[0] == "cancel"}
+    now, later = [], []
+    for is_new, op in [*((False, op) for op in held), *((True, op) for op in ops)]:
+        json_format = op[3].json_format if op[0] == "add" else None
+        if json_format is not None and op[1] in cancelled:
+            continue
+        if json_format is not None and _compiling(core, json_format):
+            if is_new:
+                now.append(("grammar", json_format))
+            later.append(op)
+        else:
+            now.append(op)
+    return now, later
+
+
+def _compiling(core, json_format) -> bool:
+    """Whether `json_format`'s grammar is compiling (starting it if not compiled yet)."""
+    try:
+        return not core.grammars().prepare(json_format).done()
+    except ConfigError:  # no tokenizer: `core.sequence` says so in the add's error
+        return False
 
 
 def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> list[tuple]:
@@ -438,9 +470,11 @@ def apply_ops(core, ops: list[tuple], sequences: dict[int, EngineSequence]) -> l
             core.add([sequence])
         elif op[0] == "cancel" and op[1] in sequences:
             core.cancel(sequences.pop(op[1]))
+        elif op[0] == "grammar":  # compiled ahead of its add (`ready_ops`)
+            core.grammars().prepare(op[1])
         elif op[0] in ("load_adapter", "unload_adapter"):
             tokens.append(_adapter_op(core, op))
-    events = core.step()
+    events = core.step() if core.has_work else []  # (an op alone: a grammar's compile)
     keys = {id(sequence): key for key, sequence in sequences.items()}
     for sequence, event in events:
         key = keys.get(id(sequence))
