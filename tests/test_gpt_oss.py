@@ -182,29 +182,46 @@ def test_a_training_steps_gradients_equal_transformers(hf_gpt_oss):
         torch.testing.assert_close(param.grad, theirs.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_pretrain_from_the_preset_and_plan_it(tmp_path):
+def test_pretrain_from_the_preset_then_tp_and_ep_match_one_process(tmp_path):
     """`lmforge pretrain` on gpt-oss-20b cut down (model.overrides), its loss falling and the
     experts' load logged; `lmforge model info` counts total and active parameters as the
-    model has them; tensor parallelism in training is refused in one line."""
-    import lmforge.errors
-    from tests.train_utils import make_shards, pretrain_args, run_inprocess
+    model has them. On two gloo processes, parallel.tp = 2 (attention split by head, the sinks
+    with it, the sparse MLP replicated) and parallel.ep = 2 (the biased experts split by
+    expert) give one process's losses, aux losses and gradient norms (one row a micro-batch:
+    each micro-batch's aux loss is its own in every layout)."""
+    from tests.train_utils import make_shards, pretrain_args, run_inprocess, run_torchrun
 
     tokenizer, shards = make_shards(tmp_path / "data")
     shape = dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
                  num_experts=4, num_experts_per_tok=2, sliding_window=8)  # fmt: skip
     model = ["model.source=gpt-oss-20b", f"model.tokenizer={tokenizer}"]
     model += [f"model.overrides.{k}={v}" for k, v in shape.items()]
-    run_dir = tmp_path / "run"
-    dense = pretrain_args(run_dir, tokenizer, shards)
-    argv = [a for a in dense if not a.startswith("model.")] + model
-    assert run_inprocess("pretrain", argv) == 0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["loss"] < records[0]["loss"] and "expert_load_max/1" in records[0]
-    loaded = lmforge.load(run_dir / "artifact")
+    model += ["train.micro_batch_size=1", "train.global_batch_size=2"]
+
+    def pretrain(name: str, *extra: str) -> dict[int, dict]:
+        run_dir = tmp_path / name
+        dense = pretrain_args(run_dir, tokenizer, shards)
+        argv = [a for a in dense if not a.startswith("model.")] + model + list(extra)
+        if extra:
+            run_torchrun(2, "pretrain", argv)
+        else:
+            assert run_inprocess("pretrain", argv) == 0
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines)}
+
+    one = pretrain("one")
+    assert one[max(one)]["loss"] < one[1]["loss"] and "expert_load_max/1" in one[1]
+    loaded = lmforge.load(tmp_path / "one" / "artifact")
     actual = sum(p.numel() for p in loaded.model.parameters())
     assert loaded.config.num_params() == actual
-    with pytest.raises(lmforge.errors.ConfigError, match="not supported for gpt-oss"):
-        models.family_of(loaded.config).tp_plan(sequence_parallel=True)  # training's
+    for layout in ("parallel.tp=2", "parallel.ep=2"):
+        records = pretrain(layout.replace("parallel.", "").replace("=", ""), layout)
+        assert sorted(records) == sorted(one)
+        for step, record in one.items():
+            for key in ("loss", "aux_loss", "grad_norm"):
+                assert records[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-6), (
+                    layout, step, key,
+                )  # fmt: skip
 
 
 def test_lora_on_the_experts_equals_peft_both_ways(hf_gpt_oss, tmp_path):

@@ -34,7 +34,7 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lmforge.errors import ConfigError
-from lmforge.models.moe import Experts, combine, expert_outputs
+from lmforge.models.moe import ExpertBiases, combine, expert_outputs, is_experts
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -59,10 +59,12 @@ def dispatch_combine(
     group: dist.ProcessGroup,
     *,
     grouped: bool | None = None,
+    biases: ExpertBiases | None = None,
 ) -> torch.Tensor:
     """`expert_outputs(x, W13, W2, weights, experts)` with the full weights W13, W2 split over
     the ranks of `group`: this rank's `w13` [E/ep, 2I, dim] and `w2` [E/ep, dim, I] are experts
-    rank·E/ep onwards. x [tokens, dim], weights and experts [tokens, k] -> [tokens, dim]."""
+    rank·E/ep onwards (and `biases`' b13 [E/ep, 2I], b2 [E/ep, dim]: gpt-oss's). x [tokens,
+    dim], weights and experts [tokens, k] -> [tokens, dim]."""
     ep = group.size()
     num_local = w13.shape[0]
     num_experts = num_local * ep
@@ -84,26 +86,36 @@ def dispatch_combine(
     local_expert = torch.arange(num_local, device=x.device).repeat(ep)
     local_expert = torch.repeat_interleave(local_expert, received_counts.reshape(-1))  # [n]
     ones = torch.ones(len(local_expert), 1, dtype=received.dtype, device=x.device)
-    y = expert_outputs(received, w13, w2, ones, local_expert[:, None], grouped=grouped)
+    y = expert_outputs(
+        received, w13, w2, ones, local_expert[:, None], grouped=grouped, biases=biases
+    )
     if received.shape[0] == 0:  # no rows: still a (zero) gradient, as the other ranks have one
-        y = y + 0 * (w13.sum() + w2.sum())
+        held = [w13, w2] + ([biases.b13, biases.b2] if biases is not None else [])
+        y = y + 0 * sum(w.sum() for w in held)
     back = all_to_all_single(rows.new_empty(rows.shape), y, send, receive, group=group)
     return combine(back, order, weights).to(x.dtype)
 
 
 class ExpertParallel:
-    """Mixed into an `Experts` module's class by `apply_expert_parallel`: the same parameters
-    (DTensors sharded along dim 0 over the ep mesh), a forward through `dispatch_combine`."""
+    """Mixed into an `Experts` (or `BiasedExperts`) module's class by `apply_expert_parallel`:
+    the same parameters (DTensors sharded along dim 0 over the ep mesh), a forward through
+    `dispatch_combine`."""
 
     ep_group: dist.ProcessGroup
 
     def forward(self, x, weights, experts) -> torch.Tensor:
         ep = self.ep_group.size()
-        w13, w2 = (
-            _ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
-            for w in (self.w13, self.w2)
-        )
-        return dispatch_combine(x, weights, experts, w13, w2, self.ep_group, grouped=self.grouped)
+        local = {
+            name: _ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
+            for name, w in self.named_parameters(recurse=False)
+        }
+        biases = None
+        if "b13" in local:
+            biases = ExpertBiases(local["b13"], local["b2"], self.activation)
+        return dispatch_combine(
+            x, weights, experts, local["w13"], local["w2"], self.ep_group,
+            grouped=self.grouped, biases=biases,
+        )  # fmt: skip
 
 
 def _shard(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
@@ -117,7 +129,7 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The model's stacked-experts modules (none for a dense model)."""
-    return [module for module in model.modules() if isinstance(module, Experts)]
+    return [module for module in model.modules() if is_experts(module)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -137,8 +149,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                 f"parallel.ep = {ep} must divide the model's num_experts ({num_experts}); "
                 f"allowed: {allowed}"
             )
-        for name in ("w13", "w2"):
-            setattr(module, name, _shard(getattr(module, name), ep_mesh))
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, _shard(param, ep_mesh))  # [E, ...] each
         module.ep_group = ep_mesh.get_group()
         cls = type(module)
         module.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})

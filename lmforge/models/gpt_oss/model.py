@@ -64,6 +64,14 @@ def within_window(allowed: torch.Tensor, window: int) -> torch.Tensor:
     return allowed & (index > own - window)
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as this process's part: under tensor parallelism in training the sinks are
+    a DTensor split by head (plan.py), the heads of q this rank's."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 class SinkAttention(Attention):
     """gpt-oss's attention: biased projections, `sinks` [heads] (each head's sink logit) and,
     where `window` is set, a sliding window of that many tokens."""
@@ -87,7 +95,7 @@ class SinkAttention(Attention):
         k, v = torch.cat([k, sink_key], dim=2), torch.cat([v, sink_key], dim=2)
         scores = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
         scores = scores.masked_fill(~allowed, float("-inf")).expand(batch, heads, seq, -1)
-        sink = self.sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
+        sink = _local(self.sinks).to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
         mask = torch.cat([scores, sink], dim=-1)  # [b, heads, s, keys + 1]
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.num_groups > 1

@@ -2,13 +2,12 @@
 
 The planner's shapes: Llama's attention projections plus their biases and the sinks (small
 vectors, counted with the norms), the router with its bias, and the stacked experts with
-theirs. Tensor parallelism is planned for inference (attention split by head, sinks
-included); in training it is refused with a clear error.
+theirs. Tensor parallelism splits attention by head (sinks included) and replicates the
+sparse MLP, in training and inference.
 """
 
 from __future__ import annotations
 
-from lmforge.errors import ConfigError
 from lmforge.models.family import ParamShape
 from lmforge.models.gpt_oss.args import ModelArgs
 from lmforge.models.llama import plan as llama_plan
@@ -39,24 +38,26 @@ def block_params(args: ModelArgs, layer: int | None = None) -> list[ParamShape]:
 
 
 def tp_plan(*, sequence_parallel: bool = True) -> dict:
-    """Inference (no sequence parallelism): Llama's attention plan (the projections' biases
-    split with their columns, wo's replicated) with each rank's heads' sinks, the sparse MLP
-    replicated (`lmforge launch --nproc N generate` then splits the experts by expert).
-    Training under tensor parallelism is refused: not planned for gpt-oss yet."""
+    """Llama's plan for attention (the projections' biases split with their columns, wo's
+    replicated and added once) with each rank's heads' sinks; the sparse MLP replicated: in
+    training it takes the whole sequence (`llama_plan.replicated_mlp`), in inference `lmforge
+    launch --nproc N generate` then splits the experts by expert."""
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
-    if sequence_parallel:
-        raise ConfigError(
-            "tensor parallelism in training (parallel.tp > 1) is not supported for gpt-oss yet; "
-            "train with FSDP (parallel.dp_shard)"
-        )
-
     class HeadSinks(ParallelStyle):
-        """An attention module's `sinks` [heads] split by head over the tp ranks."""
+        """An attention module's `sinks` [heads] split by head over the tp ranks, after
+        `then` (the module's own style, if any)."""
+
+        def __init__(self, then: ParallelStyle | None = None) -> None:
+            super().__init__()
+            self.then = then
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            if self.then is not None:
+                module = self.then._apply(module, device_mesh)
+
             def partition(name: str, child: nn.Module, mesh) -> None:
                 if name == "":
                     shard = distribute_tensor(child.sinks, mesh, [Shard(0)])
@@ -64,9 +65,9 @@ def tp_plan(*, sequence_parallel: bool = True) -> dict:
 
             return distribute_module(module, device_mesh, partition)
 
-    attention = {
-        name: style
-        for name, style in llama_plan.tp_plan(sequence_parallel=False).items()
-        if name.startswith("attention.")
-    }
-    return attention | {"attention": HeadSinks()}
+    llama = llama_plan.tp_plan(sequence_parallel=sequence_parallel)
+    plan = {name: style for name, style in llama.items() if not name.startswith("feed_forward")}
+    plan["attention"] = HeadSinks(then=plan.get("attention"))
+    if sequence_parallel:
+        plan["feed_forward"] = llama_plan.replicated_mlp()
+    return plan

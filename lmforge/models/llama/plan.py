@@ -64,3 +64,20 @@ def tp_plan(*, sequence_parallel: bool = True) -> dict:
             ),
         }
     return plan
+
+
+def replicated_mlp():
+    """The style of a sparse MLP replicated over the tp axis in training: the whole sequence
+    in (gathered from the sequence-sharded residual stream), plain tensors inside, its output
+    handed back sharded, so each rank computes the same MLP and gets the same gradients."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,  # the residual stream is local shards, as in Llama
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from lmforge.models.family import ParamShape
+from lmforge.models.llama import plan as llama_plan
 from lmforge.models.qwen3 import plan as qwen3_plan
 from lmforge.models.qwen3_moe.args import ModelArgs
 
@@ -41,21 +42,11 @@ def block_params(args: ModelArgs, layer: int | None = None) -> list[ParamShape]:
 
 def tp_plan(*, sequence_parallel: bool = True) -> dict:
     """Qwen3's plan for attention and the norms; the MLP replicated (see the module doc)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
     plan = {
         name: style
         for name, style in qwen3_plan.tp_plan(sequence_parallel=sequence_parallel).items()
         if not name.startswith("feed_forward")
     }
     if sequence_parallel:  # whole sequence in, plain tensors inside, sharded back out
-        plan["feed_forward"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,  # the residual stream is local shards, as in Llama
-        )
+        plan["feed_forward"] = llama_plan.replicated_mlp()
     return plan
