@@ -141,9 +141,11 @@ def _read_meta_state(directory: Path, args: ModelArgs) -> dict[str, torch.Tensor
     return models.merge_meta_shards(shards, args, directory)
 
 
-def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+def read_state_dict(
+    source: str | Path, args: ModelArgs, keep_quantized: bool = False
+) -> dict[str, torch.Tensor]:
     """Our-named tensors of a HF/artifact, Meta or torchtitan directory, as stored (dtype
-    unchanged)."""
+    unchanged; `keep_quantized`: see `load`)."""
     path = Path(local_source(source))
     kind = detect_format(path)
     if kind == "torchtitan":
@@ -153,7 +155,7 @@ def read_state_dict(source: str | Path, args: ModelArgs) -> dict[str, torch.Tens
     state = artifact.read_safetensors(path)
     if stored.is_compressed(path):  # compressed-tensors: unpacked, dequantized, plain weights
         state = stored.dequantized_state(state)
-    return models.hf_state_dict_to_ours(state, args, path)
+    return models.hf_state_dict_to_ours(state, args, path, keep_quantized)
 
 
 def build_model(
@@ -225,11 +227,15 @@ def load(
     dtype: str | torch.dtype | None = None,
     with_tokenizer: bool = True,
     model_config: str | None = None,
+    keep_quantized: bool = False,
 ) -> LoadedModel:
     """Load a preset (random init, float32 unless `dtype`), HF, artifact, Meta or torchtitan model.
 
     `dtype=None` keeps the stored dtype of the weights. `model_config` names the model of a
     torchtitan checkpoint (see `read_args`); a directory given there also supplies the tokenizer.
+    `keep_quantized`: experts the hub's files hold quantized (gpt-oss's MXFP4) stay so
+    (`moe.QuantizedExperts`: a quarter of bf16's memory; inference only, not saved), else they
+    are dequantized into the other weights' dtype.
     """
     dtype = parse_dtype(dtype)
     source = local_source(source)
@@ -241,9 +247,10 @@ def load(
     path = Path(source)
     if kind == "hf" and (stored.is_quantized(path) or stored.is_compressed(path)):
         return _load_quantized(path, device=device, dtype=dtype, with_tokenizer=with_tokenizer)
-    state = read_state_dict(path, args)
+    state = read_state_dict(path, args, keep_quantized)
     with torch.device("meta"):
         model = models.new_model(args)
+    use_quantized_experts(model, state)
     load_weights(model, state, source=path, device=device, dtype=dtype)
     tokenizer_dir = path
     if kind == "torchtitan" and model_config is not None and Path(model_config).is_dir():

@@ -126,6 +126,30 @@ def test_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
             torch.testing.assert_close(ours_hf[f"{prefix}.{name}"], want, rtol=0, atol=0)
     assert cols % 32 == 0 and rows > 0
 
+    # Kept as MXFP4 (the inference commands' load): a quarter of the bytes, the same logits,
+    # and the engine's greedy tokens through the fused kernels (Triton's interpreter).
+    from lmforge.models import moe
+    from lmforge.sizes import module_bytes
+
+    dequantized = lmforge.load(out, dtype="float32")
+    kept = lmforge.load(out, dtype="float32", keep_quantized=True)
+    experts = kept.model.layers["0"].feed_forward.experts
+    assert type(experts) is moe.QuantizedExperts and experts.w13_scale.dtype == torch.uint8
+    assert module_bytes(kept.model) < 0.5 * module_bytes(dequantized.model)
+    tokens = _tokens(seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(kept.model(tokens), dequantized.model(tokens), rtol=0, atol=1e-5)
+    from lmforge.generate.kernels import moe as moe_kernels  # (the engine's swap on a GPU)
+
+    assert moe_kernels.use_fused_experts(kept.model) == 3
+    prompts = [_tokens(seed=n, shape=(n,)).tolist() for n in (3, 9)]
+    params = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=())
+    runs = [
+        Generator(m.model, max_batch=2, max_seq_len=64).generate(prompts, params)
+        for m in (kept, dequantized)
+    ]
+    assert [r.token_ids for r in runs[0].results] == [r.token_ids for r in runs[1].results]
+
 
 def test_export_loads_in_transformers_with_the_same_logits(hf_gpt_oss, tmp_path):
     directory, hf_model = hf_gpt_oss

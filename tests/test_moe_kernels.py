@@ -115,6 +115,46 @@ def test_biased_experts_with_the_clamped_swiglu_equal_the_loop(tokens):
         torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-5, atol=1e-4)
 
 
+def _mxfp4(shape, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random MXFP4 stack [E, rows, cols] as gpt-oss's hub files hold it (and
+    `QuantizedExperts` keeps it): e2m1 values two a byte [E, rows, cols / 2], a scale byte
+    (2^(byte - 127)) a group of 32 columns."""
+    from lmforge.quantize.stored import pack_int4
+
+    nibbles = torch.randint(0, 16, shape, generator=generator)
+    values = pack_int4((nibbles.to(torch.int8) ^ 8) - 8)  # the nibbles' bits, two a byte
+    scales = torch.randint(122, 131, (*shape[:-1], shape[-1] // 32), generator=generator)
+    return values, scales.to(torch.uint8)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_mxfp4_biased_experts_read_in_the_kernels_equal_their_dequantized_loop(tokens):
+    """gpt-oss's experts kept as its hub's MXFP4 (e2m1 values, a power-of-two scale a group of
+    32; the down projection's 32 columns one group: the row-scale path) with their biases: the
+    kernels decode what `moe.dequantize` decodes, and `QuantizedExperts` over them takes the
+    fused path for a few tokens and the dequantized one past FUSED_PAIRS."""
+    x, _, _, weights, experts = routed(tokens, 64, 32, 5, 2, seed=tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    (q13, s13), (q2, s2) = _mxfp4((5, 64, 64), generator), _mxfp4((5, 64, 32), generator)
+    dequantized = moe.dequantize(q13, s13, x.dtype), moe.dequantize(q2, s2, x.dtype)
+    biases = moe.ExpertBiases(
+        torch.randn(5, 64, generator=generator), torch.randn(5, 64, generator=generator),
+        moe.ClampedSwiGLU(alpha=1.702, limit=7.0),
+    )  # fmt: skip
+    got = moe_kernels.fused_experts(x, q13, q2, weights, experts, s13, s2, biases)
+    want = moe.experts_loop(x, *dequantized, weights, experts, biases=biases)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    module = moe.QuantizedExperts(q13, s13, q2, s2, biases=biases)
+    assert moe_kernels.use_fused_experts(module) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-5, atol=1e-4)
+        many = torch.cat([x] * 40)  # past FUSED_PAIRS
+        repeated = [torch.cat([t] * 40) for t in (weights, experts)]
+        torch.testing.assert_close(
+            module(many, *repeated), torch.cat([want] * 40), rtol=1e-5, atol=1e-4
+        )
+
+
 def test_repeated_experts_and_a_token_on_one_expert():
     """Every token choosing the same experts (each read once a pair), and tokens whose weights
     put everything, or nearly everything, on one of them."""
@@ -281,20 +321,23 @@ from lmforge.generate.kernels import moe
 
 target = GPUTarget("cuda", 90, 32)
 compiled = 0
-# (activations, weights, int4 two a byte, columns a scale covers: 0 none, -1 a row)
-KINDS = (("bf16", "bf16", False, 0, False), ("fp32", "fp32", False, 0, False),
-         ("bf16", "i8", False, -1, False), ("bf16", "u8", True, 128, False),
-         ("bf16", "fp8e4nv", False, -1, False), ("bf16", "bf16", False, 0, True))  # last: gpt-oss
-for dtype, weights, packed, group, biased in KINDS:
+# (activations, weights, 4 bits two a byte, columns a scale covers: 0 none, -1 a row, biases,
+# MXFP4)
+KINDS = (("bf16", "bf16", False, 0, False, False), ("fp32", "fp32", False, 0, False, False),
+         ("bf16", "i8", False, -1, False, False), ("bf16", "u8", True, 128, False, False),
+         ("bf16", "fp8e4nv", False, -1, False, False),
+         ("bf16", "bf16", False, 0, True, False), ("bf16", "u8", True, 32, True, True))  # gpt-oss
+for dtype, weights, packed, group, biased, fp4 in KINDS:
     for kernel, (block_n, block_k, warps), cols in ((moe._gate_up, moe.GATE_UP_TILE, 2048),
                                                     (moe._down, moe.DOWN_TILE, 768)):
         signature = {name: "*" + dtype for name in kernel.arg_names if name.endswith("_ptr")}
         signature |= {"experts_ptr": "*i64", "weights_ptr": "*" + dtype}
         signature |= {name: "*" + weights for name in ("w13_ptr", "w2_ptr")}
+        signature |= {"scale_ptr": "*u8"} if fp4 else {}
         # Qwen3-30B-A3B's shapes
         constants = {"DIM": 2048, "FFN": 768, "TOP_K": 8, "BLOCK_N": block_n, "BLOCK_K": block_k,
                      "PACKED": packed, "GROUP": cols if group == -1 else group,
-                     "HAS_BIAS": biased}
+                     "HAS_BIAS": biased, "FP4": fp4}
         if kernel is moe._gate_up:
             constants |= {"LIMIT": 7.0 if biased else 0.0, "ALPHA": 1.702 if biased else 0.0}
         signature |= {name: "constexpr" for name in constants}
@@ -329,7 +372,7 @@ def test_the_kernels_compile_for_a_gpu():
         [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 14" in done.stdout
+    assert "compiled 16" in done.stdout
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["normalized", "softmax"])

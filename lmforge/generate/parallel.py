@@ -63,11 +63,12 @@ def is_main() -> bool:
 def load_model(
     source: str | Path, *, device: str = "auto", dtype: str | torch.dtype | None = None
 ) -> LoadedModel:
-    """The model of `source`, split over the torchrun processes (tensor parallel), or whole."""
+    """The model of `source`, split over the torchrun processes (tensor parallel), or whole
+    (experts the hub keeps quantized, gpt-oss's MXFP4, kept so: `load`'s `keep_quantized`)."""
     from lmforge.api import resolve_device
 
     if world_size() == 1:
-        return load(source, device=resolve_device(device), dtype=dtype)
+        return load(source, device=resolve_device(device), dtype=dtype, keep_quantized=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from lmforge.parallel import distributed

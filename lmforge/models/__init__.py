@@ -100,9 +100,9 @@ def args_to_hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
 
 
 def hf_state_dict_to_ours(
-    hf_state: dict[str, torch.Tensor], args: ModelArgs, path: Path
+    hf_state: dict[str, torch.Tensor], args: ModelArgs, path: Path, keep_quantized: bool = False
 ) -> dict[str, torch.Tensor]:
-    return family_of(args).hf_state_dict_to_ours(hf_state, path)
+    return family_of(args).hf_state_dict_to_ours(hf_state, path, keep_quantized)
 
 
 def ours_state_dict_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict:

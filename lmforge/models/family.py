@@ -53,9 +53,11 @@ class Family:
         None: a typical block).
     tp_plan(sequence_parallel=...): one block's tensor-parallel plan, module name -> torch
         ParallelStyle (sequence parallel in training, replicated norms in inference).
-    hf_merge(hf_state, path) / hf_split(hf_state): for formats that store one of our tensors
-        as several (a MoE's per-expert weights): many HF tensors made one before the key map,
-        and one split back after it on save. None (dense families): names map one to one.
+    hf_merge(hf_state, path, keep_quantized) / hf_split(hf_state): for formats that store one
+        of our tensors as several (a MoE's per-expert weights): many HF tensors made one before
+        the key map, and one split back after it on save; `keep_quantized`: experts quantized
+        in the hub's files (gpt-oss's MXFP4) stay so for `moe.QuantizedExperts`, else are
+        dequantized. None (dense families): names map one to one.
     hf_output_rows(name, rows, inverse=False): the rows of our weight `name`'s outputs (dim 0)
         in the order transformers keeps them (gpt-oss interleaves its experts' gate and up),
         for a LoRA factor B saved in PEFT's layout; `inverse`: back. None: the same order.
@@ -74,16 +76,16 @@ class Family:
     ours_to_hf: Callable[[str], str]
     block_params: Callable[[object], list[ParamShape]]
     tp_plan: Callable[..., dict]
-    hf_merge: Callable[[dict, Path], dict] | None = None
+    hf_merge: Callable[[dict, Path, bool], dict] | None = None
     hf_split: Callable[[dict], dict] | None = None
     hf_output_rows: Callable[..., torch.Tensor] | None = None
 
     def hf_state_dict_to_ours(
-        self, hf_state: dict[str, torch.Tensor], path: Path
+        self, hf_state: dict[str, torch.Tensor], path: Path, keep_quantized: bool = False
     ) -> dict[str, torch.Tensor]:
         """Our names for a HF state dict; a tensor the family does not have is an error."""
         if self.hf_merge is not None:
-            hf_state = self.hf_merge(hf_state, path)
+            hf_state = self.hf_merge(hf_state, path, keep_quantized)
         ours = {}
         for name, tensor in hf_state.items():
             if name.endswith("rotary_emb.inv_freq"):

@@ -339,54 +339,102 @@ def is_experts(module: nn.Module) -> bool:
     return isinstance(module, (Experts, BiasedExperts))
 
 
-def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantized stacked weights -> [E, rows, cols] in the scale's dtype: values [E, rows, cols]
-    int8 or float8 e4m3, or int4 two a byte ([E, rows, cols / 2] uint8, the low nibble the even
-    column), times scale [E, rows, groups] repeated over each group of columns (computed in fp32,
-    rounded once)."""
+# e2m1 (MXFP4's elements): the 16 values of a 4-bit float (sign, two exponent bits, one
+# mantissa bit), by their bits
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def dequantize(
+    values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Quantized stacked weights -> [E, rows, cols] in `dtype` (None: the scale's): values [E,
+    rows, cols] int8 or float8 e4m3, or 4-bit two a byte ([E, rows, cols / 2] uint8, the low
+    nibble the even column), times scale [E, rows, groups] repeated over each group of columns
+    (computed in fp32, rounded once). 4-bit values are signed integers, or, where the scales
+    are uint8, MXFP4 (OCP microscaling): e2m1 values and a power-of-two scale a group (the
+    byte a biased exponent, 127 = 1)."""
+    mxfp4 = scale.dtype == torch.uint8
     if values.dtype == torch.uint8:
-        low = (values & 0xF).to(torch.int8)
-        high = (values >> 4).to(torch.int8)
-        values = (torch.stack((low, high), dim=-1).flatten(-2) ^ 8) - 8  # sign-extended
+        nibbles = torch.stack((values & 0xF, values >> 4), dim=-1).flatten(-2)
+        if mxfp4:
+            table = torch.tensor(FP4_VALUES, device=values.device)
+            values = table[nibbles.long()]
+        else:
+            values = (nibbles.to(torch.int8) ^ 8) - 8  # sign-extended
+    if mxfp4:
+        scale = torch.ldexp(torch.ones_like(scale, dtype=torch.float32), scale.int() - 127)
     group = values.shape[-1] // scale.shape[-1]
     weight = values.float() * scale.float().repeat_interleave(group, dim=-1)
-    return weight.to(scale.dtype)
+    return weight.to(dtype or scale.dtype)
 
 
 QUANTIZED_EXPERTS = ("w13", "w13_scale", "w2", "w2_scale")  # a `QuantizedExperts`' tensors
 
 
 class QuantizedExperts(nn.Module):
-    """`Experts` over weights kept as a compressed-tensors artifact stores them (`lmforge quantize
-    --format compressed-tensors`, llm-compressor): w13 [E, 2·ffn_dim, dim] and w2 [E, dim,
-    ffn_dim] in int8 or float8 e4m3, or int4 two a byte (uint8, last dimension halved), with
-    scales w13_scale [E, 2·ffn_dim, groups] and w2_scale [E, dim, groups] (a row's groups of
-    columns; one group: a scale a row) in the dtype that computes. The forward dequantizes both
-    stacks (`dequantize`) and runs `expert_outputs`: the memory a model holds is the quantized
-    one; the engine's subclass reads the integers directly at decode
+    """`Experts` over weights kept quantized: w13 [E, 2·ffn_dim, dim] and w2 [E, dim, ffn_dim] in
+    int8 or float8 e4m3, or 4-bit two a byte (uint8, last dimension halved), with scales
+    w13_scale [E, 2·ffn_dim, groups] and w2_scale [E, dim, groups] (a row's groups of columns;
+    one group: a scale a row) in the dtype that computes, as a compressed-tensors artifact
+    stores them (`lmforge quantize --format compressed-tensors`, llm-compressor); or MXFP4, as
+    gpt-oss's hub files (e2m1 two a byte, uint8 scales: a power of two a group of 32, see
+    `dequantize`), computing in the input's dtype. `biases` (gpt-oss): each projection's bias
+    and the experts' activation, as `BiasedExperts` holds them. The forward dequantizes both
+    stacks and runs `expert_outputs`: the memory a model holds is the quantized one; the
+    engine's subclass reads the quantized weights directly at decode
     (lmforge/generate/kernels/moe.py)."""
 
-    def __init__(self, w13, w13_scale, w2, w2_scale) -> None:
+    def __init__(self, w13, w13_scale, w2, w2_scale, biases: ExpertBiases | None = None) -> None:
         super().__init__()
         for name, tensor in zip(QUANTIZED_EXPERTS, (w13, w13_scale, w2, w2_scale), strict=True):
             self.register_buffer(name, tensor)
+        self.biased = biases is not None
+        if biases is not None:
+            self.b13 = nn.Parameter(biases.b13, requires_grad=False)
+            self.b2 = nn.Parameter(biases.b2, requires_grad=False)
+            self.activation = biases.activation
         self.grouped: bool | None = None  # `expert_outputs`'s choice; None: by device
 
+    def biases(self) -> ExpertBiases | None:
+        return BiasedExperts.biases(self) if self.biased else None
+
     def forward(self, x, weights, experts) -> torch.Tensor:
-        w13, w2 = dequantize(self.w13, self.w13_scale), dequantize(self.w2, self.w2_scale)
-        return expert_outputs(x, w13, w2, weights, experts, grouped=self.grouped)
+        w13 = dequantize(self.w13, self.w13_scale, x.dtype)
+        w2 = dequantize(self.w2, self.w2_scale, x.dtype)
+        return expert_outputs(
+            x, w13, w2, weights, experts, grouped=self.grouped, biases=self.biases()
+        )
 
 
 def use_quantized_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
     """Make the experts of each sparse MLP whose weights `state` (our names) holds quantized (a
-    `w13_scale` beside them) a `QuantizedExperts` of those tensors' shapes and dtypes, on the
-    meta device, for `load_state_dict(assign=True)` to fill; returns how many."""
+    `w13_scale` beside them) a `QuantizedExperts` of those tensors' shapes and dtypes (with the
+    biases of biased experts), on the meta device, for `load_state_dict(assign=True)` to
+    fill; returns how many."""
     swapped = 0
     for name, module in model.named_modules():
         prefix = f"{name}.experts."
         if isinstance(module, MoEFeedForward) and f"{prefix}w13_scale" in state:
             meta = [state[prefix + key].to("meta") for key in QUANTIZED_EXPERTS]
-            module.experts = QuantizedExperts(*meta)
+            biases = module.experts.biases() if isinstance(module.experts, BiasedExperts) else None
+            module.experts = QuantizedExperts(*meta, biases=biases)
             swapped += 1
     return swapped
 

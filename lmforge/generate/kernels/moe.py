@@ -55,24 +55,46 @@ INTERPRETED_TILE = (16, 32, 1)
 
 
 @triton.jit
+def _scale(scale, FP4: tl.constexpr):
+    """Loaded scales in fp32: as they are, or (FP4: MXFP4's bytes) 2^(byte - 127)."""
+    if FP4:
+        return tl.exp2(scale.to(tl.float32) - 127.0)
+    return scale.to(tl.float32)
+
+
+@triton.jit
 def _weights(
-    rows_ptr, scales_ptr, cols, ok, PACKED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr
+    rows_ptr,
+    scales_ptr,
+    cols,
+    ok,
+    PACKED: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP4: tl.constexpr,
 ):
     """A [BLOCK_N, BLOCK_K] tile of weights in fp32, columns `cols` [BLOCK_K] of the rows that
     start at rows_ptr [BLOCK_N, 1]: floats as they are; QUANT: integers or float8, times the
     scale of their row's group of GROUP columns (scales_ptr [BLOCK_N, 1]: each row's first
-    scale; GROUP 0: scaled by the caller, a row at a time); PACKED: int4 two a byte, the low
-    nibble the even column."""
+    scale; GROUP 0: scaled by the caller, a row at a time); PACKED: 4 bits two a byte, the low
+    nibble the even column, an int4 or (FP4) MXFP4's e2m1 with its power-of-two scales."""
     if PACKED:
         byte = tl.load(rows_ptr + cols[None, :] // 2, mask=ok, other=0).to(tl.int32)
         nibble = (byte >> ((cols[None, :] % 2) * 4)) & 0xF
-        w = ((nibble ^ 8) - 8).to(tl.float32)  # sign-extended
+        if FP4:  # e2m1: sign, two exponent bits, one mantissa bit
+            exponent = (nibble >> 1) & 3
+            mantissa = (nibble & 1).to(tl.float32)
+            normal = (2.0 + mantissa) * tl.exp2(exponent.to(tl.float32) - 2.0)
+            magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
+            w = tl.where(nibble >= 8, -magnitude, magnitude)
+        else:
+            w = ((nibble ^ 8) - 8).to(tl.float32)  # sign-extended
     elif QUANT:  # (no `other`: the interpreter cannot cast one to float8)
         w = tl.where(ok, tl.load(rows_ptr + cols[None, :], mask=ok).to(tl.float32), 0.0)
     else:
         w = tl.load(rows_ptr + cols[None, :], mask=ok, other=0).to(tl.float32)
     if GROUP > 0:
-        w *= tl.load(scales_ptr + cols[None, :] // GROUP, mask=ok, other=0).to(tl.float32)
+        w *= _scale(tl.load(scales_ptr + cols[None, :] // GROUP, mask=ok, other=0), FP4)
     return w
 
 
@@ -89,6 +111,7 @@ def _gate_up(
     TOP_K: tl.constexpr,
     PACKED: tl.constexpr,
     GROUP: tl.constexpr,
+    FP4: tl.constexpr,  # MXFP4 (PACKED): e2m1 values, scales the bytes of powers of two
     HAS_BIAS: tl.constexpr,
     LIMIT: tl.constexpr,  # > 0: gpt-oss's clamped SwiGLU, (up + 1)·gate·σ(ALPHA·gate)
     ALPHA: tl.constexpr,
@@ -115,14 +138,14 @@ def _gate_up(
         col_ok = cols < DIM
         x = tl.load(x_ptr + token * DIM + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        gate += _weights(gate_rows, gate_scales, cols, ok, PACKED, GROUP > 0, tile_group) * x
-        up += _weights(up_rows, up_scales, cols, ok, PACKED, GROUP > 0, tile_group) * x
+        gate += _weights(gate_rows, gate_scales, cols, ok, PACKED, GROUP > 0, tile_group, FP4) * x
+        up += _weights(up_rows, up_scales, cols, ok, PACKED, GROUP > 0, tile_group, FP4) * x
     g = tl.sum(gate, axis=1)  # [BLOCK_N], reduced once, after the loop
     u = tl.sum(up, axis=1)
     if GROUP == DIM:
         row_scales = scale_ptr + expert * (2 * FFN) + rows  # [BLOCK_N]: one a row
-        g *= tl.load(row_scales, mask=row_ok, other=0).to(tl.float32)
-        u *= tl.load(row_scales + FFN, mask=row_ok, other=0).to(tl.float32)
+        g *= _scale(tl.load(row_scales, mask=row_ok, other=0), FP4)
+        u *= _scale(tl.load(row_scales + FFN, mask=row_ok, other=0), FP4)
     if HAS_BIAS:
         biases = bias_ptr + expert * (2 * FFN) + rows
         g += tl.load(biases, mask=row_ok, other=0).to(tl.float32)
@@ -150,6 +173,7 @@ def _down(
     TOP_K: tl.constexpr,
     PACKED: tl.constexpr,
     GROUP: tl.constexpr,
+    FP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -178,10 +202,11 @@ def _down(
             # the weight applied to h's BLOCK_K values, not to the BLOCK_N · BLOCK_K products
             h = tl.load(h_ptr + pair * FFN + cols, mask=col_ok, other=0).to(tl.float32) * weight
             ok = row_ok[:, None] & col_ok[None, :]
-            acc += _weights(w_rows, w_scales, cols, ok, PACKED, GROUP > 0, tile_group) * h[None, :]
+            w = _weights(w_rows, w_scales, cols, ok, PACKED, GROUP > 0, tile_group, FP4)
+            acc += w * h[None, :]
         if GROUP == FFN:
             scale = tl.load(scale_ptr + expert * DIM + rows, mask=row_ok, other=0)
-            out += tl.sum(acc, axis=1) * scale.to(tl.float32)
+            out += tl.sum(acc, axis=1) * _scale(scale, FP4)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if GROUP != FFN:
         out = tl.sum(acc, axis=1)
@@ -213,8 +238,8 @@ def fused_experts(
     chosen experts' rows: x [tokens, dim], w13 [E, 2I, dim], w2 [E, dim, I], weights and
     experts [tokens, k] -> [tokens, dim] in x's dtype (fp32 sums, h = silu(gate)·up rounded to
     x's dtype between the two). With scales (`moe.QuantizedExperts`' layout: int8, float8 or
-    int4 two a byte, w13_scale [E, 2I, groups], w2_scale [E, dim, groups]) the weights are
-    read quantized and scaled in the kernels. `biases` (gpt-oss): each projection's bias and
+    4 bits two a byte, w13_scale [E, 2I, groups], w2_scale [E, dim, groups]; uint8 scales:
+    MXFP4) the weights are read quantized and scaled in the kernels. `biases` (gpt-oss): each projection's bias and
     the clamped SwiGLU (`moe.ClampedSwiGLU`) in the kernels too. Any number of tokens;
     `routed_experts` says when it is worth it. CUDA, or Triton's interpreter."""
     tokens, dim = x.shape
@@ -230,19 +255,20 @@ def fused_experts(
     weights, experts = weights.contiguous(), experts.contiguous()
     scales13, group13 = _scales(w13_scale, dim, w13)
     scales2, group2 = _scales(w2_scale, ffn, w2)
+    fp4 = w13_scale is not None and w13_scale.dtype == torch.uint8
     hidden = x.new_empty(tokens * top_k, ffn)  # [tokens * k, I]: pair p = t * k + s
     b13, b2 = (x, x) if biases is None else (biases.b13.contiguous(), biases.b2.contiguous())
     limit, alpha = _activation(biases)
     block_n, block_k, warps = _tile(GATE_UP_TILE, dim)
     _gate_up[(tokens * top_k, triton.cdiv(ffn, block_n))](
         x, w13, scales13, b13, experts, hidden, DIM=dim, FFN=ffn, TOP_K=top_k, PACKED=packed,
-        GROUP=group13, HAS_BIAS=biases is not None, LIMIT=limit, ALPHA=alpha, BLOCK_N=block_n,
+        GROUP=group13, FP4=fp4, HAS_BIAS=biases is not None, LIMIT=limit, ALPHA=alpha, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     block_n, block_k, warps = _tile(DOWN_TILE, ffn)
     _down[(tokens, triton.cdiv(dim, block_n))](
         hidden, w2, scales2, b2, weights, experts, out, DIM=dim, FFN=ffn, TOP_K=top_k,
-        PACKED=packed, GROUP=group2, HAS_BIAS=biases is not None, BLOCK_N=block_n,
+        PACKED=packed, GROUP=group2, FP4=fp4, HAS_BIAS=biases is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return out
@@ -376,10 +402,12 @@ def routed_experts(
         activation = moe.ClampedSwiGLU(alpha, limit) if limit > 0 else moe._swiglu
         biases = moe.ExpertBiases(b13, b2, activation)
     dtype = w13.dtype if w13_scale is None else w13_scale.dtype
+    if dtype == torch.uint8:  # MXFP4's scales: computing in x's dtype
+        dtype = x.dtype
     if fused_fits(x, dtype, experts):
         return fused_experts(x, w13, w2, weights, experts, w13_scale, w2_scale, biases)
     if w13_scale is not None:
-        w13, w2 = moe.dequantize(w13, w13_scale), moe.dequantize(w2, w2_scale)
+        w13, w2 = moe.dequantize(w13, w13_scale, x.dtype), moe.dequantize(w2, w2_scale, x.dtype)
     return moe.expert_outputs(x, w13, w2, weights, experts, grouped=grouped, biases=biases)
 
 
@@ -403,15 +431,20 @@ class FusedExperts(moe.Experts):
 
 class FusedQuantizedExperts(moe.QuantizedExperts):
     """`moe.QuantizedExperts` whose forward without autograd goes through `routed_experts`
-    with the scales: for a few tokens the fused kernels read the quantized weights (a quarter
-    or half of bf16's bytes), for more the stacks are dequantized for the grouped path."""
+    with the scales (and biases): for a few tokens the fused kernels read the quantized weights
+    (a quarter or half of bf16's bytes), for more the stacks are dequantized for the grouped
+    path."""
 
     def forward(self, x, weights, experts) -> torch.Tensor:
         if not _inference_kernels(x):
             return super().forward(x, weights, experts)
+        biases = self.biases()
+        limit, alpha = _activation(biases)
+        b13, b2 = (None, None) if biases is None else (biases.b13, biases.b2)
         return routed_experts(
-            x, self.w13, self.w2, weights, experts, self.grouped, self.w13_scale, self.w2_scale
-        )
+            x, self.w13, self.w2, weights, experts, self.grouped, self.w13_scale, self.w2_scale,
+            b13, b2, limit, alpha,
+        )  # fmt: skip
 
 
 class FusedBiasedExperts(moe.BiasedExperts):

@@ -7,7 +7,7 @@ I]: `to_our_layout` converts on load (the key map then renames), `to_hf_layout` 
 The hub's own files (openai/gpt-oss-*) hold the experts in MXFP4 (`..._blocks`: two e2m1
 values a byte in blocks of 32 along the input, `..._scales`: a power-of-two exponent a block,
 [E, out, in] like ours), dequantized at load (`dequantize_mxfp4`) into the other tensors'
-dtype.
+dtype, or kept for the inference engine (`keep_quantized`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lmforge.errors import ModelFormatError
+from lmforge.models import moe
 from lmforge.models.gpt_oss.args import ModelArgs, YarnScaling
 from lmforge.models.llama import hf as llama_hf
 
@@ -36,41 +37,26 @@ KEY_MAP = llama_hf.KeyMap(
         ("model.layers.{i}.mlp.experts.gate_up_proj_bias", "layers.{i}.feed_forward.experts.b13"),
         ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.feed_forward.experts.w2"),
         ("model.layers.{i}.mlp.experts.down_proj_bias", "layers.{i}.feed_forward.experts.b2"),
+        # MXFP4 experts kept (`to_our_layout(keep_quantized=True)`): in memory only
+        (
+            "model.layers.{i}.mlp.experts.gate_up_proj_scale",
+            "layers.{i}.feed_forward.experts.w13_scale",
+        ),
+        (
+            "model.layers.{i}.mlp.experts.down_proj_scale",
+            "layers.{i}.feed_forward.experts.w2_scale",
+        ),
     ]
 )
 hf_to_ours = KEY_MAP.hf_to_ours
 ours_to_hf = KEY_MAP.ours_to_hf
-
-# e2m1: the 16 values of a 4-bit float (sign, two exponent bits, one mantissa bit)
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
     """MXFP4 (OCP microscaling): blocks [..., groups, 16] uint8 (the low nibble the even
     element), scales [..., groups] uint8 (a biased power-of-two exponent, 127 = 1) -> [...,
     groups · 32] in `dtype`."""
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    pairs = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., groups, 16, 2]
-    values = table[pairs].flatten(-2)  # [..., groups, 32]
-    exponents = scales.to(torch.int32) - 127
-    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2).to(dtype)
+    return moe.dequantize(blocks.flatten(-2), scales, dtype)
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -97,9 +83,13 @@ def output_rows(name: str, rows: torch.Tensor, inverse: bool = False) -> torch.T
     return _deinterleave(rows, 0) if inverse else _interleave(rows, 0)
 
 
-def to_our_layout(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def to_our_layout(
+    hf_state: dict[str, torch.Tensor], path: Path, keep_quantized: bool = False
+) -> dict[str, torch.Tensor]:
     """The experts of a transformers or hub state dict in our layout, under transformers'
-    names (MXFP4 dequantized); other tensors pass through."""
+    names; other tensors pass through. MXFP4 experts are dequantized, or with `keep_quantized`
+    kept as they are (`moe.QuantizedExperts`' MXFP4: the blocks' bytes [E, out, in / 2], the
+    scale bytes [E, out, in / 32] under `..._proj_scale`), gate and up rows apart either way."""
     dtype = next((t.dtype for t in hf_state.values() if t.is_floating_point()), torch.bfloat16)
     out = {}
     for name, tensor in hf_state.items():
@@ -110,8 +100,13 @@ def to_our_layout(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, to
             scales = hf_state.get(f"{prefix}_scales")
             if scales is None:
                 raise ModelFormatError(f"{path}: {name} has no {prefix}_scales beside it")
-            weight = dequantize_mxfp4(tensor, scales, dtype)
-            out[prefix] = _deinterleave(weight, 1) if prefix.endswith("gate_up_proj") else weight
+            if keep_quantized:
+                kept = {prefix: tensor.flatten(-2), f"{prefix}_scale": scales}
+            else:
+                kept = {prefix: dequantize_mxfp4(tensor, scales, dtype)}
+            if prefix.endswith("gate_up_proj"):
+                kept = {key: _deinterleave(t, 1) for key, t in kept.items()}
+            out |= {key: t.contiguous() for key, t in kept.items()}
         elif name.endswith("experts.gate_up_proj"):
             out[name] = _deinterleave(tensor.transpose(1, 2), 1)
         elif name.endswith("experts.gate_up_proj_bias"):

@@ -57,7 +57,9 @@ _PER_EXPERT = re.compile(
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def stack_experts(hf_state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def stack_experts(
+    hf_state: dict[str, torch.Tensor], path: Path, keep_quantized: bool = False
+) -> dict[str, torch.Tensor]:
     """The hub's per-expert tensors of each layer stacked into transformers 5's two (gate rows
     then up rows in gate_up_proj); other tensors pass through. Missing experts are an error."""
     per_layer: dict[int, dict[tuple[int, str], torch.Tensor]] = defaultdict(dict)
