@@ -136,6 +136,10 @@ def test_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
     experts = kept.model.layers["0"].feed_forward.experts
     assert type(experts) is moe.QuantizedExperts and experts.w13_scale.dtype == torch.uint8
     assert module_bytes(kept.model) < 0.5 * module_bytes(dequantized.model)
+    from lmforge.plan.inference import InferenceSetup, weight_bytes
+
+    planned = weight_bytes(InferenceSetup(args=kept.config, dtype="fp32", mxfp4_experts=True))
+    assert planned == pytest.approx(module_bytes(kept.model), rel=0.02)  # the planner's count
     tokens = _tokens(seed=4)
     with torch.no_grad():
         torch.testing.assert_close(kept.model(tokens), dequantized.model(tokens), rtol=0, atol=1e-5)

@@ -313,6 +313,7 @@ def plan_inference_main(args: argparse.Namespace) -> int:
         plan_inference,
         suggest_inference,
     )
+    from lmforge.quantize.stored import has_mxfp4_experts
 
     _refuse_flags(args, TRAINING_ONLY, "only without --task (a training plan)")
     if not args.model:
@@ -331,6 +332,7 @@ def plan_inference_main(args: argparse.Namespace) -> int:
         task=args.task,
         dtype=args.compute_dtype or "bf16",
         quantization=args.quantization,
+        mxfp4_experts=has_mxfp4_experts(Path(args.model)),
         scored_tokens=scored if args.task in ("score", "eval") else None,
         **sizes,
     )

@@ -29,6 +29,7 @@ from lmforge.plan.inference import (
 )
 from lmforge.plan.memory import GiB, Plan, parse_memory
 from lmforge.plan.search import plan_job
+from lmforge.quantize.stored import has_mxfp4_experts
 
 if TYPE_CHECKING:
     from lmforge.models import ModelArgs
@@ -231,6 +232,8 @@ def _quantization(pipeline: Pipeline, path: str) -> dict:
             "int4_packed": c.device != "cpu",  # made on CUDA: tinygemm's layout
         }
     lineage = pipeline.path(Path(path)) / "lmforge.json"
+    if upstream is None and has_mxfp4_experts(pipeline.path(Path(path))):
+        return {"mxfp4_experts": True}
     if upstream is not None or not lineage.exists():
         return {}
     import json

@@ -62,6 +62,7 @@ QUANT_LAYOUT = {
     ("fp8", False): (1.0, 4),
 }
 DEFAULT_PREFILL_CHUNK = 2048  # the engine's on CUDA
+MXFP4_GROUP = 32  # values a power-of-two scale byte covers in MXFP4
 # Scored positions a row of lm-eval's log-likelihood requests is planned with: its continuations
 # are short (a choice, an answer); perplexity scores every position.
 EVAL_SCORED_TOKENS = 256
@@ -79,6 +80,7 @@ class InferenceSetup:
     group_size: int | None = None  # None: per row (int8-wo); int4-wo: as `lmforge quantize`
     int4_packed: bool = True  # int4-wo made on CUDA (tinygemm's layout); False: made on the CPU
     quantize_output: bool = False  # the output projection quantized too
+    mxfp4_experts: bool = False  # the hub's MXFP4 experts kept (gpt-oss; one process)
     batch: int = 1  # KV-cache rows (generate) or rows of one forward (score)
     seq_len: int = 4096  # KV-cache slots per row (generate) or tokens per row (score)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -161,7 +163,9 @@ def weight_bytes(setup: InferenceSetup) -> int:
         quantized = setup.quantization is not None and (
             (spec.group != "root" and spec.matmul) or (is_output and setup.quantize_output)
         )
-        if quantized:
+        if setup.mxfp4_experts and spec.expert and setup.tp == 1:
+            total += count * (numel // 2 + numel // MXFP4_GROUP)  # e2m1 two a byte, a scale
+        elif quantized:
             rows = numel // spec.shape[1]  # the shard's output rows
             total += count * quantized_bytes(numel, rows, setup)
         else:
@@ -370,6 +374,8 @@ def describe_inference(setup: InferenceSetup) -> str:
     count = a.num_params()
     size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
     weights = setup.quantization or setup.dtype
+    if setup.mxfp4_experts and setup.tp == 1:
+        weights += ", the experts MXFP4"
     if setup.task == "quantize" and setup.calibrated:
         return (
             f"GPTQ of a {size} model on the host (llm-compressor), {setup.batch} samples × "

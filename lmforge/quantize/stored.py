@@ -134,6 +134,16 @@ def read_quantized_state(directory: Path, args) -> dict[str, torch.Tensor]:
     return models.hf_state_dict_to_ours(state, args, directory)
 
 
+def has_mxfp4_experts(directory: Path) -> bool:
+    """Whether a model directory's config.json says MXFP4 (gpt-oss's hub files: experts as
+    e2m1 blocks and power-of-two scales, which the inference commands keep so)."""
+    config_path = Path(directory) / artifact.CONFIG_NAME
+    if not Path(directory).is_dir() or not config_path.exists():
+        return False
+    config = artifact.read_json(config_path).get("quantization_config") or {}
+    return config.get("quant_method") == "mxfp4"
+
+
 def is_compressed(directory: Path) -> bool:
     """Whether a model directory's config.json says compressed-tensors (`lmforge quantize
     --format compressed-tensors`, llm-compressor)."""
