@@ -87,6 +87,26 @@ def _quantized_experts(bits: int, group: int | None):
     return apply
 
 
+def _mxfp4_experts(model: nn.Module) -> nn.Module:
+    """gpt-oss's experts as `generate` / `serve` keep its hub's MXFP4 (`QuantizedExperts`: e2m1
+    two a byte, a power-of-two scale byte a group of 32): random values at about the bf16
+    weights' scale (a decode's speed does not depend on them), biases kept."""
+    for mlp in model.modules():
+        if isinstance(mlp, MoEFeedForward):
+            stacks = []
+            for stack in (mlp.experts.w13.data, mlp.experts.w2.data):
+                generator = torch.Generator(device=stack.device).manual_seed(0)
+                values = torch.randint(0, 256, (*stack.shape[:-1], stack.shape[-1] // 2),
+                                       dtype=torch.uint8, device=stack.device, generator=generator)  # fmt: skip
+                scales = torch.full((*stack.shape[:-1], stack.shape[-1] // 32), 119,
+                                    dtype=torch.uint8, device=stack.device)  # fmt: skip
+                stacks += [values, scales]
+            biases = mlp.experts.biases() if hasattr(mlp.experts, "biases") else None
+            mlp.experts = QuantizedExperts(*stacks, biases=biases)
+    cleanup()
+    return model
+
+
 SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "fp8": _fp8,
     "bf16": lambda model: model,
@@ -102,6 +122,7 @@ SCHEMES: dict[str, Callable[[nn.Module], nn.Module]] = {
     # a MoE's experts only (compressed-tensors W8A16 / W4A16 as lmforge holds them)
     "int8-experts": _quantized_experts(8, None),
     "int4-experts": _quantized_experts(4, 128),
+    "mxfp4-experts": _mxfp4_experts,  # gpt-oss's hub format, kept
 }
 
 VARIANTS = ("lmforge", "hf-static")

@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | adapters-serve | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | adapters-serve | gpt-oss | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|adapters-serve|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|adapters-serve|gpt-oss|trl" >&2
   exit 2
   ;;
 esac
@@ -176,6 +176,17 @@ moe-quantized)
       --new-tokens 128 --repeats 2 --out "$OUT/moe-$scheme"
   done
   grep -h '^{' "$OUT"/decode-moe-*.log | cut -c1-250
+  ;;
+gpt-oss)
+  # batch-1 decode of gpt-oss-20b (random weights; attention through SDPA with its sinks, the
+  # experts in the fused kernels) in bf16 (~42 GB) and with its experts kept as the hub's MXFP4
+  # (`QuantizedExperts`, as generate / serve hold them: ~13 GB), each its own process
+  for scheme in bf16 mxfp4-experts; do
+    TRITON_CACHE_DIR=/tmp/triton-gpt-oss step 270 "decode-gpt-oss-$scheme" python3 \
+      benchmarks/decode.py --presets gpt-oss-20b --variants lmforge --schemes "$scheme" \
+      --new-tokens 128 --repeats 2 --out "$OUT/gpt-oss-$scheme"
+  done
+  grep -h '^{' "$OUT"/decode-gpt-oss-*.log | cut -c1-250
   ;;
 moe-train)
   # one GPU (H100 or H200; ~50 GiB by the planner): training tokens/s at qwen3-30b-a3b's shapes
