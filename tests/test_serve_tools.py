@@ -94,7 +94,9 @@ QWEN3_TEMPLATE = r"""
 {%- endif %}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
 """
 # Llama 3.1's layout: the tools in the first user turn, a call as the assistant's whole turn
 # `{"name": ..., "parameters": {...}}` (one a turn), results as ipython turns
@@ -298,7 +300,7 @@ HISTORY = [
 ]
 
 
-def test_tools_and_earlier_calls_reach_each_template(servers):
+def test_tools_and_earlier_calls_reach_each_template(servers, clients):
     qwen = _prompt(servers["qwen3"], HISTORY, tools=TOOLS)
     assert json.dumps(WEATHER) in qwen and "You help.\n\n# Tools" in qwen
     assert (
@@ -322,6 +324,17 @@ def test_tools_and_earlier_calls_reach_each_template(servers):
     # no tools, no tool turns: the prompt is what it always was
     assert _prompt(servers["generic"], MESSAGES) == render_llama3_chat(
         MESSAGES, add_generation_prompt=True
+    )
+    # vLLM's chat_template_kwargs reach the template (Qwen3's switch for its thinking)
+    thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert _prompt(servers["qwen3"], MESSAGES, **thinking_off).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert _prompt(servers["qwen3"], MESSAGES).endswith("<|im_start|>assistant\n")
+    answer = chat(clients["qwen3"], "qwen3", max_tokens=2, extra_body=thinking_off)
+    assert (
+        answer.usage.prompt_tokens
+        > chat(clients["qwen3"], "qwen3", max_tokens=2).usage.prompt_tokens
     )
 
 

@@ -28,6 +28,7 @@ MAX_SCHEMA_BYTES = 64 * 1024
 # The most tools a request may list (OpenAI's limit); their JSON text counts against
 # MAX_SCHEMA_BYTES too: "required" compiles every tool's parameters into one grammar.
 MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs' keys (vLLM's), e.g. Qwen3's enable_thinking
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,6 +306,25 @@ class ChatMessage(_Strict):
         return self
 
 
+# The names a template reads that the request's own fields set: not overridable
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+     "pad_token", "unk_token")
+)  # fmt: skip
+
+
+def _template_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs))
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} is set by the request itself, not a template variable")
+    return kwargs
+
+
+TemplateKwargs = Annotated[
+    dict[Text, Any], Field(max_length=MAX_TEMPLATE_KWARGS), AfterValidator(_template_names)
+]
+
+
 class FunctionDefinition(_Strict):
     name: FunctionName
     description: Text | None = None
@@ -337,6 +357,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -350,6 +372,7 @@ class TokenizeRequest(_Strict):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool | None = None  # messages only; default true
+    chat_template_kwargs: TemplateKwargs | None = None  # messages only, as in chat
 
 
 class LoadAdapterRequest(_Strict):

@@ -126,10 +126,11 @@ def encode_chat(
     *,
     tools: list[Tool] | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of a request's chat (with `tools` listed, lmforge.serve.protocol's `Tool`s),
-    rendered with the chat template as tools.py's `template_messages` lays it out (a 400
-    naming 'messages' where it cannot be)."""
+    rendered with the chat template as tools.py's `template_messages` lays it out, with the
+    request's `chat_template_kwargs` (a 400 naming 'messages' where it cannot be)."""
     tokenizer = model.tokenizer
     if tokenizer.chat_template is None:
         raise ApiError(
@@ -142,7 +143,10 @@ def encode_chat(
     rendered, template_vars = template_messages(messages, tools, style)
     try:
         return tokenizer.encode_chat(
-            rendered, add_generation_prompt=add_generation_prompt, **template_vars
+            rendered,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
+            **template_vars,
         )
     except UserError as err:
         raise ApiError(400, str(err), param="messages", code="invalid_value") from None
@@ -157,7 +161,10 @@ def _encode_prompts(
 ) -> tuple[list, str]:
     """The prompts' token ids and the parameter that holds them."""
     if isinstance(body, ChatCompletionRequest):
-        return [encode_chat(model, body.messages, tools=tools.listed)], "messages"
+        ids = encode_chat(
+            model, body.messages, tools=tools.listed, template_kwargs=body.chat_template_kwargs
+        )
+        return [ids], "messages"
     prompt = body.prompt
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     ids = []
@@ -183,8 +190,9 @@ def tokenize(body: TokenizeRequest, model: ServedModel) -> list[int]:
     if body.messages is not None:
         add_generation_prompt = body.add_generation_prompt is not False
         ids = encode_chat(
-            model, body.messages, tools=body.tools, add_generation_prompt=add_generation_prompt
-        )
+            model, body.messages, tools=body.tools, add_generation_prompt=add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
+        )  # fmt: skip
         if body.add_special_tokens and tokenizer.bos_id is not None:
             ids = [tokenizer.bos_id, *ids]
         return ids
@@ -195,13 +203,14 @@ def tokenize(body: TokenizeRequest, model: ServedModel) -> list[int]:
             param="prompt",
             code="missing",
         )
-    if body.add_generation_prompt is not None:
-        raise ApiError(
-            400,
-            "'add_generation_prompt' goes with 'messages', not with 'prompt'",
-            param="add_generation_prompt",
-            code="invalid_value",
-        )
+    for name in ("add_generation_prompt", "chat_template_kwargs"):
+        if getattr(body, name) is not None:
+            raise ApiError(
+                400,
+                f"'{name}' goes with 'messages', not with 'prompt'",
+                param=name,
+                code="invalid_value",
+            )
     bos = body.add_special_tokens is not False and tokenizer.bos_id is not None
     return tokenizer.encode(body.prompt, bos=bos)
 
