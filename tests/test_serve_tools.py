@@ -95,7 +95,8 @@ QWEN3_TEMPLATE = r"""
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}
+{%- elif thinking_only is defined and thinking_only %}{{- '<think>\n' }}{%- endif %}
 {%- endif %}
 """
 # Llama 3.1's layout: the tools in the first user turn, a call as the assistant's whole turn
@@ -212,10 +213,11 @@ def servers(tmp_path_factory):
         ),
         "generic": _artifact(root, "generic", small_args(320, max_seq_len=CONTEXT)),
     }  # fmt: skip
+    reasoning = {"qwen3": ["--reasoning-parser", "qwen3"]}
     started = {
         name: Server(
             Path(artifact), root / f"{name}.log", "--served-model-name", name,
-            "--max-concurrency", "4", "--max-seq-len", str(CONTEXT),
+            "--max-concurrency", "4", "--max-seq-len", str(CONTEXT), *reasoning.get(name, []),
         )
         for name, artifact in artifacts.items()
     }  # fmt: skip
@@ -336,6 +338,25 @@ def test_tools_and_earlier_calls_reach_each_template(servers, clients):
         answer.usage.prompt_tokens
         > chat(clients["qwen3"], "qwen3", max_tokens=2).usage.prompt_tokens
     )
+
+
+def test_reasoning_parser_splits_the_thinking_out_of_the_content(clients):
+    """`--reasoning-parser qwen3` on the Qwen3 server: a prompt that ends in `<think>` (a
+    thinking-only template; here through chat_template_kwargs) makes the whole answer of the
+    random model reasoning, never closed: `reasoning` holds it, streamed as `reasoning` deltas
+    that join to the same text; without it the answer is content, as before."""
+    client = clients["qwen3"]
+    options = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    think = {"chat_template_kwargs": {"thinking_only": True}}
+    answer = client.chat.completions.create(model="qwen3", extra_body=think, **options)
+    message = answer.choices[0].message
+    assert message.reasoning and message.content == ""
+    stream = client.chat.completions.create(model="qwen3", extra_body=think, stream=True, **options)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert not "".join(d.content or "" for d in deltas)
+    plain = client.chat.completions.create(model="qwen3", **options).choices[0].message
+    assert plain.content and getattr(plain, "reasoning", None) is None
 
 
 # ---- forced calls, end to end ---------------------------------------------------------------

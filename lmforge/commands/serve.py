@@ -141,6 +141,14 @@ def register(subparsers) -> None:
         "costs the server about what one token's did); first and last tokens go at once",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a thinking model's <think>...</think> text out of a chat answer's content "
+        "into its `reasoning` (vLLM's option and field): qwen3 (reasoning where the prompt or "
+        "the answer opens it), deepseek_r1 (the answer starts in it); default: all content",
+    )
+    parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -277,6 +285,9 @@ def model_name(args: argparse.Namespace) -> str:
     return path.name
 
 
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # lmforge/serve/reasoning.py's (and vLLM's names)
+
+
 def vllm_command(args: argparse.Namespace) -> list[str]:
     """vLLM's OpenAI server with the options equivalent to ours (the API key goes through the
     VLLM_API_KEY environment variable, not the command line)."""
@@ -307,6 +318,8 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
         command += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank)]
         command += ["--max-loras", str(args.max_loras or len(args.lora))]
         command += ["--lora-modules", *args.lora] if args.lora else []
+    if args.reasoning_parser:
+        command += ["--reasoning-parser", args.reasoning_parser]
     parser = vllm_tool_parser(Path(args.artifact))
     if parser is not None:  # `tools` with tool_choice "auto", as our server takes them
         command += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
@@ -466,6 +479,7 @@ def main(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         stream_interval=args.stream_interval,
         adapters=adapters,
+        reasoning_parser=args.reasoning_parser,
     )
     mirror = parallel.send_to_others if parallel.world_size() > 1 else None
     host, port = sock.getsockname()[:2]

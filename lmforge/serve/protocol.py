@@ -52,6 +52,8 @@ class ServeSettings:
             (None: the engine's load-dependent default; see `lmforge.serve.engine.Engine`).
         adapters: the LoRA adapters the engine loaded at start, (name, path) each: requests
             name one as their "model" (more load and unload at run time).
+        reasoning_parser: "qwen3" or "deepseek_r1": a chat answer's `<think>` text goes to its
+            `reasoning` (lmforge/serve/reasoning.py); None: all of it is content.
     """
 
     model_name: str
@@ -63,6 +65,7 @@ class ServeSettings:
     max_request_bytes: int = 8 << 20
     body_timeout: float = 30.0
     stream_interval: int | None = None
+    reasoning_parser: str | None = None
     # LoRA adapters loaded at start (`lmforge serve --lora NAME=PATH`): (name, path) each
     adapters: tuple[tuple[str, str], ...] = ()
 

@@ -39,6 +39,7 @@ from lmforge.serve.protocol import (
     Tool,
     error_body,
 )
+from lmforge.serve.reasoning import ReasoningSplitter, starts_thinking
 from lmforge.serve.tools import (
     GENERIC,
     ToolCallParser,
@@ -84,6 +85,7 @@ class _Plan:
     prompt_lengths: list[int]  # per distinct prompt
     tools: ToolUse  # (a chat's; ToolUse() for none)
     format_param: str = "response_format"  # what asked for the sequences' json_format
+    thinking: bool | None = None  # the answer starts in its reasoning; None: no reasoning split
 
 
 def _check_unsupported(body: GenerationRequest) -> None:
@@ -418,7 +420,12 @@ def plan_request(
         for choice in range(n):
             seed = None if body.seed is None else body.seed + choice
             sequences.append(SequenceRequest(ids, params, seed, num_logprobs, adapter))
-    return _Plan(sequences, [len(ids) for ids in prompts], tools, format_param)
+    thinking = None
+    if isinstance(body, ChatCompletionRequest) and settings.reasoning_parser and not json_format:
+        # (a constrained answer is JSON from its first token: no reasoning to split)
+        tail = model.tokenizer.decode(prompts[0][-8:])
+        thinking = starts_thinking(settings.reasoning_parser, tail)
+    return _Plan(sequences, [len(ids) for ids in prompts], tools, format_param, thinking)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -498,6 +505,9 @@ class Session:
         self.parsers = None
         if plan.tools.style is not None:
             self.parsers = [self._tool_call_parser() for _ in plan.sequences]
+        self.splitters = None  # and its reasoning split from its content, one a choice
+        if plan.thinking is not None:
+            self.splitters = [ReasoningSplitter(thinking=plan.thinking) for _ in plan.sequences]
         timeout = state.settings.request_timeout
         self.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         try:
@@ -631,10 +641,16 @@ class Session:
         logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs)
         if self.chat:
             message: dict = {"role": "assistant", "content": choice.text}
+            if self.plan.thinking is not None:
+                splitter = ReasoningSplitter(thinking=self.plan.thinking)
+                pieces = splitter.feed(choice.text), splitter.finish()
+                message["reasoning"] = "".join(r for r, _ in pieces) or None
+                message["content"] = "".join(c for _, c in pieces)
             finish_reason = choice.finish_reason
             if self.plan.tools.style is not None:
                 parser = self._tool_call_parser()
-                message["content"], calls = message_of(parser.feed(choice.text) + parser.finish())
+                events = parser.feed(message["content"]) + parser.finish()
+                message["content"], calls = message_of(events)
                 if calls:
                     message["tool_calls"] = calls
                 finish_reason = _finish_reason(finish_reason, parser)
@@ -669,6 +685,13 @@ class Session:
             return [
                 {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             ]
+        reasoning = ""
+        if self.splitters is not None:
+            splitter = self.splitters[index]
+            reasoning, text = splitter.feed(text)
+            if finish_reason is not None:
+                last_reasoning, last_text = splitter.finish()
+                reasoning, text = reasoning + last_reasoning, text + last_text
         if self.parsers is None:
             deltas = [{"content": text}] if text else []
         else:
@@ -678,6 +701,8 @@ class Session:
                 events += parser.finish()
                 finish_reason = _finish_reason(finish_reason, parser)
             deltas = deltas_of(events)
+        if reasoning:
+            deltas.insert(0, {"reasoning": reasoning})
         if not deltas and (finish_reason is not None or logprobs is not None):
             deltas = [{}]
         chunks = [
