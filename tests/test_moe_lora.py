@@ -360,3 +360,32 @@ def test_a_lora_model_from_scratch_initializes_its_experts_and_adapters():
     assert isinstance(experts, lora.LoRAExperts)
     assert experts.w13.std() > 0 and experts.lora_a["w13"].abs().sum() > 0
     assert experts.lora_b["w13"].abs().sum() == 0
+
+
+def test_lora_on_experts_under_ep2_matches_one_process(tmp_path, moe_base):
+    """parallel.ep = 2 with LoRA on the experts (attention and the router too): each process
+    holds two of the four experts and their adapters; one row a micro-batch (each micro-batch's
+    aux loss its own), the same rows give one process's losses, and the exported adapter is
+    the one process's. QLoRA with expert parallelism is refused in one line."""
+    from safetensors.torch import load_file
+
+    from tests.train_utils import run_torchrun
+
+    common = [CLI_TARGETS, "train.micro_batch_size=1", "train.global_batch_size=2"]
+    common += ["checkpoint.export_dtype=float32"]
+    assert run_inprocess("sft", sft_args(tmp_path / "one", moe_base, *common)) == 0
+    run_torchrun(2, "sft", sft_args(tmp_path / "ep", moe_base, *common, "parallel.ep=2"))
+    one, ep = losses(tmp_path / "one"), losses(tmp_path / "ep")
+    assert sorted(ep) == sorted(one) and one[max(one)] < one[1]
+    for step, loss in one.items():
+        assert ep[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    weights = "artifact/adapter/adapter_model.safetensors"
+    ours, reference = load_file(tmp_path / "ep" / weights), load_file(tmp_path / "one" / weights)
+    assert ours.keys() == reference.keys() and any("experts" in k for k in ours)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, atol=2e-5, rtol=1e-4, msg=name)
+    from lmforge.plan.memory import Setup, plan_memory
+
+    args = lmforge.load(moe_base[0]).config
+    with pytest.raises(ConfigError, match=r"QLoRA\) with parallel.ep > 1"):
+        plan_memory(Setup(args=args, method="qlora", gpus=2, ep=2))

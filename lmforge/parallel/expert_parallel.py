@@ -34,7 +34,8 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lmforge.errors import ConfigError
-from lmforge.models.moe import ExpertBiases, combine, expert_outputs, is_experts
+from lmforge.models.moe import ExpertAdapters, ExpertBiases, combine, expert_outputs, is_experts
+from lmforge.modules.lora import LoRAExperts
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -60,11 +61,13 @@ def dispatch_combine(
     *,
     grouped: bool | None = None,
     biases: ExpertBiases | None = None,
+    lora: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """`expert_outputs(x, W13, W2, weights, experts)` with the full weights W13, W2 split over
     the ranks of `group`: this rank's `w13` [E/ep, 2I, dim] and `w2` [E/ep, dim, I] are experts
-    rank·E/ep onwards (and `biases`' b13 [E/ep, 2I], b2 [E/ep, dim]: gpt-oss's). x [tokens,
-    dim], weights and experts [tokens, k] -> [tokens, dim]."""
+    rank·E/ep onwards (and `biases`' b13 [E/ep, 2I], b2 [E/ep, dim]: gpt-oss's; `lora`'s
+    adapters of those experts). x [tokens, dim], weights and experts [tokens, k] -> [tokens,
+    dim]."""
     ep = group.size()
     num_local = w13.shape[0]
     num_experts = num_local * ep
@@ -87,19 +90,20 @@ def dispatch_combine(
     local_expert = torch.repeat_interleave(local_expert, received_counts.reshape(-1))  # [n]
     ones = torch.ones(len(local_expert), 1, dtype=received.dtype, device=x.device)
     y = expert_outputs(
-        received, w13, w2, ones, local_expert[:, None], grouped=grouped, biases=biases
+        received, w13, w2, ones, local_expert[:, None], grouped=grouped, biases=biases, lora=lora
     )
     if received.shape[0] == 0:  # no rows: still a (zero) gradient, as the other ranks have one
         held = [w13, w2] + ([biases.b13, biases.b2] if biases is not None else [])
+        held += [lora.a13, lora.b13, lora.a2, lora.b2] if lora is not None else []
         y = y + 0 * sum(w.sum() for w in held)
     back = all_to_all_single(rows.new_empty(rows.shape), y, send, receive, group=group)
     return combine(back, order, weights).to(x.dtype)
 
 
 class ExpertParallel:
-    """Mixed into an `Experts` (or `BiasedExperts`) module's class by `apply_expert_parallel`:
-    the same parameters (DTensors sharded along dim 0 over the ep mesh), a forward through
-    `dispatch_combine`."""
+    """Mixed into an `Experts`, `BiasedExperts` or `LoRAExperts` module's class by
+    `apply_expert_parallel`: the same parameters (DTensors sharded along dim 0 over the ep
+    mesh; a LoRA's adapters with their experts), a forward through `dispatch_combine`."""
 
     ep_group: dist.ProcessGroup
 
@@ -107,14 +111,17 @@ class ExpertParallel:
         ep = self.ep_group.size()
         local = {
             name: _ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
-            for name, w in self.named_parameters(recurse=False)
+            for name, w in self.named_parameters()  # ("lora_a.w13": a LoRA's, recursed into)
         }
-        biases = None
+        biases = lora = None
         if "b13" in local:
             biases = ExpertBiases(local["b13"], local["b2"], self.activation)
+        if "lora_a.w13" in local and not self.disabled:
+            a13, b13, a2, b2 = (local[f"lora_{ab}.{w}"] for w in ("w13", "w2") for ab in "ab")
+            lora = ExpertAdapters(a13, b13, a2, b2, self.scale)
         return dispatch_combine(
             x, weights, experts, local["w13"], local["w2"], self.ep_group,
-            grouped=self.grouped, biases=biases,
+            grouped=self.grouped, biases=biases, lora=lora,
         )  # fmt: skip
 
 
@@ -128,8 +135,8 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's stacked-experts modules (none for a dense model)."""
-    return [module for module in model.modules() if is_experts(module)]
+    """The model's stacked-experts modules, LoRA's included (none for a dense model)."""
+    return [m for m in model.modules() if is_experts(m) or isinstance(m, LoRAExperts)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -149,8 +156,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                 f"parallel.ep = {ep} must divide the model's num_experts ({num_experts}); "
                 f"allowed: {allowed}"
             )
-        for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, _shard(param, ep_mesh))  # [E, ...] each
+        for name, param in list(module.named_parameters()):
+            owner, _, leaf = name.rpartition(".")  # (a LoRA's: "lora_a.w13")
+            setattr(module.get_submodule(owner), leaf, _shard(param, ep_mesh))  # [E, ...] each
         module.ep_group = ep_mesh.get_group()
         cls = type(module)
         module.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})

@@ -353,9 +353,10 @@ def check_setup(setup: Setup) -> None:
                 f"parallel.ep = {setup.ep} must divide the model's num_experts ({num_experts}); "
                 f"allowed: {allowed}"
             )
-        if setup.uses_lora:
+        if setup.method == "qlora":
             raise ConfigError(
-                "lora.enabled with parallel.ep > 1 is not supported yet; set parallel.ep = 1"
+                'lora.quantize_base = "nf4" (QLoRA) with parallel.ep > 1 is not supported yet; '
+                "set parallel.ep = 1, or train LoRA with bf16 bases"
             )
     if setup.method == "qlora" and setup.cpu_offload:
         raise ConfigError('lora.quantize_base = "nf4" (QLoRA) cannot be combined with CPU offload')
@@ -462,6 +463,7 @@ def param_specs(setup: Setup, *, num_layers: int | None = None) -> list[ParamSpe
                                 None,
                                 True,
                                 matmul=True,
+                                expert=True,  # [E, ...]: split with its experts under ep
                             )
                         )
     specs.append(ParamSpec("norm.weight", (d,), "root", None, full))

@@ -182,9 +182,10 @@ def _initial_state_on_rank0(
 def _check_lora_layout(lora: LoRASection, layout: distributed.Layout, job: TrainJob) -> None:
     if layout.tp_size > 1:
         raise ConfigError("lora.enabled with parallel.tp > 1 is not supported; use FSDP (dp_shard)")
-    if layout.ep_size > 1:
+    if layout.ep_size > 1 and lora.quantize_base == "nf4":
         raise ConfigError(
-            "lora.enabled with parallel.ep > 1 is not supported yet; set parallel.ep = 1"
+            'lora.quantize_base = "nf4" (QLoRA) with parallel.ep > 1 is not supported yet; set '
+            "parallel.ep = 1, or train LoRA with bf16 bases"
         )
     if lora.quantize_base == "nf4" and job.parallel.cpu_offload:
         raise ConfigError(
