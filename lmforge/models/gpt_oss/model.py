@@ -2,7 +2,8 @@
 - attention projections with biases, a learned sink logit a head (a softmax column whose value
   adds to the denominator only), and every other block attending within a sliding window;
 - a sparse MLP in every block: a router with a bias, the top k of its logits softmaxed among
-  themselves, experts with biases and the clamped SwiGLU (`moe.BiasedExperts`);
+  themselves (Qwen3-MoE's routing with norm_topk_prob: the same weights), experts with biases
+  and the clamped SwiGLU (`moe.BiasedExperts`);
 - YaRN-scaled RoPE (its inverse frequencies, and cos and sin times its attention factor).
 
 The sink rides along in `F.scaled_dot_product_attention` as one more key: a zero key and value
@@ -106,15 +107,6 @@ class SinkAttention(Attention):
         nn.init.zeros_(self.sinks)
 
 
-class TopKSoftmaxMoE(MoEFeedForward):
-    """gpt-oss's sparse MLP: the k largest router logits (the router has a bias), softmaxed
-    among themselves, over `BiasedExperts`."""
-
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values, experts = torch.topk(logits, self.top_k, dim=-1, sorted=False)
-        return F.softmax(values, dim=-1, dtype=torch.float32).to(logits.dtype), experts
-
-
 class Transformer(SparseModel, LlamaTransformer):
     """tokens [batch, seq] (int64) -> logits [batch, seq, vocab]; every block's attention holds
     wq/wk/wv/wo with biases and sinks [heads], its feed_forward router.weight [E, dim] with
@@ -130,8 +122,11 @@ class Transformer(SparseModel, LlamaTransformer):
         a = self.args
         activation = ClampedSwiGLU(alpha=a.swiglu_alpha, limit=a.swiglu_limit)
         experts = BiasedExperts(a.dim, a.ffn_dim, a.num_experts, activation)
-        return TopKSoftmaxMoE(
-            a.dim, a.ffn_dim, a.num_experts, a.num_experts_per_tok, norm_topk_prob=False,
+        # gpt-oss softmaxes the top k of the router's logits among themselves: the top k of the
+        # softmax over all E, renormalized (softmax is monotonic, and the top logit is the
+        # largest of all), so the routing is Qwen3-MoE's with norm_topk_prob (its kernel too)
+        return MoEFeedForward(
+            a.dim, a.ffn_dim, a.num_experts, a.num_experts_per_tok, norm_topk_prob=True,
             router_bias=True, experts=experts,
         )  # fmt: skip
 
