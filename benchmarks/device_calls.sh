@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | adapters-serve | gpt-oss | trl) ;;
+train | lora | cli | cli-post | memory | fsdp2 | fsdp2-post | tp | decode | decode-hf | serve | products | fbgemm | moe | moe-quantized | moe-train | moe-lora | fp8 | quantized-serve | quantized-8b | tiles | check | grpo | grpo-ab | grpo-2gpu | moe-2gpu | moe-serve | structured-serve | prefix-serve | adapters-serve | gpt-oss | eval-share | trl) ;;
 *)
-  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|adapters-serve|gpt-oss|trl" >&2
+  echo "usage: bash benchmarks/device_calls.sh train|lora|cli|cli-post|memory|fsdp2|fsdp2-post|tp|decode|decode-hf|serve|products|fbgemm|moe|moe-quantized|moe-train|moe-lora|fp8|quantized-serve|quantized-8b|tiles|check|grpo|grpo-ab|grpo-2gpu|moe-2gpu|moe-serve|structured-serve|prefix-serve|adapters-serve|gpt-oss|eval-share|trl" >&2
   exit 2
   ;;
 esac
@@ -176,6 +176,14 @@ moe-quantized)
       --new-tokens 128 --repeats 2 --out "$OUT/moe-$scheme"
   done
   grep -h '^{' "$OUT"/decode-moe-*.log | cut -c1-250
+  ;;
+eval-share)
+  # lm-eval's multiple-choice scoring on the 1B (random bf16 weights): 256 questions of ~256
+  # tokens with 4 choices, batch 8, each choice with its whole question (--no-share-contexts)
+  # against a question's choices in one row (the default). Issue 57's eval row
+  step 240 eval-share python3 benchmarks/eval_share.py --preset llama3.2-1b --questions 256 \
+    --context 256 --batch 8 --out "$OUT"
+  tail -n 3 "$OUT/eval-share.log"
   ;;
 gpt-oss)
   # batch-1 decode of gpt-oss-20b (random weights; attention through SDPA with its sinks, the

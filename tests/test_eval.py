@@ -358,3 +358,42 @@ def test_scoring_in_batches_with_progress_equals_one_call(world, capsys, monkeyp
     assert "\r" in terminal.getvalue() and "4/4" in terminal.getvalue()
     assert lm._score(sequences, desc="loglikelihood", disable=True) == expected
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss"])
+def test_shared_contexts_score_as_each_sequence_alone(family):
+    """Multiple-choice requests sharing their question run as one row (the context once, each
+    choice after it under a mask): the same log-likelihoods and greedy flags as scoring each
+    sequence whole, for choices of different lengths, one-token ones, a context with one
+    choice and unscored sequences; Llama, Qwen3 (head norms) and gpt-oss (sinks, a window
+    shorter than the rows)."""
+    from lmforge.api import build_model
+    from lmforge.generate.logprobs import sequence_logprobs, shared_context_logprobs
+    from tests.train_utils import small_args, small_qwen3_args
+
+    if family == "gpt_oss":
+        from lmforge import models
+
+        args = models.get_preset("gpt-oss-20b").replace(
+            dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=32,
+            num_experts=4, num_experts_per_tok=2, vocab_size=300, sliding_window=6,
+        )  # fmt: skip
+    else:
+        args = (small_qwen3_args if family == "qwen3" else small_args)(300)
+    model = build_model(args, seed=3).eval()
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(length: int) -> list[int]:
+        return torch.randint(3, 300, (length,), generator=generator).tolist()
+
+    sequences = []
+    for question in range(5):
+        context = draw(4 + 3 * question)
+        for choice in range(4 if question != 2 else 1):
+            continuation = draw(1 + (choice + question) % 3)
+            sequences.append((context + continuation, len(continuation)))
+    sequences.append((draw(6), 0))
+    alone = sequence_logprobs(model, sequences, batch_size=4, device="cpu")
+    shared = shared_context_logprobs(model, sequences, batch_size=2, device="cpu")
+    for (a, greedy_a), (b, greedy_b) in zip(shared, alone, strict=True):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b

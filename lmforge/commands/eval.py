@@ -87,6 +87,13 @@ def register(subparsers) -> None:
         "--log-samples", action="store_true", help="keep per-example responses in the JSON"
     )
     parser.add_argument(
+        "--share-contexts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score a multiple-choice question's choices as one row, the question once "
+        "(default); --no-share-contexts: each choice with its whole context",
+    )
+    parser.add_argument(
         "--seed", type=int, default=1234, help="seed for few-shot sampling and sampling"
     )
     parser.add_argument(
@@ -172,6 +179,7 @@ def _run_tasks(args: argparse.Namespace, tasks: list[str], include_path: list[Pa
         log_samples=args.log_samples,
         seed=args.seed,
         out=args.out,
+        share_contexts=args.share_contexts,
     )
     for result in evaluated:
         print(f"\n== {result.source}")

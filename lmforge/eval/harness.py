@@ -44,7 +44,7 @@ from lmforge.errors import ConfigError, DataError, ModelFormatError
 from lmforge.generate import Generator, SamplingParams, parallel
 from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import peak_memory_bytes
-from lmforge.generate.logprobs import sequence_logprobs
+from lmforge.generate.logprobs import sequence_logprobs, shared_context_logprobs
 from lmforge.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class LmforgeLM(LM):
             Llama 3's do, as their pretraining data begins documents with it).
         max_gen_toks: default generation length when a task does not set one.
         seed: seed of the generator used for sampled generation.
+        share_contexts: score log-likelihood requests with one context (a question's choices)
+            as one row, the context once (`shared_context_logprobs`); False: each whole.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class LmforgeLM(LM):
         add_bos_token: bool | None = None,
         max_gen_toks: int = 256,
         seed: int = 1234,
+        share_contexts: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(source, LoadedModel):
@@ -110,6 +113,7 @@ class LmforgeLM(LM):
         self.max_length = max_length or loaded.config.max_seq_len
         self.add_bos_token = self.tokenizer.adds_bos if add_bos_token is None else add_bos_token
         self.max_gen_toks = max_gen_toks
+        self.share_contexts = share_contexts
         self._seeds = torch.Generator().manual_seed(seed)  # one sampling seed per batch
         self._generator: Generator | None = None  # see `_engine`
         specials = sorted(self.tokenizer.special_tokens, key=len, reverse=True)
@@ -172,7 +176,9 @@ class LmforgeLM(LM):
             # Longer than the model takes: drop context from the left.
             tokens = (context_ids + continuation_ids)[-(self.max_length + 1) :]
             sequences.append((tokens, min(len(continuation_ids), len(tokens) - 1)))
-        results = self._score(sequences, desc="loglikelihood", disable=disable_tqdm)
+        results = self._score(
+            sequences, desc="loglikelihood", disable=disable_tqdm, share=self.share_contexts
+        )
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request.args, result)
         return results
@@ -205,18 +211,38 @@ class LmforgeLM(LM):
         return totals
 
     def _score(
-        self, sequences: list[tuple[list[int], int]], *, desc: str, disable: bool
+        self, sequences: list[tuple[list[int], int]], *, desc: str, disable: bool, share=False
     ) -> list[tuple[float, bool]]:
         """`sequence_logprobs` one batch at a time, with progress between batches. The batches
         are those one call would make (longest first, a stable sort, unscored sequences left
-        out), so the results are the same to the bit."""
+        out), so the results are the same to the bit. `share`: sequences whose context
+        others have too (a question's choices) go through `shared_context_logprobs` instead,
+        `batch_size` contexts at a time."""
         results = [(0.0, True)] * len(sequences)  # what sequence_logprobs gives n = 0
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (tokens, n) in enumerate(sequences):
+            if share and n > 0:
+                groups.setdefault(tuple(tokens[: len(tokens) - n]), []).append(i)
+        shared = [g for g in groups.values() if len(g) > 1]
+        in_shared = {i for g in shared for i in g}
         order = sorted(
-            (i for i, (_, n) in enumerate(sequences) if n > 0),
+            (i for i, (_, n) in enumerate(sequences) if n > 0 and i not in in_shared),
             key=lambda i: -len(sequences[i][0]),
         )
         with Progress(len(sequences), desc, unit="requests", disable=disable) as progress:
-            progress.update(len(sequences) - len(order))
+            progress.update(len(sequences) - len(order) - len(in_shared))
+            shared.sort(key=lambda g: -sum(len(sequences[i][0]) for i in g))
+            for start in range(0, len(shared), self.batch_size):
+                batch = [i for g in shared[start : start + self.batch_size] for i in g]
+                scored = shared_context_logprobs(
+                    self.model,
+                    [sequences[i] for i in batch],
+                    batch_size=self.batch_size,
+                    device=self.device,
+                )
+                for i, result in zip(batch, scored):
+                    results[i] = result
+                progress.update(len(batch))
             for start in range(0, len(order), self.batch_size):
                 batch = order[start : start + self.batch_size]
                 scored = sequence_logprobs(
@@ -501,6 +527,7 @@ def run_eval(
     seed: int = 1234,
     out: str | Path | None = None,
     write: bool = True,
+    share_contexts: bool = True,
 ) -> list[EvalResult]:
     """Evaluate lm-eval tasks on each model source, one after the other.
 
@@ -514,6 +541,7 @@ def run_eval(
         log_samples: keep per-example requests and responses in the results (key "samples").
         out: directory for the results files (default: `<artifact>/eval/`).
         write: write the results files at all.
+        share_contexts: score a question's choices as one row, the question once (LmforgeLM).
 
     Returns:
         one `EvalResult` per source, in order; `.results` has lm-eval's "results", "versions",
@@ -555,6 +583,7 @@ def run_eval(
             dtype=dtype,
             max_length=max_length,
             seed=seed,
+            share_contexts=share_contexts,
         )
         if lm.device.type == "cuda":  # the evaluation's peak, not the loading's
             torch.cuda.reset_peak_memory_stats(lm.device)

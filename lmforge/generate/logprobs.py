@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -80,6 +81,106 @@ def sequence_logprobs(
             results[i] = (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n]))
             offset += n
     return results  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def shared_context_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[Sequence[int], int]],
+    *,
+    batch_size: int,
+    device: torch.device | str,
+) -> list[tuple[float, bool]]:
+    """`sequence_logprobs`' results, where sequences with the same context (the tokens before
+    their last n: a multiple-choice question's choices) run as one row: the context once, then
+    each continuation's inputs (its tokens but the last) at the positions after the context,
+    a mask letting each attend to the context and causally to itself only. A question with
+    four choices is then one context and four continuations wide instead of four contexts;
+    sequences whose context is their own take `sequence_logprobs`. `batch_size`: rows a
+    forward."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (tokens, n) in enumerate(sequences):
+        if n > 0:
+            groups.setdefault(tuple(tokens[: len(tokens) - n]), []).append(i)
+    alone = [i for i, (_, n) in enumerate(sequences) if n == 0]
+    alone += [g[0] for g in groups.values() if len(g) == 1]
+    results: list[tuple[float, bool] | None] = [None] * len(sequences)
+    scored = sequence_logprobs(model, [sequences[i] for i in alone], batch_size=batch_size,
+                               device=device)  # fmt: skip
+    for i, result in zip(alone, scored, strict=True):
+        results[i] = result
+    rows = [_packed_row(context, [sequences[i] for i in g], g) for context, g in groups.items()
+            if len(g) > 1]  # fmt: skip
+    rows.sort(key=lambda row: -len(row.inputs))
+    for start in range(0, len(rows), batch_size):
+        for i, result in _score_rows(model, rows[start : start + batch_size], device):
+            results[i] = result
+    return results  # type: ignore[return-value]
+
+
+@dataclass
+class _PackedRow:
+    """One context and its continuations in one row (`shared_context_logprobs`)."""
+
+    inputs: list[int]  # the context, then each continuation's tokens but its last
+    positions: list[int]  # RoPE's: each continuation's start right after the context
+    segments: list[int]  # 0: the context, s + 1: continuation s
+    predicted_at: list[list[int]]  # per continuation: the inputs whose outputs predict it
+    targets: list[list[int]]  # per continuation: its tokens
+    owners: list[int]  # per continuation: its sequence's index
+
+
+def _packed_row(context: tuple[int, ...], members: list, owners: list[int]) -> _PackedRow:
+    c = len(context)
+    row = _PackedRow(list(context), list(range(c)), [0] * c, [], [], owners)
+    for s, (tokens, n) in enumerate(members):
+        continuation = list(tokens[-n:])
+        first = len(row.inputs)
+        row.inputs += continuation[:-1]
+        row.positions += range(c, c + n - 1)
+        row.segments += [s + 1] * (n - 1)
+        row.predicted_at.append([c - 1, *range(first, first + n - 1)])
+        row.targets.append(continuation)
+    return row
+
+
+def _score_rows(model, rows: list[_PackedRow], device) -> list[tuple[int, tuple[float, bool]]]:
+    """One forward over packed rows (right-padded: a padding position attends to itself)."""
+    width = len(rows[0].inputs)
+    inputs = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    segments = torch.full((len(rows), width), -1)
+    for r, row in enumerate(rows):
+        length = len(row.inputs)
+        inputs[r, :length] = torch.tensor(row.inputs)
+        positions[r, :length] = torch.tensor(row.positions)
+        segments[r, :length] = torch.tensor(row.segments)
+    query, key = segments[:, :, None], segments[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = causal & ((key == query) | ((key == 0) & (query >= 0)))  # [b, width, width]
+    device = torch.device(device)
+    with shape_free_attention(device):
+        hidden = model(
+            inputs.to(device), positions=positions.to(device), attn_mask=mask[:, None].to(device),
+            return_hidden=True,
+        )  # fmt: skip
+    picked = [
+        hidden[r, at] for r, row in enumerate(rows) for at in map(torch.tensor, row.predicted_at)
+    ]
+    targets = [t for row in rows for continuation in row.targets for t in continuation]
+    logprobs = F.log_softmax(model.output(torch.cat(picked)).float(), dim=-1)
+    target = torch.tensor(targets, device=logprobs.device)
+    chosen = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
+    greedy = (logprobs.argmax(-1) == target).tolist()
+    out, offset = [], 0
+    for row in rows:
+        for owner, continuation in zip(row.owners, row.targets, strict=True):
+            n = len(continuation)
+            out.append(
+                (owner, (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n])))
+            )
+            offset += n
+    return out
 
 
 def _forward(model: torch.nn.Module, inputs: torch.Tensor, *, device) -> torch.Tensor:

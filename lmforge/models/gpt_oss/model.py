@@ -58,11 +58,13 @@ def yarn_attention_factor(args: ModelArgs) -> float:
 
 
 def within_window(allowed: torch.Tensor, window: int) -> torch.Tensor:
-    """A bool mask [..., s, L] (True: attend) narrowed to the `window` keys up to each query's
-    own, the last True of its row (causal and per-document masks end at the query)."""
-    index = torch.arange(allowed.shape[-1], device=allowed.device)
-    own = torch.where(allowed, index, -1).amax(dim=-1, keepdim=True)  # [..., s, 1]
-    return allowed & (index > own - window)
+    """A bool mask [..., s, L] (True: attend) narrowed to the last `window` keys each query may
+    attend to, its own the last of them: counted among the allowed keys, not by index, so a
+    row that packs a context and several continuations after it (`shared_context_logprobs`)
+    windows each continuation by its positions; for a causal or per-document mask the two
+    counts are the same."""
+    from_the_end = allowed.flip(-1).cumsum(-1).flip(-1)  # allowed keys at or after each key
+    return allowed & (from_the_end <= window)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
