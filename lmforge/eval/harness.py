@@ -44,7 +44,11 @@ from lmforge.errors import ConfigError, DataError, ModelFormatError
 from lmforge.generate import Generator, SamplingParams, parallel
 from lmforge.generate.engine import use_quantized_kernels
 from lmforge.generate.generate import peak_memory_bytes
-from lmforge.generate.logprobs import sequence_logprobs, shared_context_logprobs
+from lmforge.generate.logprobs import (
+    context_groups,
+    sequence_logprobs,
+    shared_context_logprobs,
+)
 from lmforge.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -219,38 +223,24 @@ class LmforgeLM(LM):
         others have too (a question's choices) go through `shared_context_logprobs` instead,
         `batch_size` contexts at a time."""
         results = [(0.0, True)] * len(sequences)  # what sequence_logprobs gives n = 0
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, (tokens, n) in enumerate(sequences):
-            if share and n > 0:
-                groups.setdefault(tuple(tokens[: len(tokens) - n]), []).append(i)
-        shared = [g for g in groups.values() if len(g) > 1]
+        shared = [g for g in context_groups(sequences) if len(g) > 1] if share else []
+        shared.sort(key=lambda g: -sum(len(sequences[i][0]) for i in g))
         in_shared = {i for g in shared for i in g}
         order = sorted(
             (i for i, (_, n) in enumerate(sequences) if n > 0 and i not in in_shared),
             key=lambda i: -len(sequences[i][0]),
         )
+        size = self.batch_size
+        batches = [
+            *(([i for g in shared[at : at + size] for i in g], shared_context_logprobs)
+              for at in range(0, len(shared), size)),
+            *((order[at : at + size], sequence_logprobs) for at in range(0, len(order), size)),
+        ]  # fmt: skip
         with Progress(len(sequences), desc, unit="requests", disable=disable) as progress:
             progress.update(len(sequences) - len(order) - len(in_shared))
-            shared.sort(key=lambda g: -sum(len(sequences[i][0]) for i in g))
-            for start in range(0, len(shared), self.batch_size):
-                batch = [i for g in shared[start : start + self.batch_size] for i in g]
-                scored = shared_context_logprobs(
-                    self.model,
-                    [sequences[i] for i in batch],
-                    batch_size=self.batch_size,
-                    device=self.device,
-                )
-                for i, result in zip(batch, scored):
-                    results[i] = result
-                progress.update(len(batch))
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start : start + self.batch_size]
-                scored = sequence_logprobs(
-                    self.model,
-                    [sequences[i] for i in batch],
-                    batch_size=self.batch_size,
-                    device=self.device,
-                )
+            for batch, score in batches:
+                chosen = [sequences[i] for i in batch]
+                scored = score(self.model, chosen, batch_size=size, device=self.device)
                 for i, result in zip(batch, scored):
                     results[i] = result
                 progress.update(len(batch))

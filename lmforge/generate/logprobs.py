@@ -69,18 +69,36 @@ def sequence_logprobs(
             tokens, n = sequences[i]
             length = len(tokens) - 1
             picked.append(hidden[row, length - n : length])
-            targets.extend(tokens[-n:])
-        logits = model.output(torch.cat(picked))  # [sum n, vocab]
-        logprobs = F.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(targets, device=logprobs.device)
-        chosen = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
-        greedy = (logprobs.argmax(-1) == target).tolist()
-        offset = 0
-        for i in batch:
-            n = sequences[i][1]
-            results[i] = (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n]))
-            offset += n
+            targets.append(tokens[-n:])
+        for i, result in zip(batch, _scored(model, picked, targets), strict=True):
+            results[i] = result
     return results  # type: ignore[return-value]
+
+
+def _scored(model, picked: list[torch.Tensor], targets: list[Sequence[int]]):
+    """Per sequence, (the sum of its targets' log-probabilities, whether each is the argmax),
+    from the hidden states [n, dim] that predict its n targets."""
+    logits = model.output(torch.cat(picked))  # [sum n, vocab]
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor([t for ts in targets for t in ts], device=logprobs.device)
+    chosen = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
+    greedy = (logprobs.argmax(-1) == target).tolist()
+    results, offset = [], 0
+    for ts in targets:
+        n = len(ts)
+        results.append((math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n])))
+        offset += n
+    return results
+
+
+def context_groups(sequences: Sequence[tuple[Sequence[int], int]]) -> list[list[int]]:
+    """The indices of the scored sequences (n > 0) with the same context (the tokens before
+    their last n), a list a context, in order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (tokens, n) in enumerate(sequences):
+        if n > 0:
+            groups.setdefault(tuple(tokens[: len(tokens) - n]), []).append(i)
+    return list(groups.values())
 
 
 @torch.inference_mode()
@@ -98,19 +116,15 @@ def shared_context_logprobs(
     four choices is then one context and four continuations wide instead of four contexts;
     sequences whose context is their own take `sequence_logprobs`. `batch_size`: rows a
     forward."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (tokens, n) in enumerate(sequences):
-        if n > 0:
-            groups.setdefault(tuple(tokens[: len(tokens) - n]), []).append(i)
+    groups = context_groups(sequences)
     alone = [i for i, (_, n) in enumerate(sequences) if n == 0]
-    alone += [g[0] for g in groups.values() if len(g) == 1]
+    alone += [g[0] for g in groups if len(g) == 1]
     results: list[tuple[float, bool] | None] = [None] * len(sequences)
     scored = sequence_logprobs(model, [sequences[i] for i in alone], batch_size=batch_size,
                                device=device)  # fmt: skip
     for i, result in zip(alone, scored, strict=True):
         results[i] = result
-    rows = [_packed_row(context, [sequences[i] for i in g], g) for context, g in groups.items()
-            if len(g) > 1]  # fmt: skip
+    rows = [_packed_row([sequences[i] for i in g], g) for g in groups if len(g) > 1]
     rows.sort(key=lambda row: -len(row.inputs))
     for start in range(0, len(rows), batch_size):
         for i, result in _score_rows(model, rows[start : start + batch_size], device):
@@ -130,9 +144,11 @@ class _PackedRow:
     owners: list[int]  # per continuation: its sequence's index
 
 
-def _packed_row(context: tuple[int, ...], members: list, owners: list[int]) -> _PackedRow:
+def _packed_row(members: list, owners: list[int]) -> _PackedRow:
+    tokens, n = members[0]
+    context = list(tokens[: len(tokens) - n])
     c = len(context)
-    row = _PackedRow(list(context), list(range(c)), [0] * c, [], [], owners)
+    row = _PackedRow(context, list(range(c)), [0] * c, [], [], owners)
     for s, (tokens, n) in enumerate(members):
         continuation = list(tokens[-n:])
         first = len(row.inputs)
@@ -167,20 +183,9 @@ def _score_rows(model, rows: list[_PackedRow], device) -> list[tuple[int, tuple[
     picked = [
         hidden[r, at] for r, row in enumerate(rows) for at in map(torch.tensor, row.predicted_at)
     ]
-    targets = [t for row in rows for continuation in row.targets for t in continuation]
-    logprobs = F.log_softmax(model.output(torch.cat(picked)).float(), dim=-1)
-    target = torch.tensor(targets, device=logprobs.device)
-    chosen = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
-    greedy = (logprobs.argmax(-1) == target).tolist()
-    out, offset = [], 0
-    for row in rows:
-        for owner, continuation in zip(row.owners, row.targets, strict=True):
-            n = len(continuation)
-            out.append(
-                (owner, (math.fsum(chosen[offset : offset + n]), all(greedy[offset : offset + n])))
-            )
-            offset += n
-    return out
+    targets = [continuation for row in rows for continuation in row.targets]
+    owners = [owner for row in rows for owner in row.owners]
+    return list(zip(owners, _scored(model, picked, targets), strict=True))
 
 
 def _forward(model: torch.nn.Module, inputs: torch.Tensor, *, device) -> torch.Tensor:
