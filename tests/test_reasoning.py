@@ -25,9 +25,7 @@ CASES = [
 
 @pytest.mark.parametrize("thinking, text, reasoning, content", CASES)
 def test_reasoning_and_content_whole_and_a_character_at_a_time(thinking, text, reasoning, content):
-    whole = ReasoningSplitter(thinking=thinking)
-    pieces = [whole.feed(text), whole.finish()]
-    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == (reasoning, content)
+    assert ReasoningSplitter(thinking=thinking).split(text) == (reasoning, content)
     streamed = ReasoningSplitter(thinking=thinking)
     pieces = [streamed.feed(char) for char in text] + [streamed.finish()]
     assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == (reasoning, content)

@@ -76,6 +76,11 @@ class ReasoningSplitter:
                 break
         return reasoning, content
 
+    def split(self, text: str) -> tuple[str, str]:
+        """A whole answer's (reasoning, content): `feed` and `finish` at once."""
+        (reasoning, content), (last_reasoning, last_content) = self.feed(text), self.finish()
+        return reasoning + last_reasoning, content + last_content
+
     def finish(self) -> tuple[str, str]:
         """The last (reasoning, content), at the end of the answer."""
         rest, self.held = self.held, ""

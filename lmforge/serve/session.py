@@ -643,9 +643,8 @@ class Session:
             message: dict = {"role": "assistant", "content": choice.text}
             if self.plan.thinking is not None:
                 splitter = ReasoningSplitter(thinking=self.plan.thinking)
-                pieces = splitter.feed(choice.text), splitter.finish()
-                message["reasoning"] = "".join(r for r, _ in pieces) or None
-                message["content"] = "".join(c for _, c in pieces)
+                reasoning, message["content"] = splitter.split(choice.text)
+                message["reasoning"] = reasoning or None
             finish_reason = choice.finish_reason
             if self.plan.tools.style is not None:
                 parser = self._tool_call_parser()
@@ -688,10 +687,10 @@ class Session:
         reasoning = ""
         if self.splitters is not None:
             splitter = self.splitters[index]
-            reasoning, text = splitter.feed(text)
-            if finish_reason is not None:
-                last_reasoning, last_text = splitter.finish()
-                reasoning, text = reasoning + last_reasoning, text + last_text
+            if finish_reason is None:
+                reasoning, text = splitter.feed(text)
+            else:
+                reasoning, text = splitter.split(text)
         if self.parsers is None:
             deltas = [{"content": text}] if text else []
         else:
