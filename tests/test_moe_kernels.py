@@ -143,15 +143,16 @@ def test_mxfp4_biased_experts_read_in_the_kernels_equal_their_dequantized_loop(t
     )  # fmt: skip
     got = moe_kernels.fused_experts(x, q13, q2, weights, experts, s13, s2, biases)
     want = moe.experts_loop(x, *dequantized, weights, experts, biases=biases)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # (fp32 sums of terms up to 2^3 · 6 · |x|, in another order: outputs near 50 differ by ~1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     module = moe.QuantizedExperts(q13, s13, q2, s2, biases=biases)
     assert moe_kernels.use_fused_experts(module) == 1
     with torch.no_grad():
-        torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-4, atol=1e-3)
         many = torch.cat([x] * 40)  # past FUSED_PAIRS
         repeated = [torch.cat([t] * 40) for t in (weights, experts)]
         torch.testing.assert_close(
-            module(many, *repeated), torch.cat([want] * 40), rtol=1e-5, atol=1e-4
+            module(many, *repeated), torch.cat([want] * 40), rtol=1e-4, atol=1e-3
         )
 
 

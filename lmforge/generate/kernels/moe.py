@@ -32,6 +32,8 @@ import triton.language as tl
 from torch import nn
 
 from lmforge.generate.early_launch import INTERPRETED
+from lmforge.generate.kernels.gemv_kernel import _byte_values
+from lmforge.generate.kernels.int4 import _int4_values
 from lmforge.models import moe
 
 # The most (token, choice) pairs the fused kernels take; more go the grouped path. Not measured
@@ -56,46 +58,116 @@ INTERPRETED_TILE = (16, 32, 1)
 
 @triton.jit
 def _scale(scale, FP4: tl.constexpr):
-    """Loaded scales in fp32: as they are, or (FP4: MXFP4's bytes) 2^(byte - 127)."""
+    """Loaded scales in fp32: as they are, or (FP4: MXFP4's bytes) 2^(byte - 127) times 2^14,
+    the factor `_e2m1_values` leaves out."""
     if FP4:
-        return tl.exp2(scale.to(tl.float32) - 127.0)
+        return tl.exp2(scale.to(tl.float32) - 113.0)
     return scale.to(tl.float32)
 
 
 @triton.jit
-def _weights(
-    rows_ptr,
-    scales_ptr,
-    cols,
-    ok,
+def _e2m1_values(byte):
+    """Both nibbles of uint8 MXFP4 bytes (e2m1: sign, two exponent bits, one mantissa bit; the
+    low nibble the even column) as fp32 times 2^-14, from their bits: the three magnitude bits
+    set into an fp16's exponent and mantissa (bits 9-11) give 2^(e - 15)·(1 + m/2), and for e
+    = 0 fp16's subnormal m·2^-15: the e2m1 value times 2^-14 either way (`_scale` puts 2^14
+    back); the sign goes to bit 15. No converter from integers, no select."""
+    bits = byte.to(tl.uint16)
+    low = ((bits & 7) << 9) | ((bits & 8) << 12)
+    high = ((bits & 0x70) << 5) | ((bits & 0x80) << 8)
+    return (
+        low.to(tl.float16, bitcast=True).to(tl.float32),
+        high.to(tl.float16, bitcast=True).to(tl.float32),
+    )
+
+
+@triton.jit
+def _inputs(
+    x_ptr, k0, mult, LEN: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, W: tl.constexpr
+):
+    """A step's inputs, [1, G, W] (`_products`' columns) times `mult`: (x, unused) for values
+    one a column; PACKED: (x at the even columns, at the odd ones), the two nibbles of a byte."""
+    stored = _stored_columns(k0, PACKED, G, W)
+    ok = stored < (LEN // 2 if PACKED else LEN)
+    if PACKED:
+        even = tl.load(x_ptr + 2 * stored, mask=ok, other=0).to(tl.float32) * mult
+        odd = tl.load(x_ptr + 2 * stored + 1, mask=ok, other=0).to(tl.float32) * mult
+        return even, odd
+    x = tl.load(x_ptr + stored, mask=ok, other=0).to(tl.float32) * mult
+    return x, x
+
+
+@triton.jit
+def _stored_columns(k0, PACKED: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """The stored columns (bytes where PACKED) of a step from column k0: [1, G, W], G groups of
+    W values, one scale each."""
+    first = k0 // 2 if PACKED else k0
+    groups = tl.arange(0, G)[None, :, None]
+    return first + groups * W + tl.arange(0, W)[None, None, :]
+
+
+@triton.jit
+def _products(
+    rows_ptr,  # [BLOCK_N, 1]: each row's first stored value
+    scales_ptr,  # [BLOCK_N, 1]: each row's first scale
+    x0,  # `_inputs`' [1, G, W]
+    x1,
+    k0,
+    row_ok,  # [BLOCK_N]
+    LEN: tl.constexpr,  # columns a row has
     PACKED: tl.constexpr,
     QUANT: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr,  # columns a scale covers, scaled here (0: none, or by the caller)
     FP4: tl.constexpr,
+    G: tl.constexpr,
+    W: tl.constexpr,
 ):
-    """A [BLOCK_N, BLOCK_K] tile of weights in fp32, columns `cols` [BLOCK_K] of the rows that
-    start at rows_ptr [BLOCK_N, 1]: floats as they are; QUANT: integers or float8, times the
-    scale of their row's group of GROUP columns (scales_ptr [BLOCK_N, 1]: each row's first
-    scale; GROUP 0: scaled by the caller, a row at a time); PACKED: 4 bits two a byte, the low
-    nibble the even column, an int4 or (FP4) MXFP4's e2m1 with its power-of-two scales."""
-    if PACKED:
-        byte = tl.load(rows_ptr + cols[None, :] // 2, mask=ok, other=0).to(tl.int32)
-        nibble = (byte >> ((cols[None, :] % 2) * 4)) & 0xF
-        if FP4:  # e2m1: sign, two exponent bits, one mantissa bit
-            exponent = (nibble >> 1) & 3
-            mantissa = (nibble & 1).to(tl.float32)
-            normal = (2.0 + mantissa) * tl.exp2(exponent.to(tl.float32) - 2.0)
-            magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
-            w = tl.where(nibble >= 8, -magnitude, magnitude)
-        else:
-            w = ((nibble ^ 8) - 8).to(tl.float32)  # sign-extended
-    elif QUANT:  # (no `other`: the interpreter cannot cast one to float8)
-        w = tl.where(ok, tl.load(rows_ptr + cols[None, :], mask=ok).to(tl.float32), 0.0)
+    """The step's weights from column k0 times their inputs, scaled a group at a time: [BLOCK_N,
+    G, W] fp32 to add up. Floats as they are; QUANT: int8 by `_int8_values`, float8 by the
+    converter; PACKED: 4 bits two a byte, the low nibble the even column, int4 by
+    `_int4_values`, MXFP4 by `_e2m1_values`. No integer reaches the converter (a quarter of
+    the FMA rate on Hopper) and a scale is loaded once a row and group, not once a weight."""
+    stored = _stored_columns(k0, PACKED, G, W)
+    ok = row_ok[:, None, None] & (stored < (LEN // 2 if PACKED else LEN))
+    raw = tl.load(rows_ptr[:, :, None] + stored, mask=ok, other=0.0)
+    if PACKED and FP4:
+        low, high = _e2m1_values(raw)
+        products = low * x0 + high * x1
+    elif (
+        PACKED
+    ):  # int4 n in two's complement: n + 8 = n ^ 8, so v = 128 + (n + 8)/2, 128 + 8(n + 8)
+        low, high = _int4_values(raw ^ 0x88)
+        products = low * (2.0 * x0) + high * (0.125 * x1) - (264.0 * x0 + 24.0 * x1)
+    elif QUANT:
+        products = _byte_values(raw) * x0
     else:
-        w = tl.load(rows_ptr + cols[None, :], mask=ok, other=0).to(tl.float32)
+        products = raw.to(tl.float32) * x0
     if GROUP > 0:
-        w *= _scale(tl.load(scales_ptr + cols[None, :] // GROUP, mask=ok, other=0), FP4)
-    return w
+        first = k0 // GROUP
+        groups = first + tl.arange(0, G)[None, :, None]
+        scale = tl.load(scales_ptr[:, :, None] + groups, mask=row_ok[:, None, None], other=0)
+        products *= _scale(scale, FP4)
+    return products
+
+
+def _tileable(group: int, block_k: int) -> bool:
+    """Whether the kernels' steps of `block_k` columns (a power of two) lie in whole groups of
+    `group` columns scaled in the loop (0: none, or one scale a row, applied to its sum): a
+    multiple of the step, or a power of two below it."""
+    if group == 0 or group % block_k == 0:
+        return True
+    return group < block_k and group & (group - 1) == 0
+
+
+def _groups_fit(dim: int, ffn: int, w13_scale, w2_scale) -> bool:
+    """Whether `fused_experts` takes scales of these shapes (`_tileable`; no scales: yes)."""
+    if w13_scale is None:
+        return True
+    for scale, length, tile in ((w13_scale, dim, GATE_UP_TILE), (w2_scale, ffn, DOWN_TILE)):
+        group = length // scale.shape[-1]
+        if not _tileable(0 if group == length else group, _tile(tile, length)[1]):
+            return False
+    return True
 
 
 @triton.jit
@@ -129,19 +201,23 @@ def _gate_up(
     groups: tl.constexpr = DIM // GROUP if GROUP > 0 else 1
     gate_scales = scale_ptr + expert * (2 * FFN * groups) + rows[:, None] * groups
     up_scales = gate_scales + FFN * groups
-    # a scale a row (GROUP = DIM: int8, float8) multiplies the row's sum, not every weight
+    # a scale a row multiplies the row's sum, not every weight
     tile_group: tl.constexpr = 0 if GROUP == DIM else GROUP
-    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    span: tl.constexpr = tile_group if (tile_group > 0 and tile_group < BLOCK_K) else BLOCK_K
+    G: tl.constexpr = BLOCK_K // span  # a step's groups of one scale
+    W: tl.constexpr = span // 2 if PACKED else span  # and a group's stored values
+    gate = tl.zeros([BLOCK_N, G, W], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, G, W], dtype=tl.float32)
     for k0 in range(0, DIM, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < DIM
-        x = tl.load(x_ptr + token * DIM + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        gate += _weights(gate_rows, gate_scales, cols, ok, PACKED, GROUP > 0, tile_group, FP4) * x
-        up += _weights(up_rows, up_scales, cols, ok, PACKED, GROUP > 0, tile_group, FP4) * x
-    g = tl.sum(gate, axis=1)  # [BLOCK_N], reduced once, after the loop
-    u = tl.sum(up, axis=1)
+        x0, x1 = _inputs(x_ptr + token * DIM, k0, 1.0, DIM, PACKED, G, W)
+        gate += _products(
+            gate_rows, gate_scales, x0, x1, k0, row_ok, DIM, PACKED, GROUP > 0, tile_group, FP4, G, W
+        )  # fmt: skip
+        up += _products(
+            up_rows, up_scales, x0, x1, k0, row_ok, DIM, PACKED, GROUP > 0, tile_group, FP4, G, W
+        )  # fmt: skip
+    g = tl.sum(tl.sum(gate, axis=2), axis=1)  # [BLOCK_N], reduced once, after the loop
+    u = tl.sum(tl.sum(up, axis=2), axis=1)
     if GROUP == DIM:
         row_scales = scale_ptr + expert * (2 * FFN) + rows  # [BLOCK_N]: one a row
         g *= _scale(tl.load(row_scales, mask=row_ok, other=0), FP4)
@@ -184,7 +260,10 @@ def _down(
     row_len: tl.constexpr = FFN // 2 if PACKED else FFN
     groups: tl.constexpr = FFN // GROUP if GROUP > 0 else 1
     tile_group: tl.constexpr = 0 if GROUP == FFN else GROUP  # (as in `_gate_up`)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # every choice's, weighted
+    span: tl.constexpr = tile_group if (tile_group > 0 and tile_group < BLOCK_K) else BLOCK_K
+    G: tl.constexpr = BLOCK_K // span
+    W: tl.constexpr = span // 2 if PACKED else span
+    acc = tl.zeros([BLOCK_N, G, W], dtype=tl.float32)  # every choice's, weighted
     out = tl.zeros([BLOCK_N], dtype=tl.float32)  # a scale a row: each choice's sum, scaled
     biased = tl.zeros([BLOCK_N], dtype=tl.float32)  # HAS_BIAS: the choices' biases, weighted
     for choice in range(TOP_K):
@@ -197,19 +276,17 @@ def _down(
         w_rows = w2_ptr + expert * (DIM * row_len) + rows[:, None] * row_len  # [BLOCK_N, 1]
         w_scales = scale_ptr + expert * (DIM * groups) + rows[:, None] * groups
         for k0 in range(0, FFN, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < FFN
-            # the weight applied to h's BLOCK_K values, not to the BLOCK_N · BLOCK_K products
-            h = tl.load(h_ptr + pair * FFN + cols, mask=col_ok, other=0).to(tl.float32) * weight
-            ok = row_ok[:, None] & col_ok[None, :]
-            w = _weights(w_rows, w_scales, cols, ok, PACKED, GROUP > 0, tile_group, FP4)
-            acc += w * h[None, :]
+            # the weight applied to h's values, not to the BLOCK_N · BLOCK_K products
+            h0, h1 = _inputs(h_ptr + pair * FFN, k0, weight, FFN, PACKED, G, W)
+            acc += _products(
+                w_rows, w_scales, h0, h1, k0, row_ok, FFN, PACKED, GROUP > 0, tile_group, FP4, G, W
+            )  # fmt: skip
         if GROUP == FFN:
             scale = tl.load(scale_ptr + expert * DIM + rows, mask=row_ok, other=0)
-            out += tl.sum(acc, axis=1) * _scale(scale, FP4)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            out += tl.sum(tl.sum(acc, axis=2), axis=1) * _scale(scale, FP4)
+            acc = tl.zeros([BLOCK_N, G, W], dtype=tl.float32)
     if GROUP != FFN:
-        out = tl.sum(acc, axis=1)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out += biased
     tl.store(out_ptr + token * DIM + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -256,6 +333,7 @@ def fused_experts(
     scales13, group13 = _scales(w13_scale, dim, w13)
     scales2, group2 = _scales(w2_scale, ffn, w2)
     fp4 = w13_scale is not None and w13_scale.dtype == torch.uint8
+    assert _groups_fit(dim, ffn, w13_scale, w2_scale), "groups of scales the tiles cut"
     hidden = x.new_empty(tokens * top_k, ffn)  # [tokens * k, I]: pair p = t * k + s
     b13, b2 = (x, x) if biases is None else (biases.b13.contiguous(), biases.b2.contiguous())
     limit, alpha = _activation(biases)
@@ -404,7 +482,8 @@ def routed_experts(
     dtype = w13.dtype if w13_scale is None else w13_scale.dtype
     if dtype == torch.uint8:  # MXFP4's scales: computing in x's dtype
         dtype = x.dtype
-    if fused_fits(x, dtype, experts):
+    ffn = w2.shape[2] * (2 if w13.dtype == torch.uint8 else 1)
+    if fused_fits(x, dtype, experts) and _groups_fit(x.shape[1], ffn, w13_scale, w2_scale):
         return fused_experts(x, w13, w2, weights, experts, w13_scale, w2_scale, biases)
     if w13_scale is not None:
         w13, w2 = moe.dequantize(w13, w13_scale, x.dtype), moe.dequantize(w2, w2_scale, x.dtype)
