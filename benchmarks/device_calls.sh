@@ -169,9 +169,9 @@ moe)
 moe-quantized)
   # batch-1 decode of case moe's model with its experts int8 (a scale a row) and int4 (two a
   # byte, a scale per 128 columns) as lmforge holds a compressed-tensors artifact's
-  # (QuantizedExperts; attention bf16), read by the fused kernels; bf16 is case moe's row
-  for scheme in int8-experts int4-experts; do
-    TRITON_CACHE_DIR=/tmp/triton-moe step 270 "decode-moe-$scheme" python3 benchmarks/decode.py \
+  # (QuantizedExperts; attention bf16), read by the fused kernels, after bf16 for the ratios
+  for scheme in bf16 int8-experts int4-experts; do
+    TRITON_CACHE_DIR=/tmp/triton-moe step 185 "decode-moe-$scheme" python3 benchmarks/decode.py \
       --presets "${PRESET:-qwen3-30b-a3b}" --num-layers 24 --variants lmforge --schemes "$scheme" \
       --new-tokens 128 --repeats 2 --out "$OUT/moe-$scheme"
   done
