@@ -83,6 +83,25 @@ def test_kernels_equal_the_dequantized_product(bits, group, rows, x_tile, monkey
         assert torch.equal(offset(x.to(DEVICE)).cpu(), got)
 
 
+@pytest.mark.parametrize(
+    "bits,group,n,k",
+    [(8, 256, 70, 256), (8, 48, 9, 96), (8, 4096, 3, 4096), (4, 128, 70, 512), (4, 16, 5, 64)],
+    ids=["int8-row", "int8-group48", "int8-wide", "int4-group128", "int4-group16"],
+)
+def test_the_expansion_for_many_rows_equals_the_dequantized_weight(bits, group, n, k):
+    """Past `quantized_gemm.MAX_ROWS` (prefill, scoring) a weight is expanded to x's dtype
+    (`kernels.dequantize`, tiles of one group) for one matmul: the weight `dequantized` makes,
+    rounded once to bf16, for rows of blocks cut short (70, 9, 3) and groups of any size."""
+    q, scale, zero = random_layout(bits, n, k, group)
+    packed = (q[:, : k // 2] | (q[:, k // 2 :] << 4)) if bits == 4 else q
+    want = dequantized(bits, q, scale, zero)
+    for stored in (packed, packed.view(torch.uint8) ^ 0x80) if bits == 8 else (packed,):
+        on = [t.to(DEVICE) for t in (stored, scale, zero)]
+        got = kernels.dequantize(*on, bits, torch.bfloat16).cpu()
+        # (within a bf16 rounding: the interpreter rounds toward zero, a GPU to nearest)
+        torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2**-7, atol=1e-6)
+
+
 INT8_HOWS = ("", " signed", " x as a vector", " exact", " exact signed", " folded")
 
 
@@ -584,9 +603,9 @@ for bits, group, fusions, x_tile, (block_n, block_k, warps) in cases:
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), (bits, fusions)
 for bits, weight in ((8, "*i8"), (8, "*u8"), (4, "*u8")):
     signature = {"w_ptr": weight, "scale_ptr": "*bf16", "zero_ptr": "*bf16",
-                 "out_ptr": "*bf16", "N": "i32", "K": "i32"}
-    signature |= {name: "constexpr" for name in ("GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
-    constants = {"GROUP": 128, "BITS": bits, "BLOCK_N": 16, "BLOCK_K": 64}
+                 "out_ptr": "*bf16", "N": "i32"}
+    signature |= {name: "constexpr" for name in ("K", "GROUP", "BITS", "BLOCK_N", "BLOCK_K")}
+    constants = {"K": 4096, "GROUP": 128, "BITS": bits, "BLOCK_N": 64, "BLOCK_K": 128}
     triton.compile(ASTSource(ops._dequantize, signature, constexprs=constants), target=target)
 for fusions, (block_n, groups, warps) in (("NORM SWIGLU", (32, 4, 4)), ("RESIDUAL", (16, 2, 2)),
                                           ("GATED RESIDUAL SPLITS", (8, 4, 1)), ("", (16, 1, 2))):

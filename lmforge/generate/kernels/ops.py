@@ -15,7 +15,8 @@ import triton.language as tl
 from lmforge.generate.early_launch import INTERPRETED
 from lmforge.generate.kernels import quantized_gemm
 from lmforge.generate.kernels.gemv_kernel import _launch_gemv
-from lmforge.generate.kernels.int8 import _offset_bytes
+from lmforge.generate.kernels.int4 import _int4_values
+from lmforge.generate.kernels.int8 import _int8_values
 
 
 @triton.jit
@@ -23,37 +24,41 @@ def _dequantize(
     w_ptr,
     scale_ptr,
     zero_ptr,
-    out_ptr,  # [N, K] bf16
+    out_ptr,  # [N, K] in x's dtype
     N,
-    K,
+    K: tl.constexpr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # stored columns a program expands: it divides GROUP
 ):
+    """A [BLOCK_N, BLOCK_K] tile of stored columns, all in one group: a scale (and zero) a row,
+    loaded once; the bytes made floats by the GEMV's conversions (`_int8_values`,
+    `_int4_values`: no integer converter), a multiply-add a value."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    stored = K // 2 if BITS == 4 else K
-    ok = (rows < N)[:, None] & (cols < stored)[None, :]
-    groups = K // GROUP
-    q = tl.load(w_ptr + rows[:, None] * stored + cols[None, :], mask=ok, other=0)
-    at = rows[:, None] * groups + cols[None, :] // GROUP
+    first = tl.program_id(1) * BLOCK_K
+    cols = first + tl.arange(0, BLOCK_K)
+    stored: tl.constexpr = K // 2 if BITS == 4 else K
+    row_ok = rows < N
+    q = tl.load(w_ptr + rows[:, None] * stored + cols[None, :], mask=row_ok[:, None], other=0)
+    at = rows * (K // GROUP) + first // GROUP  # [BLOCK_N]: the tile's group of each row
     out = out_ptr + rows[:, None] * K + cols[None, :]
-    if BITS == 8:
-        scale = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.float32)
-        values = (_offset_bytes(q).to(tl.int32) - 128).to(tl.float32)  # int8 or uint8 q + 128
-        tl.store(out, (values * scale).to(out_ptr.dtype.element_ty), mask=ok)
-    else:  # the low nibbles are columns 0..K/2-1, the high ones K/2..K-1
-        _store_int4(q & 0xF, scale_ptr, zero_ptr, at, out, ok)
-        _store_int4(q >> 4, scale_ptr, zero_ptr, at + stored // GROUP, out + stored, ok)
-
-
-@triton.jit
-def _store_int4(q, scale_ptr, zero_ptr, at, out, ok):
-    scale = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.float32)
-    zero = tl.load(zero_ptr + at, mask=ok, other=0).to(tl.float32)
-    w = (q.to(tl.float32) - 8) * scale + zero
-    tl.store(out, w.to(out.dtype.element_ty), mask=ok)
+    scale = tl.load(scale_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None]
+    if BITS == 8:  # int8, or uint8 q + 128
+        tl.store(out, (_int8_values(q) * scale).to(out.dtype.element_ty), mask=row_ok[:, None])
+    else:  # the low nibbles are columns 0..K/2-1, the high ones K/2..K-1; w = (n - 8)·s + z
+        low, high = _int4_values(q)  # 128 + n/2 and 128 + 8n
+        zero = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None]
+        high_zero = tl.load(zero_ptr + at + stored // GROUP, mask=row_ok, other=0)
+        high_scale = tl.load(scale_ptr + at + stored // GROUP, mask=row_ok, other=0)
+        high_zero, high_scale = (
+            high_zero.to(tl.float32)[:, None],
+            high_scale.to(tl.float32)[:, None],
+        )
+        w_low = low * (2.0 * scale) + (zero - 264.0 * scale)
+        w_high = high * (0.125 * high_scale) + (high_zero - 24.0 * high_scale)
+        tl.store(out, w_low.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out + stored, w_high.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @torch.library.custom_op("lmforge::gemv", mutates_args=())
@@ -107,12 +112,15 @@ def dequantize(q, scale, zero, bits: int, dtype: torch.dtype) -> torch.Tensor:
     n, stored = q.shape
     k = 2 * stored if bits == 4 else stored
     out = torch.empty(n, k, dtype=dtype, device=q.device)
-    block_n, block_k = 16, 64  # any: each value looks up its own group's scale
-    grid = (triton.cdiv(n, block_n), triton.cdiv(stored, block_k))
     group = k // scale.shape[1]
+    block_k = 256  # the largest power of two up to 256 dividing the group (and the stored row)
+    while group % block_k or stored % block_k:
+        block_k //= 2
+    block_n = min(64, 8192 // block_k)  # up to 8k values a program: 64 a thread of 4 warps
+    grid = (triton.cdiv(n, block_n), stored // block_k)
     _dequantize[grid](
         q, scale, zero, out, n, k, GROUP=group, BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k
-    )
+    )  # fmt: skip
     return out
 
 
