@@ -493,6 +493,25 @@ def test_cli_seed_full_finetune_with_offload(capsys):
     assert "host memory (CPU offload, pinned)" in out
 
 
+def test_cli_host_memory_while_loading_follows_the_method(capsys):
+    """Finetuning a preset's shape loads its checkpoint as stored (bf16: 2 bytes a parameter
+    on rank 0); pretraining it starts from a fresh fp32 model, initialized on rank 0 up to
+    20B parameters and shard by shard past that (nothing held)."""
+    from lmforge.models import get_preset
+
+    gib = 2**30
+    for model, method, per_param in (
+        ("qwen3-235b-a22b", "lora", 2),
+        ("llama3.1-8b", "full", 2),
+        ("llama3.1-8b", "pretrain", 4),
+    ):
+        code, out, _ = _cli(capsys, "--model", model, "--method", method, "--gpus", "2x8")
+        want = get_preset(model).num_params() * per_param / gib
+        assert f"rank 0 holds the full starting weights, {want:.1f} GiB" in out, (model, method)
+    _, out, _ = _cli(capsys, "--model", "llama3.1-70b", "--method", "pretrain", "--gpus", "2x8")
+    assert "while loading" not in out
+
+
 def test_cli_does_not_fit_prints_suggestions(capsys):
     code, out, _ = _cli(capsys, "--model", "llama3.1-70b", "--gpus", "16", "--gpu-memory", "80GB")
     assert code == 1

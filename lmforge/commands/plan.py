@@ -252,6 +252,10 @@ def build_setup(args: argparse.Namespace):
         "optimizer_dtype": args.optimizer_dtype,
         "compute_dtype": args.compute_dtype,
     }
+    if args.config is None and args.method != "pretrain":
+        # finetuning a preset's shape means its released checkpoint (bf16 as stored), not
+        # the random fp32 model a preset starts pretraining from
+        changes["from_scratch"] = False
     if args.lora_targets:
         changes["lora_targets"] = tuple(
             t.strip() for t in args.lora_targets.split(",") if t.strip()
