@@ -367,6 +367,24 @@ def generation_config(args: ModelArgs, tokenizer) -> dict:
     return {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
 
 
+def _check_float8_device(path: Path, state: dict, device: torch.device) -> None:
+    """float8 weights (`--scheme fp8`) multiply on FP8 tensor cores (`torch._scaled_mm`) and
+    are read by Triton's float8 conversions, both compute capability 8.9+ (Ada, Hopper): on an
+    older GPU, one line instead of a kernel's error at the first product."""
+    if device.type != "cuda":
+        return
+    float8 = any(
+        type(t).__name__ == "Float8Tensor" or t.dtype == torch.float8_e4m3fn for t in state.values()
+    )
+    capability = torch.cuda.get_device_capability(device)
+    if float8 and capability < (8, 9):
+        raise ConfigError(
+            f"{path}: fp8 weights (W8A8) need FP8 tensor cores, compute capability 8.9+ (Ada, "
+            f"Hopper); this GPU is {capability[0]}.{capability[1]}: quantize the original with "
+            "--scheme int8-wo or int4-wo, or load it on the CPU"
+        )
+
+
 def _load_quantized(
     source: str | Path,
     *,
@@ -403,6 +421,7 @@ def _load_quantized(
                 f"{path}: {name} is int4 in the CUDA tinygemm layout ({kind}), which has no kernel "
                 f"on {device.type}; load it on cuda, or quantize the original on {device.type}"
             )
+    _check_float8_device(path, state, device)
     with torch.device("meta"):
         model = models.new_model(args)
     use_quantized_experts(model, state)  # a MoE's experts kept quantized (compressed-tensors)

@@ -65,11 +65,17 @@ def _quantized(weight: torch.Tensor, kind: str, group: int):
 )
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_quantized_experts_read_in_the_kernels_equal_their_dequantized_loop(
-    kind, group13, group2, tokens
+    kind, group13, group2, tokens, monkeypatch
 ):
     """int8 and float8 with a scale a row, int4 two a byte with groups of columns: the kernels
     scale what they read as `moe.dequantize` does, and the engine's `FusedQuantizedExperts`
-    takes them for a few tokens (dequantizing for the grouped path past FUSED_PAIRS)."""
+    takes them up to QUANTIZED_FUSED_PAIRS pairs (512 on a GPU, where plain experts stop at
+    64; dequantizing for the grouped path past it, here past 64)."""
+    monkeypatch.setattr(moe_kernels, "QUANTIZED_FUSED_PAIRS", 512)
+    decode = torch.empty(64, 48), torch.empty(64, 8)  # a decode step of 64 rows, top 8
+    assert moe_kernels.fused_fits(*decode[:1], torch.float32, decode[1], quantized=True)
+    assert not moe_kernels.fused_fits(*decode[:1], torch.float32, decode[1])
+    monkeypatch.setattr(moe_kernels, "QUANTIZED_FUSED_PAIRS", 64)
     x, w13, w2, weights, experts = routed(tokens, 48, 40, 5, 2, seed=tokens)
     q13, s13 = _quantized(w13, kind, group13)
     q2, s2 = _quantized(w2, kind, group2)
@@ -84,7 +90,7 @@ def test_quantized_experts_read_in_the_kernels_equal_their_dequantized_loop(
     assert type(module) is moe_kernels.FusedQuantizedExperts
     with torch.no_grad():
         torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-5, atol=1e-5)
-        many = torch.cat([x] * 40)  # past FUSED_PAIRS: dequantized, the loop or grouped path
+        many = torch.cat([x] * 40)  # past it: dequantized, the loop or grouped path
         repeated = [torch.cat([t] * 40) for t in (weights, experts)]
         torch.testing.assert_close(
             module(many, *repeated), torch.cat([want] * 40), rtol=1e-5, atol=1e-5
@@ -128,11 +134,12 @@ def _mxfp4(shape, generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_mxfp4_biased_experts_read_in_the_kernels_equal_their_dequantized_loop(tokens):
+def test_mxfp4_biased_experts_read_in_the_kernels_equal_their_dequantized_loop(tokens, monkeypatch):
     """gpt-oss's experts kept as its hub's MXFP4 (e2m1 values, a power-of-two scale a group of
     32; the down projection's 32 columns one group: the row-scale path) with their biases: the
     kernels decode what `moe.dequantize` decodes, and `QuantizedExperts` over them takes the
-    fused path for a few tokens and the dequantized one past FUSED_PAIRS."""
+    fused path for a few tokens and the dequantized one past QUANTIZED_FUSED_PAIRS (lowered)."""
+    monkeypatch.setattr(moe_kernels, "QUANTIZED_FUSED_PAIRS", 64)
     x, _, _, weights, experts = routed(tokens, 64, 32, 5, 2, seed=tokens)
     generator = torch.Generator().manual_seed(tokens)
     (q13, s13), (q2, s2) = _mxfp4((5, 64, 64), generator), _mxfp4((5, 64, 32), generator)
@@ -149,7 +156,7 @@ def test_mxfp4_biased_experts_read_in_the_kernels_equal_their_dequantized_loop(t
     assert moe_kernels.use_fused_experts(module) == 1
     with torch.no_grad():
         torch.testing.assert_close(module(x, weights, experts), want, rtol=1e-4, atol=1e-3)
-        many = torch.cat([x] * 40)  # past FUSED_PAIRS
+        many = torch.cat([x] * 40)  # past it
         repeated = [torch.cat([t] * 40) for t in (weights, experts)]
         torch.testing.assert_close(
             module(many, *repeated), torch.cat([want] * 40), rtol=1e-4, atol=1e-3

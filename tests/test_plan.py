@@ -506,6 +506,7 @@ def test_cli_host_memory_while_loading_follows_the_method(capsys):
         ("llama3.1-8b", "pretrain", 4),
     ):
         code, out, _ = _cli(capsys, "--model", model, "--method", method, "--gpus", "2x8")
+        assert code in (0, 1)  # (fits or not: the plan is printed either way)
         want = get_preset(model).num_params() * per_param / gib
         assert f"rank 0 holds the full starting weights, {want:.1f} GiB" in out, (model, method)
     _, out, _ = _cli(capsys, "--model", "llama3.1-70b", "--method", "pretrain", "--gpus", "2x8")

@@ -593,6 +593,23 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_one_line(source, tmp_path, monkeypatch):
+    """An fp8 artifact loaded on a GPU older than compute capability 8.9 (an A100's 8.0 here,
+    the capability faked: no GPU in the suite) stops at load with one line, before any kernel;
+    on 8.9+ (and on the CPU) it loads."""
+    out = tmp_path / "fp8"
+    assert cli_main(["quantize", str(source), str(out), "--scheme", "fp8"]) == 0
+    state = lmforge.load(out).model.state_dict()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"fp8 weights .* compute capability 8.9\+.* is 8.0"):
+        lmforge.api._check_float8_device(out, state, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    lmforge.api._check_float8_device(out, state, torch.device("cuda"))
+    plain = {"w": torch.zeros(2, 2)}  # nothing in float8: any GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    lmforge.api._check_float8_device(out, plain, torch.device("cuda"))
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -44,6 +44,13 @@ from lmforge.models import moe
 # the grouped path spends a dozen launches and GEMM row tiles padded around 1-2 rows an expert;
 # at 256 pairs it would be ~112 of 128, 2.3x.
 FUSED_PAIRS = 64
+# The same for quantized experts, where the other path dequantizes every expert of the layer
+# first (`moe.dequantize`: Qwen3-30B-A3B's int4 layer read as 0.3 GB and written and read
+# again as 2 x 1.2 GB of bf16, whatever the batch), so the fused kernels, which read each pair's
+# expert as stored (2.4 MB int4, 4.7 MB int8), read fewer bytes up to ~1,000 pairs int4 and
+# ~600 int8: 512 pairs are decode batches up to 64 with k = 8. Not measured yet. (The
+# interpreter, which runs programs in turn, keeps FUSED_PAIRS: the tests' prefills stay quick.)
+QUANTIZED_FUSED_PAIRS = FUSED_PAIRS if INTERPRETED else 512
 
 # (BLOCK_N rows, BLOCK_K columns, num_warps) of each kernel on a GPU: first picks in the range
 # of the GEMV's tiles (tiles.py's `_ROW_WIDE`: 2-8 rows of up to 1024 columns, 4-8 warps), not
@@ -82,69 +89,69 @@ def _e2m1_values(byte):
 
 
 @triton.jit
-def _inputs(
-    x_ptr, k0, mult, LEN: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, W: tl.constexpr
-):
-    """A step's inputs, [1, G, W] (`_products`' columns) times `mult`: (x, unused) for values
-    one a column; PACKED: (x at the even columns, at the odd ones), the two nibbles of a byte."""
-    stored = _stored_columns(k0, PACKED, G, W)
-    ok = stored < (LEN // 2 if PACKED else LEN)
-    if PACKED:
-        even = tl.load(x_ptr + 2 * stored, mask=ok, other=0).to(tl.float32) * mult
-        odd = tl.load(x_ptr + 2 * stored + 1, mask=ok, other=0).to(tl.float32) * mult
-        return even, odd
-    x = tl.load(x_ptr + stored, mask=ok, other=0).to(tl.float32) * mult
-    return x, x
+def _columns(k0, LEN: tl.constexpr, PACKED: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """A step's stored columns (bytes where PACKED) from column k0, [1, G, W] (G groups of W
+    values, one scale each), and which a row has."""
+    first = k0 // 2 if PACKED else k0
+    stored = first + tl.arange(0, G)[None, :, None] * W + tl.arange(0, W)[None, None, :]
+    return stored, stored < (LEN // 2 if PACKED else LEN)
 
 
 @triton.jit
-def _stored_columns(k0, PACKED: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
-    """The stored columns (bytes where PACKED) of a step from column k0: [1, G, W], G groups of
-    W values, one scale each."""
-    first = k0 // 2 if PACKED else k0
-    groups = tl.arange(0, G)[None, :, None]
-    return first + groups * W + tl.arange(0, W)[None, None, :]
+def _inputs(x_ptr, stored, col_ok, mult, PACKED: tl.constexpr, FP4: tl.constexpr):
+    """A step's inputs at `_columns`' `stored`, times `mult`, as `_products` takes them: (x,
+    x, 0) for values one a column; PACKED, with x0 / x1 the inputs of a byte's low / high
+    nibble (the even / odd columns): (x0, x1, 0) for MXFP4, and for int4 (2·x0, x1 / 8, 264·x0
+    + 24·x1), which `_int4_values`' floats v0 = 128 + (n0 + 8)/2, v1 = 128 + 8·(n1 + 8) turn
+    into n0·x0 + n1·x1 = v0·(2·x0) + v1·(x1 / 8) - (264·x0 + 24·x1)."""
+    offset = 0.0
+    if PACKED:  # (one return: the compiler wants every return of one type)
+        x0 = tl.load(x_ptr + 2 * stored, mask=col_ok, other=0).to(tl.float32) * mult
+        x1 = tl.load(x_ptr + 2 * stored + 1, mask=col_ok, other=0).to(tl.float32) * mult
+        if not FP4:
+            offset = 264.0 * x0 + 24.0 * x1
+            x0, x1 = 2.0 * x0, 0.125 * x1
+    else:
+        x0 = tl.load(x_ptr + stored, mask=col_ok, other=0).to(tl.float32) * mult
+        x1 = x0
+    return x0, x1, offset
 
 
 @triton.jit
 def _products(
     rows_ptr,  # [BLOCK_N, 1]: each row's first stored value
     scales_ptr,  # [BLOCK_N, 1]: each row's first scale
-    x0,  # `_inputs`' [1, G, W]
-    x1,
+    xs,  # `_inputs`' three
+    stored,  # `_columns`' [1, G, W]
+    ok,  # [BLOCK_N, G, W]: the row's and the column's
     k0,
     row_ok,  # [BLOCK_N]
-    LEN: tl.constexpr,  # columns a row has
     PACKED: tl.constexpr,
     QUANT: tl.constexpr,
     GROUP: tl.constexpr,  # columns a scale covers, scaled here (0: none, or by the caller)
     FP4: tl.constexpr,
     G: tl.constexpr,
-    W: tl.constexpr,
 ):
     """The step's weights from column k0 times their inputs, scaled a group at a time: [BLOCK_N,
     G, W] fp32 to add up. Floats as they are; QUANT: int8 by `_int8_values`, float8 by the
-    converter; PACKED: 4 bits two a byte, the low nibble the even column, int4 by
-    `_int4_values`, MXFP4 by `_e2m1_values`. No integer reaches the converter (a quarter of
-    the FMA rate on Hopper) and a scale is loaded once a row and group, not once a weight."""
-    stored = _stored_columns(k0, PACKED, G, W)
-    ok = row_ok[:, None, None] & (stored < (LEN // 2 if PACKED else LEN))
+    converter; PACKED: 4 bits two a byte, the low nibble the even column, int4 (two's
+    complement, made n + 8 by an xor) by `_int4_values`, MXFP4 by `_e2m1_values`. No integer
+    reaches the converter (a quarter of the FMA rate on Hopper) and a scale is loaded once a
+    row and group, not once a weight."""
+    x0, x1, offset = xs
     raw = tl.load(rows_ptr[:, :, None] + stored, mask=ok, other=0.0)
     if PACKED and FP4:
         low, high = _e2m1_values(raw)
         products = low * x0 + high * x1
-    elif (
-        PACKED
-    ):  # int4 n in two's complement: n + 8 = n ^ 8, so v = 128 + (n + 8)/2, 128 + 8(n + 8)
+    elif PACKED:
         low, high = _int4_values(raw ^ 0x88)
-        products = low * (2.0 * x0) + high * (0.125 * x1) - (264.0 * x0 + 24.0 * x1)
+        products = low * x0 + high * x1 - offset
     elif QUANT:
         products = _byte_values(raw) * x0
     else:
         products = raw.to(tl.float32) * x0
     if GROUP > 0:
-        first = k0 // GROUP
-        groups = first + tl.arange(0, G)[None, :, None]
+        groups = k0 // GROUP + tl.arange(0, G)[None, :, None]
         scale = tl.load(scales_ptr[:, :, None] + groups, mask=row_ok[:, None, None], other=0)
         products *= _scale(scale, FP4)
     return products
@@ -209,12 +216,14 @@ def _gate_up(
     gate = tl.zeros([BLOCK_N, G, W], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, G, W], dtype=tl.float32)
     for k0 in range(0, DIM, BLOCK_K):
-        x0, x1 = _inputs(x_ptr + token * DIM, k0, 1.0, DIM, PACKED, G, W)
+        stored, col_ok = _columns(k0, DIM, PACKED, G, W)
+        xs = _inputs(x_ptr + token * DIM, stored, col_ok, 1.0, PACKED, FP4)
+        ok = row_ok[:, None, None] & col_ok
         gate += _products(
-            gate_rows, gate_scales, x0, x1, k0, row_ok, DIM, PACKED, GROUP > 0, tile_group, FP4, G, W
+            gate_rows, gate_scales, xs, stored, ok, k0, row_ok, PACKED, GROUP > 0, tile_group, FP4, G
         )  # fmt: skip
         up += _products(
-            up_rows, up_scales, x0, x1, k0, row_ok, DIM, PACKED, GROUP > 0, tile_group, FP4, G, W
+            up_rows, up_scales, xs, stored, ok, k0, row_ok, PACKED, GROUP > 0, tile_group, FP4, G
         )  # fmt: skip
     g = tl.sum(tl.sum(gate, axis=2), axis=1)  # [BLOCK_N], reduced once, after the loop
     u = tl.sum(tl.sum(up, axis=2), axis=1)
@@ -277,9 +286,11 @@ def _down(
         w_scales = scale_ptr + expert * (DIM * groups) + rows[:, None] * groups
         for k0 in range(0, FFN, BLOCK_K):
             # the weight applied to h's values, not to the BLOCK_N · BLOCK_K products
-            h0, h1 = _inputs(h_ptr + pair * FFN, k0, weight, FFN, PACKED, G, W)
+            stored, col_ok = _columns(k0, FFN, PACKED, G, W)
+            hs = _inputs(h_ptr + pair * FFN, stored, col_ok, weight, PACKED, FP4)
+            ok = row_ok[:, None, None] & col_ok
             acc += _products(
-                w_rows, w_scales, h0, h1, k0, row_ok, FFN, PACKED, GROUP > 0, tile_group, FP4, G, W
+                w_rows, w_scales, hs, stored, ok, k0, row_ok, PACKED, GROUP > 0, tile_group, FP4, G
             )  # fmt: skip
         if GROUP == FFN:
             scale = tl.load(scale_ptr + expert * DIM + rows, mask=row_ok, other=0)
@@ -368,12 +379,15 @@ def _scales(scale: torch.Tensor | None, cols: int, weight: torch.Tensor):
     return scale.contiguous(), cols // scale.shape[-1]
 
 
-def fused_fits(x: torch.Tensor, dtype: torch.dtype, experts: torch.Tensor) -> bool:
-    """Whether `routed_experts` takes the fused kernels: at most `FUSED_PAIRS` pairs, experts
-    computing in x's (floating) dtype (`dtype`: their weights', or quantized, their scales').
-    The token count is static in a CUDA graph, so each graph records one path."""
+def fused_fits(
+    x: torch.Tensor, dtype: torch.dtype, experts: torch.Tensor, quantized: bool = False
+) -> bool:
+    """Whether `routed_experts` takes the fused kernels: at most `FUSED_PAIRS` pairs
+    (`QUANTIZED_FUSED_PAIRS` for `quantized` experts), experts computing in x's (floating)
+    dtype (`dtype`: their weights', or quantized, their scales'). The token count is static in
+    a CUDA graph, so each graph records one path."""
     return (
-        x.shape[0] * experts.shape[1] <= FUSED_PAIRS
+        x.shape[0] * experts.shape[1] <= (QUANTIZED_FUSED_PAIRS if quantized else FUSED_PAIRS)
         and dtype == x.dtype
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
@@ -483,9 +497,11 @@ def routed_experts(
     if dtype == torch.uint8:  # MXFP4's scales: computing in x's dtype
         dtype = x.dtype
     ffn = w2.shape[2] * (2 if w13.dtype == torch.uint8 else 1)
-    if fused_fits(x, dtype, experts) and _groups_fit(x.shape[1], ffn, w13_scale, w2_scale):
+    quantized = w13_scale is not None
+    fits = fused_fits(x, dtype, experts, quantized)
+    if fits and _groups_fit(x.shape[1], ffn, w13_scale, w2_scale):
         return fused_experts(x, w13, w2, weights, experts, w13_scale, w2_scale, biases)
-    if w13_scale is not None:
+    if quantized:
         w13, w2 = moe.dequantize(w13, w13_scale, x.dtype), moe.dequantize(w2, w2_scale, x.dtype)
     return moe.expert_outputs(x, w13, w2, weights, experts, grouped=grouped, biases=biases)
 

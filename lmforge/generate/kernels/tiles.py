@@ -286,7 +286,7 @@ def _interpreted_tiles(k, group, bits, gated, dtype, weights, max_splits) -> dic
     splits = _interpreted_splits(stored, MIN_TILE, max_splits)
     share = next(w for w in _WIDTHS if (stored // splits) % w == 0)  # the widest that divides it
     width = min(_tile_width(k, group, bits), share)
-    tiles = {"BLOCK_N": 16, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
+    tiles = {"BLOCK_N": 32, "BLOCK_K": width, "X_TILE": x_tile, "INT8_BIASED": biased}
     fold = INTERPRETED_FOLD and FOLD and bits == 8 and group >= k
     return tiles | {"SPLITS": splits, "FOLD": fold}
 
