@@ -169,9 +169,15 @@ moe)
 moe-quantized)
   # batch-1 decode of case moe's model with its experts int8 (a scale a row) and int4 (two a
   # byte, a scale per 128 columns) as lmforge holds a compressed-tensors artifact's
-  # (QuantizedExperts; attention bf16), read by the fused kernels, after bf16 for the ratios
+  # (QuantizedExperts; attention bf16), read by the fused kernels, after bf16 for the ratios;
+  # first one layer's quantized experts, fused kernels against dequantize + grouped at 1-64
+  # tokens with the fused outputs' errors (benchmarks/moe_quantized_layer.py: where
+  # QUANTIZED_FUSED_PAIRS belongs)
+  step 100 moe-quantized-layer python3 benchmarks/moe_quantized_layer.py \
+    --preset "${PRESET:-qwen3-30b-a3b}" --out "$OUT"
+  tail -n 16 "$OUT/moe-quantized-layer.log"
   for scheme in bf16 int8-experts int4-experts; do
-    TRITON_CACHE_DIR=/tmp/triton-moe step 185 "decode-moe-$scheme" python3 benchmarks/decode.py \
+    TRITON_CACHE_DIR=/tmp/triton-moe step 160 "decode-moe-$scheme" python3 benchmarks/decode.py \
       --presets "${PRESET:-qwen3-30b-a3b}" --num-layers 24 --variants lmforge --schemes "$scheme" \
       --new-tokens 128 --repeats 2 --out "$OUT/moe-$scheme"
   done
