@@ -81,6 +81,25 @@ def test_generate_tp2_equals_one_process(world, tied):
     assert "per process" not in one
 
 
+@pytest.mark.parametrize("tied", [True, "qwen3"], ids=["tied", "qwen3"])
+def test_generate_tp2_with_an_adapter_equals_one_process(world, tied, tmp_path):
+    """`--lora` under tensor parallelism: each process holds its share of the adapter (B's
+    rows of q/k/v/gate/up, A's columns of o/down, the rank-r products summed); the greedy
+    tokens are one process's, and the adapter changes them."""
+    from tests.test_adapters import make_adapter
+
+    artifact = world["artifacts"][tied]
+    base = lmforge.load(artifact).model
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    make_adapter(base, tmp_path / "adapter", targets=targets, rank=4, seed=7, std=0.5)
+    argv = ["generate", str(artifact), "--prompt", *PROMPTS, "--temperature", "0"]
+    argv += ["--max-new-tokens", "12", "--max-batch", "2"]
+    plain = _lmforge(*argv)
+    one = _lmforge(*argv, "--lora", str(tmp_path / "adapter"))
+    two = _lmforge(*argv, "--lora", str(tmp_path / "adapter"), nproc=2)
+    assert _texts_and_counts(two) == _texts_and_counts(one) != _texts_and_counts(plain)
+
+
 def test_eval_tp2_loglikelihoods_equal_one_process(world):
     artifact = world["artifacts"][True]
     out = world["root"] / "eval-tp2"

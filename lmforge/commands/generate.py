@@ -264,8 +264,6 @@ def _generate(args: argparse.Namespace) -> int:
         )
     adapter_rank = 0
     if args.lora is not None:
-        if parallel.world_size() > 1:
-            raise ConfigError("--lora with tensor parallelism is not supported yet; merge it")
         adapter_rank = read_peft_config(args.lora).rank  # (a bad directory: its error)
     generator = Generator(
         loaded.model,

@@ -410,8 +410,6 @@ def main(args: argparse.Namespace) -> int:
     # fail early on a taken port, before loading (tensor parallel: rank 0 serves HTTP)
     sock = bind(args.host, args.port) if parallel.is_main() else None
     start = time.perf_counter()
-    if parallel.world_size() > 1 and (args.lora or args.max_loras):
-        raise ConfigError("--lora with tensor parallelism is not supported yet; merge the adapter")
     loaded = parallel.load_model(args.artifact, device=args.device, dtype=args.dtype)
     device = loaded.model.tok_embeddings.weight.device
     if loaded.tokenizer is None:

@@ -15,7 +15,13 @@ over cache rows `rows` sets `batch[:n] = rows[rows]` for its forward and puts it
 both inside the forward's CUDA graph where it has one. Loading an adapter copies its matrices
 into a free slot (buffers the compiled steps and graphs already read: nothing recompiles).
 Adapters are PEFT directories (lmforge's LoRA outputs and PEFT's) of those targets; a MoE's
-experts or router, the output head and tensor-parallel shards take none here (merge those).
+experts or router and the output head take none here (merge those).
+
+Under tensor parallelism (`lmforge launch --nproc N serve|generate`, the layers on their local
+shards: lmforge.generate.parallel) each process holds its share of every adapter: a
+column-parallel linear (q, k, v, gate, up: its output rows split) its rows of B, a row-parallel
+one (o, down: its input split, its outputs summed) its columns of A, and there the rank-r
+products x_local A_localᵀ are summed over the processes (r numbers a token) before B.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
@@ -91,8 +99,13 @@ class MultiLoRALinear(nn.Module):
         slots, rank = adapters.capacity + 1, adapters.rank
         dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
         factory = {"device": weight.device, "dtype": dtype}
-        self.register_buffer("lora_a", torch.zeros(slots, rank, base.in_features, **factory))
-        self.register_buffer("lora_b", torch.zeros(slots, base.out_features, rank, **factory))
+        rows, cols = _local_shape(base)
+        # a tensor-parallel shard (module docstring): "out" its rows, "in" its columns
+        self.split = (
+            "in" if cols < base.in_features else "out" if rows < base.out_features else None
+        )
+        self.register_buffer("lora_a", torch.zeros(slots, rank, cols, **factory))
+        self.register_buffer("lora_b", torch.zeros(slots, rows, rank, **factory))
         self.register_buffer("scale", torch.zeros(slots, **factory))
 
     @property
@@ -105,9 +118,33 @@ class MultiLoRALinear(nn.Module):
         slots = self.adapters.batch[:rows]  # [b]
         flat = x.reshape(rows, -1, x.shape[-1]).to(self.lora_a.dtype)  # [b, s, in]
         low = torch.bmm(flat, self.lora_a[slots].transpose(1, 2))  # [b, s, rank]
+        if self.split == "in":  # this process's columns' share: summed over the processes
+            low = funcol.all_reduce(low, "sum", dist.group.WORLD)
         update = torch.bmm(low, self.lora_b[slots].transpose(1, 2))  # [b, s, out]
         update = update * self.scale[slots].view(rows, 1, 1)
         return out + update.view(out.shape).to(out.dtype)
+
+
+def _local_shape(base: nn.Module) -> tuple[int, int]:
+    """(output rows, input columns) this process computes: a plain linear's local weight's
+    (tensor-parallel shards keep the whole layer's in_features / out_features), else the
+    layer's own sizes."""
+    if type(base) is nn.Linear:
+        return tuple(base.weight.shape)
+    return base.out_features, base.in_features
+
+
+def _local_matrices(layer: MultiLoRALinear, a: torch.Tensor, b: torch.Tensor):
+    """An adapter's A [rank, in] and B [out, rank] for `layer`: this process's share of them
+    under tensor parallelism (its rows of B, or its columns of A), else as they are."""
+    if layer.split is None:
+        return a, b
+    rank = dist.get_rank()
+    if layer.split == "out":
+        rows = layer.lora_b.shape[1]
+        return a, b[rank * rows : (rank + 1) * rows]
+    cols = layer.lora_a.shape[2]
+    return a[:, rank * cols : (rank + 1) * cols], b
 
 
 def use_adapters(model: nn.Module, adapters: AdapterSlots) -> int:
@@ -173,14 +210,14 @@ def load_adapter(model: nn.Module, adapters: AdapterSlots, name: str, path: str 
         if missing:
             raise ModelFormatError(f"{path / ADAPTER_WEIGHTS_NAME}: {missing[0]} is missing")
         a, b = (tensors[key] for key in keys)
-        want = ((config.rank, layer.lora_a.shape[2]), (layer.lora_b.shape[1], config.rank))
+        want = ((config.rank, layer.base.in_features), (layer.base.out_features, config.rank))
         if (tuple(a.shape), tuple(b.shape)) != want:
             raise ModelFormatError(
                 f"{path / ADAPTER_WEIGHTS_NAME}: {keys[0]} and its B have shapes "
                 f"{tuple(a.shape)}, {tuple(b.shape)}; the model needs {want[0]}, {want[1]} "
                 "(an adapter for another model?)"
             )
-        matrices[layer_name] = (a, b)
+        matrices[layer_name] = _local_matrices(layer, a, b)
     slot = free[0]
     with torch.no_grad():
         for layer_name, layer in adapters.layers.items():
