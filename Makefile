@@ -13,7 +13,7 @@ TRITON_SPEC ?= triton==3.9.0
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup vllm calibrate clean constraints
+.PHONY: demo test lint setup vllm calibrate nvcc clean constraints
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,7 +61,21 @@ $(CALIBRATE_VENV)/.installed:
 
 calibrate: $(if $(CALIBRATE_SPEC),$(CALIBRATE_VENV)/.installed)
 
-test: lint vllm calibrate
+# nvcc and the CUDA headers (PyPI's wheels; no GPU needed) in .nvcc, with which
+# tests/test_int4_mma.py compiles the CUDA int4 product for sm_90. `make NVCC_SPEC= test` leaves
+# them out (that test skips). A GPU machine's own CUDA toolkit builds the kernel at first use.
+NVCC_SPEC ?= nvidia-cuda-nvcc==13.5.37 nvidia-nvvm==13.5.37 nvidia-cuda-crt==13.5.37 \
+  nvidia-cuda-runtime==13.5.37 nvidia-cuda-cccl==13.3.5.0.6
+NVCC_DIR := .nvcc
+
+$(NVCC_DIR)/.installed: $(STAMP)
+	rm -rf $(NVCC_DIR)
+	$(PY) -m pip install -q --no-deps --target $(NVCC_DIR) $(NVCC_SPEC)
+	touch $@
+
+nvcc: $(if $(NVCC_SPEC),$(NVCC_DIR)/.installed)
+
+test: lint vllm calibrate nvcc
 	$(VENV)/bin/pytest -q
 
 # Re-pin after changing pyproject.toml's dependencies: resolve without the old pins in a fresh
@@ -76,4 +90,4 @@ constraints:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .venv-pin
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(CALIBRATE_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(CALIBRATE_VENV) $(NVCC_DIR) runs

@@ -12,7 +12,8 @@ A16W8 / A16W4 kernels, the peer docs/benchmarks.md compares with), for fbgemm-gp
 sm90 mixed-input products over int4 weights (`fbgemm`: preshuffled and plain, in --group) and for
 W8A8 float8 (`fp8`: e4m3 weights with a scale a row, activations quantized a row at run time,
 through `torch._scaled_mm`; `fp8-mm` the product alone, `fp8-fbgemm` fbgemm's own quantizer and
-`f8f8bf16_rowwise`). Each of those prints its error against the product of the weights it
+`f8f8bf16_rowwise`) and for lmforge's CUDA int4 product (`mma`: `int4_mma`, the launch
+`config` picks, and the fastest of its configs and splits, printed). Each of those prints its error against the product of the weights it
 dequantizes, ||y - ref|| / ||ref||, at the first row count.
 """
 
@@ -24,11 +25,15 @@ from functools import partial
 
 import torch
 
-from lmforge.generate.kernels import QuantizedLinear, gemv
+from lmforge.generate.kernels import QuantizedLinear, dequantize, gemv
 from lmforge.generate.kernels import quantized_gemm as tiled
 from lmforge.generate.kernels.quantized_gemm import quantized_gemm
 from lmforge.models import get_preset
 from lmforge.quantize.stored import float8_rows
+
+PROCESSORS = (
+    torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+)
 
 
 def timed(fn, repeats: int, launches: int = 20) -> float:
@@ -165,6 +170,41 @@ def fp8_columns(weight: torch.Tensor) -> dict:
     return columns
 
 
+def mma_columns(layer: QuantizedLinear, repeats: int) -> dict:
+    """lmforge's CUDA int4 product of `layer` (random int4 values, scales and zeros): with the
+    launch `config` picks, and the fastest of every config and split count for the rows."""
+    from lmforge.generate.kernels import int4_mma
+
+    reason = int4_mma.available()
+    if reason is not None:
+        raise RuntimeError(reason)
+    layer.zero.uniform_(-0.01, 0.01)
+    group = 2 * layer.q.shape[1] // layer.scale.shape[1]
+    words, sz = int4_mma.pack(layer.q, layer.scale, layer.zero)
+    int4_mma.reserve(layer.q.shape[0], layer.q.device)
+    dequantized = dequantize(layer.q, layer.scale, layer.zero, 4, torch.bfloat16)
+    size = layer.q.numel() + layer.scale.numel() * 4
+
+    def best(x):  # the fastest launch for x's rows (printed), then that launch
+        rows = x.shape[0]
+        if rows not in picks:
+            fits = [w for w, (tiles, _, _) in int4_mma.CONFIGS.items() if 16 * tiles >= rows]
+            launches = [(w, s) for w in fits for s in (1, 2, 3, 4, 6, 8, 12, 16)]
+            times = {c: timed(partial(int4_mma.int4_mma, x, words, sz, group, *c), repeats)
+                     for c in launches}  # fmt: skip
+            picks[rows] = min(times, key=times.get)
+            auto = int4_mma.config(rows, *dequantized.shape, PROCESSORS)
+            print(f"int4-mma rows {rows}: best (config, splits) {picks[rows]} "
+                  f"{times[picks[rows]] * 1e3:.1f} us; config() {auto} {times.get(auto, 0) * 1e3:.1f} us")  # fmt: skip
+        return int4_mma.int4_mma(x, words, sz, group, *picks[rows])
+
+    picks: dict[int, tuple[int, int]] = {}
+    return {
+        "int4-mma": (lambda x: int4_mma.int4_mma(x, words, sz, group), size, dequantized),
+        "int4-mma-best": (best, size, dequantized),
+    }
+
+
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -176,7 +216,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=256, help="int4 group size (256)")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--variants", nargs="*", default=[],
-                        choices=[*VARIANTS, "gemlite", "fbgemm", "fp8"])  # fmt: skip
+                        choices=[*VARIANTS, "gemlite", "fbgemm", "fp8", "mma"])  # fmt: skip
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 8, 4],
                         help="lmforge's own columns: 16 (bf16), 8, 4")  # fmt: skip
     parser.add_argument("--products", nargs="*", default=["wqkv", "wo", "w13", "w2"])
@@ -191,7 +231,8 @@ def main() -> None:
     print(f"{args.preset}: ms a product (GB/s of its weight bytes); int4 group {args.group}")
     tiled_variants = [v for v in args.variants if v in VARIANTS or v == "gemlite"]
     extra = [f"{b}-{v}" for v in tiled_variants for b in ("int8", "int4")]
-    peer_names = {"fbgemm": ["i4-shuffled", "i4-rowwise"], "fp8": ["fp8", "fp8-mm", "fp8-fbgemm"]}
+    peer_names = {"fbgemm": ["i4-shuffled", "i4-rowwise"], "fp8": ["fp8", "fp8-mm", "fp8-fbgemm"],
+                  "mma": ["int4-mma", "int4-mma-best"]}  # fmt: skip
     named = [c for v in args.variants for c in peer_names.get(v, [])]
     own = {16: "bf16", 8: "int8", 4: "int4"}
     header = [own[b] for b in args.bits] + extra + named
@@ -211,6 +252,8 @@ def main() -> None:
             columns.update(peer_columns(partial(fbgemm_columns, weight, args.group)))
         if "fp8" in args.variants:
             columns.update(peer_columns(partial(fp8_columns, weight)))
+        if "mma" in args.variants:
+            columns.update(peer_columns(partial(mma_columns, layers[4], args.repeats)))
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cells = []

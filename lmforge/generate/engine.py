@@ -392,7 +392,8 @@ class Engine:
         quantized_kernels: on CUDA, run torchao weight-only int8 linears (and int4 made on
             the CPU, and tinygemm's int4, made on CUDA, converted once here) through lmforge's
             Triton kernels instead of torchao's: one row in the GEMV, 2-128 rows in
-            `quantized_gemm` (dequantized tile by tile), more expanded to bf16 for cuBLAS.
+            `quantized_gemm` (dequantized tile by tile; int4 at 2-64 rows in the CUDA kernel
+            `kernels.int4_mma` where nvcc builds it), more expanded to bf16 for cuBLAS.
             Off (with fuse, gemv, fuse_blocks and fused_experts off too), the model's modules
             and weights stay as they are: an engine over weights being trained (GRPO's
             rollouts).
@@ -466,6 +467,8 @@ class Engine:
             use_adapters(model, self.adapters)
         self.fused = fuse and model.fuse_projections()
         kernels = _kernels(device)
+        if kernels and quantized_kernels and (packed := kernels.use_int4_mma(model)):
+            log.info("%d int4 linears in the CUDA product's layout for 2-64 rows", packed)
         if kernels and gemv:
             kernels.use_gemv(model)
         if kernels and fuse_blocks:

@@ -33,7 +33,8 @@ Modules: `gemv_kernel` (`_gemv`: plain, int8 and int4-byte weights, and its laun
 (the inline PTX strings, explained where built), `shared` (what both kernels share), `tiles`
 (tile shapes, autotuning, the pinned-tile table gemv_tiles.json), `ops` (the torch.library ops),
 `layers` (`GemvLinear`, `QuantizedLinear` and the swaps), `fused_block` (`FusedDecodeBlock`),
-`quantized_gemm` (products of 2-128 rows with int8/int4 weights), `moe` (a Mixture-of-Experts
+`quantized_gemm` (products of 2-128 rows with int8/int4 weights), `int4_mma` (int4 products
+of 2-64 rows in a CUDA kernel of our own, cuda/int4_mma.cu, built at first use), `moe` (a Mixture-of-Experts
 block's experts for a few tokens in two kernels that read only the chosen experts:
 `fused_experts`, `FusedExperts`, `use_fused_experts`).
 A switch (`INT8_BIASED`, `SPLIT_K`, ...) lives in the module that reads it, and is set there
@@ -49,6 +50,7 @@ from lmforge.generate.kernels.layers import (
     QuantizedLinear,
     quantized_values,
     use_gemv,
+    use_int4_mma,
     use_quantized_kernels,
 )
 from lmforge.generate.kernels.moe import FusedExperts, fused_experts, use_fused_experts
@@ -70,5 +72,6 @@ __all__ = [
     "use_fused_blocks",
     "use_fused_experts",
     "use_gemv",
+    "use_int4_mma",
     "use_quantized_kernels",
 ]

@@ -8,16 +8,24 @@ quantized a row at run time), and the swaps that install them (`use_gemv`,
 
 from __future__ import annotations
 
+import logging
+import os
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.generate.kernels import int4_mma
 from lmforge.generate.kernels.int8 import stored_int8
 from lmforge.generate.kernels.ops import gemv, one_row, quantized_matmul
 from lmforge.generate.kernels.tiles import MIN_TILE
 from lmforge.quantize.stored import float8_rows
+
+log = logging.getLogger(__name__)
+# int4 products of 2-64 rows in the CUDA kernel (`use_int4_mma`) where it builds; 0 keeps them
+# in Triton's `quantized_gemm` (LMFORGE_INT4_MMA=0: the A/B of benchmarks/serve_load.py)
+INT4_MMA = os.environ.get("LMFORGE_INT4_MMA", "1") != "0"
 
 
 class _MatvecLayer(nn.Module):
@@ -81,6 +89,7 @@ class QuantizedLinear(_MatvecLayer):
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)
+        self.mma: tuple[torch.Tensor, torch.Tensor] | tuple[()] = ()  # `use_int4_mma`'s copy
 
     @property
     def out_features(self) -> int:
@@ -93,7 +102,7 @@ class QuantizedLinear(_MatvecLayer):
         if one_row(x):
             return self.matvec(x)
         rows = x.reshape(-1, x.shape[-1])
-        y = quantized_matmul(rows, self.q, self.scale, self.zero, self.bits)
+        y = quantized_matmul(rows, self.q, self.scale, self.zero, self.bits, *self.mma)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @classmethod
@@ -270,6 +279,29 @@ def use_quantized_kernels(model: nn.Module, *, tinygemm: bool = False) -> int:
     `Float8Linear`; returns how many were swapped."""
     weight_only = _swap(model, partial(QuantizedLinear.from_linear, tinygemm=tinygemm))
     return weight_only + _swap(model, Float8Linear.from_linear)
+
+
+def use_int4_mma(model: nn.Module) -> int:
+    """Give every int4 `QuantizedLinear` of `model` (after fusing) whose shape the CUDA
+    product takes a copy in its layout (`int4_mma.pack`), read at 2-64 rows; the layer keeps
+    its GEMV layout for one row. Returns how many; 0 where `int4_mma.available()` says why
+    not (logged once)."""
+    layers = [
+        m for m in model.modules()
+        if type(m) is QuantizedLinear and m.bits == 4 and m.q.is_cuda
+        and m.scale.dtype == torch.bfloat16
+        and int4_mma.supported(1, m.q.shape[0], 2 * m.q.shape[1], 2 * m.q.shape[1] // m.scale.shape[1])
+    ]  # fmt: skip
+    if not layers or not INT4_MMA:
+        return 0
+    reason = int4_mma.available(layers[0].q.device.index or 0)
+    if reason is not None:
+        log.warning("int4 products of several rows stay in Triton: %s", reason)
+        return 0
+    for layer in layers:
+        layer.mma = int4_mma.pack(layer.q, layer.scale, layer.zero)
+        int4_mma.reserve(layer.q.shape[0], layer.q.device)
+    return len(layers)
 
 
 def use_gemv(model: nn.Module) -> int:

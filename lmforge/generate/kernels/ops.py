@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lmforge.generate.early_launch import INTERPRETED
-from lmforge.generate.kernels import quantized_gemm
+from lmforge.generate.kernels import int4_mma, quantized_gemm
 from lmforge.generate.kernels.gemv_kernel import _launch_gemv
 from lmforge.generate.kernels.int4 import _int4_values
 from lmforge.generate.kernels.int8 import _int8_values
@@ -92,18 +92,27 @@ def _(x, weight, scale=None, zero=None, bits=16, norm=None, eps=0.0, gated=False
 
 @torch.library.custom_op("lmforge::quantized_matmul", mutates_args=())
 def quantized_matmul(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    words: torch.Tensor | None = None,
+    sz: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ w.T for a quantized w (module docstring's layouts) and several rows: up to
-    `quantized_gemm.MAX_ROWS`, dequantized tile by tile in the product; more, w expanded to
-    x's dtype, then one matmul: [M, N] in x's dtype."""
+    """x [M, K] @ w.T for a quantized w (module docstring's layouts) and several rows: int4
+    with its `int4_mma.pack` copy (`words`, `sz`) and up to `int4_mma.MAX_ROWS` bf16 rows, in
+    the CUDA kernel; otherwise up to `quantized_gemm.MAX_ROWS`, dequantized tile by tile in
+    the product; more, w expanded to x's dtype, then one matmul: [M, N] in x's dtype."""
+    if words is not None and x.dtype == torch.bfloat16 and x.shape[0] <= int4_mma.MAX_ROWS:
+        return int4_mma.int4_mma(x, words, sz, group=2 * q.shape[1] // scale.shape[1])
     if quantized_gemm.supported(x, q, scale, bits):
         return quantized_gemm.quantized_gemm(x, q, scale, zero, bits)
     return F.linear(x, dequantize(q, scale, zero, bits, x.dtype))
 
 
 @quantized_matmul.register_fake
-def _(x, q, scale, zero, bits):
+def _(x, q, scale, zero, bits, words=None, sz=None):
     return x.new_empty(x.shape[0], q.shape[0])
 
 

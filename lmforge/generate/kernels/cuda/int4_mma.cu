@@ -1,0 +1,309 @@
+// bf16 activations [M, K] x int4 weights [N, K] -> bf16 [M, N], for M up to 64 (batched
+// decoding), on the tensor cores of sm_80+ (mma.sync m16n8k16, fp32 sums).
+//
+// Why a CUDA kernel: at a few rows the product is bound by the weights' bytes, and reading
+// them at HBM speed takes wide (16-byte) coalesced loads issued far ahead of the math and
+// values that go from the load's registers to the tensor cores with no shared-memory round
+// trip and no integer converter. Triton cannot put loaded bytes in the mma's fragment order.
+// Here the weights are reshuffled once at load (lmforge/generate/kernels/int4_mma.py,
+// `pack`) so that one 16-byte load of a lane is exactly its B fragments for a 16 x 64 slice
+// of the weight (8 mma tiles of n8 x k16), and the activations' k order inside each 32
+// columns is permuted the same way so that a lane's A fragments for two k16 steps are 8
+// consecutive bf16 of a row (one 16-byte load).
+//
+// Layouts (all made by `pack`):
+//   q   int32 [N/64, K/32, 2, 32, 4]: for n64 block c, k32 block t, half h (k16 step), lane
+//       (gid = lane / 4, tig = lane % 4) and word j: n0 = 64c + 16j + gid, n1 = n0 + 8,
+//       k = 32t + 8 tig + 4h; nibble 0 / 4 = w[n0, k] / w[n0, k+1], 1 / 5 = w[n0, k+2] /
+//       w[n0, k+3], 2 / 6 and 3 / 7 the same for n1 (so `(q >> 4p) & 0x000f000f` is the
+//       bf16 pair p of the fragments: p 0, 1 = n0's b0, b1; p 2, 3 = n1's).
+//   sz  int32 [K/g, N/64, 8, 4, 2]: (scale | zero << 16) as bf16 bits, for group g, block c,
+//       gid, word j and n0 / n1 as above; w = (q - 8) * scale + zero.
+// The logical k of the mma (tig*2, tig*2+1, tig*2+8, tig*2+9) is the physical k + (0, 1, 2, 3)
+// above, for A and B alike, so the sums are the product's.
+//
+// Work split: a block of WN x WK warps covers 16 * JW * WN output columns; its WK warps share
+// the block's k range (contiguous quarters) and add their sums in shared memory; `splits`
+// blocks share K, adding their sums into an fp32 workspace with atomics, and the last of them
+// (a counter a column block) writes bf16 and puts the workspace and counter back to zero, so
+// the kernel needs no memset and no second kernel, and replays in a CUDA graph.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace lmforge_int4 {
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;  // (a & b) | c
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// A weight load: read once, so it neither allocates in L1 nor waits behind the math.
+template <int JW>
+__device__ __forceinline__ void load_weights(uint32_t (&r)[JW], const int32_t* p) {
+  if constexpr (JW == 4) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "l"(p));
+  }
+}
+
+template <int JW>
+__device__ __forceinline__ void load_groups(uint32_t (&r)[JW * 2], const int32_t* p) {
+  // JW words of (scale, zero) pairs for n0 and n1: 2 * JW words
+  const uint4* v = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < JW / 2; i++) {
+    uint4 u = __ldg(v + i);
+    r[4 * i] = u.x, r[4 * i + 1] = u.y, r[4 * i + 2] = u.z, r[4 * i + 3] = u.w;
+  }
+}
+
+// The four bf16 pairs of one word, (q - 8) * scale + zero: b[0], b[1] n0's fragments, b[2],
+// b[3] n1's. A nibble n masked into 0x4300 (128.0) is the bf16 128 + n, exactly; minus 136 it
+// is n - 8 (exact), then one fused multiply-add with the column's scale and zero.
+__device__ __forceinline__ void dequantize(uint32_t q, uint32_t sz0, uint32_t sz1,
+                                           uint32_t (&b)[4]) {
+  constexpr uint32_t MASK = 0x000f000f, MAGIC = 0x43004300;
+  constexpr uint32_t ONE = 0x3f803f80, MINUS_136 = 0xc308c308;
+  const uint32_t scale0 = __byte_perm(sz0, 0, 0x1010), zero0 = __byte_perm(sz0, 0, 0x3232);
+  const uint32_t scale1 = __byte_perm(sz1, 0, 0x1010), zero1 = __byte_perm(sz1, 0, 0x3232);
+#pragma unroll
+  for (int p = 0; p < 4; p++) {
+    const uint32_t v = fma_bf16x2(lop3_and_or(q >> (4 * p), MASK, MAGIC), ONE, MINUS_136);
+    b[p] = p < 2 ? fma_bf16x2(v, scale0, zero0) : fma_bf16x2(v, scale1, zero1);
+  }
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// M_TILES m16 tiles of rows; JW words (16 columns each) a lane; WN x WK warps; DEPTH k32 steps
+// of weights in flight a warp.
+template <int M_TILES, int JW, int WN, int WK, int DEPTH>
+__global__ void __launch_bounds__(WN * WK * 32)
+    int4_mma_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ q,
+                    const int32_t* __restrict__ sz, __nv_bfloat16* __restrict__ out,
+                    float* __restrict__ workspace, int* __restrict__ counters, int M, int N,
+                    int K, int group, int splits) {
+  constexpr int TILES_N = 2 * JW;            // n8 tiles a warp
+  constexpr int ACC = M_TILES * TILES_N * 4;  // fp32 sums a lane
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int wn = warp % WN, wk = warp / WN;
+  const int first_n = (blockIdx.x * WN + wn) * 16 * JW;  // the warp's first column
+  const int block64 = first_n / 64, j0 = (first_n % 64) / 16;
+
+  // the warp's k32 steps: the split's range, cut in WK contiguous pieces
+  const int steps = K / 32;
+  const int split_begin = steps * blockIdx.y / splits, split_end = steps * (blockIdx.y + 1) / splits;
+  const int begin = split_begin + (split_end - split_begin) * wk / WK;
+  const int end = split_begin + (split_end - split_begin) * (wk + 1) / WK;
+  const int count = end - begin;
+
+  const int32_t* q_warp = q + (size_t)block64 * steps * 256 + lane * 4 + j0;
+  const int32_t* sz_warp = sz + (size_t)block64 * 64 + gid * 8 + j0 * 2;
+  const int sz_group_stride = (N / 64) * 64;
+
+  float acc[M_TILES][TILES_N][4];
+#pragma unroll
+  for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+    for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[i][t][e] = 0.f;
+
+  uint32_t wq[DEPTH][2][JW];      // weights of the steps in flight (two k16 halves)
+  uint32_t gq[DEPTH][JW * 2];     // their (scale, zero) words
+  uint4 xa[2][M_TILES][2];        // activations of this step and the next: rows gid, gid + 8
+
+  auto load_step = [&](int s, int stage) {
+    const int t = begin + s;
+    const int32_t* p = q_warp + (size_t)t * 256;
+    load_weights<JW>(wq[stage][0], p);
+    load_weights<JW>(wq[stage][1], p + 128);
+    load_groups<JW>(gq[stage], sz_warp + (size_t)(t * 32 / group) * sz_group_stride);
+  };
+  auto load_rows = [&](int s, int stage) {
+    const int k = (begin + s) * 32 + tig * 8;
+#pragma unroll
+    for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int row = 16 * i + 8 * half + gid;
+        xa[stage][i][half] = row < M ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)row * K + k))
+                                     : make_uint4(0, 0, 0, 0);
+      }
+  };
+
+#pragma unroll
+  for (int s = 0; s < DEPTH; s++)
+    if (s < count) load_step(s, s);
+  if (count > 0) load_rows(0, 0);
+
+  for (int s0 = 0; s0 < count; s0 += DEPTH) {
+#pragma unroll
+    for (int stage = 0; stage < DEPTH; stage++) {
+      const int s = s0 + stage;
+      if (s >= count) break;
+      uint32_t w[2][JW], g[JW * 2];
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < JW; j++) w[h][j] = wq[stage][h][j];
+#pragma unroll
+      for (int j = 0; j < JW * 2; j++) g[j] = gq[stage][j];
+      if (s + DEPTH < count) load_step(s + DEPTH, stage);
+      // DEPTH is even, so stage % 2 is s % 2: this step's rows, and the next step's loading
+      if (s + 1 < count) load_rows(s + 1, (stage + 1) % 2);
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int j = 0; j < JW; j++) {
+          uint32_t b[4];
+          dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
+#pragma unroll
+          for (int i = 0; i < M_TILES; i++) {
+            const uint4& r0 = xa[stage % 2][i][0];
+            const uint4& r1 = xa[stage % 2][i][1];
+            const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
+                                   h ? r1.w : r1.y};
+            mma(acc[i][2 * j], a, b[0], b[1]);
+            mma(acc[i][2 * j + 1], a, b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // the WK warps of a column slice add their sums: warps wk > 0 write, warps wk == 0 add
+  if constexpr (WK > 1) {
+    extern __shared__ float partial[];  // [WK - 1][WN][ACC][32]
+    if (wk > 0) {
+      float* mine = partial + ((wk - 1) * WN + wn) * ACC * 32 + lane;
+#pragma unroll
+      for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+        for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) mine[((i * TILES_N + t) * 4 + e) * 32] = acc[i][t][e];
+    }
+    __syncthreads();
+    if (wk == 0) {
+      for (int other = 0; other < WK - 1; other++) {
+        const float* theirs = partial + (other * WN + wn) * ACC * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+          for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][t][e] += theirs[((i * TILES_N + t) * 4 + e) * 32];
+      }
+    }
+  }
+
+  // C fragment: c0, c1 = row gid, columns 2 tig, 2 tig + 1; c2, c3 = row gid + 8
+  if (splits == 1) {
+    if (wk == 0) {
+#pragma unroll
+      for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+        for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+          for (int half = 0; half < 2; half++) {
+            const int row = 16 * i + 8 * half + gid, col = first_n + 8 * t + 2 * tig;
+            if (row < M)
+              *reinterpret_cast<__nv_bfloat162*>(out + (size_t)row * N + col) =
+                  __floats2bfloat162_rn(acc[i][t][2 * half], acc[i][t][2 * half + 1]);
+          }
+    }
+    return;
+  }
+  if (wk == 0) {
+#pragma unroll
+    for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+      for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int row = 16 * i + 8 * (e / 2) + gid, col = first_n + 8 * t + 2 * tig + e % 2;
+          if (row < M) atomicAdd(workspace + (size_t)row * N + col, acc[i][t][e]);
+        }
+  }
+  __threadfence();
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // the last block of the column slice: the sums to bf16, the workspace back to zero
+  const int width = 16 * JW * WN;
+  for (int at = threadIdx.x; at < M * width / 2; at += blockDim.x) {
+    const int row = at / (width / 2), col = blockIdx.x * width + 2 * (at % (width / 2));
+    float* sums = workspace + (size_t)row * N + col;
+    const float s0 = atomicExch(sums, 0.f), s1 = atomicExch(sums + 1, 0.f);
+    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)row * N + col) = __floats2bfloat162_rn(s0, s1);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+}
+
+template <int M_TILES, int JW, int WN, int WK, int DEPTH>
+cudaError_t launch(const void* x, const int32_t* q, const int32_t* sz, void* out,
+                   float* workspace, int* counters, int M, int N, int K, int group, int splits,
+                   cudaStream_t stream) {
+  constexpr int ACC = M_TILES * 2 * JW * 4;
+  const int shared = WK > 1 ? (WK - 1) * WN * ACC * 32 * (int)sizeof(float) : 0;
+  auto kernel = int4_mma_kernel<M_TILES, JW, WN, WK, DEPTH>;
+  if (shared > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+    if (e != cudaSuccess) return e;
+  }
+  dim3 grid(N / (16 * JW * WN), splits);
+  kernel<<<grid, WN * WK * 32, shared, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), q, sz, static_cast<__nv_bfloat16*>(out), workspace,
+      counters, M, N, K, group, splits);
+  return cudaGetLastError();
+}
+
+}  // namespace lmforge_int4
+
+// The configurations the Python side picks from (`int4_mma.CONFIGS`): config i below.
+// Returns a cudaError_t (0: launched).
+int lmforge_int4_mma(int config, const void* x, const int32_t* q, const int32_t* sz, void* out,
+                     float* workspace, int* counters, int M, int N, int K, int group, int splits,
+                     void* cuda_stream) {
+  using namespace lmforge_int4;
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  switch (config) {
+    case 0:  // rows 1-16: 2 x 4 warps, 128 columns a block
+      return launch<1, 4, 2, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 1:  // rows 17-32
+      return launch<2, 4, 2, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 2:  // rows 33-64: 32 columns a warp, 4 x 2 warps
+      return launch<4, 2, 4, 2, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 3:  // rows 1-16, 4 x 2 warps: 256 columns a block, each warp half the k range
+      return launch<1, 4, 4, 2, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
