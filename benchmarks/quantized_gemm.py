@@ -189,7 +189,8 @@ def mma_columns(layer: QuantizedLinear, repeats: int) -> dict:
         rows = x.shape[0]
         if rows not in picks:
             fits = [w for w, (tiles, _, _) in int4_mma.CONFIGS.items() if 16 * tiles >= rows]
-            launches = [(w, s) for w in fits for s in (1, 2, 3, 4, 6, 8, 12, 16)]
+            splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if s * rows <= int4_mma.MAX_SPLIT_ROWS]
+            launches = [(w, s) for w in fits for s in splits]
             times = {c: timed(partial(int4_mma.int4_mma, x, words, sz, group, *c), repeats)
                      for c in launches}  # fmt: skip
             picks[rows] = min(times, key=times.get)

@@ -90,10 +90,10 @@ def test_the_product_equals_the_dequantized_weights(n, k, group):
         ref = x.float() @ w.float().t()
         fits = [c for c, (tiles, _, _) in int4_mma.CONFIGS.items() if 16 * tiles >= rows]
         for which in fits:
-            for splits in (1, 3, 8):
+            for splits in (1, 3, 4 if rows > 32 else 8):
                 y = int4_mma.int4_mma(x, words, sz, group, which, splits)
                 again = int4_mma.int4_mma(x, words, sz, group, which, splits)
-                assert torch.equal(y, again)  # the workspace went back to zero
+                assert torch.equal(y, again)  # the split sums added in one order
                 error = (y.float() - ref).norm() / ref.norm()
                 assert error < 4e-3, (rows, which, splits, error.item())
         auto = int4_mma.int4_mma(x, words, sz, group)  # the launch `config` picks

@@ -88,22 +88,24 @@ def config(rows: int, n: int, k: int, processors: int) -> tuple[int, int]:
     steps of 32 columns."""
     which = 0 if rows <= 16 else (1 if rows <= 32 else 2)
     _, columns, warps_k = CONFIGS[which]
-    splits = round(processors / (n // columns))
-    return which, max(1, min(splits, k // (32 * 4 * warps_k)))
+    splits = min(round(processors / (n // columns)), k // (32 * 4 * warps_k))
+    return which, max(1, min(splits, MAX_SPLIT_ROWS // rows))
 
 
-# device -> (fp32 sums [MAX_ROWS * N], int32 counters [N / 128 + 1]) that the split blocks share,
-# kept at zero between products by the kernel itself; sized at load (`reserve`), before any
-# CUDA graph records
+# split blocks' sums: splits x rows at most this (16 splits of one row, 4 of 64)
+MAX_SPLIT_ROWS = 4 * MAX_ROWS
+# device -> (fp32 sums [MAX_SPLIT_ROWS * N], int32 counters [N / 128 + 1]) that the split
+# blocks share, the counters kept at zero between products by the kernel itself; sized at
+# load (`reserve`), before any CUDA graph records
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def reserve(n: int, device: torch.device) -> None:
     """Make the device's workspace large enough for products of N columns."""
     sums, _ = _workspaces.get(device, (None, None))
-    if sums is None or sums.numel() < MAX_ROWS * n:
+    if sums is None or sums.numel() < MAX_SPLIT_ROWS * n:
         _workspaces[device] = (
-            torch.zeros(MAX_ROWS * n, dtype=torch.float32, device=device),
+            torch.empty(MAX_SPLIT_ROWS * n, dtype=torch.float32, device=device),
             torch.zeros(n // 128 + 1, dtype=torch.int32, device=device),
         )
 
@@ -149,6 +151,8 @@ def int4_mma(
     `quantized_matmul` op."""
     m, k = x.shape
     n = words.shape[0] * 64
+    if splits is not None and splits * m > MAX_SPLIT_ROWS:
+        raise ValueError(f"{splits} splits of {m} rows: the workspace holds {MAX_SPLIT_ROWS} rows")
     if which is None or splits is None:
         processors = torch.cuda.get_device_properties(x.device).multi_processor_count
         which, splits = config(m, n, k, processors)
