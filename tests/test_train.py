@@ -56,8 +56,8 @@ TIED = "model.overrides.tie_embeddings=true"
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data, tied):
-    """Every layout gives the one-process losses on the same global batch of 8; a tied model
-    (as Llama 3.2 1B/3B ship) also under HSDP and TP x FSDP on 4 processes."""
+    """Every layout gives the one-process losses on the same global batch of 8: TP for both; a
+    tied model (as Llama 3.2 1B/3B ship) also under FSDP, HSDP and TP x FSDP on 4 processes."""
     tokenizer, shards = data
 
     def args(run_dir, *extra):
@@ -71,11 +71,10 @@ def test_fsdp_tp_and_accumulation_match_one_process(tmp_path, data, tied):
     run_inprocess("pretrain", args(accum, "train.micro_batch_size=2", "train.global_batch_size=8"))
     _assert_close(losses(accum), reference, 1e-5)
 
-    layouts = {
-        "fsdp": (2, ["train.micro_batch_size=4"]),
-        "tp": (2, ["train.micro_batch_size=8", "parallel.tp=2"]),
-    }
+    # untied FSDP runs in most multi-process tests (test_train_extras, test_post_training)
+    layouts = {"tp": (2, ["train.micro_batch_size=8", "parallel.tp=2"])}
     if tied:
+        layouts["fsdp"] = (2, ["train.micro_batch_size=4"])
         layouts["hsdp"] = (2, ["train.micro_batch_size=4", "parallel.dp_replicate=2"])
         layouts["tp_fsdp"] = (4, ["train.micro_batch_size=4", "parallel.tp=2"])
     for name, (nproc, extra) in layouts.items():
