@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "cuda"
 MAX_ROWS = 64
 # config of cuda/int4_mma.cu's launcher -> (row tiles of 16, columns a block, warps sharing K)
-CONFIGS = {0: (1, 128, 4), 1: (2, 128, 4), 2: (4, 128, 2), 3: (1, 256, 2)}
+# (4: 0 with the activations of 4 steps in flight; 6 or 8 steps of weights spill registers)
+CONFIGS = {0: (1, 128, 4), 1: (2, 128, 4), 2: (4, 128, 2), 3: (1, 256, 2), 4: (1, 128, 4)}
 
 
 def supported(rows: int, n: int, k: int, group: int) -> bool:

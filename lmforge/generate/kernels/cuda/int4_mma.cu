@@ -99,8 +99,8 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
 }
 
 // M_TILES m16 tiles of rows; JW words (16 columns each) a lane; WN x WK warps; DEPTH k32 steps
-// of weights in flight a warp.
-template <int M_TILES, int JW, int WN, int WK, int DEPTH>
+// of weights in flight a warp, ROWS_DEPTH of activations (it divides DEPTH).
+template <int M_TILES, int JW, int WN, int WK, int DEPTH, int ROWS_DEPTH>
 __global__ void __launch_bounds__(WN * WK * 32)
     int4_mma_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ q,
                     const int32_t* __restrict__ sz, __nv_bfloat16* __restrict__ out,
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(WN * WK * 32)
 
   uint32_t wq[DEPTH][2][JW];      // weights of the steps in flight (two k16 halves)
   uint32_t gq[DEPTH][JW * 2];     // their (scale, zero) words
-  uint4 xa[2][M_TILES][2];        // activations of this step and the next: rows gid, gid + 8
+  uint4 xa[ROWS_DEPTH][M_TILES][2];  // activations of the steps in flight: rows gid, gid + 8
 
   auto load_step = [&](int s, int stage) {
     const int t = begin + s;
@@ -159,7 +159,9 @@ __global__ void __launch_bounds__(WN * WK * 32)
 #pragma unroll
   for (int s = 0; s < DEPTH; s++)
     if (s < count) load_step(s, s);
-  if (count > 0) load_rows(0, 0);
+#pragma unroll
+  for (int s = 0; s < ROWS_DEPTH - 1; s++)
+    if (s < count) load_rows(s, s);
 
   for (int s0 = 0; s0 < count; s0 += DEPTH) {
 #pragma unroll
@@ -174,8 +176,9 @@ __global__ void __launch_bounds__(WN * WK * 32)
 #pragma unroll
       for (int j = 0; j < JW * 2; j++) g[j] = gq[stage][j];
       if (s + DEPTH < count) load_step(s + DEPTH, stage);
-      // DEPTH is even, so stage % 2 is s % 2: this step's rows, and the next step's loading
-      if (s + 1 < count) load_rows(s + 1, (stage + 1) % 2);
+      // ROWS_DEPTH divides DEPTH, so stage % ROWS_DEPTH is s % ROWS_DEPTH
+      constexpr int ahead = ROWS_DEPTH - 1;
+      if (s + ahead < count) load_rows(s + ahead, (stage + ahead) % ROWS_DEPTH);
 #pragma unroll
       for (int h = 0; h < 2; h++) {
 #pragma unroll
@@ -184,8 +187,8 @@ __global__ void __launch_bounds__(WN * WK * 32)
           dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
 #pragma unroll
           for (int i = 0; i < M_TILES; i++) {
-            const uint4& r0 = xa[stage % 2][i][0];
-            const uint4& r1 = xa[stage % 2][i][1];
+            const uint4& r0 = xa[stage % ROWS_DEPTH][i][0];
+            const uint4& r1 = xa[stage % ROWS_DEPTH][i][1];
             const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
                                    h ? r1.w : r1.y};
             mma(acc[i][2 * j], a, b[0], b[1]);
@@ -276,13 +279,13 @@ __global__ void __launch_bounds__(WN * WK * 32)
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-template <int M_TILES, int JW, int WN, int WK, int DEPTH>
+template <int M_TILES, int JW, int WN, int WK, int DEPTH, int ROWS_DEPTH>
 cudaError_t launch(const void* x, const int32_t* q, const int32_t* sz, void* out,
                    float* workspace, int* counters, int M, int N, int K, int group, int splits,
                    cudaStream_t stream) {
   constexpr int ACC = M_TILES * 2 * JW * 4;
   const int shared = WK > 1 ? (WK - 1) * WN * ACC * 32 * (int)sizeof(float) : 0;
-  auto kernel = int4_mma_kernel<M_TILES, JW, WN, WK, DEPTH>;
+  auto kernel = int4_mma_kernel<M_TILES, JW, WN, WK, DEPTH, ROWS_DEPTH>;
   static bool raised = false;  // past 48 KB with the static `last`: once a process and device
   if (shared + 1024 > 48 * 1024 && !raised) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
@@ -307,13 +310,15 @@ static int launch_config(int config, const void* x, const int32_t* q, const int3
   cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
   switch (config) {
     case 0:  // rows 1-16: 2 x 4 warps, 128 columns a block
-      return launch<1, 4, 2, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+      return launch<1, 4, 2, 4, 4, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
     case 1:  // rows 17-32
-      return launch<2, 4, 2, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+      return launch<2, 4, 2, 4, 4, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
     case 2:  // rows 33-64: 32 columns a warp, 4 x 2 warps
-      return launch<4, 2, 4, 2, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+      return launch<4, 2, 4, 2, 2, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
     case 3:  // rows 1-16, 4 x 2 warps: 256 columns a block, each warp half the k range
-      return launch<1, 4, 4, 2, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+      return launch<1, 4, 4, 2, 4, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 4:  // rows 1-16 as 0, the activations of 4 steps in flight (not 2)
+      return launch<1, 4, 2, 4, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
     default:
       return cudaErrorInvalidValue;
   }
