@@ -188,7 +188,9 @@ def mma_columns(layer: QuantizedLinear, repeats: int) -> dict:
     def best(x):  # the fastest launch for x's rows (printed), then that launch
         rows = x.shape[0]
         if rows not in picks:
-            fits = [w for w, (tiles, _, _) in int4_mma.CONFIGS.items() if 16 * tiles >= rows]
+            n = dequantized.shape[0]
+            fits = [w for w, (tiles, columns, _) in int4_mma.CONFIGS.items()
+                    if 16 * tiles >= rows and n % columns == 0]  # fmt: skip
             splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if s * rows <= int4_mma.MAX_SPLIT_ROWS]
             launches = [(w, s) for w in fits for s in splits]
             times = {c: timed(partial(int4_mma.int4_mma, x, words, sz, group, *c), repeats)

@@ -8,7 +8,9 @@ Here the weights are shuffled once at load (`pack`) into the tensor cores' fragm
 a lane's 16-byte load is its B fragments for eight mma tiles, converted to bf16 with two
 bit operations and two fused multiply-adds a pair, several k steps of loads in flight a warp.
 
-`available()` says whether the product runs here (CUDA, sm_80+, nvcc found and the build
+Off in the engine unless LMFORGE_INT4_MMA=1 (`layers.INT4_MMA`): measured on an H100
+(2026-12-08), it is correct but slower than Triton's product at most of the 8B's shapes
+(docs/benchmarks.md, "Quantized"). `available()` says whether the product runs here (CUDA, sm_80+, nvcc found and the build
 done); without it the engine keeps `quantized_gemm` and says why once. `pack` and `unpack`
 (the kernel's reading of the packed words, for the tests) run anywhere.
 """
@@ -154,6 +156,8 @@ def int4_mma(
     n = words.shape[0] * 64
     if splits is not None and splits * m > MAX_SPLIT_ROWS:
         raise ValueError(f"{splits} splits of {m} rows: the workspace holds {MAX_SPLIT_ROWS} rows")
+    if which is not None and n % CONFIGS[which][1]:
+        raise ValueError(f"config {which} takes columns in {CONFIGS[which][1]}s, not {n}")
     if which is None or splits is None:
         processors = torch.cuda.get_device_properties(x.device).multi_processor_count
         which, splits = config(m, n, k, processors)

@@ -23,9 +23,10 @@ from lmforge.generate.kernels.tiles import MIN_TILE
 from lmforge.quantize.stored import float8_rows
 
 log = logging.getLogger(__name__)
-# int4 products of 2-64 rows in the CUDA kernel (`use_int4_mma`) where it builds; 0 keeps them
-# in Triton's `quantized_gemm` (LMFORGE_INT4_MMA=0: the A/B of benchmarks/serve_load.py)
-INT4_MMA = os.environ.get("LMFORGE_INT4_MMA", "1") != "0"
+# int4 products of 2-64 rows in the CUDA kernel (`use_int4_mma`) where it builds: off unless
+# LMFORGE_INT4_MMA=1, since its first version ran the 8B's layer slower than Triton's
+# `quantized_gemm` at 1-64 rows (H100, 2026-12-08: docs/benchmarks.md, "Quantized")
+INT4_MMA = os.environ.get("LMFORGE_INT4_MMA", "0") == "1"
 
 
 class _MatvecLayer(nn.Module):
@@ -284,8 +285,8 @@ def use_quantized_kernels(model: nn.Module, *, tinygemm: bool = False) -> int:
 def use_int4_mma(model: nn.Module) -> int:
     """Give every int4 `QuantizedLinear` of `model` (after fusing) whose shape the CUDA
     product takes a copy in its layout (`int4_mma.pack`), read at 2-64 rows; the layer keeps
-    its GEMV layout for one row. Returns how many; 0 where `int4_mma.available()` says why
-    not (logged once)."""
+    its GEMV layout for one row. Returns how many; 0 while `INT4_MMA` is off, or where
+    `int4_mma.available()` says why not (logged once)."""
     layers = [
         m for m in model.modules()
         if type(m) is QuantizedLinear and m.bits == 4 and m.q.is_cuda
