@@ -41,10 +41,10 @@ def test_the_packed_weight_reads_back_as_the_kernel_reads_it(n, k, group):
 
 
 def test_the_launch_fills_the_processors_within_k():
-    assert int4_mma.config(1, 4096, 4096, 132) == (0, 4)  # 32 blocks of 128 columns
-    assert int4_mma.config(8, 28672, 4096, 132) == (0, 1)  # 224 blocks: no split
-    assert int4_mma.config(20, 2048, 512, 132) == (1, 1)  # K = 512: 16 steps for 4 warps
-    assert int4_mma.config(64, 2048, 8192, 132)[0] == 2
+    assert int4_mma.config(1, 4096, 4096, 132) == (5, 4)  # 32 blocks of 128 columns
+    assert int4_mma.config(8, 28672, 4096, 132) == (5, 1)  # 224 blocks: no split
+    assert int4_mma.config(20, 2048, 512, 132) == (6, 1)  # K = 512: 16 steps for 4 warps
+    assert int4_mma.config(64, 2048, 8192, 132)[0] == 7
     assert not int4_mma.supported(65, 128, 64, 32) and not int4_mma.supported(2, 192, 64, 32)
     assert int4_mma.supported(64, 256, 256, 128) and not int4_mma.supported(8, 256, 256, 48)
 

@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "cuda"
 MAX_ROWS = 64
-# config of cuda/int4_mma.cu's launcher -> (row tiles of 16, columns a block, warps sharing K)
-# (4: 0 with the activations of 4 steps in flight; 6 or 8 steps of weights spill registers)
-CONFIGS = {0: (1, 128, 4), 1: (2, 128, 4), 2: (4, 128, 2), 3: (1, 256, 2), 4: (1, 128, 4)}
+# config of cuda/int4_mma.cu's launcher -> (row tiles of 16, columns a block, warps sharing K).
+# 0-4: loads held in registers (4: 0 with the activations of 4 steps in flight; 6 or 8 steps of
+# weights spill); 5-7: loads in cp.async rings in shared memory (`config` picks these)
+CONFIGS = {0: (1, 128, 4), 1: (2, 128, 4), 2: (4, 128, 2), 3: (1, 256, 2), 4: (1, 128, 4),
+           5: (1, 128, 4), 6: (2, 128, 4), 7: (4, 128, 4)}  # fmt: skip
 
 
 def supported(rows: int, n: int, k: int, group: int) -> bool:
@@ -89,7 +91,7 @@ def config(rows: int, n: int, k: int, processors: int) -> tuple[int, int]:
     """(the launcher's config, the blocks sharing K) for `rows` x [N, K]: about as many blocks
     as processors (a block of 8 warps fills one) where K allows, each warp with at least 4
     steps of 32 columns."""
-    which = 0 if rows <= 16 else (1 if rows <= 32 else 2)
+    which = 5 if rows <= 16 else (6 if rows <= 32 else 7)
     _, columns, warps_k = CONFIGS[which]
     splits = min(round(processors / (n // columns)), k // (32 * 4 * warps_k))
     return which, max(1, min(splits, MAX_SPLIT_ROWS // rows))
@@ -156,8 +158,9 @@ def int4_mma(
     n = words.shape[0] * 64
     if splits is not None and splits * m > MAX_SPLIT_ROWS:
         raise ValueError(f"{splits} splits of {m} rows: the workspace holds {MAX_SPLIT_ROWS} rows")
-    if which is not None and n % CONFIGS[which][1]:
-        raise ValueError(f"config {which} takes columns in {CONFIGS[which][1]}s, not {n}")
+    if which is not None and (n % CONFIGS[which][1] or m > 16 * CONFIGS[which][0]):
+        raise ValueError(f"config {which} takes {CONFIGS[which][1]}s of columns and at most "
+                         f"{16 * CONFIGS[which][0]} rows, not {n} and {m}")  # fmt: skip
     if which is None or splits is None:
         processors = torch.cuda.get_device_properties(x.device).multi_processor_count
         which, splits = config(m, n, k, processors)

@@ -62,13 +62,24 @@ __device__ __forceinline__ void load_weights(uint32_t (&r)[JW], const int32_t* p
   }
 }
 
+// 16 bytes read through L1 (scales and activations: several warps read them), issued where it
+// stands: a plain __ldg may be moved down to its first use by the compiler, which puts an L2
+// round trip back into every k step the ring of loads was built to hide.
+__device__ __forceinline__ uint4 load_shared_bytes(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 template <int JW>
 __device__ __forceinline__ void load_groups(uint32_t (&r)[JW * 2], const int32_t* p) {
   // JW words of (scale, zero) pairs for n0 and n1: 2 * JW words
   const uint4* v = reinterpret_cast<const uint4*>(p);
 #pragma unroll
   for (int i = 0; i < JW / 2; i++) {
-    uint4 u = __ldg(v + i);
+    uint4 u = load_shared_bytes(v + i);
     r[4 * i] = u.x, r[4 * i + 1] = u.y, r[4 * i + 2] = u.z, r[4 * i + 3] = u.w;
   }
 }
@@ -98,110 +109,50 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// M_TILES m16 tiles of rows; JW words (16 columns each) a lane; WN x WK warps; DEPTH k32 steps
-// of weights in flight a warp, ROWS_DEPTH of activations (it divides DEPTH).
-template <int M_TILES, int JW, int WN, int WK, int DEPTH, int ROWS_DEPTH>
-__global__ void __launch_bounds__(WN * WK * 32)
-    int4_mma_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ q,
-                    const int32_t* __restrict__ sz, __nv_bfloat16* __restrict__ out,
-                    float* __restrict__ workspace, int* __restrict__ counters, int M, int N,
-                    int K, int group, int splits) {
-  constexpr int TILES_N = 2 * JW;            // n8 tiles a warp
-  constexpr int ACC = M_TILES * TILES_N * 4;  // fp32 sums a lane
+// cp.async: 16 bytes global -> shared without registers, in groups a thread commits and waits
+// for (`cg`: through L2 only, for the weights read once; `ca`: through L1, for what several
+// warps read)
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global));
+}
+
+__device__ __forceinline__ void copy_async_cached(void* shared, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global));
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;"); }
+
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+__device__ __forceinline__ uint4 load_from_shared(const void* shared) {
+  uint4 v;
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(at));
+  return v;
+}
+
+// After the k loop: the WK warps of a column slice add their sums in `shared` (warps wk > 0
+// write, warps wk == 0 add), then write bf16, or (split blocks) their slice of the workspace,
+// the last block of the column slice adding the slices in order.
+template <int M_TILES, int JW, int WN, int WK>
+__device__ __forceinline__ void finish(float (&acc)[M_TILES][2 * JW][4], float* shared,
+                                       __nv_bfloat16* __restrict__ out,
+                                       float* __restrict__ workspace, int* __restrict__ counters,
+                                       int M, int N, int first_n, int splits) {
+  constexpr int TILES_N = 2 * JW, ACC = M_TILES * TILES_N * 4;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int gid = lane / 4, tig = lane % 4;
   const int wn = warp % WN, wk = warp / WN;
-  const int first_n = (blockIdx.x * WN + wn) * 16 * JW;  // the warp's first column
-  const int block64 = first_n / 64, j0 = (first_n % 64) / 16;
-
-  // the warp's k32 steps: the split's range, cut in WK contiguous pieces
-  const int steps = K / 32;
-  const int split_begin = steps * blockIdx.y / splits, split_end = steps * (blockIdx.y + 1) / splits;
-  const int begin = split_begin + (split_end - split_begin) * wk / WK;
-  const int end = split_begin + (split_end - split_begin) * (wk + 1) / WK;
-  const int count = end - begin;
-
-  const int32_t* q_warp = q + (size_t)block64 * steps * 256 + lane * 4 + j0;
-  const int32_t* sz_warp = sz + (size_t)block64 * 64 + gid * 8 + j0 * 2;
-  const int sz_group_stride = (N / 64) * 64;
-
-  float acc[M_TILES][TILES_N][4];
-#pragma unroll
-  for (int i = 0; i < M_TILES; i++)
-#pragma unroll
-    for (int t = 0; t < TILES_N; t++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) acc[i][t][e] = 0.f;
-
-  uint32_t wq[DEPTH][2][JW];      // weights of the steps in flight (two k16 halves)
-  uint32_t gq[DEPTH][JW * 2];     // their (scale, zero) words
-  uint4 xa[ROWS_DEPTH][M_TILES][2];  // activations of the steps in flight: rows gid, gid + 8
-
-  auto load_step = [&](int s, int stage) {
-    const int t = begin + s;
-    const int32_t* p = q_warp + (size_t)t * 256;
-    load_weights<JW>(wq[stage][0], p);
-    load_weights<JW>(wq[stage][1], p + 128);
-    load_groups<JW>(gq[stage], sz_warp + (size_t)(t * 32 / group) * sz_group_stride);
-  };
-  auto load_rows = [&](int s, int stage) {
-    const int k = (begin + s) * 32 + tig * 8;
-#pragma unroll
-    for (int i = 0; i < M_TILES; i++)
-#pragma unroll
-      for (int half = 0; half < 2; half++) {
-        const int row = 16 * i + 8 * half + gid;
-        xa[stage][i][half] = row < M ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)row * K + k))
-                                     : make_uint4(0, 0, 0, 0);
-      }
-  };
-
-#pragma unroll
-  for (int s = 0; s < DEPTH; s++)
-    if (s < count) load_step(s, s);
-#pragma unroll
-  for (int s = 0; s < ROWS_DEPTH - 1; s++)
-    if (s < count) load_rows(s, s);
-
-  for (int s0 = 0; s0 < count; s0 += DEPTH) {
-#pragma unroll
-    for (int stage = 0; stage < DEPTH; stage++) {
-      const int s = s0 + stage;
-      if (s >= count) break;
-      uint32_t w[2][JW], g[JW * 2];
-#pragma unroll
-      for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int j = 0; j < JW; j++) w[h][j] = wq[stage][h][j];
-#pragma unroll
-      for (int j = 0; j < JW * 2; j++) g[j] = gq[stage][j];
-      if (s + DEPTH < count) load_step(s + DEPTH, stage);
-      // ROWS_DEPTH divides DEPTH, so stage % ROWS_DEPTH is s % ROWS_DEPTH
-      constexpr int ahead = ROWS_DEPTH - 1;
-      if (s + ahead < count) load_rows(s + ahead, (stage + ahead) % ROWS_DEPTH);
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int j = 0; j < JW; j++) {
-          uint32_t b[4];
-          dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
-#pragma unroll
-          for (int i = 0; i < M_TILES; i++) {
-            const uint4& r0 = xa[stage % ROWS_DEPTH][i][0];
-            const uint4& r1 = xa[stage % ROWS_DEPTH][i][1];
-            const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
-                                   h ? r1.w : r1.y};
-            mma(acc[i][2 * j], a, b[0], b[1]);
-            mma(acc[i][2 * j + 1], a, b[2], b[3]);
-          }
-        }
-      }
-    }
-  }
-
   // the WK warps of a column slice add their sums: warps wk > 0 write, warps wk == 0 add
   if constexpr (WK > 1) {
-    extern __shared__ float partial[];  // [WK - 1][WN][ACC][32]
+    float* partial = shared;  // [WK - 1][WN][ACC][32]
     if (wk > 0) {
       float* mine = partial + ((wk - 1) * WN + wn) * ACC * 32 + lane;
 #pragma unroll
@@ -279,6 +230,217 @@ __global__ void __launch_bounds__(WN * WK * 32)
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
+__device__ __forceinline__ float* partial_memory() {
+  extern __shared__ float4 dynamic_shared[];
+  return reinterpret_cast<float*>(dynamic_shared);
+}
+
+// M_TILES m16 tiles of rows; JW words (16 columns each) a lane; WN x WK warps; DEPTH k32 steps
+// of weights in flight a warp, ROWS_DEPTH of activations (it divides DEPTH).
+template <int M_TILES, int JW, int WN, int WK, int DEPTH, int ROWS_DEPTH>
+__global__ void __launch_bounds__(WN * WK * 32)
+    int4_mma_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ q,
+                    const int32_t* __restrict__ sz, __nv_bfloat16* __restrict__ out,
+                    float* __restrict__ workspace, int* __restrict__ counters, int M, int N,
+                    int K, int group, int splits) {
+  constexpr int TILES_N = 2 * JW;            // n8 tiles a warp
+  constexpr int ACC = M_TILES * TILES_N * 4;  // fp32 sums a lane
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int wn = warp % WN, wk = warp / WN;
+  const int first_n = (blockIdx.x * WN + wn) * 16 * JW;  // the warp's first column
+  const int block64 = first_n / 64, j0 = (first_n % 64) / 16;
+
+  // the warp's k32 steps: the split's range, cut in WK contiguous pieces
+  const int steps = K / 32;
+  const int split_begin = steps * blockIdx.y / splits, split_end = steps * (blockIdx.y + 1) / splits;
+  const int begin = split_begin + (split_end - split_begin) * wk / WK;
+  const int end = split_begin + (split_end - split_begin) * (wk + 1) / WK;
+  const int count = end - begin;
+
+  const int32_t* q_warp = q + (size_t)block64 * steps * 256 + lane * 4 + j0;
+  const int32_t* sz_warp = sz + (size_t)block64 * 64 + gid * 8 + j0 * 2;
+  const int sz_group_stride = (N / 64) * 64;
+
+  float acc[M_TILES][TILES_N][4];
+#pragma unroll
+  for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+    for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[i][t][e] = 0.f;
+
+  uint32_t wq[DEPTH][2][JW];      // weights of the steps in flight (two k16 halves)
+  uint32_t gq[DEPTH][JW * 2];     // their (scale, zero) words
+  uint4 xa[ROWS_DEPTH][M_TILES][2];  // activations of the steps in flight: rows gid, gid + 8
+
+  auto load_step = [&](int s, int stage) {
+    const int t = begin + s;
+    const int32_t* p = q_warp + (size_t)t * 256;
+    load_weights<JW>(wq[stage][0], p);
+    load_weights<JW>(wq[stage][1], p + 128);
+    load_groups<JW>(gq[stage], sz_warp + (size_t)(t * 32 / group) * sz_group_stride);
+  };
+  auto load_rows = [&](int s, int stage) {
+    const int k = (begin + s) * 32 + tig * 8;
+#pragma unroll
+    for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int row = 16 * i + 8 * half + gid;
+        xa[stage][i][half] = row < M ? load_shared_bytes(x + (size_t)row * K + k)
+                                     : make_uint4(0, 0, 0, 0);
+      }
+  };
+
+#pragma unroll
+  for (int s = 0; s < DEPTH; s++)
+    if (s < count) load_step(s, s);
+#pragma unroll
+  for (int s = 0; s < ROWS_DEPTH - 1; s++)
+    if (s < count) load_rows(s, s);
+
+  for (int s0 = 0; s0 < count; s0 += DEPTH) {
+#pragma unroll
+    for (int stage = 0; stage < DEPTH; stage++) {
+      const int s = s0 + stage;
+      if (s >= count) break;
+      uint32_t w[2][JW], g[JW * 2];
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < JW; j++) w[h][j] = wq[stage][h][j];
+#pragma unroll
+      for (int j = 0; j < JW * 2; j++) g[j] = gq[stage][j];
+      if (s + DEPTH < count) load_step(s + DEPTH, stage);
+      // ROWS_DEPTH divides DEPTH, so stage % ROWS_DEPTH is s % ROWS_DEPTH
+      constexpr int ahead = ROWS_DEPTH - 1;
+      if (s + ahead < count) load_rows(s + ahead, (stage + ahead) % ROWS_DEPTH);
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int j = 0; j < JW; j++) {
+          uint32_t b[4];
+          dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
+#pragma unroll
+          for (int i = 0; i < M_TILES; i++) {
+            const uint4& r0 = xa[stage % ROWS_DEPTH][i][0];
+            const uint4& r1 = xa[stage % ROWS_DEPTH][i][1];
+            const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
+                                   h ? r1.w : r1.y};
+            mma(acc[i][2 * j], a, b[0], b[1]);
+            mma(acc[i][2 * j + 1], a, b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  finish<M_TILES, JW, WN, WK>(acc, partial_memory(), out, workspace, counters, M, N, first_n,
+                              splits);
+}
+
+// The same product with each warp's loads in a ring of STAGES shared-memory buffers filled by
+// cp.async (no registers held by loads in flight, so more of them, and more warps an SM): a
+// stage is the warp's weights for a k32 step (1 KB, 16 columns x 4 a lane as in the global
+// layout), their (scale, zero) words (256 B) and the step's 32 columns of the rows (64 B a
+// row; rows >= M are zeros written once). Warps run their rings independently (no block
+// barrier in the loop). JW is 4.
+template <int M_TILES, int WN, int WK, int STAGES>
+__global__ void __launch_bounds__(WN * WK * 32, M_TILES == 1 ? 2 : 1)
+    int4_mma_async_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ q,
+                          const int32_t* __restrict__ sz, __nv_bfloat16* __restrict__ out,
+                          float* __restrict__ workspace, int* __restrict__ counters, int M, int N,
+                          int K, int group, int splits) {
+  constexpr int JW = 4, TILES_N = 8, ROWS = 16 * M_TILES;
+  constexpr int WEIGHTS = 1024, GROUPS = 256, STAGE = WEIGHTS + GROUPS + ROWS * 64;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int wn = warp % WN, wk = warp / WN;
+  const int first_n = (blockIdx.x * WN + wn) * 64;
+  const int block64 = first_n / 64;
+  const int steps = K / 32;
+  const int split_begin = steps * blockIdx.y / splits, split_end = steps * (blockIdx.y + 1) / splits;
+  const int begin = split_begin + (split_end - split_begin) * wk / WK;
+  const int count = split_begin + (split_end - split_begin) * (wk + 1) / WK - begin;
+  char* ring = reinterpret_cast<char*>(partial_memory()) + warp * STAGES * STAGE;
+
+  for (int at = lane; at < STAGES * ROWS * 4; at += 32) {  // rows >= M: zeros, once
+    const int stage = at / (ROWS * 4), chunk = at % (ROWS * 4);
+    if (chunk / 4 >= M)
+      *reinterpret_cast<uint4*>(ring + stage * STAGE + WEIGHTS + GROUPS + chunk * 16) =
+          make_uint4(0, 0, 0, 0);
+  }
+  __syncwarp();
+
+  auto copy_step = [&](int s, int stage) {
+    const int t = begin + s;
+    char* to = ring + stage * STAGE;
+    const int32_t* weights = q + ((size_t)block64 * steps + t) * 256 + lane * 4;
+    copy_async(to + lane * 16, weights);
+    copy_async(to + 512 + lane * 16, weights + 128);
+    if (lane < 16)  // the block's 64 (scale, zero) words of the step's group
+      copy_async_cached(to + WEIGHTS + lane * 16,
+                        sz + (size_t)(t * 32 / group) * (N / 64) * 64 + block64 * 64 + lane * 4);
+    for (int chunk = lane; chunk < M * 4; chunk += 32)
+      copy_async_cached(to + WEIGHTS + GROUPS + chunk * 16,
+                        x + (size_t)(chunk / 4) * K + t * 32 + (chunk % 4) * 8);
+  };
+
+  float acc[M_TILES][TILES_N][4];
+#pragma unroll
+  for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+    for (int t = 0; t < TILES_N; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[i][t][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < count) copy_step(s, s);
+    commit_copies();
+  }
+  for (int s = 0; s < count; s++) {
+    wait_copies<STAGES - 2>();  // step s's group is in
+    __syncwarp();               // ... for every lane, and step s - 1's buffer is read
+    if (s + STAGES - 1 < count) copy_step(s + STAGES - 1, (s + STAGES - 1) % STAGES);
+    commit_copies();
+    const char* stage = ring + (s % STAGES) * STAGE;
+    const uint4 w0 = load_from_shared(stage + lane * 16);
+    const uint4 w1 = load_from_shared(stage + 512 + lane * 16);
+    const uint4 g0 = load_from_shared(stage + WEIGHTS + gid * 32);
+    const uint4 g1 = load_from_shared(stage + WEIGHTS + gid * 32 + 16);
+    const uint32_t w[2][JW] = {{w0.x, w0.y, w0.z, w0.w}, {w1.x, w1.y, w1.z, w1.w}};
+    const uint32_t g[2 * JW] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    uint4 rows[M_TILES][2];
+#pragma unroll
+    for (int i = 0; i < M_TILES; i++)
+#pragma unroll
+      for (int half = 0; half < 2; half++)
+        rows[i][half] = load_from_shared(stage + WEIGHTS + GROUPS + (16 * i + 8 * half + gid) * 64 + tig * 16);
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int j = 0; j < JW; j++) {
+        uint32_t b[4];
+        dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
+#pragma unroll
+        for (int i = 0; i < M_TILES; i++) {
+          const uint4& r0 = rows[i][0];
+          const uint4& r1 = rows[i][1];
+          const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
+                                 h ? r1.w : r1.y};
+          mma(acc[i][2 * j], a, b[0], b[1]);
+          mma(acc[i][2 * j + 1], a, b[2], b[3]);
+        }
+      }
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is out of its ring before `finish` writes over the rings
+  finish<M_TILES, JW, WN, WK>(acc, partial_memory(), out, workspace, counters, M, N, first_n,
+                              splits);
+}
+
 template <int M_TILES, int JW, int WN, int WK, int DEPTH, int ROWS_DEPTH>
 cudaError_t launch(const void* x, const int32_t* q, const int32_t* sz, void* out,
                    float* workspace, int* counters, int M, int N, int K, int group, int splits,
@@ -293,6 +455,28 @@ cudaError_t launch(const void* x, const int32_t* q, const int32_t* sz, void* out
     raised = true;
   }
   dim3 grid(N / (16 * JW * WN), splits);
+  kernel<<<grid, WN * WK * 32, shared, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), q, sz, static_cast<__nv_bfloat16*>(out), workspace,
+      counters, M, N, K, group, splits);
+  return cudaGetLastError();
+}
+
+template <int M_TILES, int WN, int WK, int STAGES>
+cudaError_t launch_async(const void* x, const int32_t* q, const int32_t* sz, void* out,
+                         float* workspace, int* counters, int M, int N, int K, int group,
+                         int splits, cudaStream_t stream) {
+  constexpr int ACC = M_TILES * 8 * 4;
+  constexpr int RINGS = WN * WK * STAGES * (1024 + 256 + 16 * M_TILES * 64);
+  constexpr int PARTIAL = (WK - 1) * WN * ACC * 32 * (int)sizeof(float);
+  constexpr int shared = RINGS > PARTIAL ? RINGS : PARTIAL;
+  auto kernel = int4_mma_async_kernel<M_TILES, WN, WK, STAGES>;
+  static bool raised = false;
+  if (!raised) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+    if (e != cudaSuccess) return e;
+    raised = true;
+  }
+  dim3 grid(N / (64 * WN), splits);
   kernel<<<grid, WN * WK * 32, shared, stream>>>(
       static_cast<const __nv_bfloat16*>(x), q, sz, static_cast<__nv_bfloat16*>(out), workspace,
       counters, M, N, K, group, splits);
@@ -319,6 +503,12 @@ static int launch_config(int config, const void* x, const int32_t* q, const int3
       return launch<1, 4, 4, 2, 4, 2>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
     case 4:  // rows 1-16 as 0, the activations of 4 steps in flight (not 2)
       return launch<1, 4, 2, 4, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 5:  // rows 1-16, loads through cp.async rings of 6 steps a warp (int4_mma_async_kernel)
+      return launch_async<1, 2, 4, 6>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 6:  // rows 17-32, rings of 4
+      return launch_async<2, 2, 4, 4>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
+    case 7:  // rows 33-64, rings of 3
+      return launch_async<4, 2, 4, 3>(x, q, sz, out, workspace, counters, M, N, K, group, splits, stream);
     default:
       return cudaErrorInvalidValue;
   }
