@@ -109,6 +109,32 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One k32 step: a lane's words w (two k16 halves, JW words each) with their (scale, zero)
+// words g, times rows (an m16 tile's rows gid and gid + 8, 8 columns each: the halves' A
+// fragments), added into acc.
+template <int M_TILES, int JW>
+__device__ __forceinline__ void multiply_step(float (&acc)[M_TILES][2 * JW][4],
+                                              const uint32_t (&w)[2][JW],
+                                              const uint32_t (&g)[2 * JW],
+                                              const uint4 (&rows)[M_TILES][2]) {
+#pragma unroll
+  for (int h = 0; h < 2; h++)
+#pragma unroll
+    for (int j = 0; j < JW; j++) {
+      uint32_t b[4];
+      dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
+#pragma unroll
+      for (int i = 0; i < M_TILES; i++) {
+        const uint4& r0 = rows[i][0];
+        const uint4& r1 = rows[i][1];
+        const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
+                               h ? r1.w : r1.y};
+        mma(acc[i][2 * j], a, b[0], b[1]);
+        mma(acc[i][2 * j + 1], a, b[2], b[3]);
+      }
+    }
+}
+
 // cp.async: 16 bytes global -> shared without registers, in groups a thread commits and waits
 // for (`cg`: through L2 only, for the weights read once; `ca`: through L1, for what several
 // warps read)
@@ -177,26 +203,7 @@ __device__ __forceinline__ void finish(float (&acc)[M_TILES][2 * JW][4], float* 
   }
 
   // C fragment: c0, c1 = row gid, columns 2 tig, 2 tig + 1; c2, c3 = row gid + 8
-  if (splits == 1) {
-    if (wk == 0) {
-#pragma unroll
-      for (int i = 0; i < M_TILES; i++)
-#pragma unroll
-        for (int t = 0; t < TILES_N; t++)
-#pragma unroll
-          for (int half = 0; half < 2; half++) {
-            const int row = 16 * i + 8 * half + gid, col = first_n + 8 * t + 2 * tig;
-            if (row < M)
-              *reinterpret_cast<__nv_bfloat162*>(out + (size_t)row * N + col) =
-                  __floats2bfloat162_rn(acc[i][t][2 * half], acc[i][t][2 * half + 1]);
-          }
-    }
-    return;
-  }
-  // split blocks: each writes its sums to its own slice of the workspace [splits, M, N]; the
-  // last to finish adds the slices in order (the same sums whatever the finishing order)
-  if (wk == 0) {
-    float* slice = workspace + (size_t)blockIdx.y * M * N;
+  auto each_pair = [&](auto store) {  // store(row, column, the pair's two sums), rows < M
 #pragma unroll
     for (int i = 0; i < M_TILES; i++)
 #pragma unroll
@@ -204,11 +211,24 @@ __device__ __forceinline__ void finish(float (&acc)[M_TILES][2 * JW][4], float* 
 #pragma unroll
         for (int half = 0; half < 2; half++) {
           const int row = 16 * i + 8 * half + gid, col = first_n + 8 * t + 2 * tig;
-          if (row < M)
-            *reinterpret_cast<float2*>(slice + (size_t)row * N + col) =
-                make_float2(acc[i][t][2 * half], acc[i][t][2 * half + 1]);
+          if (row < M) store(row, col, acc[i][t][2 * half], acc[i][t][2 * half + 1]);
         }
+  };
+  if (splits == 1) {
+    if (wk == 0)
+      each_pair([&](int row, int col, float s0, float s1) {
+        *reinterpret_cast<__nv_bfloat162*>(out + (size_t)row * N + col) =
+            __floats2bfloat162_rn(s0, s1);
+      });
+    return;
   }
+  // split blocks: each writes its sums to its own slice of the workspace [splits, M, N]; the
+  // last to finish adds the slices in order (the same sums whatever the finishing order)
+  float* slice = workspace + (size_t)blockIdx.y * M * N;
+  if (wk == 0)
+    each_pair([&](int row, int col, float s0, float s1) {
+      *reinterpret_cast<float2*>(slice + (size_t)row * N + col) = make_float2(s0, s1);
+    });
   __threadfence();
   __shared__ int last;
   __syncthreads();
@@ -262,13 +282,7 @@ __global__ void __launch_bounds__(WN * WK * 32)
   const int32_t* sz_warp = sz + (size_t)block64 * 64 + gid * 8 + j0 * 2;
   const int sz_group_stride = (N / 64) * 64;
 
-  float acc[M_TILES][TILES_N][4];
-#pragma unroll
-  for (int i = 0; i < M_TILES; i++)
-#pragma unroll
-    for (int t = 0; t < TILES_N; t++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) acc[i][t][e] = 0.f;
+  float acc[M_TILES][TILES_N][4] = {};
 
   uint32_t wq[DEPTH][2][JW];      // weights of the steps in flight (two k16 halves)
   uint32_t gq[DEPTH][JW * 2];     // their (scale, zero) words
@@ -316,23 +330,7 @@ __global__ void __launch_bounds__(WN * WK * 32)
       // ROWS_DEPTH divides DEPTH, so stage % ROWS_DEPTH is s % ROWS_DEPTH
       constexpr int ahead = ROWS_DEPTH - 1;
       if (s + ahead < count) load_rows(s + ahead, (stage + ahead) % ROWS_DEPTH);
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int j = 0; j < JW; j++) {
-          uint32_t b[4];
-          dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
-#pragma unroll
-          for (int i = 0; i < M_TILES; i++) {
-            const uint4& r0 = xa[stage % ROWS_DEPTH][i][0];
-            const uint4& r1 = xa[stage % ROWS_DEPTH][i][1];
-            const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
-                                   h ? r1.w : r1.y};
-            mma(acc[i][2 * j], a, b[0], b[1]);
-            mma(acc[i][2 * j + 1], a, b[2], b[3]);
-          }
-        }
-      }
+      multiply_step<M_TILES, JW>(acc, w, g, xa[stage % ROWS_DEPTH]);
     }
   }
 
@@ -387,13 +385,7 @@ __global__ void __launch_bounds__(WN * WK * 32, M_TILES == 1 ? 2 : 1)
                         x + (size_t)(chunk / 4) * K + t * 32 + (chunk % 4) * 8);
   };
 
-  float acc[M_TILES][TILES_N][4];
-#pragma unroll
-  for (int i = 0; i < M_TILES; i++)
-#pragma unroll
-    for (int t = 0; t < TILES_N; t++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) acc[i][t][e] = 0.f;
+  float acc[M_TILES][TILES_N][4] = {};
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
@@ -418,22 +410,7 @@ __global__ void __launch_bounds__(WN * WK * 32, M_TILES == 1 ? 2 : 1)
 #pragma unroll
       for (int half = 0; half < 2; half++)
         rows[i][half] = load_from_shared(stage + WEIGHTS + GROUPS + (16 * i + 8 * half + gid) * 64 + tig * 16);
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-      for (int j = 0; j < JW; j++) {
-        uint32_t b[4];
-        dequantize(w[h][j], g[2 * j], g[2 * j + 1], b);
-#pragma unroll
-        for (int i = 0; i < M_TILES; i++) {
-          const uint4& r0 = rows[i][0];
-          const uint4& r1 = rows[i][1];
-          const uint32_t a[4] = {h ? r0.z : r0.x, h ? r1.z : r1.x, h ? r0.w : r0.y,
-                                 h ? r1.w : r1.y};
-          mma(acc[i][2 * j], a, b[0], b[1]);
-          mma(acc[i][2 * j + 1], a, b[2], b[3]);
-        }
-      }
+    multiply_step<M_TILES, JW>(acc, w, g, rows);
   }
   wait_copies<0>();
   __syncthreads();  // every warp is out of its ring before `finish` writes over the rings
