@@ -17,15 +17,12 @@ done); without it the engine keeps `quantized_gemm` and says why once. `pack` an
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from functools import cache
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "cuda"
 MAX_ROWS = 64

@@ -287,13 +287,15 @@ def use_int4_mma(model: nn.Module) -> int:
     product takes a copy in its layout (`int4_mma.pack`), read at 2-64 rows; the layer keeps
     its GEMV layout for one row. Returns how many; 0 while `INT4_MMA` is off, or where
     `int4_mma.available()` says why not (logged once)."""
+    if not INT4_MMA:
+        return 0  # (before walking the model: the engine calls this at every start)
     layers = [
         m for m in model.modules()
         if type(m) is QuantizedLinear and m.bits == 4 and m.q.is_cuda
         and m.scale.dtype == torch.bfloat16
         and int4_mma.supported(1, m.q.shape[0], 2 * m.q.shape[1], 2 * m.q.shape[1] // m.scale.shape[1])
     ]  # fmt: skip
-    if not layers or not INT4_MMA:
+    if not layers:
         return 0
     reason = int4_mma.available(layers[0].q.device.index or 0)
     if reason is not None:
